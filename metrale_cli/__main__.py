@@ -1,0 +1,3 @@
+from metrale_cli.cli import main
+
+main()

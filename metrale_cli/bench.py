@@ -1,0 +1,195 @@
+"""The bench command's library: ppN / tgN timings, achieved bandwidth, roofline, HF comparison.
+
+Decode steps are timed as ``generate`` runs them (one host round-trip per step for the sampled
+token), with CUDA events on a GPU. The roofline of a decode step is the bytes it must read:
+every weight once plus each sequence's cached K/V, over the peak bandwidth (measured as a
+device-to-device copy unless given).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from metrale_cli.bench_presets import PRESETS, random_weights
+from metrale_cli.config import model_config_from_hf
+from metrale_cli.engine.runner import (RunnerOptions, build_runner, check_kv_support, parse_dtype,
+                                       resolve_backend)
+from metrale_cli.engine.sequence import Sequence
+from metrale_cli.errors import MetraleError
+from metrale_cli.kv.dtypes import AUTO, parse_kv_cache_dtype, resolve_auto
+from metrale_cli.output import Output
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    model: str | None = None
+    preset: str | None = None
+    n_prompt: int = 512
+    n_gen: int = 128
+    batch: int = 1
+    repetitions: int = 3
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    backend: str = "auto"
+    dtype: str = "bf16"
+    peak_bandwidth_gbs: float | None = None
+    compare_hf: bool = False
+    gpu_memory_utilization: float = 0.9
+
+
+class Timer:
+    """Wall time of a region: CUDA events on a GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+
+def measure_copy_bandwidth(device: torch.device) -> float | None:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written), or None on the CPU."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(2 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    with Timer(device) as t:
+        for _ in range(10):
+            dst.copy_(src)
+    return 2 * src.numel() * 10 / t.seconds / 1e9
+
+
+def _time_run(runner, opts: BenchOptions, seed: int) -> tuple[float, float]:
+    """One repetition: (prefill seconds of one n_prompt sequence, mean decode step seconds)."""
+    engine, cache, device = runner.engine, runner.model.kv_cache, runner.model.device
+    gen = torch.Generator().manual_seed(seed)
+    vocab = runner.config.vocab_size
+    seqs = [Sequence(i, torch.randint(0, vocab, (opts.n_prompt,), generator=gen).tolist(), opts.n_gen + 1)
+            for i in range(opts.batch)]
+    prefill_s = []
+    for s in seqs:
+        with Timer(device) as t:
+            logits = engine.prefill(s)
+        prefill_s.append(t.seconds)
+        s.output_ids.append(int(logits.argmax(-1)[0]))
+    with Timer(device) as t:
+        for _ in range(opts.n_gen):
+            tokens = engine.decode(seqs).argmax(-1).tolist()
+            for s, tok in zip(seqs, tokens):
+                s.output_ids.append(tok)
+    for s in seqs:
+        cache.release(s.block_table)
+    return statistics.median(prefill_s), t.seconds / opts.n_gen
+
+
+def _step_bytes(runner, opts: BenchOptions) -> float:
+    """Bytes one decode step reads at the middle of the tg run: weights + every sequence's KV."""
+    ctx = opts.n_prompt + opts.n_gen // 2
+    layout = runner.model.kv_cache.layout
+    return runner.model.weight_bytes() + opts.batch * ctx * layout.bytes_per_token()
+
+
+def _row(name: str, test: str, samples: list[float], tokens: int, step_bytes: float | None,
+         peak: float | None) -> dict:
+    tps = [tokens / s for s in samples]
+    row = {"engine": name, "test": test, "tokens_per_s": statistics.mean(tps),
+           "std": statistics.stdev(tps) if len(tps) > 1 else 0.0}
+    if step_bytes is not None:
+        gbs = step_bytes / statistics.median(samples) / 1e9 * (tokens if test.startswith("pp") else 1)
+        row["achieved_gbs"] = gbs
+        if peak:
+            row["roofline_pct"] = 100 * gbs / peak
+    return row
+
+
+def bench_metrale(runner, opts: BenchOptions, peak: float | None) -> list[dict]:
+    _time_run(runner, BenchOptions(n_prompt=min(opts.n_prompt, 32), n_gen=2, batch=1), seed=0)  # warm-up
+    runs = [_time_run(runner, opts, seed=r + 1) for r in range(opts.repetitions)]
+    name = f"metrale {runner.backend} kv={runner.kv_dtype.value}"
+    step_bytes = _step_bytes(runner, opts)
+    return [
+        _row(name, f"pp{opts.n_prompt}", [r[0] for r in runs], opts.n_prompt, None, peak),
+        _row(name, f"tg{opts.n_gen} b{opts.batch} @{opts.n_prompt}", [r[1] for r in runs], opts.batch,
+             step_bytes, peak),
+    ]
+
+
+def load_bench_model(opts: BenchOptions, device: torch.device):
+    """(raw HF config, tensors on device, tokenizer or None, source) from a preset or a checkpoint."""
+    dtype = parse_dtype(opts.dtype)
+    if opts.preset:
+        if opts.preset not in PRESETS:
+            raise MetraleError(f"unknown --preset '{opts.preset}'", hint="presets: " + ", ".join(PRESETS))
+        raw = PRESETS[opts.preset]
+        return raw, random_weights(raw, device, dtype), None, f"{opts.preset} (random weights)"
+    from metrale_cli.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(opts.model, device, dtype)
+    return ckpt.config, dict(ckpt.tensors), ckpt.tokenizer, ckpt.source
+
+
+def run_bench(opts: BenchOptions, out: Output | None = None) -> dict:
+    if min(opts.n_prompt, opts.n_gen, opts.batch, opts.repetitions) < 1:
+        raise MetraleError("-p, -n, --batch and --repetitions must all be at least 1")
+    backend, device = resolve_backend(opts.backend)
+    raw, tensors, tokenizer, source = load_bench_model(opts, device)
+    peak = opts.peak_bandwidth_gbs or measure_copy_bandwidth(device)
+    rows = []
+    for name in opts.kv_cache_dtypes:
+        requested = parse_kv_cache_dtype(name)
+        kv_dtype = resolve_auto(raw.get("kv_cache_dtype")) if requested == AUTO else requested
+        check_kv_support(kv_dtype, model_config_from_hf(raw).head_dim, backend)
+        ropts = RunnerOptions(backend=backend, dtype=opts.dtype, max_num_seqs=opts.batch,
+                              max_seq_len=opts.n_prompt + opts.n_gen + 1, reserve_all_memory=False,
+                              prefill_chunk=max(opts.n_prompt, 1), fp8_kv_calibration_tokens=256)
+        runner = build_runner(raw, dict(tensors), tokenizer, ropts, backend, kv_dtype, source)
+        if out:
+            out.info(f"timing {source} · {backend} · kv {kv_dtype.value} · {runner.messages[0]}")
+        rows += bench_metrale(runner, opts, peak)
+        del runner
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if opts.compare_hf:
+        from metrale_cli.bench_hf import bench_hf
+
+        rows += bench_hf(raw, tensors, opts, device, peak)
+    return {"model": source, "device": _device_name(device), "peak_bandwidth_gbs": peak,
+            "weight_bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "rows": rows}
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def run_bench_cmd(out: Output, opts: BenchOptions) -> dict:
+    result = run_bench(opts, out)
+    if out.json_mode:
+        out.json(result)
+        return result
+    peak = result["peak_bandwidth_gbs"]
+    rows = [[r["engine"], r["test"], f"{r['tokens_per_s']:.1f} ± {r['std']:.1f}",
+             f"{r['achieved_gbs']:.0f}" if "achieved_gbs" in r else "",
+             f"{r['roofline_pct']:.1f}%" if "roofline_pct" in r else ""] for r in result["rows"]]
+    caption = f"{result['device']}; weights {result['weight_bytes'] / 1e9:.2f} GB" + (
+        f"; roofline bandwidth {peak:.0f} GB/s" if peak else "")
+    out.table(f"metrale bench: {result['model']}", ["engine", "test", "t/s", "GB/s", "% roofline"], rows,
+              caption)
+    return result

@@ -1,0 +1,64 @@
+"""HF transformers on the same weights, timed the same way (eager, dynamic cache, greedy)."""
+
+from __future__ import annotations
+
+import torch
+
+from metrale_cli.errors import MetraleError
+
+
+def hf_model(raw: dict, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise MetraleError("--compare-hf needs the transformers package",
+                           hint="pip install transformers") from None
+    cfg = AutoConfig.for_model(**raw)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise MetraleError(f"HF model does not take these weights: missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}")
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+@torch.inference_mode()
+def _time_hf(model, opts, device, seed: int) -> tuple[float, float]:
+    from metrale_cli.bench import Timer
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (opts.batch, opts.n_prompt), generator=gen).to(device)
+    with Timer(device) as t_pp:
+        out = model(ids[:1], use_cache=True)
+    out = model(ids, use_cache=True)
+    cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    with Timer(device) as t_tg:
+        for _ in range(opts.n_gen):
+            out = model(token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            token.tolist()
+    return t_pp.seconds, t_tg.seconds / opts.n_gen
+
+
+def bench_hf(raw: dict, tensors: dict[str, torch.Tensor], opts, device: torch.device,
+             peak: float | None) -> list[dict]:
+    from metrale_cli.bench import BenchOptions, _row
+
+    dtype = next(iter(tensors.values())).dtype
+    model = hf_model(raw, tensors, device, dtype)
+    _time_hf(model, BenchOptions(n_prompt=16, n_gen=2, batch=1), device, seed=0)
+    runs = [_time_hf(model, opts, device, seed=r + 1) for r in range(opts.repetitions)]
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    kv_bytes = 2 * raw["num_hidden_layers"] * raw["num_key_value_heads"] * raw.get(
+        "head_dim", raw["hidden_size"] // raw["num_attention_heads"]) * 2
+    step_bytes = weight_bytes + opts.batch * (opts.n_prompt + opts.n_gen // 2) * kv_bytes
+    name = "HF transformers (eager)"
+    return [
+        _row(name, f"pp{opts.n_prompt}", [r[0] for r in runs], opts.n_prompt, None, peak),
+        _row(name, f"tg{opts.n_gen} b{opts.batch} @{opts.n_prompt}", [r[1] for r in runs], opts.batch,
+             step_bytes, peak),
+    ]

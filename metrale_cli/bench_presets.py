@@ -1,0 +1,55 @@
+"""Random-weight models at real models' shapes, so GPU timing needs no download."""
+
+from __future__ import annotations
+
+import torch
+
+from metrale_cli.config import model_config_from_hf
+from metrale_cli.models.dense import expected_tensors
+
+
+def _qwen3(hidden, inter, layers, heads, kv, tie) -> dict:
+    return {"model_type": "qwen3", "hidden_size": hidden, "intermediate_size": inter,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+            "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+            "max_position_embeddings": 40960, "tie_word_embeddings": tie, "hidden_act": "silu",
+            "eos_token_id": 151645}
+
+
+PRESETS: dict[str, dict] = {
+    "smollm2": {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+                "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                "vocab_size": 49152, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+                "max_position_embeddings": 8192, "tie_word_embeddings": True, "hidden_act": "silu",
+                "eos_token_id": 2},
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8, True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8, True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, False),
+    "qwen3-14b": _qwen3(5120, 17408, 40, 40, 8, False),
+    "llama3.1-8b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                    "vocab_size": 128256, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                    "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu"},
+    "qwen2.5-7b": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+                   "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                   "vocab_size": 152064, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+                   "max_position_embeddings": 32768, "tie_word_embeddings": False, "hidden_act": "silu"},
+}
+
+
+def random_weights(raw: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF-named tensors: N(0, 0.02) matrices, ones for norm weights, zeros for biases."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, shape in expected_tensors(model_config_from_hf(raw)).items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=dtype, device=device)
+        elif name.endswith(".bias"):
+            tensors[name] = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            tensors[name] = t.normal_(0.0, 0.02, generator=gen)
+    return tensors

@@ -1,0 +1,175 @@
+"""The thin typer app: parse, call the library, render through output.py."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from metrale_cli.environment import levers_help
+from metrale_cli.errors import MetraleError
+from metrale_cli.kv.dtypes import parse_kv_cache_dtype, valid_names
+from metrale_cli.output import Output
+
+app = typer.Typer(
+    name="metrale",
+    help="Run large language models on NVIDIA GPUs (and their torch reference on the CPU).\n\n"
+    + levers_help(),
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    add_completion=False,
+)
+
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m", help="HF folder, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")]
+BackendOpt = Annotated[str, typer.Option(help="auto | cuda | torch (auto = cuda when a GPU is present)")]
+KvOpt = Annotated[str, typer.Option(
+    "--kv-cache-dtype", help="KV-cache dtype: " + ", ".join(valid_names()),
+    callback=lambda v: (parse_kv_cache_dtype(v), v)[1] if v is not None else v)]
+DtypeOpt = Annotated[str, typer.Option(help="weights/activations dtype: bf16 | fp16 | fp32")]
+MaxSeqOpt = Annotated[Optional[int], typer.Option(help="context length of the KV pool (default: model's, at most 8192)")]
+GpuMemOpt = Annotated[float, typer.Option(help="fraction of GPU memory for weights + KV pool")]
+CalibOpt = Annotated[int, typer.Option(
+    "--fp8-kv-calibration-tokens", help="fp8 KV: calibrate scales over the first N tokens (0 = off) "
+    "when the checkpoint has none")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
+
+
+def _run(out: Output, debug: bool, fn, *args, **kwargs):
+    """Run a library call; MetraleError becomes one clear line and exit code 1."""
+    logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(message)s")
+    try:
+        return fn(*args, **kwargs)
+    except MetraleError as e:
+        if debug:
+            raise
+        out.error(e.message, e.hint)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        out.error("interrupted")
+        raise typer.Exit(130) from None
+
+
+@app.command()
+def generate(
+    prompt: Annotated[Optional[list[str]], typer.Argument(
+        help="prompt(s); several are decoded as one batch; none or '-' reads stdin")] = None,
+    model: ModelOpt = None,
+    backend: BackendOpt = "auto",
+    kv_cache_dtype: KvOpt = "auto",
+    dtype: DtypeOpt = "bf16",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
+    top_p: float = 1.0,
+    seed: Optional[int] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
+    system: Annotated[Optional[str], typer.Option(help="system message for the chat template")] = None,
+    no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="send the raw prompt")] = False,
+    ignore_eos: bool = False,
+    max_seq_len: MaxSeqOpt = None,
+    gpu_memory_utilization: GpuMemOpt = 0.9,
+    fp8_kv_calibration_tokens: CalibOpt = 256,
+    prefill_chunk: Annotated[int, typer.Option(help="tokens per prefill chunk")] = 512,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="print KV and load details")] = False,
+    json_out: JsonOpt = False,
+    debug: DebugOpt = False,
+):
+    """Generate text, streamed.
+
+    Examples:
+      metrale generate "What is the capital of France?"
+      metrale generate -m Qwen/Qwen3-0.6B --kv-cache-dtype fp8 -n 64 "Explain paged attention."
+      echo "Hello" | metrale generate --no-chat-template -t 0.7 --seed 1
+    """
+    from metrale_cli.engine.runner import RunnerOptions
+    from metrale_cli.engine.sampler import SamplingParams
+    from metrale_cli.commands.generate import run_generate
+
+    out = Output(json_mode=json_out)
+    prompts = list(prompt or [])
+    if not prompts or prompts == ["-"]:
+        if sys.stdin is None or sys.stdin.isatty():
+            out.error("no prompt given", "pass a prompt argument or pipe one on stdin")
+            raise typer.Exit(1)
+        prompts = [sys.stdin.read()]
+    opts = RunnerOptions(model=model, backend=backend, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
+                         max_seq_len=max_seq_len, max_num_seqs=len(prompts),
+                         gpu_memory_utilization=gpu_memory_utilization,
+                         fp8_kv_calibration_tokens=fp8_kv_calibration_tokens, prefill_chunk=prefill_chunk)
+    _run(out, debug, lambda: run_generate(
+        out, opts, prompts,
+        SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                       seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos),
+        chat=not no_chat_template, system=system, verbose=verbose))
+
+
+@app.command("validate-kernels")
+def validate_kernels(
+    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="one of: " + ", ".join(valid_names()))],
+    head_dim: Annotated[int, typer.Option(help="attention head_dim the kernels must serve")] = 128,
+    json_out: JsonOpt = False,
+    debug: DebugOpt = False,
+):
+    """Check that every kernel a KV-cache dtype needs is present and compiles (and, on a GPU, is right).
+
+    Without a GPU each kernel is compiled to an sm_90 cubin and its exported symbol checked; on a
+    GPU each is loaded through CuPy and compared with its torch reference on small odd shapes.
+    Exits 1 with the whole list of what is missing.
+
+    Examples:
+      metrale validate-kernels --kv-cache-dtype fp8
+      metrale validate-kernels --kv-cache-dtype turbo3 --head-dim 256 --json
+    """
+    from metrale_cli.commands.validate import run_validate
+
+    out = Output(json_mode=json_out)
+    _run(out, debug, run_validate, out, kv_cache_dtype, head_dim)
+
+
+@app.command()
+def bench(
+    model: ModelOpt = None,
+    preset: Annotated[Optional[str], typer.Option(help="random weights at a real model's shapes "
+                                                   "(qwen3-0.6b, qwen3-8b, smollm2, ...)")] = None,
+    n_prompt: Annotated[int, typer.Option("--n-prompt", "-p", help="prompt tokens (pp test)")] = 512,
+    n_gen: Annotated[int, typer.Option("--n-gen", "-n", help="generated tokens (tg test)")] = 128,
+    batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
+    repetitions: Annotated[int, typer.Option("--repetitions", "-r")] = 3,
+    kv_cache_dtype: Annotated[Optional[list[str]], typer.Option(
+        "--kv-cache-dtype", help="repeatable: one row set per dtype")] = None,
+    backend: BackendOpt = "auto",
+    dtype: DtypeOpt = "bf16",
+    peak_bandwidth: Annotated[Optional[float], typer.Option(
+        help="roofline bandwidth in GB/s (default: measured device-to-device copy)")] = None,
+    compare_hf: Annotated[bool, typer.Option("--compare-hf", help="also time HF transformers on the same weights")] = False,
+    gpu_memory_utilization: GpuMemOpt = 0.9,
+    json_out: JsonOpt = False,
+    debug: DebugOpt = False,
+):
+    """Time prefill (ppN) and decode (tgN): tokens/s, achieved GB/s and % of the bandwidth roofline.
+
+    Examples:
+      metrale bench --preset qwen3-8b --compare-hf
+      metrale bench --preset qwen3-0.6b -p 512 -n 128 --batch 16 --kv-cache-dtype bf16 --kv-cache-dtype fp8
+      metrale bench -m ./my-model --json
+    """
+    from metrale_cli.bench import BenchOptions, run_bench_cmd
+
+    out = Output(json_mode=json_out)
+    opts = BenchOptions(model=model, preset=preset, n_prompt=n_prompt, n_gen=n_gen, batch=batch,
+                        repetitions=repetitions, kv_cache_dtypes=tuple(kv_cache_dtype or ("auto",)),
+                        backend=backend, dtype=dtype, peak_bandwidth_gbs=peak_bandwidth,
+                        compare_hf=compare_hf, gpu_memory_utilization=gpu_memory_utilization)
+    _run(out, debug, run_bench_cmd, out, opts)
+
+
+def main() -> None:
+    try:
+        app()
+    except MetraleError as e:  # raised while typer parses (option callbacks)
+        Output().error(e.message, e.hint)
+        sys.exit(1)

@@ -1,0 +1,177 @@
+"""The generation loop: chunked prefill per sequence, then batched decode of every running one.
+
+Sequences are admitted while the pool can reserve their whole budget
+(prompt + max_new_tokens, capped by max_seq_len), so a running sequence never meets an
+exhausted pool; the rest wait for blocks to be released. A sequence that could never fit is an
+error up front.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from metrale_cli.engine.sampler import Sampler, SamplingParams
+from metrale_cli.engine.sequence import Sequence, StopText
+from metrale_cli.errors import MetraleError
+from metrale_cli.kernels.ops import BLOCK_SIZE
+from metrale_cli.kv.paged import blocks_for
+from metrale_cli.layers.context import ForwardContext
+from metrale_cli.models.model import CausalLM
+
+TextCallback = Callable[[int, str], None]
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+class Engine:
+    def __init__(self, model: CausalLM, max_seq_len: int, prefill_chunk: int = 512):
+        self.model = model
+        self.max_seq_len = max_seq_len
+        self.prefill_chunk = prefill_chunk
+        self.device = model.device
+
+    # --- model steps ----------------------------------------------------------------------
+    def _int32(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+    def _slots(self, block_table: list[int], positions: range, write_from: int) -> list[int]:
+        return [block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE if p >= write_from else -1
+                for p in positions]
+
+    def prefill(self, seq: Sequence, kv_write_start: int = 0) -> torch.Tensor:
+        """Run every token of the sequence not yet in the cache; returns last-token logits (1, V)."""
+        ids = seq.prompt_ids + seq.output_ids
+        self.model.kv_cache.ensure_capacity(seq.block_table, len(ids))
+        table = self._int32(seq.block_table)
+        logits = None
+        for start in range(0, len(ids), self.prefill_chunk):
+            chunk = ids[start : start + self.prefill_chunk]
+            positions = range(start, start + len(chunk))
+            ctx = ForwardContext(
+                kind="prefill", positions=self._int32(list(positions)),
+                slot_mapping=self._int32(self._slots(seq.block_table, positions, kv_write_start)),
+                start_pos=start, block_table=table,
+            )
+            tokens = torch.tensor(chunk, dtype=torch.long, device=self.device)
+            logits = self.model.forward(tokens, ctx, torch.tensor([len(chunk) - 1], device=self.device))
+        return logits
+
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One step for every sequence: feeds each one's last token; returns (B, V) logits."""
+        for s in seqs:
+            self.model.kv_cache.ensure_capacity(s.block_table, s.length)
+        width = max(len(s.block_table) for s in seqs)
+        positions = [s.length - 1 for s in seqs]
+        ctx = ForwardContext(
+            kind="decode", positions=self._int32(positions),
+            slot_mapping=self._int32([self._slots(s.block_table, range(p, p + 1), 0)[0]
+                                      for s, p in zip(seqs, positions)]),
+            block_tables=self._int32([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
+            seq_lens=self._int32([s.length for s in seqs]),
+        )
+        tokens = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
+        return self.model.forward(tokens, ctx, torch.arange(len(seqs), device=self.device))
+
+    # --- the loop -------------------------------------------------------------------------
+    def _budget(self, seq: Sequence) -> int:
+        return blocks_for(min(len(seq.prompt_ids) + seq.max_new_tokens, self.max_seq_len))
+
+    def _check_fits(self, seqs: list[Sequence]) -> None:
+        pool = self.model.kv_cache.num_blocks
+        for s in seqs:
+            if len(s.prompt_ids) >= self.max_seq_len:
+                raise MetraleError(
+                    f"prompt {s.index + 1} has {len(s.prompt_ids)} tokens; the context is "
+                    f"{self.max_seq_len} tokens (--max-seq-len)",
+                    hint="shorten the prompt or raise --max-seq-len",
+                )
+            if self._budget(s) > pool:
+                raise MetraleError(
+                    f"KV cache pool exhausted: prompt {s.index + 1} needs {self._budget(s)} blocks "
+                    f"of {BLOCK_SIZE} tokens, the pool has {pool}",
+                    hint="raise --gpu-memory-utilization or lower --max-seq-len / --max-new-tokens",
+                )
+
+    def _accept(self, seq: Sequence, token: int, params: SamplingParams, eos: set[int],
+                on_text: TextCallback | None) -> None:
+        seq.output_ids.append(token)
+        if seq.text is not None:
+            delta = seq.text.push(token)
+            if on_text and delta:
+                on_text(seq.index, delta)
+        if token in eos and not params.ignore_eos:
+            seq.finish_reason = "eos"
+        elif seq.text is not None and seq.text.stopped:
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= seq.max_new_tokens:
+            seq.finish_reason = "length"
+        elif seq.length >= self.max_seq_len:
+            seq.finish_reason = "context"
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, eos_ids=(), tokenizer=None,
+                 on_text: TextCallback | None = None) -> tuple[list[Sequence], GenerationStats]:
+        """Generate for every prompt (token ids); text is tracked when a tokenizer is given."""
+        seqs = [Sequence(i, list(p), params.max_new_tokens) for i, p in enumerate(prompts)]
+        if tokenizer is not None:
+            for s in seqs:
+                s.text = StopText(tokenizer.stream_decoder(), params.stop)
+        self._check_fits(seqs)
+        sampler, eos, stats = Sampler(params, self.device), set(eos_ids), GenerationStats()
+        waiting, running = list(seqs), []
+        cache = self.model.kv_cache
+        while waiting or running:
+            while waiting and self._budget(waiting[0]) <= cache.allocator.free_blocks:
+                seq = waiting.pop(0)
+                cache.ensure_capacity(seq.block_table, self._budget(seq) * BLOCK_SIZE)
+                t0 = self._now()
+                logits = self.prefill(seq)
+                self._accept(seq, int(sampler(logits)[0]), params, eos, on_text)
+                stats.prompt_tokens += len(seq.prompt_ids)
+                stats.prompt_seconds += self._now() - t0
+                running.append(seq)
+            running = self._retire(running, on_text)
+            if running:
+                t0 = self._now()
+                tokens = sampler(self.decode(running)).tolist()
+                for seq, token in zip(running, tokens):
+                    self._accept(seq, token, params, eos, on_text)
+                stats.decode_tokens += len(running)
+                stats.decode_seconds += self._now() - t0
+                running = self._retire(running, on_text)
+        return seqs, stats
+
+    def _retire(self, running: list[Sequence], on_text: TextCallback | None) -> list[Sequence]:
+        still = []
+        for seq in running:
+            if not seq.done:
+                still.append(seq)
+                continue
+            if seq.text is not None:
+                tail = seq.text.finish()
+                if on_text and tail:
+                    on_text(seq.index, tail)
+            self.model.kv_cache.release(seq.block_table)
+        return still
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()

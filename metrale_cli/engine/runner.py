@@ -1,0 +1,150 @@
+"""From options to a ready Runner: backend choice, start-up kernel check, weights, KV pool.
+
+The order is the contract: resolve the backend and the KV dtype, check the dtype's kernels
+(before any weight is read), load and check the weights, size the pool, build the layer stack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from metrale_cli.config import ModelConfig, model_config_from_hf
+from metrale_cli.engine.generate import Engine
+from metrale_cli.errors import MetraleError
+from metrale_cli.kernels.ops import Ops
+from metrale_cli.kv.dtypes import AUTO, KvCacheDtype, kv_pair, parse_kv_cache_dtype, resolve_auto
+from metrale_cli.kv.paged import STORAGE_DTYPES, KvLayout, blocks_for
+from metrale_cli.models import build_model
+from metrale_cli.models.model import CausalLM
+
+BACKENDS = ("auto", "cuda", "torch")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    model: str | None = None
+    backend: str = "auto"
+    kv_cache_dtype: str = "auto"
+    dtype: str = "bf16"
+    max_seq_len: int | None = None
+    max_num_seqs: int = 1
+    gpu_memory_utilization: float = 0.9
+    reserve_all_memory: bool = True  # GPU: pool = what the utilization allows; else what the run needs
+    fp8_kv_calibration_tokens: int = 256
+    prefill_chunk: int = 512
+
+
+@dataclass
+class Runner:
+    model: CausalLM
+    engine: Engine
+    tokenizer: object | None
+    backend: str
+    kv_dtype: KvCacheDtype
+    source: str
+    messages: list[str] = field(default_factory=list)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.cfg
+
+
+def resolve_backend(name: str) -> tuple[str, torch.device]:
+    if name not in BACKENDS:
+        raise MetraleError(f"unknown --backend '{name}'", hint="choose one of: " + ", ".join(BACKENDS))
+    has_gpu = torch.cuda.is_available()
+    if name == "cuda" and not has_gpu:
+        raise MetraleError("--backend cuda needs an NVIDIA GPU, and torch sees none",
+                           hint="use --backend torch to run the reference path on the CPU")
+    if name == "auto":
+        name = "cuda" if has_gpu else "torch"
+    return name, torch.device("cuda" if has_gpu else "cpu")
+
+
+def make_ops(backend: str) -> Ops:
+    if backend == "cuda":
+        from metrale_cli.kernels.cuda_ops import CudaOps
+
+        return CudaOps()
+    from metrale_cli.kernels.reference import TorchOps
+
+    return TorchOps()
+
+
+def check_kv_support(kv_dtype: KvCacheDtype, head_dim: int, backend: str) -> None:
+    """The start-up check: every kernel the dtype needs (cuda), storage for it (both backends)."""
+    if backend == "cuda":
+        from metrale_cli.kernels.requirements import validate_required_kv_kernels
+
+        validate_required_kv_kernels(kv_dtype, head_dim)
+    missing = [s.value for s in kv_pair(kv_dtype) if s not in STORAGE_DTYPES]
+    if missing:
+        from metrale_cli.kernels.requirements import validate_required_kv_kernels
+
+        validate_required_kv_kernels(kv_dtype, head_dim)  # names the missing kernels
+        raise MetraleError(f"kv-cache-dtype {kv_dtype.value} has no cache storage in this build "
+                           f"(side types: {', '.join(missing)})")
+
+
+def pool_blocks(layout: KvLayout, opts: RunnerOptions, max_seq_len: int, device: torch.device) -> int:
+    """GPU: what --gpu-memory-utilization leaves after the weights. CPU: what the run needs."""
+    needed = blocks_for(max_seq_len) * max(1, opts.max_num_seqs)
+    if device.type != "cuda" or not opts.reserve_all_memory:
+        return needed
+    free, total = torch.cuda.mem_get_info(device)
+    budget = opts.gpu_memory_utilization * total - (total - free)
+    blocks = int(budget // layout.bytes_per_block())
+    if blocks < blocks_for(max_seq_len):
+        raise MetraleError(
+            f"KV cache pool too small: {max(blocks, 0)} blocks fit, one {max_seq_len}-token "
+            f"sequence needs {blocks_for(max_seq_len)}",
+            hint="raise --gpu-memory-utilization or lower --max-seq-len",
+        )
+    return blocks
+
+
+def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, opts: RunnerOptions,
+                 backend: str, kv_dtype: KvCacheDtype, source: str) -> Runner:
+    """Build from weights already on the device (the checkpoint path and bench presets share it)."""
+    cfg = model_config_from_hf(raw_config)
+    device = next(iter(tensors.values())).device
+    max_seq_len = opts.max_seq_len or min(cfg.max_position_embeddings, 8192)
+    layout = KvLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+    blocks = pool_blocks(layout, opts, max_seq_len, device)
+    model = build_model(cfg, tensors, make_ops(backend), kv_dtype, blocks, max_seq_len,
+                        opts.fp8_kv_calibration_tokens, device)
+    runner = Runner(model, Engine(model, max_seq_len, opts.prefill_chunk), tokenizer, backend,
+                    kv_dtype, source)
+    runner.messages.append(
+        f"KV cache: {kv_dtype.value}, {layout.bytes_per_token()} bytes/token, {blocks} blocks "
+        f"= {blocks * 16} tokens, context {max_seq_len}"
+    )
+    if model.fp8_scales.describe():
+        runner.messages.append(model.fp8_scales.describe())
+    return runner
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise MetraleError(f"unknown --dtype '{name}'", hint="choose one of: " + ", ".join(DTYPES))
+    return DTYPES[name]
+
+
+def load_runner(opts: RunnerOptions, progress: Callable[[int, int], None] | None = None) -> Runner:
+    """Resolve, check kernels, load the checkpoint and build. Errors are MetraleError."""
+    from metrale_cli.checkpoint import load_checkpoint, read_config
+
+    backend, device = resolve_backend(opts.backend)
+    dtype = parse_dtype(opts.dtype)
+    requested = parse_kv_cache_dtype(opts.kv_cache_dtype)
+    raw = read_config(opts.model)
+    cfg = model_config_from_hf(raw)
+    kv_dtype = resolve_auto(raw.get("kv_cache_dtype")) if requested == AUTO else requested
+    check_kv_support(kv_dtype, cfg.head_dim, backend)
+    ckpt = load_checkpoint(opts.model, device, dtype, progress)
+    return build_runner(ckpt.config, dict(ckpt.tensors), ckpt.tokenizer, opts, backend, kv_dtype,
+                        ckpt.source)

@@ -1,0 +1,82 @@
+"""Per-tensor fp8 KV scales: from the checkpoint, else online calibration, else 1.0.
+
+Online calibration observes the first write of each layer (up to N tokens), sets
+scale = amax / 448 and freezes it: every later token is stored with that scale, so no position
+is ever read back with a scale other than the one it was written with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale_cli.kernels.reference import FP8_MAX
+from metrale_cli.kv.dtypes import SideType, kv_pair
+from metrale_cli.kv.paged import PagedKvCache
+
+# Checkpoint tensor names that carry per-layer KV scales (vLLM / compressed-tensors / ModelOpt).
+SCALE_NAMES = {
+    "k": ("self_attn.k_scale", "self_attn.attn.k_scale", "self_attn.kv_scale"),
+    "v": ("self_attn.v_scale", "self_attn.attn.v_scale", "self_attn.kv_scale"),
+}
+
+
+def checkpoint_scales(tensors: dict[str, torch.Tensor], layer: int, side: str) -> torch.Tensor | None:
+    for suffix in SCALE_NAMES[side]:
+        t = tensors.get(f"model.layers.{layer}.{suffix}")
+        if t is not None:
+            return t
+    return None
+
+
+class Fp8ScalePolicy:
+    """Decides and applies the scale source for every fp8 side of a cache; says which, once."""
+
+    def __init__(self, cache: PagedKvCache, tensors: dict[str, torch.Tensor], calibration_tokens: int):
+        self.cache = cache
+        k_side, v_side = kv_pair(cache.layout.dtype)
+        self.fp8_sides = [s for s, t in (("k", k_side), ("v", v_side)) if t == SideType.FP8]
+        self.calibration_tokens = calibration_tokens
+        self.frozen = [False] * cache.layout.num_layers
+        self.source = self._load(tensors) if self.fp8_sides else None
+
+    def _load(self, tensors: dict[str, torch.Tensor]) -> str:
+        found = 0
+        for layer in range(self.cache.layout.num_layers):
+            for side in self.fp8_sides:
+                t = checkpoint_scales(tensors, layer, side)
+                if t is not None:
+                    getattr(self.cache, f"{side}_scale")[layer].copy_(t.float().reshape(-1)[:1])
+                    found += 1
+        if found == self.cache.layout.num_layers * len(self.fp8_sides):
+            self.frozen = [True] * len(self.frozen)
+            return "checkpoint"
+        if found:
+            self.frozen = [True] * len(self.frozen)
+            return "partial-checkpoint"
+        if self.calibration_tokens > 0:
+            return "calibration"
+        self.frozen = [True] * len(self.frozen)
+        return "default"
+
+    def describe(self) -> str | None:
+        if self.source is None:
+            return None
+        return {
+            "checkpoint": "fp8 KV scales: from the checkpoint",
+            "partial-checkpoint": "fp8 KV scales: the checkpoint has them for some layers only; "
+            "the others use 1.0",
+            "calibration": f"fp8 KV scales: online calibration over the first "
+            f"{self.calibration_tokens} tokens (amax/448, then frozen)",
+            "default": "fp8 KV scales: 1.0 (checkpoint has none; calibration off)",
+        }[self.source]
+
+    def observe(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Called before a layer's cache write; calibrates on the first call, then freezes."""
+        if self.frozen[layer]:
+            return
+        n = self.calibration_tokens
+        for side, x in (("k", k), ("v", v)):
+            if side in self.fp8_sides:
+                amax = x[:n].detach().abs().amax().float().clamp(min=1e-4)
+                getattr(self.cache, f"{side}_scale")[layer].copy_((amax / FP8_MAX).reshape(1))
+        self.frozen[layer] = True

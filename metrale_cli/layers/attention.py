@@ -1,0 +1,126 @@
+"""Qwen3AttentionLayer: the full-attention transformer layer (the seed engine's name and role).
+
+RMSNorm (fused with the residual add) -> fused q/k/v projection -> optional QK-norm -> RoPE ->
+KV-cache write -> paged attention -> o_proj -> residual add + post-attention norm -> FFN
+component. Layers pass ``(hidden, residual)`` on, vLLM style: the residual add of one sub-layer
+is fused into the next norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from metrale_cli.config import ModelConfig
+from metrale_cli.kernels.ops import Ops
+from metrale_cli.kv.fp8 import Fp8ScalePolicy
+from metrale_cli.kv.paged import PagedKvCache
+from metrale_cli.layers.context import ForwardContext
+from metrale_cli.layers.ffn import DenseSwiGluFfn
+
+
+@dataclass
+class AttentionWeights:
+    qkv: torch.Tensor  # (Hq*D + 2*Hk*D, hidden)
+    o: torch.Tensor  # (hidden, Hq*D)
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # (D,)
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class AttnLayerState:
+    """Per-sequence state of a full-attention layer: empty, its K/V live in the paged cache.
+
+    Recurrent layers (Gated DeltaNet) keep conv and recurrent state here instead.
+    """
+
+
+class Qwen3AttentionLayer:
+    def __init__(
+        self,
+        layer_idx: int,
+        config: ModelConfig,
+        input_norm: torch.Tensor,
+        attn: AttentionWeights,
+        post_attn_norm: torch.Tensor,
+        ffn: DenseSwiGluFfn,
+        ops: Ops,
+        kv_cache: PagedKvCache,
+        fp8_scales: Fp8ScalePolicy,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+    ):
+        self.idx = layer_idx
+        self.cfg = config
+        self.input_norm = input_norm
+        self.attn = attn
+        self.post_attn_norm = post_attn_norm
+        self.ffn = ffn
+        self.ops = ops
+        self.kv = kv_cache
+        self.fp8_scales = fp8_scales
+        self.rope_cos, self.rope_sin = rope_cos, rope_sin
+        self.scale = config.head_dim**-0.5
+
+    # --- the layer protocol -------------------------------------------------------------
+    def alloc_state(self) -> AttnLayerState:
+        return AttnLayerState()
+
+    def release_state(self, state: AttnLayerState) -> None:
+        """Nothing to free: the sequence's blocks are released by the cache's owner."""
+
+    def prefill(self, hidden, residual, ctx: ForwardContext):
+        """One chunk of one sequence. hidden/residual: (T, hidden); residual None on layer 0.
+
+        Tokens whose slot is -1 (a prefix-cache skip below ``kv_write_start``) are not written.
+        """
+        return self._forward(hidden, residual, ctx)
+
+    def decode_multi_seq(self, hidden, residual, ctx: ForwardContext):
+        """One new token for each of B sequences (one row per sequence)."""
+        return self._forward(hidden, residual, ctx)
+
+    def decode(self, hidden, residual, ctx: ForwardContext):
+        """One token of one sequence: decode_multi_seq with B = 1."""
+        return self._forward(hidden, residual, ctx)
+
+    def decode_batched(self, hidden, residual, ctx: ForwardContext):
+        """K tokens of one sequence in one pass (speculative verify): a short causal prefill."""
+        return self._forward(hidden, residual, ctx)
+
+    # --- the body -------------------------------------------------------------------------
+    def _forward(self, hidden, residual, ctx: ForwardContext):
+        eps = self.cfg.rms_norm_eps
+        if residual is None:
+            residual = hidden
+            normed = self.ops.rms_norm(hidden, self.input_norm, eps)
+        else:
+            normed, residual = self.ops.add_rms_norm(hidden, residual, self.input_norm, eps)
+        attn_out = self._attention(normed, ctx)
+        normed, residual = self.ops.add_rms_norm(attn_out, residual, self.post_attn_norm, eps)
+        return self.ffn(normed), residual
+
+    def _attention(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cfg, w, ops, i = self.cfg, self.attn, self.ops, self.idx
+        tokens, d = x.shape[0], cfg.head_dim
+        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.reshape(tokens, cfg.num_heads, d)
+        k = k.reshape(tokens, cfg.num_kv_heads, d)
+        v = v.reshape(tokens, cfg.num_kv_heads, d).contiguous()
+        if w.q_norm is not None:
+            q = ops.rms_norm(q.reshape(-1, d), w.q_norm, cfg.rms_norm_eps).view(tokens, -1, d)
+            k = ops.rms_norm(k.reshape(-1, d), w.k_norm, cfg.rms_norm_eps).view(tokens, -1, d)
+        q, k = ops.rope(q.contiguous(), k.contiguous(), ctx.positions, self.rope_cos, self.rope_sin)
+        self.fp8_scales.observe(i, k, v)
+        kc, vc, ks, vs = self.kv.k[i], self.kv.v[i], self.kv.k_scale[i], self.kv.v_scale[i]
+        ops.reshape_and_cache(k, v, kc, vc, ctx.slot_mapping, ks, vs)
+        if ctx.is_prefill:
+            out = ops.paged_prefill(q, kc, vc, ctx.block_table, ctx.start_pos, self.scale, ks, vs)
+        else:
+            out = ops.paged_decode(q, kc, vc, ctx.block_tables, ctx.seq_lens, self.scale, ks, vs)
+        return F.linear(out.reshape(tokens, cfg.q_size), w.o, w.o_bias)

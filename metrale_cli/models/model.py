@@ -1,0 +1,48 @@
+"""CausalLM: embeddings, a list of layers behind one protocol, final norm and LM head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from metrale_cli.config import ModelConfig
+from metrale_cli.kernels.ops import Ops
+from metrale_cli.kv.fp8 import Fp8ScalePolicy
+from metrale_cli.kv.paged import PagedKvCache
+from metrale_cli.layers.context import ForwardContext
+
+
+class CausalLM:
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list, final_norm: torch.Tensor,
+                 lm_head: torch.Tensor, ops: Ops, kv_cache: PagedKvCache, fp8_scales: Fp8ScalePolicy):
+        self.cfg = cfg
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.ops = ops
+        self.kv_cache = kv_cache
+        self.fp8_scales = fp8_scales
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (the LM head once even when tied)."""
+        return self.cfg.num_parameters() * self.embed.element_size()
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor) -> torch.Tensor:
+        """tokens: (T,) -> float32 logits (len(logit_rows), vocab) of the selected rows."""
+        hidden, residual = F.embedding(tokens, self.embed), None
+        for layer in self.layers:
+            step = layer.prefill if ctx.is_prefill else layer.decode_multi_seq
+            hidden, residual = step(hidden, residual, ctx)
+        hidden, residual = hidden[logit_rows], residual[logit_rows]
+        normed, _ = self.ops.add_rms_norm(hidden, residual, self.final_norm, self.cfg.rms_norm_eps)
+        return F.linear(normed, self.lm_head).float()

@@ -1,0 +1,80 @@
+"""All printing: rich on a terminal, plain text otherwise, JSON with --json.
+
+Generated text goes to stdout; status lines, tables' captions and errors go to stderr, so
+``metrale generate ... > answer.txt`` captures the answer alone.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+class Output:
+    def __init__(self, json_mode: bool = False, quiet: bool = False):
+        self.json_mode = json_mode
+        self.quiet = quiet
+        self.out = Console(highlight=False, soft_wrap=True)
+        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    # --- status -----------------------------------------------------------------------------
+    def info(self, message: str) -> None:
+        if not self.quiet:
+            self.err.print(f"[dim]{message}[/dim]" if self.err.is_terminal else message, markup=self.err.is_terminal)
+
+    def warn(self, message: str) -> None:
+        self.err.print(f"warning: {message}", style="yellow", markup=False)
+
+    def error(self, message: str, hint: str | None = None) -> None:
+        self.err.print(f"error: {message}", style="bold red", markup=False)
+        if hint:
+            self.err.print(f"hint: {hint}", style="yellow", markup=False)
+
+    # --- results ----------------------------------------------------------------------------
+    def stream(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def text(self, text: str) -> None:
+        self.out.print(text, markup=False)
+
+    def json(self, payload) -> None:
+        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
+
+    def table(self, title: str, columns: list[str], rows: list[list], caption: str | None = None) -> None:
+        if not self.out.is_terminal:
+            self._plain_table(title, columns, rows, caption)
+            return
+        table = Table(title=title, caption=caption)
+        for c in columns:
+            table.add_column(c)
+        for r in rows:
+            table.add_row(*[str(x) for x in r])
+        self.out.print(table)
+
+    def _plain_table(self, title, columns, rows, caption) -> None:
+        cells = [columns] + [[str(x) for x in r] for r in rows]
+        widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+        print(title)
+        for r in cells:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if caption:
+            print(caption)
+
+    # --- progress ---------------------------------------------------------------------------
+    @contextmanager
+    def progress(self, description: str, bytes_mode: bool = True):
+        """Yields a ``callback(done, total)``; a rich bar on a terminal, silent otherwise."""
+        if self.quiet or not self.err.is_terminal:
+            yield lambda done, total: None
+            return
+        columns = [TextColumn(description), BarColumn()]
+        columns += [DownloadColumn()] if bytes_mode else [TextColumn("{task.completed}/{task.total}")]
+        with Progress(*columns, TimeRemainingColumn(), console=self.err, transient=True) as bar:
+            task = bar.add_task(description, total=None)
+            yield lambda done, total: bar.update(task, completed=done, total=total)
