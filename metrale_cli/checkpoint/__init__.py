@@ -1,0 +1,75 @@
+"""Checkpoints: HF folders (safetensors, sharded or not), GGUF files, hub ids, embedded default.
+
+``load_checkpoint(spec, device, dtype)`` returns HF-named tensors on the target device plus the
+HF-style config and the tokenizer, whatever the file format. ``read_config(spec)`` is the cheap
+path (no tensors) for start-up checks.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from metrale_cli.checkpoint.gguf_io import gguf_cache_path, load_gguf, read_gguf_config
+from metrale_cli.checkpoint.resolve import Format, ModelLocation, default_model_path, locate
+from metrale_cli.checkpoint.safetensors_io import Progress, load_hf_folder_tensors, read_hf_config
+from metrale_cli.tokenizer import Tokenizer
+
+__all__ = ["Checkpoint", "load_checkpoint", "read_config", "default_model_path", "gguf_cache_path"]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded model checkpoint.
+
+    config: HF config.json content (for GGUF a synthesized HF-style dict).
+    tensors: HF names -> tensors on the target device; floats in the target dtype, integer and
+        fp8 tensors (quantized data) as stored.
+    tokenizer: the model's tokenizer.
+    source: what was loaded, for messages, e.g. "SmolLM2-135M-Instruct (gguf Q4_1, /path)".
+    """
+
+    config: dict
+    tensors: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: str
+
+
+def _load_hf_folder(where: ModelLocation, device, dtype, progress) -> Checkpoint:
+    config = read_hf_config(where.path)
+    tokenizer = Tokenizer.from_hf_folder(where.path)
+    tensors = load_hf_folder_tensors(where.path, device, dtype, progress)
+    return Checkpoint(config, tensors, tokenizer, f"{where.name} (safetensors, {where.path})")
+
+
+def _load_gguf(where: ModelLocation, device, dtype, progress) -> Checkpoint:
+    model = load_gguf(where.path, device, dtype, progress)
+    return Checkpoint(model.config, model.tensors, model.tokenizer,
+                      f"{where.name} (gguf {model.quant}, {where.path})")
+
+
+# weight format -> (loader, config reader)
+FORMATS: dict[Format, tuple[Callable[..., Checkpoint], Callable[[pathlib.Path], dict]]] = {
+    Format.HF_FOLDER: (_load_hf_folder, read_hf_config),
+    Format.GGUF: (_load_gguf, read_gguf_config),
+}
+
+
+def load_checkpoint(spec: str | None, device: torch.device, dtype: torch.dtype,
+                    progress: Progress | None = None) -> Checkpoint:
+    """Load ``spec``: None -> embedded default, a folder -> HF folder, *.gguf -> GGUF,
+    "owner/name" -> hub id. ``progress(done_bytes, total_bytes)`` is called as tensors load.
+    Every user-caused failure is a MetraleError."""
+    where = locate(spec)
+    loader, _ = FORMATS[where.format]
+    return loader(where, torch.device(device), dtype, progress)
+
+
+def read_config(spec: str | None) -> dict:
+    """The HF-style config of ``spec`` without loading tensors."""
+    where = locate(spec)
+    _, reader = FORMATS[where.format]
+    return reader(where.path)

@@ -1,0 +1,162 @@
+"""GGUF metadata -> an HF-style config dict, and llama.cpp tensor names -> HF names.
+
+The tables here are the whole of what metrale knows about GGUF architectures: adding one is
+adding rows, and a test walks every row.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from metrale_cli.errors import MetraleError
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    """How one llama.cpp architecture maps onto an HF family."""
+
+    model_type: str
+    hf_class: str
+    permuted_qk: bool      # llama.cpp's converter permutes q/k rows for rotate-half RoPE
+    attention_bias: bool   # the HF family always has q/k/v biases
+
+
+ARCHITECTURES: dict[str, GgufArch] = {
+    "llama": GgufArch("llama", "LlamaForCausalLM", permuted_qk=True, attention_bias=False),
+    "qwen2": GgufArch("qwen2", "Qwen2ForCausalLM", permuted_qk=False, attention_bias=True),
+    "qwen3": GgufArch("qwen3", "Qwen3ForCausalLM", permuted_qk=False, attention_bias=False),
+}
+
+# HF config key -> GGUF key suffix after "<arch>."
+ARCH_KEYS: dict[str, str] = {
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_hidden_layers": "block_count",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "max_position_embeddings": "context_length",
+    "vocab_size": "vocab_size",
+}
+REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+# llama.cpp name (after "blk.N.") -> HF name (after "model.layers.N.")
+LAYER_NAMES: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GLOBAL_NAMES: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Tensors llama.cpp stores that HF recomputes from the config.
+IGNORED_NAMES = ("rope_freqs.weight",)
+
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+
+
+def arch_of(architecture: str) -> GgufArch:
+    """The table row of a GGUF ``general.architecture``; MetraleError when unsupported."""
+    if architecture not in ARCHITECTURES:
+        raise MetraleError(f"GGUF architecture {architecture!r} is not supported",
+                           f"supported: {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[architecture]
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """HF tensor name of a llama.cpp tensor name; None for tensors HF does not store."""
+    if gguf_name in IGNORED_NAMES:
+        return None
+    if match := _LAYER_RE.match(gguf_name):
+        layer, part, kind = match.groups()
+        if part in LAYER_NAMES:
+            return f"model.layers.{layer}.{LAYER_NAMES[part]}.{kind}"
+    elif (match := _GLOBAL_RE.match(gguf_name)) and match.group(1) in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[match.group(1)]}.{match.group(2)}"
+    raise MetraleError(f"GGUF tensor {gguf_name!r} has no HF equivalent in metrale",
+                       "this GGUF variant of the architecture is not supported")
+
+
+def unpermute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: rows (head, pair, half) -> (head, half, pair).
+
+    The converter reorders each head's rows from HF's rotate-half layout to interleaved pairs;
+    this restores HF's order. ``weight``: (n_heads * head_dim, ...) for q (n_heads = query heads)
+    or k (n_heads = KV heads); works for weights and 1-D biases.
+    """
+    rows = weight.shape[0]
+    grouped = weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(weight.shape)
+
+
+def permute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter permutation (the inverse of ``unpermute_qk``); used to write GGUFs."""
+    rows = weight.shape[0]
+    grouped = weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(weight.shape)
+
+
+def synthesize_config(meta: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """HF-style config of a GGUF file from its metadata (``meta``: key -> python value) and
+    tensor shapes (``shapes``: llama.cpp name -> HF-order shape; vocab_size follows the
+    embedding's rows, which may exceed the token list)."""
+    architecture = meta.get("general.architecture", "")
+    arch = arch_of(architecture)
+    config = {hf_key: meta[f"{architecture}.{key}"] for hf_key, key in ARCH_KEYS.items()
+              if f"{architecture}.{key}" in meta}
+    missing = [k for k in REQUIRED_KEYS if k not in config]
+    if missing:
+        raise MetraleError(f"GGUF metadata lacks {architecture}.{ARCH_KEYS[missing[0]]}",
+                           "the file is incomplete or not a model GGUF")
+    heads = config["num_attention_heads"]
+    config.setdefault("num_key_value_heads", heads)
+    config.setdefault("rms_norm_eps", 1e-6)
+    config.setdefault("rope_theta", 10000.0)
+    config.setdefault("max_position_embeddings", 4096)
+    config.setdefault("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])))
+    if "token_embd.weight" in shapes:
+        config["vocab_size"] = shapes["token_embd.weight"][0]
+    key_length = meta.get(f"{architecture}.attention.key_length")
+    config["head_dim"] = key_length or config["hidden_size"] // heads
+    config.update(
+        model_type=arch.model_type,
+        architectures=[arch.hf_class],
+        hidden_act="silu",
+        tie_word_embeddings="output.weight" not in shapes,
+        attention_bias=arch.attention_bias or "blk.0.attn_q.bias" in shapes,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
+    scaling = _rope_scaling(meta, architecture)
+    if scaling:
+        config["rope_scaling"] = scaling
+    # transformers >= 5 spells RoPE settings this way; both spellings agree.
+    config["rope_parameters"] = {"rope_type": "default", **(scaling or {}),
+                                 "rope_theta": config["rope_theta"]}
+    return config
+
+
+def _rope_scaling(meta: dict, architecture: str) -> dict | None:
+    kind = meta.get(f"{architecture}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    scaling = {"rope_type": kind, "factor": float(meta.get(f"{architecture}.rope.scaling.factor", 1.0))}
+    original = meta.get(f"{architecture}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling

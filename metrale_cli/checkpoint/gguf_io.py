@@ -1,0 +1,182 @@
+"""GGUF files: read with the ``gguf`` package, dequantize, rename to HF, cache as an HF folder.
+
+Dequantizing every start would cost seconds, so the first load writes the HF-style result
+(config.json, tokenizer files, ``model.<dtype>.safetensors``) to ``gguf_cache_path(path)``;
+later loads read that folder through the safetensors loader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+from collections import Counter
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from metrale_cli.checkpoint import gguf_config
+from metrale_cli.checkpoint.safetensors_io import Progress, load_tensors, read_hf_config, read_shard_header
+from metrale_cli.errors import MetraleError
+from metrale_cli.tokenizer import Tokenizer
+
+CACHE_ENV = "METRALE_CACHE_DIR"
+QUANT_KEY = "gguf_quant"
+
+# HF name suffix -> expected shape from the synthesized config.
+_SHAPES = {
+    "embed_tokens.weight": lambda c: (c["vocab_size"], c["hidden_size"]),
+    "lm_head.weight": lambda c: (c["vocab_size"], c["hidden_size"]),
+    "q_proj.weight": lambda c: (c["num_attention_heads"] * c["head_dim"], c["hidden_size"]),
+    "k_proj.weight": lambda c: (c["num_key_value_heads"] * c["head_dim"], c["hidden_size"]),
+    "v_proj.weight": lambda c: (c["num_key_value_heads"] * c["head_dim"], c["hidden_size"]),
+    "o_proj.weight": lambda c: (c["hidden_size"], c["num_attention_heads"] * c["head_dim"]),
+    "gate_proj.weight": lambda c: (c["intermediate_size"], c["hidden_size"]),
+    "up_proj.weight": lambda c: (c["intermediate_size"], c["hidden_size"]),
+    "down_proj.weight": lambda c: (c["hidden_size"], c["intermediate_size"]),
+}
+
+
+def cache_dir() -> pathlib.Path:
+    """``$METRALE_CACHE_DIR`` or ``~/.cache/metrale``."""
+    return pathlib.Path(os.environ.get(CACHE_ENV) or pathlib.Path.home() / ".cache" / "metrale")
+
+
+def gguf_cache_path(path: pathlib.Path | str) -> pathlib.Path:
+    """The HF-style folder caching the converted ``path``, keyed by its path, size and mtime."""
+    path = pathlib.Path(path).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / f"{path.stem}-{key}"
+
+
+def open_reader(path: pathlib.Path):
+    """A ``GGUFReader`` for ``path``; MetraleError when the file is not a whole GGUF file."""
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise MetraleError(f"GGUF file not found: {path}")
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, IndexError, OSError, UnicodeDecodeError) as exc:
+        raise MetraleError(f"{path} is not a valid GGUF file or is truncated ({exc})",
+                           "re-download the file") from None
+    end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > path.stat().st_size:
+        raise MetraleError(f"{path} is truncated: tensor data ends at byte {end}",
+                           "re-download the file")
+    return reader
+
+
+def metadata(reader) -> dict:
+    """GGUF key/value metadata as plain python values."""
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def tensor_shapes(reader) -> dict[str, tuple[int, ...]]:
+    """llama.cpp tensor name -> shape in HF (row-major) order."""
+    return {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+
+
+def read_gguf_config(path: pathlib.Path) -> dict:
+    """The synthesized HF config of a GGUF file (cached config when present)."""
+    cached = gguf_cache_path(path) / "config.json"
+    if cached.is_file():
+        return json.loads(cached.read_text(encoding="utf-8"))
+    reader = open_reader(path)
+    return gguf_config.synthesize_config(metadata(reader), tensor_shapes(reader))
+
+
+def convert_tensors(reader, config: dict, dtype: torch.dtype,
+                    progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    """Every GGUF tensor dequantized, un-permuted where llama.cpp permuted it, under HF names.
+
+    Returns CPU tensors of ``dtype``, shapes checked against ``config``.
+    """
+    from gguf.quants import dequantize
+
+    arch = gguf_config.arch_of(config["model_type"])
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    total, done, tensors = sum(int(t.n_bytes) for t in reader.tensors), 0, {}
+    for tensor in reader.tensors:
+        name = gguf_config.hf_name(tensor.name)
+        done += int(tensor.n_bytes)
+        if name is None:
+            continue
+        values = dequantize(tensor.data, tensor.tensor_type)
+        _check_shape(tensor, name, values, config)
+        proj = name.split(".")[-2]
+        if arch.permuted_qk and proj in heads:
+            values = gguf_config.unpermute_qk(values, heads[proj])
+        tensors[name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
+        if progress is not None:
+            progress(done, total)
+    return tensors
+
+
+def _check_shape(tensor, name: str, values: np.ndarray, config: dict) -> None:
+    declared = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    suffix = ".".join(name.split(".")[-2:])
+    expected = _SHAPES[suffix](config) if suffix in _SHAPES else declared
+    if values.shape != declared or declared != expected:
+        raise MetraleError(f"GGUF tensor {tensor.name} has shape {declared}, expected {expected}",
+                           "the file does not match its own metadata")
+
+
+@dataclass(frozen=True)
+class GgufModel:
+    """A loaded GGUF file: HF-style config, tensors on the target device, tokenizer, and the
+    file's main weight type ("Q4_1", "F32", ...)."""
+
+    config: dict
+    tensors: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    quant: str
+
+
+def main_quant(reader) -> str:
+    """The most common type among the file's matrices (embeddings, norms may differ)."""
+    kinds = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) > 1)
+    return kinds.most_common(1)[0][0] if kinds else "F32"
+
+
+def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
+              progress: Progress | None = None) -> GgufModel:
+    """Config, tensors on ``device`` (floats in ``dtype``) and tokenizer of a GGUF file.
+
+    Served from ``gguf_cache_path(path)`` when converted before; converted and cached otherwise.
+    """
+    folder = gguf_cache_path(path)
+    weights = folder / f"model.{str(dtype).removeprefix('torch.')}.safetensors"
+    if weights.is_file():
+        try:
+            header = read_shard_header(weights)
+            tensors = load_tensors([header], device, dtype, progress)
+            return GgufModel(read_hf_config(folder), tensors, Tokenizer.from_hf_folder(folder),
+                             header.metadata.get(QUANT_KEY, "?"))
+        except MetraleError:
+            shutil.rmtree(folder, ignore_errors=True)  # a broken cache entry of ours: rebuild it
+    reader = open_reader(path)
+    meta = metadata(reader)
+    config = gguf_config.synthesize_config(meta, tensor_shapes(reader))
+    model = GgufModel(config, convert_tensors(reader, config, dtype, progress),
+                      Tokenizer.from_gguf(meta), main_quant(reader))
+    try:
+        _write_cache(folder, weights, model)
+    except OSError:
+        pass  # an unwritable cache only costs the next start the same conversion
+    return replace(model, tensors={n: t.to(device) for n, t in model.tensors.items()})
+
+
+def _write_cache(folder: pathlib.Path, weights: pathlib.Path, model: GgufModel) -> None:
+    """Weights last, via a temp name: a weights file present means the folder is complete."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.tokenizer.save(folder)
+    (folder / "config.json").write_text(json.dumps(model.config, indent=2), encoding="utf-8")
+    partial = weights.with_suffix(".partial")
+    save_file(model.tensors, str(partial), metadata={"format": "pt", QUANT_KEY: model.quant})
+    os.replace(partial, weights)

@@ -1,0 +1,98 @@
+"""A ``tokenizers`` backend from GGUF tokenizer metadata (``tokenizer.ggml.*``).
+
+``tokenizer.ggml.model`` picks the model ("gpt2" = byte-level BPE); ``tokenizer.ggml.pre``
+picks the pre-tokenizer llama.cpp would use, from the table below.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+from metrale_cli.errors import MetraleError
+
+TOKEN_TYPE_CONTROL = 3       # llama.cpp token types: 3 = control (special), 4 = user-defined
+TOKEN_TYPE_USER_DEFINED = 4
+
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def _gpt2_bytes() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+# tokenizer.ggml.pre -> (normalizer or None, pre-tokenizer). Unlisted names get "default":
+# GPT-2's byte-level split, which is also what transformers uses for every GGUF BPE vocabulary.
+PRE_TOKENIZERS: dict[str, Callable[[], tuple]] = {
+    "default": lambda: (None, _gpt2_bytes()),
+    "gpt2": lambda: (None, _gpt2_bytes()),
+    "smollm": lambda: (None, pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True), _gpt2_bytes()])),
+    "qwen2": lambda: (normalizers.NFC(), _split_then_bytes(_QWEN2_SPLIT)),
+    "llama-bpe": lambda: (None, _split_then_bytes(_LLAMA3_SPLIT)),
+}
+
+
+def _bpe_backend(meta: dict) -> Tokenizer:
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    backend = Tokenizer(BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
+                            continuing_subword_prefix="", end_of_word_suffix=""))
+    normalizer, pre = PRE_TOKENIZERS.get(meta.get("tokenizer.ggml.pre", "default"),
+                                         PRE_TOKENIZERS["default"])()
+    if normalizer is not None:
+        backend.normalizer = normalizer
+    backend.pre_tokenizer = pre
+    backend.decoder = decoders.ByteLevel()
+    _add_typed_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type", []))
+    backend.post_processor = _post_processor(meta, tokens)
+    return backend
+
+
+def _add_typed_tokens(backend: Tokenizer, tokens: list[str], types: list[int]) -> None:
+    special = [AddedToken(t, normalized=False, special=True)
+               for t, kind in zip(tokens, types) if kind == TOKEN_TYPE_CONTROL]
+    user = [AddedToken(t, normalized=False, special=False)
+            for t, kind in zip(tokens, types) if kind == TOKEN_TYPE_USER_DEFINED]
+    if special:
+        backend.add_special_tokens(special)
+    if user:
+        backend.add_tokens(user)
+
+
+def _post_processor(meta: dict, tokens: list[str]):
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        return processors.TemplateProcessing(single=f"{tokens[bos]}:0 $A:0",
+                                             pair=f"{tokens[bos]}:0 $A:0 $B:1",
+                                             special_tokens=[(tokens[bos], bos)])
+    return processors.ByteLevel(trim_offsets=False)
+
+
+# tokenizer.ggml.model -> backend builder.
+TOKENIZER_MODELS: dict[str, Callable[[dict], Tokenizer]] = {
+    "gpt2": _bpe_backend,
+}
+
+
+def build_backend(meta: dict) -> Tokenizer:
+    """The ``tokenizers.Tokenizer`` described by GGUF metadata; MetraleError when unsupported."""
+    model = meta.get("tokenizer.ggml.model")
+    if model is None or "tokenizer.ggml.tokens" not in meta:
+        raise MetraleError("the GGUF file has no tokenizer (tokenizer.ggml.* metadata)")
+    if model not in TOKENIZER_MODELS:
+        raise MetraleError(f"GGUF tokenizer model {model!r} is not supported",
+                           f"supported: {', '.join(TOKENIZER_MODELS)}")
+    return TOKENIZER_MODELS[model](meta)

@@ -1,0 +1,149 @@
+"""HF-style folders: config.json plus one ``model.safetensors`` or a sharded index.
+
+File integrity (headers, sizes, index against shards) is checked up front, before any tensor
+is read, so a broken download fails in one line instead of half-way through loading.
+Checking names and shapes against the architecture is the model builder's job.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import struct
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from metrale_cli.errors import MetraleError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """What one .safetensors file declares: tensor name -> (dtype, shape, byte length)."""
+
+    path: pathlib.Path
+    entries: dict[str, tuple[str, tuple[int, ...], int]]
+    metadata: dict[str, str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(length for _, _, length in self.entries.values())
+
+
+def read_hf_config(folder: pathlib.Path) -> dict:
+    """config.json of an HF folder, as a dict; MetraleError when missing or not JSON."""
+    if not folder.is_dir():
+        raise MetraleError(f"model folder not found: {folder}", "pass a folder with config.json")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise MetraleError(f"{folder} has no config.json", "is this a Hugging Face model folder?")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MetraleError(f"{path} is not valid JSON: {exc}") from None
+
+
+def read_shard_header(path: pathlib.Path) -> ShardHeader:
+    """Parse and check a safetensors header against the file's size (no tensor data read)."""
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise MetraleError(f"{path} is truncated: no safetensors header", "re-download the file")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > min(size - 8, _MAX_HEADER_BYTES):
+            raise MetraleError(f"{path} has a corrupt safetensors header (bad length {length})",
+                               "re-download the file")
+        raw = handle.read(length)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise MetraleError(f"{path} has a corrupt safetensors header (not JSON)",
+                           "re-download the file") from None
+    return _check_entries(path, header, data_size=size - 8 - length)
+
+
+def _check_entries(path: pathlib.Path, header: dict, data_size: int) -> ShardHeader:
+    entries, end = {}, 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = (int(x) for x in info["data_offsets"])
+            entries[name] = (str(info["dtype"]), tuple(int(d) for d in info["shape"]), stop - start)
+        except (KeyError, TypeError, ValueError):
+            raise MetraleError(f"{path} has a corrupt safetensors header (entry {name!r})",
+                               "re-download the file") from None
+        end = max(end, stop)
+    if end > data_size:
+        raise MetraleError(f"{path} is truncated: {data_size} data bytes, header needs {end}",
+                           "re-download the file")
+    return ShardHeader(path, entries, dict(header.get("__metadata__") or {}))
+
+
+def weight_headers(folder: pathlib.Path) -> list[ShardHeader]:
+    """Headers of every weight file of an HF folder, checked against its index when sharded."""
+    if (folder / INDEX_FILE).is_file():
+        return _indexed_headers(folder)
+    if (folder / SINGLE_FILE).is_file():
+        return [read_shard_header(folder / SINGLE_FILE)]
+    loose = sorted(folder.glob("model*.safetensors"))
+    if loose:
+        return [read_shard_header(p) for p in loose]
+    raise MetraleError(f"{folder} has no weights ({SINGLE_FILE} or {INDEX_FILE})",
+                       "only safetensors checkpoints are supported")
+
+
+def _indexed_headers(folder: pathlib.Path) -> list[ShardHeader]:
+    index_path = folder / INDEX_FILE
+    try:
+        weight_map: dict[str, str] = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        raise MetraleError(f"{index_path} is not a valid index (no weight_map)") from None
+    headers = {}
+    for shard in sorted(set(weight_map.values())):
+        if not (folder / shard).is_file():
+            raise MetraleError(f"{index_path.name} names a missing shard: {shard}",
+                               "re-download the checkpoint")
+        headers[shard] = read_shard_header(folder / shard)
+    missing = [n for n, shard in weight_map.items() if n not in headers[shard].entries]
+    if missing:
+        raise MetraleError(f"{len(missing)} tensor(s) in {index_path.name} are not in their shard, "
+                           f"e.g. {missing[0]}", "re-download the checkpoint")
+    return list(headers.values())
+
+
+def target_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """16/32/64-bit floats become ``dtype``; integers and fp8 (quantized data) stay as stored."""
+    if stored.is_floating_point and stored.itemsize >= 2:
+        return dtype
+    return stored
+
+
+def load_tensors(headers: list[ShardHeader], device: torch.device, dtype: torch.dtype,
+                 progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of ``headers`` on ``device``; floats cast to ``dtype`` (see target_dtype)."""
+    total, done, tensors = sum(h.nbytes for h in headers), 0, {}
+    for header in headers:
+        with safe_open(str(header.path), framework="pt", device="cpu") as handle:
+            for name in header.entries:
+                tensor = handle.get_tensor(name)
+                tensors[name] = tensor.to(device=device, dtype=target_dtype(tensor.dtype, dtype))
+                done += header.entries[name][2]
+                if progress is not None:
+                    progress(done, total)
+    return tensors
+
+
+def load_hf_folder_tensors(folder: pathlib.Path, device: torch.device, dtype: torch.dtype,
+                           progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    """All weights of an HF folder (single file or sharded), integrity-checked first."""
+    return load_tensors(weight_headers(folder), device, dtype, progress)

@@ -1,0 +1,214 @@
+"""Tokenizer: a ``tokenizers`` backend, the ids that end generation, and the chat template.
+
+Built from an HF folder (tokenizer.json + tokenizer_config.json, optional chat_template.jinja)
+or from GGUF metadata. Chat templates render with jinja2 the way transformers renders them
+(sandboxed, trim_blocks/lstrip_blocks, ``raise_exception``, ``strftime_now``, ``tojson``).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from datetime import datetime
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from metrale_cli.errors import MetraleError
+
+# Special tokens that end an assistant turn in the chat formats metrale knows; any of them that
+# the vocabulary holds stops generation, next to the config's eos ids.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+                      "<|endoftext|>", "<|end_of_text|>", "</s>")
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class StreamDecoder:
+    """Turns token ids, one at a time, into printable text.
+
+    ``push`` returns only new, complete text: a piece that ends in an incomplete UTF-8 sequence
+    is held back until the following tokens complete it; ``flush`` returns whatever is left.
+    """
+
+    def __init__(self, tokenizer: "Tokenizer"):
+        self._decode = tokenizer.decode
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the context window re-decoded each step
+        self._read = 0    # ids before this were already returned
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        seen = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if text.endswith("\ufffd") or len(text) <= len(seen):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(seen):]
+
+    def flush(self) -> str:
+        seen = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return text[len(seen):]
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}…{% endgeneration %}`` (assistant-mask markers): render the body as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A chat template compiled in transformers' jinja environment."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise MetraleError(f"the model's chat template does not parse: {exc}") from None
+
+
+class Tokenizer:
+    """Text <-> token ids for one model.
+
+    ``bos_token_id``: prepended by ``encode(add_special_tokens=True)`` when the model wants it.
+    ``eos_token_ids``: every id that ends generation (config eos ids + end-of-turn tokens).
+    """
+
+    def __init__(self, backend: tokenizers.Tokenizer, bos_token_id: int | None,
+                 eos_token_ids: list[int], chat_template: str | None,
+                 special_tokens: dict[str, str] | None = None):
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+        self._template = compile_chat_template(chat_template) if chat_template else None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. A rendered chat template already holds its special tokens:
+        encode it with ``add_special_tokens=False``."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...])."""
+        if self._template is None:
+            raise MetraleError("this model has no chat template",
+                               "pass a raw prompt (no chat formatting) or use an instruct model")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         tools=None, documents=None, **self.special_tokens)
+        except jinja2.exceptions.TemplateError as exc:
+            raise MetraleError(f"the model's chat template failed: {exc}") from None
+
+    def stream_decoder(self) -> StreamDecoder:
+        return StreamDecoder(self)
+
+    def token_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    @classmethod
+    def from_hf_folder(cls, path: pathlib.Path | str) -> "Tokenizer":
+        """From tokenizer.json + tokenizer_config.json (+ chat_template.jinja, config eos ids)."""
+        folder = pathlib.Path(path)
+        if not (folder / "tokenizer.json").is_file():
+            raise MetraleError(f"{folder} has no tokenizer.json",
+                               "metrale reads fast tokenizers only (tokenizer.json)")
+        backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        tok_config = _read_json(folder / "tokenizer_config.json")
+        special = {k: _token_text(tok_config[k]) for k in SPECIAL_TOKEN_KEYS if tok_config.get(k)}
+        eos_ids = _id_list(_read_json(folder / "config.json").get("eos_token_id"))
+        eos_ids += _id_list(_read_json(folder / "generation_config.json").get("eos_token_id"))
+        bos = _read_json(folder / "config.json").get("bos_token_id")
+        if bos is None and "bos_token" in special:
+            bos = backend.token_to_id(special["bos_token"])
+        return cls._build(backend, bos, eos_ids, _chat_template(folder, tok_config), special)
+
+    @classmethod
+    def from_gguf(cls, reader_or_metadata) -> "Tokenizer":
+        """From GGUF metadata: a ``GGUFReader`` or its key/value dict (tokenizer.ggml.*)."""
+        from metrale_cli.checkpoint.gguf_tokenizer import build_backend
+
+        meta = reader_or_metadata
+        if hasattr(meta, "fields"):
+            meta = {name: field.contents() for name, field in meta.fields.items()}
+        backend = build_backend(meta)
+        tokens = meta["tokenizer.ggml.tokens"]
+        ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
+        special = {key: tokens[ids[name]] for key, name in
+                   zip(SPECIAL_TOKEN_KEYS, ("bos", "eos", "unknown", "padding")) if ids[name] is not None}
+        return cls._build(backend, ids["bos"], _id_list(ids["eos"]),
+                          meta.get("tokenizer.chat_template"), special)
+
+    @classmethod
+    def _build(cls, backend, bos, eos_ids, chat_template, special) -> "Tokenizer":
+        if "eos_token" in special and (eos := backend.token_to_id(special["eos_token"])) is not None:
+            eos_ids = eos_ids + [eos]
+        eos_ids += [i for t in END_OF_TURN_TOKENS if (i := backend.token_to_id(t)) is not None]
+        return cls(backend, bos, eos_ids, chat_template, special)
+
+    def save(self, folder: pathlib.Path) -> None:
+        """Write tokenizer.json + tokenizer_config.json that ``from_hf_folder`` reads back."""
+        self.backend.save(str(folder / "tokenizer.json"))
+        config = {**self.special_tokens, "chat_template": self.chat_template}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MetraleError(f"{path} is not valid JSON: {exc}") from None
+
+
+def _token_text(value) -> str:
+    return value["content"] if isinstance(value, dict) else str(value)
+
+
+def _id_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _chat_template(folder: pathlib.Path, tok_config: dict) -> str | None:
+    """chat_template.jinja wins over tokenizer_config's; a list of named templates -> "default"."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template

@@ -1,0 +1,192 @@
+"""Builders of tiny random checkpoints (HF folders and GGUF files) for tests.
+
+``make_hf_checkpoint(tmp_path, "llama" | "qwen2" | "qwen3", **overrides)`` saves a seeded random
+model made by transformers itself (bf16 safetensors + a small trained BPE tokenizer with a ChatML
+template), so model tests can compare metrale against HF on the very same files.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import torch
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "Tokenizers split text into pieces; models predict the next piece.",
+    "Numbers like 12345 and 2024 appear, and so do symbols: #, @, %, &.",
+    "Café, naïve, déjà vu, 日本語, and emoji 🤖 are unicode text.",
+] * 4
+
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+}
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+            rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def make_tokenizer(folder: pathlib.Path, vocab_size: int = 320) -> "object":
+    """Train a byte-level BPE on CORPUS and save it as an HF fast tokenizer into ``folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>",
+                                        eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        unk_token=None)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Give norms and biases non-trivial values so a missing multiply or bias shows."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(".bias"):
+                param.copy_(0.02 * noise)
+
+
+def make_hf_checkpoint(tmp_path: pathlib.Path, family: str, *, seed: int = 0,
+                       max_shard_size: str | int | None = None, **overrides) -> pathlib.Path:
+    """A tiny random HF checkpoint folder of ``family`` (bf16 safetensors + tokenizer).
+
+    ``overrides`` go to the transformers config (e.g. ``num_hidden_layers=4``,
+    ``tie_word_embeddings=True``); ``max_shard_size`` (e.g. "40KB") saves it sharded.
+    """
+    import transformers
+
+    class_name, family_defaults = FAMILIES[family]
+    folder = pathlib.Path(tmp_path) / f"{family}-tiny-{seed}-{len(list(pathlib.Path(tmp_path).glob('*')))}"
+    folder.mkdir(parents=True)
+    tokenizer = make_tokenizer(folder)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    settings = {**TINY, **family_defaults, "vocab_size": len(tokenizer),
+                "bos_token_id": ids["<|im_start|>"], "eos_token_id": ids["<|im_end|>"],
+                "pad_token_id": ids["<|endoftext|>"], **overrides}
+    config = getattr(transformers, class_name)(**settings)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    _randomize(model, seed)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **save_kwargs)
+    return folder
+
+
+def hf_state_dict(folder: pathlib.Path) -> dict[str, torch.Tensor]:
+    """The tensors an HF folder's safetensors files hold, read with safetensors directly."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(pathlib.Path(folder).glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+# HF name part -> llama.cpp name part: the inverse of metrale's table, kept separate on purpose
+# so that a wrong row there is caught here.
+_TO_GGUF_LAYER = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_TO_GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(hf: str) -> str:
+    stem, kind = hf.rsplit(".", 1)
+    if stem.startswith("model.layers."):
+        _, _, layer, part = stem.split(".", 3)
+        return f"blk.{layer}.{_TO_GGUF_LAYER[part]}.{kind}"
+    return f"{_TO_GGUF_GLOBAL[stem]}.{kind}"
+
+
+def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's q/k permutation, written independently of metrale."""
+    return (weight.reshape(n_heads, 2, weight.shape[0] // n_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def write_gguf(folder: pathlib.Path, out: pathlib.Path, quant: str = "F32") -> pathlib.Path:
+    """Convert a tiny HF folder to GGUF as llama.cpp would: arch metadata, gpt2 tokenizer,
+    q/k permuted for llama, matrices in ``quant`` ("F32" or "Q8_0"), 1-D tensors in F32."""
+    import gguf
+
+    config = json.loads((folder / "config.json").read_text())
+    arch = config["model_type"]
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+    if arch == "qwen3":
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    _add_tokenizer(writer, folder)
+    qtype = gguf.GGMLQuantizationType[quant]
+    for name, tensor in hf_state_dict(folder).items():
+        values = tensor.float().numpy()
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
+            values = llama_cpp_permute(values, heads)
+        if values.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name(name), np.ascontiguousarray(values, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _add_tokenizer(writer, folder: pathlib.Path) -> None:
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    vocab = spec["model"]["vocab"]
+    for added in spec["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = sorted(vocab, key=vocab.get)
+    specials = {a["content"] for a in spec["added_tokens"] if a["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(vocab["<|im_start|>"])
+    writer.add_eos_token_id(vocab["<|im_end|>"])
+    writer.add_add_bos_token(False)
+    template = tok_config.get("chat_template")
+    if template is None and (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    writer.add_chat_template(template)

