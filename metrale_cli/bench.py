@@ -156,11 +156,11 @@ def run_bench(opts: BenchOptions, out: Output | None = None) -> dict:
     for name in opts.kv_cache_dtypes:
         requested = parse_kv_cache_dtype(name)
         kv_dtype = resolve_auto(raw.get("kv_cache_dtype")) if requested == AUTO else requested
-        check_kv_support(kv_dtype, model_config_from_hf(raw).head_dim, backend)
+        loader = check_kv_support(kv_dtype, model_config_from_hf(raw).head_dim, backend, device)
         ropts = RunnerOptions(backend=backend, dtype=opts.dtype, max_num_seqs=opts.batch,
                               max_seq_len=opts.n_prompt + opts.n_gen + 1, reserve_all_memory=False,
                               prefill_chunk=max(opts.n_prompt, 1), fp8_kv_calibration_tokens=256)
-        runner = build_runner(raw, dict(tensors), tokenizer, ropts, backend, kv_dtype, source)
+        runner = build_runner(raw, dict(tensors), tokenizer, ropts, backend, kv_dtype, source, loader)
         if out:
             out.info(f"timing {source} · {backend} · kv {kv_dtype.value} · {runner.messages[0]}")
         rows += bench_metrale(runner, opts, peak)

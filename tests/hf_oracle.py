@@ -45,13 +45,13 @@ def teacher_forced(engine: Engine, ids: list[int]) -> torch.Tensor:
     """Logits of every position of ``ids`` in one prefill: (len(ids), vocab) float32."""
     seq = Sequence(0, list(ids), 1)
     engine.model.kv_cache.ensure_capacity(seq.block_table, len(ids))
-    n = len(ids)
-    ctx = ForwardContext("prefill", torch.arange(n, dtype=torch.int32),
-                         torch.tensor(engine._slots(seq.block_table, range(n), 0), dtype=torch.int32),
-                         0, torch.tensor(seq.block_table, dtype=torch.int32))
-    logits = engine.model.forward(torch.tensor(ids), ctx, torch.arange(n))
+    n, dev = len(ids), engine.device
+    ctx = ForwardContext("prefill", torch.arange(n, dtype=torch.int32, device=dev),
+                         engine._int32(engine._slots(seq.block_table, range(n), 0)), 0,
+                         engine._int32(seq.block_table))
+    logits = engine.model.forward(torch.tensor(ids, device=dev), ctx, torch.arange(n, device=dev))
     engine.model.kv_cache.release(seq.block_table)
-    return logits
+    return logits.cpu()
 
 
 @torch.no_grad()

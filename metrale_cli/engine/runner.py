@@ -65,29 +65,54 @@ def resolve_backend(name: str) -> tuple[str, torch.device]:
     return name, torch.device("cuda" if has_gpu else "cpu")
 
 
-def make_ops(backend: str) -> Ops:
+def make_ops(backend: str, loader=None) -> Ops:
     if backend == "cuda":
         from metrale_cli.kernels.cuda_ops import CudaOps
 
-        return CudaOps()
+        return CudaOps(loader)
     from metrale_cli.kernels.reference import TorchOps
 
     return TorchOps()
 
 
-def check_kv_support(kv_dtype: KvCacheDtype, head_dim: int, backend: str) -> None:
-    """The start-up check: every kernel the dtype needs (cuda), storage for it (both backends)."""
-    if backend == "cuda":
-        from metrale_cli.kernels.requirements import validate_required_kv_kernels
+def check_kv_support(kv_dtype: KvCacheDtype, head_dim: int, backend: str, device: torch.device):
+    """The start-up check, before any weight is read. Returns the kernel loader (cuda) or None.
 
-        validate_required_kv_kernels(kv_dtype, head_dim)
+    cuda: every kernel the KV dtype needs (KV_DTYPES.md's table) and every kernel the layers
+    launch is compiled and loaded through CuPy; all problems are reported in one message.
+    Both backends: the dtype's sides must have cache storage in this build.
+    """
+    from metrale_cli.kernels.requirements import validate_required_kv_kernels
+
     missing = [s.value for s in kv_pair(kv_dtype) if s not in STORAGE_DTYPES]
-    if missing:
-        from metrale_cli.kernels.requirements import validate_required_kv_kernels
+    if backend != "cuda":
+        if missing:
+            validate_required_kv_kernels(kv_dtype, head_dim)  # names the missing kernels
+            raise MetraleError(f"kv-cache-dtype {kv_dtype.value} has no cache storage in this build "
+                               f"(side types: {', '.join(missing)})")
+        return None
+    from metrale_cli.kernels.cuda_ops import layer_kernels
+    from metrale_cli.kernels.loader import KernelLoader
 
-        validate_required_kv_kernels(kv_dtype, head_dim)  # names the missing kernels
-        raise MetraleError(f"kv-cache-dtype {kv_dtype.value} has no cache storage in this build "
-                           f"(side types: {', '.join(missing)})")
+    loader = KernelLoader()
+
+    def load(spec) -> str | None:
+        try:
+            loader.function(spec, device)
+        except MetraleError as e:
+            return e.message
+        except Exception as e:  # a CuPy compile or load failure: report it, do not hide it
+            return f"does not load: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
+        return None
+
+    validate_required_kv_kernels(kv_dtype, head_dim, load)
+    problems = {str(spec): why for spec in layer_kernels(kv_dtype, head_dim) if (why := load(spec))}
+    if problems:
+        raise MetraleError(
+            f"the cuda backend needs kernel(s) that do not load: {', '.join(problems)}",
+            hint="; ".join(sorted(set(problems.values()))),
+        )
+    return loader
 
 
 def pool_blocks(layout: KvLayout, opts: RunnerOptions, max_seq_len: int, device: torch.device) -> int:
@@ -108,14 +133,14 @@ def pool_blocks(layout: KvLayout, opts: RunnerOptions, max_seq_len: int, device:
 
 
 def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, opts: RunnerOptions,
-                 backend: str, kv_dtype: KvCacheDtype, source: str) -> Runner:
+                 backend: str, kv_dtype: KvCacheDtype, source: str, loader=None) -> Runner:
     """Build from weights already on the device (the checkpoint path and bench presets share it)."""
     cfg = model_config_from_hf(raw_config)
     device = next(iter(tensors.values())).device
     max_seq_len = opts.max_seq_len or min(cfg.max_position_embeddings, 8192)
     layout = KvLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
     blocks = pool_blocks(layout, opts, max_seq_len, device)
-    model = build_model(cfg, tensors, make_ops(backend), kv_dtype, blocks, max_seq_len,
+    model = build_model(cfg, tensors, make_ops(backend, loader), kv_dtype, blocks, max_seq_len,
                         opts.fp8_kv_calibration_tokens, device)
     runner = Runner(model, Engine(model, max_seq_len, opts.prefill_chunk), tokenizer, backend,
                     kv_dtype, source)
@@ -144,7 +169,7 @@ def load_runner(opts: RunnerOptions, progress: Callable[[int, int], None] | None
     raw = read_config(opts.model)
     cfg = model_config_from_hf(raw)
     kv_dtype = resolve_auto(raw.get("kv_cache_dtype")) if requested == AUTO else requested
-    check_kv_support(kv_dtype, cfg.head_dim, backend)
+    loader = check_kv_support(kv_dtype, cfg.head_dim, backend, device)
     ckpt = load_checkpoint(opts.model, device, dtype, progress)
     return build_runner(ckpt.config, dict(ckpt.tensors), ckpt.tokenizer, opts, backend, kv_dtype,
-                        ckpt.source)
+                        ckpt.source, loader)

@@ -1,0 +1,54 @@
+// Paged KV-cache writes. Cache layout (NB, 16, Hk, D): slot s holds its Hk*D elements at
+// s * Hk * D, so a token's row is copied (or quantized) as one contiguous span.
+#include "numeric.cuh"
+
+template <typename CacheT, int V>
+__device__ void store_span(const bf16_t* src, CacheT* dst, int n, float scale) {
+    for (int i = threadIdx.x * V; i < n; i += blockDim.x * V) {
+        float f[V];
+        load_vec<V>(src + i, f);
+        if constexpr (sizeof(CacheT) == 1) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) f[j] = f[j] / scale;  // true division, as the reference
+        }
+        store_vec<V>(dst + i, f);
+    }
+}
+
+template <typename CacheT>
+__device__ void cache_token(const bf16_t* src, CacheT* cache, long long slot, int n, float scale) {
+    CacheT* dst = cache + slot * n;
+    if ((n & 7) == 0 && aligned16(src) && aligned16(dst)) {
+        store_span<CacheT, 8>(src, dst, n, scale);
+    } else {
+        store_span<CacheT, 1>(src, dst, n, scale);
+    }
+}
+
+// k, v: (T, Hk, D) bf16; slot_mapping: (T,) int32 (negative = skip). grid = T.
+extern "C" __global__ void reshape_and_cache_flash(const bf16_t* k, const bf16_t* v,
+                                                   bf16_t* k_cache, bf16_t* v_cache,
+                                                   const int* slot_mapping, int num_kv_heads,
+                                                   int head_dim) {
+    const long long t = blockIdx.x;
+    const int slot = slot_mapping[t];
+    if (slot < 0) return;
+    const int n = num_kv_heads * head_dim;
+    cache_token<bf16_t>(k + t * n, k_cache, slot, n, 1.0f);
+    cache_token<bf16_t>(v + t * n, v_cache, slot, n, 1.0f);
+}
+
+// As above into e4m3 caches: stored = e4m3(x / scale), RNE, saturated to +-448.
+// k_scale, v_scale: (1,) fp32 device tensors (rewritable under a captured graph).
+extern "C" __global__ void reshape_and_cache_flash_fp8(const bf16_t* k, const bf16_t* v,
+                                                       fp8_t* k_cache, fp8_t* v_cache,
+                                                       const int* slot_mapping,
+                                                       const float* k_scale, const float* v_scale,
+                                                       int num_kv_heads, int head_dim) {
+    const long long t = blockIdx.x;
+    const int slot = slot_mapping[t];
+    if (slot < 0) return;
+    const int n = num_kv_heads * head_dim;
+    cache_token<fp8_t>(k + t * n, k_cache, slot, n, *k_scale);
+    cache_token<fp8_t>(v + t * n, v_cache, slot, n, *v_scale);
+}

@@ -1,0 +1,182 @@
+"""Load kernel modules with CuPy and launch them on torch's current stream.
+
+Modules compile through CuPy's ``RawModule`` (NVRTC, CuPy's on-disk cache), once per
+(module, defines, arch, device); every first load is logged on the ``metrale.kernels`` logger
+with its time, and called *cold* when it wrote a new entry to CuPy's cache. :meth:`launch` is the
+one place a kernel is called: it checks every argument against the kernel's :class:`Signature`
+(dtype, device, contiguity, 16-byte alignment) and types every scalar, so tensors travel as raw
+pointers (float8 included) and ints/floats as np.int32/np.float32. CuPy is imported lazily: it
+does not exist on CPU-only machines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from metrale_cli.errors import MetraleError
+from metrale_cli.kernels.compile import source_digest
+from metrale_cli.kernels.registry import KernelSpec, module_for
+
+log = logging.getLogger("metrale.kernels")
+
+POINTER_DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+    "f32": torch.float32,
+    "i32": torch.int32,
+}
+SCALARS = {"i32": np.int32, "f32": np.float32}
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A kernel's parameters, e.g. ``Signature.parse("x: bf16*, out: bf16*, n: i32, eps: f32")``.
+
+    Pointer types end in ``*`` (``bf16*``, ``fp8*``, ``f32*``, ``i32*``); a trailing ``?``
+    (``f32*?``) accepts None for an unused pointer. Scalars are ``i32`` or ``f32``.
+    """
+
+    params: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Signature:
+        pairs = [p.split(":") for p in text.split(",")]
+        return cls(tuple((n.strip(), t.strip()) for n, t in pairs))
+
+
+@dataclass(frozen=True)
+class LoadEvent:
+    module: str
+    seconds: float
+    cold: bool
+
+
+class _TorchStream:
+    """A torch stream handle in the CUDA stream protocol that ``Stream.from_external`` takes."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        raise MetraleError(
+            "the cuda backend needs CuPy, which is not installed",
+            hint="pip install cupy-cuda13x, or use --backend torch",
+        ) from None
+    return cupy
+
+
+def _cupy_cache_entries() -> int:
+    folder = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+    return sum(1 for _ in folder.rglob("*")) if folder.is_dir() else 0
+
+
+def arch_of(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+@dataclass
+class KernelLoader:
+    """Compiled modules and typed launches for one process; not thread-safe."""
+
+    events: list[LoadEvent] = field(default_factory=list)
+    _modules: dict = field(default_factory=dict)
+    _functions: dict = field(default_factory=dict)
+    _streams: dict = field(default_factory=dict)
+
+    def function(self, spec: KernelSpec, device: torch.device):
+        """The CuPy function for ``spec`` on ``device``, compiling its module on first use."""
+        key = (spec, device.index)
+        if key not in self._functions:
+            module = self._module(spec, device)
+            self._functions[key] = module.get_function(spec.function)
+        return self._functions[key]
+
+    def _module(self, spec: KernelSpec, device: torch.device):
+        module = module_for(spec)
+        if module is None:
+            raise MetraleError(f"kernel {spec} is not in this build")
+        arch = arch_of(device)
+        key = (module.name, module.defines, arch, device.index)
+        if key in self._modules:
+            return self._modules[key]
+        cp = _cupy()
+        # CuPy's cache key covers the source text and options, not included headers: the
+        # digest define makes a header edit a new cache entry.
+        options = module.options() + (f"-DMETRALE_SOURCE_DIGEST=0x{source_digest(module, arch)[:15]}",)
+        before, start = _cupy_cache_entries(), time.perf_counter()
+        with cp.cuda.Device(device.index):
+            raw = cp.RawModule(code=module.path.read_text(), options=options, backend="nvrtc")
+            raw.compile()
+        seconds = time.perf_counter() - start
+        cold = _cupy_cache_entries() > before
+        self.events.append(LoadEvent(module.name, seconds, cold))
+        log.info("%s kernel module %s (%s) in %.2f s", "compiled" if cold else "loaded cached",
+                 module.name, arch, seconds)
+        self._modules[key] = raw
+        return raw
+
+    def _stream(self, cp, device: torch.device):
+        ptr = torch.cuda.current_stream(device).cuda_stream
+        if ptr not in self._streams:
+            if hasattr(cp.cuda.Stream, "from_external"):
+                self._streams[ptr] = cp.cuda.Stream.from_external(_TorchStream(ptr))
+            else:  # CuPy < 14
+                self._streams[ptr] = cp.cuda.ExternalStream(ptr, device.index)
+        return self._streams[ptr]
+
+    def launch(self, spec: KernelSpec, sig: Signature, grid, block, *args, shared_mem: int = 0):
+        """Check ``args`` against ``sig`` and launch ``spec`` on torch's current stream."""
+        device = _device_of(spec, args)
+        params = zip(sig.params, args, strict=True)
+        typed = [_typed(spec, name, kind, arg, device) for (name, kind), arg in params]
+        cp = _cupy()
+        fn = self.function(spec, device)
+        with cp.cuda.Device(device.index), self._stream(cp, device):
+            fn(tuple(grid), tuple(block), tuple(typed), shared_mem=shared_mem)
+
+
+def _device_of(spec: KernelSpec, args) -> torch.device:
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            if arg.device.type != "cuda":
+                raise MetraleError(f"{spec}: tensors must be on a CUDA device (got {arg.device})")
+            return arg.device
+    raise MetraleError(f"{spec}: no tensor argument")
+
+
+def _typed(spec: KernelSpec, name: str, kind: str, arg, device: torch.device):
+    if kind in SCALARS:
+        if isinstance(arg, torch.Tensor):
+            raise MetraleError(f"{spec}: {name} must be a Python {kind} scalar, not a tensor")
+        if kind == "i32" and not -(2**31) <= int(arg) < 2**31:
+            raise MetraleError(f"{spec}: {name}={arg} does not fit in int32")
+        return SCALARS[kind](arg)
+    optional = kind.endswith("?")
+    want = POINTER_DTYPES[kind.rstrip("?").rstrip("*")]
+    if arg is None and optional:
+        return np.uint64(0)
+    if not isinstance(arg, torch.Tensor) or arg.dtype != want:
+        got = arg.dtype if isinstance(arg, torch.Tensor) else type(arg).__name__
+        raise MetraleError(f"{spec}: {name} must be a {want} tensor (got {got})")
+    if arg.device != device:
+        raise MetraleError(f"{spec}: {name} is on {arg.device}, other arguments on {device}")
+    if not arg.is_contiguous():
+        raise MetraleError(f"{spec}: {name} must be contiguous")
+    if arg.data_ptr() % 16:
+        raise MetraleError(f"{spec}: {name} must be 16-byte aligned (a fresh or .clone()d tensor is)")
+    return np.uint64(arg.data_ptr())

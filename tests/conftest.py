@@ -1,0 +1,28 @@
+"""Shared pytest setup: the ``gpu`` marker, skipped with a reason where CUDA is unavailable."""
+
+import importlib.util
+
+import pytest
+import torch
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU with CUDA and CuPy (make test-gpu)")
+
+
+def _gpu_skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy is not installed"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _gpu_skip_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
