@@ -77,7 +77,7 @@ def test_bf16_and_fp8_validate_clean_on_cpu(dtype):
     assert report.ok
     assert {r.numeric for r in report.rows} == {SKIPPED}
     assert {r.symbol for r in report.rows} == {"exported"}
-    assert len(report.rows) == 6  # 4 dtype-independent kernels + write + decode
+    assert len(report.rows) == 8  # 4 dtype-independent + write, decode, split combine, prefill
 
 
 def test_turbo3_fails_with_the_full_list_in_one_message():
