@@ -36,7 +36,8 @@ def run_generate(out: Output, opts: RunnerOptions, prompts: list[str], params: S
     eos = set(tok.eos_token_ids) | set(runner.config.eos_token_ids)
     seqs, stats = runner.engine.generate(ids, params, eos_ids=eos, tokenizer=tok, on_text=on_text)
     results = [{"prompt": p, "text": s.text.text, "finish_reason": s.finish_reason,
-                "prompt_tokens": len(s.prompt_ids), "completion_tokens": len(s.output_ids)}
+                "prompt_tokens": len(s.prompt_ids), "completion_tokens": len(s.output_ids),
+                "token_ids": s.output_ids}
                for p, s in zip(prompts, seqs)]
     if out.json_mode:
         out.json({"results": results, "prompt_tokens_per_s": stats.prompt_tps,

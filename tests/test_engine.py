@@ -1,0 +1,86 @@
+"""Engine behaviour: pool admission, exhaustion errors, sampling rules, stop-string streaming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_oracle import make_hf, ours
+from metrale_cli.engine.sampler import Sampler, SamplingParams
+from metrale_cli.engine.sequence import StopText
+from metrale_cli.errors import MetraleError
+from metrale_cli.kv.paged import BlockAllocator
+
+
+def _ids(n, seed=0):
+    return torch.randint(0, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_sequence_larger_than_pool_is_an_error_up_front():
+    hf, raw = make_hf("llama")
+    engine = ours(hf, raw, blocks=2)  # 32 tokens
+    with pytest.raises(MetraleError, match="KV cache pool exhausted"):
+        engine.generate([_ids(30)], SamplingParams(max_new_tokens=8))
+
+
+def test_prompts_wait_for_blocks_and_finish_equal_to_alone():
+    hf, raw = make_hf("llama")
+    prompts = [_ids(20, s) for s in range(3)]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    tight = ours(hf, raw, blocks=2)  # one 30-token sequence at a time
+    waves = [s.output_ids for s in tight.generate(prompts, params)[0]]
+    assert tight.model.kv_cache.allocator.free_blocks == 2  # everything released
+    alone = [ours(hf, raw).generate([p], params)[0][0].output_ids for p in prompts]
+    assert waves == alone
+
+
+def test_allocator_exhaustion_message():
+    alloc = BlockAllocator(4)
+    assert alloc.allocate(3) == [0, 1, 2]
+    with pytest.raises(MetraleError, match="need 2 more blocks of 16 tokens, 1 free of 4"):
+        alloc.allocate(2)
+
+
+def test_eos_stops_generation():
+    hf, raw = make_hf("qwen3", head_dim=32)
+    prompt = _ids(12)
+    free = ours(hf, raw).generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0][0]
+    eos = free.output_ids[5]
+    first = free.output_ids.index(eos)
+    seq = ours(hf, raw).generate([prompt], SamplingParams(max_new_tokens=12), eos_ids=[eos])[0][0]
+    assert seq.finish_reason == "eos" and seq.output_ids == free.output_ids[: first + 1]
+
+
+def test_top_p_and_top_k_restrict_the_draw():
+    logits = torch.tensor([[5.0, 4.9, 0.0, -1.0]])
+    draws = {int(Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=s), torch.device("cpu"))(logits))
+             for s in range(40)}
+    assert draws == {0}  # token 0 alone holds > 50% of the mass
+    draws = {int(Sampler(SamplingParams(temperature=1.0, top_k=2, seed=s), torch.device("cpu"))(logits))
+             for s in range(40)}
+    assert draws == {0, 1}
+
+
+def test_bad_sampling_values_are_user_errors():
+    for kwargs in ({"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"max_new_tokens": 0}):
+        with pytest.raises(MetraleError):
+            SamplingParams(**kwargs)
+
+
+class _Pieces:
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def push(self, token):
+        return self.pieces[token]
+
+    def flush(self):
+        return ""
+
+
+def test_stop_text_holds_back_a_possible_stop_prefix():
+    text = StopText(_Pieces(["Hel", "lo E", "ND more"]), stop=("END",))
+    # len("END") - 1 = 2 characters stay held back while they could begin the stop string
+    assert [text.push(0), text.push(1)] == ["H", "ello"]
+    assert text.push(2) == " "
+    assert text.stopped and text.text == "Hello "
