@@ -38,6 +38,8 @@ class BenchOptions:
     peak_bandwidth_gbs: float | None = None
     compare_hf: bool = False
     gpu_memory_utilization: float = 0.9
+    cuda_graph_mode: str = "full"
+    profile: bool = False
 
 
 class Timer:
@@ -100,6 +102,20 @@ def _time_run(runner, opts: BenchOptions, seed: int) -> tuple[float, float]:
     return statistics.median(prefill_s), t.seconds / opts.n_gen
 
 
+_PROFILES: dict[str, str] = {}
+
+
+def profile_run(runner, opts: BenchOptions, rows: int = 15) -> str:
+    """One more repetition under the torch profiler: the top kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.model.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        _time_run(runner, opts, seed=99)
+    key = "self_cuda_time_total" if runner.model.device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
 def _step_bytes(runner, opts: BenchOptions) -> float:
     """Bytes one decode step reads at the middle of the tg run: weights + every sequence's KV."""
     ctx = opts.n_prompt + opts.n_gen // 2
@@ -121,10 +137,13 @@ def _row(name: str, test: str, samples: list[float], tokens: int, step_bytes: fl
 
 
 def bench_metrale(runner, opts: BenchOptions, peak: float | None) -> list[dict]:
-    _time_run(runner, BenchOptions(n_prompt=min(opts.n_prompt, 32), n_gen=2, batch=1), seed=0)  # warm-up
+    _time_run(runner, opts, seed=0)  # warm-up at the timed shapes (kernel loads, allocator, clocks)
     runs = [_time_run(runner, opts, seed=r + 1) for r in range(opts.repetitions)]
-    name = f"metrale {runner.backend} kv={runner.kv_dtype.value}"
+    graphs = "graphs" if runner.engine.graphs is not None else "eager"
+    name = f"metrale {runner.backend} {graphs} kv={runner.kv_dtype.value}"
     step_bytes = _step_bytes(runner, opts)
+    if opts.profile:
+        _PROFILES[name] = profile_run(runner, opts)
     return [
         _row(name, f"pp{opts.n_prompt}", [r[0] for r in runs], opts.n_prompt, None, peak),
         _row(name, f"tg{opts.n_gen} b{opts.batch} @{opts.n_prompt}", [r[1] for r in runs], opts.batch,
@@ -159,7 +178,8 @@ def run_bench(opts: BenchOptions, out: Output | None = None) -> dict:
         loader = check_kv_support(kv_dtype, model_config_from_hf(raw).head_dim, backend, device)
         ropts = RunnerOptions(backend=backend, dtype=opts.dtype, max_num_seqs=opts.batch,
                               max_seq_len=opts.n_prompt + opts.n_gen + 1, reserve_all_memory=False,
-                              prefill_chunk=max(opts.n_prompt, 1), fp8_kv_calibration_tokens=256)
+                              prefill_chunk=max(opts.n_prompt, 1), fp8_kv_calibration_tokens=256,
+                              cuda_graph_mode=opts.cuda_graph_mode)
         runner = build_runner(raw, dict(tensors), tokenizer, ropts, backend, kv_dtype, source, loader)
         if out:
             out.info(f"timing {source} · {backend} · kv {kv_dtype.value} · {runner.messages[0]}")
@@ -170,8 +190,14 @@ def run_bench(opts: BenchOptions, out: Output | None = None) -> dict:
     if opts.compare_hf:
         from metrale_cli.bench_hf import bench_hf
 
-        rows += bench_hf(raw, tensors, opts, device, peak)
-    return {"model": source, "device": _device_name(device), "peak_bandwidth_gbs": peak,
+        hf_rows = bench_hf(raw, tensors, opts, device, peak)
+        hf_tps = {r["test"]: r["tokens_per_s"] for r in hf_rows}
+        for r in rows:
+            r["vs_hf"] = r["tokens_per_s"] / hf_tps[r["test"]]
+        rows += hf_rows
+    profiles = dict(_PROFILES)
+    _PROFILES.clear()
+    return {"model": source, "device": _device_name(device), "peak_bandwidth_gbs": peak, "profiles": profiles,
             "weight_bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "rows": rows}
 
 
@@ -187,9 +213,12 @@ def run_bench_cmd(out: Output, opts: BenchOptions) -> dict:
     peak = result["peak_bandwidth_gbs"]
     rows = [[r["engine"], r["test"], f"{r['tokens_per_s']:.1f} ± {r['std']:.1f}",
              f"{r['achieved_gbs']:.0f}" if "achieved_gbs" in r else "",
-             f"{r['roofline_pct']:.1f}%" if "roofline_pct" in r else ""] for r in result["rows"]]
+             f"{r['roofline_pct']:.1f}%" if "roofline_pct" in r else "",
+             f"{r['vs_hf']:.2f}x" if "vs_hf" in r else ""] for r in result["rows"]]
     caption = f"{result['device']}; weights {result['weight_bytes'] / 1e9:.2f} GB" + (
         f"; roofline bandwidth {peak:.0f} GB/s" if peak else "")
-    out.table(f"metrale bench: {result['model']}", ["engine", "test", "t/s", "GB/s", "% roofline"], rows,
+    out.table(f"metrale bench: {result['model']}", ["engine", "test", "t/s", "GB/s", "% roofline", "vs HF"], rows,
               caption)
+    for name, table in result["profiles"].items():
+        out.text(f"top kernels, {name} (one pp + tg repetition):\n{table}")
     return result

@@ -46,11 +46,11 @@ def _time_hf(model, opts, device, seed: int) -> tuple[float, float]:
 
 def bench_hf(raw: dict, tensors: dict[str, torch.Tensor], opts, device: torch.device,
              peak: float | None) -> list[dict]:
-    from metrale_cli.bench import BenchOptions, _row
+    from metrale_cli.bench import _row
 
     dtype = next(iter(tensors.values())).dtype
     model = hf_model(raw, tensors, device, dtype)
-    _time_hf(model, BenchOptions(n_prompt=16, n_gen=2, batch=1), device, seed=0)
+    _time_hf(model, opts, device, seed=0)  # warm-up at the timed shapes
     runs = [_time_hf(model, opts, device, seed=r + 1) for r in range(opts.repetitions)]
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     kv_bytes = 2 * raw["num_hidden_layers"] * raw["num_key_value_heads"] * raw.get(

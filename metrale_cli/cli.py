@@ -34,6 +34,8 @@ GpuMemOpt = Annotated[float, typer.Option(help="fraction of GPU memory for weigh
 CalibOpt = Annotated[int, typer.Option(
     "--fp8-kv-calibration-tokens", help="fp8 KV: calibrate scales over the first N tokens (0 = off) "
     "when the checkpoint has none")]
+GraphOpt = Annotated[str, typer.Option(
+    "--cuda-graph-mode", help="full: replay each decode step as one CUDA graph (cuda backend); disabled: eager")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
 
@@ -74,6 +76,7 @@ def generate(
     gpu_memory_utilization: GpuMemOpt = 0.9,
     fp8_kv_calibration_tokens: CalibOpt = 256,
     prefill_chunk: Annotated[int, typer.Option(help="tokens per prefill chunk")] = 512,
+    cuda_graph_mode: GraphOpt = "full",
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="print KV and load details")] = False,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -99,7 +102,8 @@ def generate(
     opts = RunnerOptions(model=model, backend=backend, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                          max_seq_len=max_seq_len, max_num_seqs=len(prompts),
                          gpu_memory_utilization=gpu_memory_utilization,
-                         fp8_kv_calibration_tokens=fp8_kv_calibration_tokens, prefill_chunk=prefill_chunk)
+                         fp8_kv_calibration_tokens=fp8_kv_calibration_tokens, prefill_chunk=prefill_chunk,
+                         cuda_graph_mode=cuda_graph_mode)
     _run(out, debug, lambda: run_generate(
         out, opts, prompts,
         SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -147,6 +151,8 @@ def bench(
         help="roofline bandwidth in GB/s (default: measured device-to-device copy)")] = None,
     compare_hf: Annotated[bool, typer.Option("--compare-hf", help="also time HF transformers on the same weights")] = False,
     gpu_memory_utilization: GpuMemOpt = 0.9,
+    cuda_graph_mode: GraphOpt = "full",
+    profile: Annotated[bool, typer.Option("--profile", help="print the top kernels by time (torch profiler)")] = False,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ):
@@ -163,7 +169,8 @@ def bench(
     opts = BenchOptions(model=model, preset=preset, n_prompt=n_prompt, n_gen=n_gen, batch=batch,
                         repetitions=repetitions, kv_cache_dtypes=tuple(kv_cache_dtype or ("auto",)),
                         backend=backend, dtype=dtype, peak_bandwidth_gbs=peak_bandwidth,
-                        compare_hf=compare_hf, gpu_memory_utilization=gpu_memory_utilization)
+                        compare_hf=compare_hf, gpu_memory_utilization=gpu_memory_utilization,
+                        cuda_graph_mode=cuda_graph_mode, profile=profile)
     _run(out, debug, run_bench_cmd, out, opts)
 
 

@@ -158,8 +158,8 @@ def test_bench_cpu_json():
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)["rows"]
     assert [(r["engine"], r["test"]) for r in rows] == [
-        ("metrale torch kv=bf16", "pp8"), ("metrale torch kv=bf16", "tg2 b1 @8"),
-        ("metrale torch kv=fp8", "pp8"), ("metrale torch kv=fp8", "tg2 b1 @8"),
+        ("metrale torch eager kv=bf16", "pp8"), ("metrale torch eager kv=bf16", "tg2 b1 @8"),
+        ("metrale torch eager kv=fp8", "pp8"), ("metrale torch eager kv=fp8", "tg2 b1 @8"),
         ("HF transformers (eager)", "pp8"), ("HF transformers (eager)", "tg2 b1 @8"),
     ]
     assert all(r["tokens_per_s"] > 0 for r in rows)

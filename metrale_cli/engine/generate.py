@@ -42,11 +42,12 @@ class GenerationStats:
 
 
 class Engine:
-    def __init__(self, model: CausalLM, max_seq_len: int, prefill_chunk: int = 512):
+    def __init__(self, model: CausalLM, max_seq_len: int, prefill_chunk: int = 512, graphs=None):
         self.model = model
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self.device = model.device
+        self.graphs = graphs  # DecodeGraphs, or None for eager decode
 
     # --- model steps ----------------------------------------------------------------------
     def _int32(self, values) -> torch.Tensor:
@@ -78,17 +79,25 @@ class Engine:
         """One step for every sequence: feeds each one's last token; returns (B, V) logits."""
         for s in seqs:
             self.model.kv_cache.ensure_capacity(s.block_table, s.length)
-        width = max(len(s.block_table) for s in seqs)
         positions = [s.length - 1 for s in seqs]
+        slots = [self._slots(s.block_table, range(p, p + 1), 0)[0] for s, p in zip(seqs, positions)]
+        tokens = [s.output_ids[-1] for s in seqs]
+        if self._can_replay(len(seqs)):
+            return self.graphs.run(tokens, positions, slots, [s.block_table for s in seqs])
+        width = max(len(s.block_table) for s in seqs)
         ctx = ForwardContext(
-            kind="decode", positions=self._int32(positions),
-            slot_mapping=self._int32([self._slots(s.block_table, range(p, p + 1), 0)[0]
-                                      for s, p in zip(seqs, positions)]),
+            kind="decode", positions=self._int32(positions), slot_mapping=self._int32(slots),
             block_tables=self._int32([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
             seq_lens=self._int32([s.length for s in seqs]),
         )
-        tokens = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
-        return self.model.forward(tokens, ctx, torch.arange(len(seqs), device=self.device))
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self.model.forward(ids, ctx, torch.arange(len(seqs), device=self.device))
+
+    def _can_replay(self, batch: int) -> bool:
+        """Graphs serve the step once online fp8 calibration has frozen every scale: a graph
+        captured while calibration is open would replay its scale writes on every step."""
+        return (self.graphs is not None and self.graphs.bucket(batch) is not None
+                and all(self.model.fp8_scales.frozen))
 
     # --- the loop -------------------------------------------------------------------------
     def _budget(self, seq: Sequence) -> int:

@@ -21,6 +21,7 @@ from metrale_cli.models import build_model
 from metrale_cli.models.model import CausalLM
 
 BACKENDS = ("auto", "cuda", "torch")
+GRAPH_MODES = ("disabled", "full")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -36,6 +37,7 @@ class RunnerOptions:
     reserve_all_memory: bool = True  # GPU: pool = what the utilization allows; else what the run needs
     fp8_kv_calibration_tokens: int = 256
     prefill_chunk: int = 512
+    cuda_graph_mode: str = "full"  # full: replay the decode step as a CUDA graph (cuda backend)
 
 
 @dataclass
@@ -142,7 +144,15 @@ def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, 
     blocks = pool_blocks(layout, opts, max_seq_len, device)
     model = build_model(cfg, tensors, make_ops(backend, loader), kv_dtype, blocks, max_seq_len,
                         opts.fp8_kv_calibration_tokens, device)
-    runner = Runner(model, Engine(model, max_seq_len, opts.prefill_chunk), tokenizer, backend,
+    graphs = None
+    if opts.cuda_graph_mode not in GRAPH_MODES:
+        raise MetraleError(f"unknown --cuda-graph-mode '{opts.cuda_graph_mode}'",
+                           hint="choose one of: " + ", ".join(GRAPH_MODES))
+    if opts.cuda_graph_mode == "full" and backend == "cuda":
+        from metrale_cli.engine.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(model, max(1, opts.max_num_seqs), blocks_for(max_seq_len))
+    runner = Runner(model, Engine(model, max_seq_len, opts.prefill_chunk, graphs), tokenizer, backend,
                     kv_dtype, source)
     runner.messages.append(
         f"KV cache: {kv_dtype.value}, {layout.bytes_per_token()} bytes/token, {blocks} blocks "
