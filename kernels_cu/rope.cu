@@ -10,7 +10,7 @@ __device__ __forceinline__ void rotate_pair(bf16_t* head, int j, int half, float
 }
 
 // q: (T, Hq, D), k: (T, Hk, D) bf16; positions: (T,) int32; cos/sin: (max_pos, rot_dim/2) fp32.
-// grid = T.
+// grid = (T, ceil((Hq + Hk) * rot_dim / 2 / blockDim.x)): one thread per rotated pair.
 extern "C" __global__ void rope_neox_bf16(bf16_t* q, bf16_t* k, const int* positions,
                                           const float* cos_table, const float* sin_table,
                                           int num_q_heads, int num_kv_heads, int head_dim,
@@ -21,7 +21,8 @@ extern "C" __global__ void rope_neox_bf16(bf16_t* q, bf16_t* k, const int* posit
     const float* cos_row = cos_table + pos * half;
     const float* sin_row = sin_table + pos * half;
     const int pairs = (num_q_heads + num_kv_heads) * half;
-    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+    const int i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i < pairs) {
         const int head = i / half, j = i - head * half;
         bf16_t* base = head < num_q_heads
                            ? q + ((long long)t * num_q_heads + head) * head_dim

@@ -94,9 +94,10 @@ def test_cuda_ops_pick_kernels_grids_and_splits(monkeypatch):
     ops.paged_decode(q, cache, cache, tables, lens, 0.1, scale, scale)
     (decode, d_grid, _, d_args), (combine, c_grid, _, c_args) = loader.calls
     assert decode == "paged_decode_fp8::paged_decode_attn_fp8" and combine.endswith("paged_decode_combine_fp8")
-    # 8 KV heads x 1 sequence x 1 head chunk = 8 CTAs: 4 splits (64 blocks * 16 / 256 keys each).
-    assert d_grid == (8, 1, 4) and d_args["num_splits"] == 4 and c_grid == (32, 1)
-    assert d_args["part_o"].shape == (1, 32, 4, 128)
+    # 8 KV heads x 1 sequence x 1 head chunk = 8 CTAs: 32 splits (the cap; 64 blocks * 16 keys
+    # would allow 32 splits of 32 keys, and 2 waves of 132 SMs want 33).
+    assert d_grid == (8, 1, 32) and d_args["num_splits"] == 32 and c_grid == (32, 1)
+    assert d_args["part_o"].shape == (1, 32, 32, 128)
     loader.calls.clear()
     ops.paged_prefill(torch.zeros(19, 32, 256, dtype=torch.bfloat16), cache[..., :1].expand(64, 16, 8, 256).contiguous(),
                       cache[..., :1].expand(64, 16, 8, 256).contiguous(), tables[0], 5, 0.1, scale, scale)

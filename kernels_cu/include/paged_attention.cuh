@@ -120,17 +120,32 @@ __device__ void attend_rows(const bf16_t* q, const AttnRows& rows, int key_begin
                            : bf16_to_f32(q[rows.q_off[r] + lane * EPL + e]) * q_mul;
         }
     }
-    for (int key = key_begin + warp; key < key_end; key += ATTN_WARPS) {
+    // Software-pipelined: the next key's K/V loads are in flight while this key is scored, so a
+    // warp waits for memory once per split rather than once per key.
+    float kf[EPL], vf[EPL];
+    int key = key_begin + warp;
+    if (key < key_end) {
         const long long off = kv_offset<D>(kv, key) + lane * EPL;
-        float kf[EPL], vf[EPL], s[RW];
         load_vec<EPL>(kv.k_cache + off, kf);
         load_vec<EPL>(kv.v_cache + off, vf);
+    }
+    for (; key < key_end; key += ATTN_WARPS) {
+        float kn[EPL], vn[EPL], s[RW];
+        const int next = key + ATTN_WARPS;
+        if (next < key_end) {
+            const long long off = kv_offset<D>(kv, next) + lane * EPL;
+            load_vec<EPL>(kv.k_cache + off, kn);
+            load_vec<EPL>(kv.v_cache + off, vn);
+        }
 #pragma unroll
         for (int r = 0; r < RW; ++r) {
             float dot = 0.0f;
+            if (rows.q_off[r] >= 0) {  // uniform: idle rows skip their reduction
 #pragma unroll
-            for (int e = 0; e < EPL; ++e) dot += qr[r][e] * kf[e];
-            s[r] = warp_sum(dot);
+                for (int e = 0; e < EPL; ++e) dot += qr[r][e] * kf[e];
+                dot = warp_sum(dot);
+            }
+            s[r] = dot;
         }
 #pragma unroll
         for (int r = 0; r < RW; ++r) {
@@ -142,6 +157,13 @@ __device__ void attend_rows(const bf16_t* q, const AttnRows& rows, int key_begin
 #pragma unroll
             for (int e = 0; e < EPL; ++e) acc[r][e] = acc[r][e] * corr + p * vf[e];
             m[r] = m_new;
+        }
+        if (next < key_end) {
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) {
+                kf[e] = kn[e];
+                vf[e] = vn[e];
+            }
         }
     }
 #pragma unroll

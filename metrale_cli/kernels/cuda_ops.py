@@ -19,8 +19,8 @@ from metrale_cli.kernels.registry import KernelSpec
 
 HEAD_DIMS = (64, 128, 256)  # instantiated in kernels_cu/include/paged_attention.cuh
 ATTN_THREADS = 128
-MAX_SPLITS = 16
-MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 32
+MIN_KEYS_PER_SPLIT = 32
 
 K = KernelSpec.parse
 RMS_NORM = K("rmsnorm::rms_norm_bf16"), Signature.parse(
@@ -148,8 +148,9 @@ class CudaOps:
     def rope(self, q, k, positions, cos, sin):
         q, k = _ready(q), _ready(k)
         if q.shape[0]:
+            pairs = (q.shape[1] + k.shape[1]) * cos.shape[-1]
             self._launch(
-                ROPE, (q.shape[0],), (128,), q, k, _ready(positions), _ready(cos), _ready(sin),
+                ROPE, (q.shape[0], math.ceil(pairs / 128)), (128,), q, k, _ready(positions), _ready(cos), _ready(sin),
                 q.shape[1], k.shape[1], q.shape[2], cos.shape[-1] * 2,
             )
         return q, k
