@@ -42,7 +42,7 @@ def test_f32_gguf_round_trips_exactly(tmp_path, family):
     assert sorted(ck.tensors) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(ck.tensors[name], tensor.float()), name
-    assert ck.source == f"{family} (gguf F32, {path})"
+    assert ck.source == f"{family} (gguf F32, {path}; dequantized weights cached in {gguf_cache_path(path)})"
 
 
 def test_gguf_config_matches_hf_config(tmp_path):

@@ -48,7 +48,8 @@ def _load_hf_folder(where: ModelLocation, device, dtype, progress) -> Checkpoint
 def _load_gguf(where: ModelLocation, device, dtype, progress) -> Checkpoint:
     model = load_gguf(where.path, device, dtype, progress)
     return Checkpoint(model.config, model.tensors, model.tokenizer,
-                      f"{where.name} (gguf {model.quant}, {where.path})")
+                      f"{where.name} (gguf {model.quant}, {where.path}; dequantized weights cached "
+                      f"in {gguf_cache_path(where.path)})")
 
 
 # weight format -> (loader, config reader)

@@ -160,6 +160,11 @@ def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, 
     )
     if model.fp8_scales.describe():
         runner.messages.append(model.fp8_scales.describe())
+    cold = [e for e in getattr(loader, "events", []) if e.cold]
+    if cold:
+        runner.messages.append(f"compiled {len(cold)} kernel module(s) in "
+                               f"{sum(e.seconds for e in cold):.1f} s (cached for the next start)")
+    runner.messages.append("decode: CUDA graphs" if graphs else "decode: eager")
     return runner
 
 
