@@ -1,13 +1,15 @@
 // Paged decode attention: one query token per sequence over its cached context.
-// Module paged_decode (bf16 KV) and, built with -DKV_FP8, paged_decode_fp8 (e4m3 KV).
+// Every paged_decode* module: the K / V side types and the names' suffix come from -D defines
+// (paged_attention.cuh); paged_decode is bf16, paged_decode_fp8 e4m3, paged_decode_turbo4_128
+// turbo4 up to head_dim 256, paged_decode_fp8k_turbo4v an fp8 K side with a turbo4 V side, ...
 //
 // grid = (Hk, B, ceil(G / RowsPerCta<D>) * num_splits), block = ATTN_THREADS. With num_splits > 1
 // each CTA covers 1/num_splits of the sequence's context and writes partials that
-// paged_decode_combine[_fp8] reduces; num_splits is fixed by the caller (graph-capture safe).
+// paged_decode_combine<suffix> reduces; num_splits is fixed by the caller (graph-capture safe).
 #include "paged_attention.cuh"
 
 template <int D>
-__device__ void decode(const bf16_t* q, const kv_t* k_cache, const kv_t* v_cache,
+__device__ void decode(const bf16_t* q, const void* k_cache, const void* v_cache,
                        const int* block_tables, const int* seq_lens, bf16_t* out, float* part_o,
                        float* part_ml, float qk_scale, float v_scale, int num_q_heads,
                        int num_kv_heads, int max_blocks, int num_splits, float* smem) {
@@ -33,18 +35,20 @@ __device__ void decode(const bf16_t* q, const kv_t* k_cache, const kv_t* v_cache
     attend_rows<D, RW>(q, rows, begin, end, kv, qk_scale, v_scale, o, smem);
 }
 
-// q: (B, Hq, D) bf16; caches: (NB, 16, Hk, D); block_tables: (B, max_blocks) int32;
-// seq_lens: (B,) int32; out: (B, Hq, D) bf16; part_o: (B, Hq, num_splits, D) fp32 and
-// part_ml: (B, Hq, num_splits, 2) fp32 when num_splits > 1 (else unused);
-// k_scale, v_scale: (1,) fp32 (read only by the fp8 variant). head_dim: 64, 128 or 256.
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-    KV_ENTRY(paged_decode_attn)(const bf16_t* q, const kv_t* k_cache, const kv_t* v_cache,
+// q: (B, Hq, D) bf16; caches: (NB, 16, Hk, D) bf16 / e4m3 or (NB, block_bytes) uint8 per side;
+// block_tables: (B, max_blocks) int32; seq_lens: (B,) int32; out: (B, Hq, D) bf16;
+// part_o: (B, Hq, num_splits, D) fp32 and part_ml: (B, Hq, num_splits, 2) fp32 when
+// num_splits > 1 (else unused); k_scale, v_scale: (1,) fp32 (read only by an fp8 side).
+// head_dim: 64, 128, 256, and 512 where ATTN_MAX_D is 512.
+extern "C" __global__ void ATTN_BOUNDS
+    KV_ENTRY(paged_decode_attn)(const bf16_t* q, const void* k_cache, const void* v_cache,
                                 const int* block_tables, const int* seq_lens, bf16_t* out,
                                 float* part_o, float* part_ml, const float* k_scale,
                                 const float* v_scale, float scale, int num_q_heads,
                                 int num_kv_heads, int head_dim, int max_blocks, int num_splits) {
     __shared__ float smem[ATTN_WARPS * (ATTN_MAX_D + 2)];
-    const float qk = scale * kv_scale(k_scale), vs = kv_scale(v_scale);
+    fill_luts();
+    const float qk = scale * kv_scale<KSide<64>>(k_scale), vs = kv_scale<VSide<64>>(v_scale);
 #define METRALE_DECODE(D)                                                                     \
     decode<D>(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, qk, vs,      \
               num_q_heads, num_kv_heads, max_blocks, num_splits, smem)
@@ -52,6 +56,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
         case 64: METRALE_DECODE(64); break;
         case 128: METRALE_DECODE(128); break;
         case 256: METRALE_DECODE(256); break;
+#if ATTN_MAX_D >= 512
+        case 512: METRALE_DECODE(512); break;
+#endif
     }
 #undef METRALE_DECODE
 }

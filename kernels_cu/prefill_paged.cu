@@ -1,5 +1,6 @@
 // Causal chunked-prefill attention of one sequence's chunk over the paged cache.
-// Module prefill_paged (bf16 KV) and, built with -DKV_FP8, prefill_paged_fp8 (e4m3 KV).
+// Every prefill_paged* module: side types and names from -D defines (paged_attention.cuh), e.g.
+// prefill_paged (bf16), prefill_paged_fp8, prefill_paged_turbo4 (attn_prefill_paged_turbo4_64).
 //
 // Rows are the chunk's (token, query head of the group) pairs of one KV head, flattened as
 // token * G + g; a CTA takes RowsPerCta<D> consecutive rows (a tile of queries) and scans keys
@@ -7,7 +8,7 @@
 #include "paged_attention.cuh"
 
 template <int D>
-__device__ void prefill(const bf16_t* q, const kv_t* k_cache, const kv_t* v_cache,
+__device__ void prefill(const bf16_t* q, const void* k_cache, const void* v_cache,
                         const int* block_table, bf16_t* out, float qk_scale, float v_scale,
                         int num_tokens, int start_pos, int num_q_heads, int num_kv_heads,
                         float* smem) {
@@ -32,16 +33,18 @@ __device__ void prefill(const bf16_t* q, const kv_t* k_cache, const kv_t* v_cach
     attend_rows<D, RW>(q, rows, 0, key_end, kv, qk_scale, v_scale, o, smem);
 }
 
-// q, out: (T, Hq, D) bf16 at positions start_pos .. start_pos+T-1; caches: (NB, 16, Hk, D);
-// block_table: (MB,) int32; k_scale, v_scale: (1,) fp32 (fp8 variant). head_dim: 64/128/256.
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
-    KV_ENTRY(attn_prefill_paged)(const bf16_t* q, const kv_t* k_cache, const kv_t* v_cache,
+// q, out: (T, Hq, D) bf16 at positions start_pos .. start_pos+T-1; caches as in paged_decode;
+// block_table: (MB,) int32; k_scale, v_scale: (1,) fp32 (read by an fp8 side).
+// head_dim: 64, 128, 256, and 512 where ATTN_MAX_D is 512.
+extern "C" __global__ void ATTN_BOUNDS
+    KV_ENTRY(attn_prefill_paged)(const bf16_t* q, const void* k_cache, const void* v_cache,
                                  const int* block_table, bf16_t* out, const float* k_scale,
                                  const float* v_scale, float scale, int num_tokens,
                                  int start_pos, int num_q_heads, int num_kv_heads,
                                  int head_dim) {
     __shared__ float smem[ATTN_WARPS * (ATTN_MAX_D + 2)];
-    const float qk = scale * kv_scale(k_scale), vs = kv_scale(v_scale);
+    fill_luts();
+    const float qk = scale * kv_scale<KSide<64>>(k_scale), vs = kv_scale<VSide<64>>(v_scale);
 #define METRALE_PREFILL(D)                                                                   \
     prefill<D>(q, k_cache, v_cache, block_table, out, qk, vs, num_tokens, start_pos,         \
                num_q_heads, num_kv_heads, smem)
@@ -49,6 +52,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS)
         case 64: METRALE_PREFILL(64); break;
         case 128: METRALE_PREFILL(128); break;
         case 256: METRALE_PREFILL(256); break;
+#if ATTN_MAX_D >= 512
+        case 512: METRALE_PREFILL(512); break;
+#endif
     }
 #undef METRALE_PREFILL
 }

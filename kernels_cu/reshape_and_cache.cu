@@ -1,6 +1,8 @@
-// Paged KV-cache writes. Cache layout (NB, 16, Hk, D): slot s holds its Hk*D elements at
-// s * Hk * D, so a token's row is copied (or quantized) as one contiguous span.
-#include "numeric.cuh"
+// Paged KV-cache writes of the unrotated dtypes. bf16 / fp8 caches are (NB, 16, Hk, D): slot s
+// holds its Hk*D elements at s * Hk * D, so a token's row is copied (or quantized) as one
+// contiguous span. nvfp4 caches are packed uint8 blocks (kv_write.cuh). Compiled with
+// --fmad=false: the nvfp4 bytes are bit-exact (bf16 / fp8 only copy and divide).
+#include "kv_write.cuh"
 
 template <typename CacheT, int V>
 __device__ void store_span(const bf16_t* src, CacheT* dst, int n, float scale) {
@@ -51,4 +53,13 @@ extern "C" __global__ void reshape_and_cache_flash_fp8(const bf16_t* k, const bf
     const int n = num_kv_heads * head_dim;
     cache_token<fp8_t>(k + t * n, k_cache, slot, n, *k_scale);
     cache_token<fp8_t>(v + t * n, v_cache, slot, n, *v_scale);
+}
+
+// As above into packed nvfp4 pools: k_cache, v_cache: (NB, block_bytes) uint8
+// (docs/kv-formats.md). grid = (T, Hk), block = 64 (a warp per side).
+extern "C" __global__ void __launch_bounds__(64)
+    reshape_and_cache_flash_nvfp4(const bf16_t* k, const bf16_t* v, u8_t* k_cache, u8_t* v_cache,
+                                  const int* slot_mapping, int num_kv_heads, int head_dim) {
+    write_kv<store_nvfp4, store_nvfp4>(k, v, k_cache, v_cache, slot_mapping, nullptr, nullptr,
+                                       nullptr, nullptr, nullptr, num_kv_heads, head_dim);
 }

@@ -17,7 +17,7 @@ import torch
 from metrale_cli.bench_presets import PRESETS, random_weights
 from metrale_cli.config import model_config_from_hf
 from metrale_cli.engine.runner import (RunnerOptions, build_runner, check_kv_support, parse_dtype,
-                                       resolve_backend)
+                                       plan_layers, resolve_backend)
 from metrale_cli.engine.sequence import Sequence
 from metrale_cli.errors import MetraleError
 from metrale_cli.kv.dtypes import AUTO, parse_kv_cache_dtype, resolve_auto
@@ -40,6 +40,9 @@ class BenchOptions:
     gpu_memory_utilization: float = 0.9
     cuda_graph_mode: str = "full"
     profile: bool = False
+    kv_high_precision_layers: str = "0"
+    innerq_calibration_tokens: int | None = None
+    synthetic_context: bool = False  # fill the cache with random K/V instead of prefilling
 
 
 class Timer:
@@ -89,9 +92,11 @@ def _time_run(runner, opts: BenchOptions, seed: int) -> tuple[float, float]:
     prefill_s = []
     for s in seqs:
         with Timer(device) as t:
-            logits = engine.prefill(s)
+            if opts.synthetic_context:
+                fill_context(runner, s, gen)
+            else:
+                s.output_ids.append(int(engine.prefill(s).argmax(-1)[0]))
         prefill_s.append(t.seconds)
-        s.output_ids.append(int(logits.argmax(-1)[0]))
     with Timer(device) as t:
         for _ in range(opts.n_gen):
             tokens = engine.decode(seqs).argmax(-1).tolist()
@@ -100,6 +105,25 @@ def _time_run(runner, opts: BenchOptions, seed: int) -> tuple[float, float]:
     for s in seqs:
         cache.release(s.block_table)
     return statistics.median(prefill_s), t.seconds / opts.n_gen
+
+
+def fill_context(runner, seq: Sequence, gen: torch.Generator, chunk: int = 4096) -> None:
+    """Write random K/V for the sequence's prompt positions into every layer's cache (through
+    the same cache-write kernels as prefill) and pick a random next token: decode timing at long
+    contexts without paying for a quadratic prefill. Values are N(0, 1), as K/V are after norms."""
+    model, n = runner.model, len(seq.prompt_ids)
+    cache, ops, cfg = model.kv_cache, model.ops, model.cfg
+    cache.ensure_capacity(seq.block_table, n + 1)
+    table = torch.tensor(seq.block_table, dtype=torch.long)
+    for start in range(0, n, chunk):
+        pos = torch.arange(start, min(n, start + chunk))
+        slots = (table[pos // 16] * 16 + pos % 16).to(torch.int32).to(model.device)
+        shape = (len(pos), cfg.num_kv_heads, cfg.head_dim)
+        k = torch.randn(shape, device=model.device, dtype=model.dtype)
+        v = torch.randn(shape, device=model.device, dtype=model.dtype)
+        for layer in range(cfg.num_layers):
+            ops.reshape_and_cache(k, v, *cache.pools(layer), slots)
+    seq.output_ids.append(int(torch.randint(0, cfg.vocab_size, (1,), generator=gen)))
 
 
 _PROFILES: dict[str, str] = {}
@@ -144,11 +168,23 @@ def bench_metrale(runner, opts: BenchOptions, peak: float | None) -> list[dict]:
     step_bytes = _step_bytes(runner, opts)
     if opts.profile:
         _PROFILES[name] = profile_run(runner, opts)
-    return [
-        _row(name, f"pp{opts.n_prompt}", [r[0] for r in runs], opts.n_prompt, None, peak),
-        _row(name, f"tg{opts.n_gen} b{opts.batch} @{opts.n_prompt}", [r[1] for r in runs], opts.batch,
-             step_bytes, peak),
-    ]
+    rows = [] if opts.synthetic_context else [
+        _row(name, f"pp{opts.n_prompt}", [r[0] for r in runs], opts.n_prompt, None, peak)]
+    rows.append(_row(name, f"tg{opts.n_gen} b{opts.batch} @{opts.n_prompt}", [r[1] for r in runs],
+                     opts.batch, step_bytes, peak))
+    memory = kv_memory(runner)
+    return [r | memory for r in rows]
+
+
+def kv_memory(runner) -> dict:
+    """KV bytes per token (all layers, K and V) and how many tokens the pool holds: the pool
+    built for this run and, on a GPU, how many tokens of this dtype the free memory would hold."""
+    cache = runner.model.kv_cache
+    memory = {"kv_bytes_per_token": cache.layout.bytes_per_token(), "pool_tokens": cache.capacity_tokens}
+    if runner.model.device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(runner.model.device)
+        memory["free_memory_tokens"] = int(free // cache.layout.bytes_per_token())
+    return memory
 
 
 def load_bench_model(opts: BenchOptions, device: torch.device):
@@ -175,11 +211,14 @@ def run_bench(opts: BenchOptions, out: Output | None = None) -> dict:
     for name in opts.kv_cache_dtypes:
         requested = parse_kv_cache_dtype(name)
         kv_dtype = resolve_auto(raw.get("kv_cache_dtype")) if requested == AUTO else requested
-        loader = check_kv_support(kv_dtype, model_config_from_hf(raw).head_dim, backend, device)
         ropts = RunnerOptions(backend=backend, dtype=opts.dtype, max_num_seqs=opts.batch,
                               max_seq_len=opts.n_prompt + opts.n_gen + 1, reserve_all_memory=False,
                               prefill_chunk=max(opts.n_prompt, 1), fp8_kv_calibration_tokens=256,
-                              cuda_graph_mode=opts.cuda_graph_mode)
+                              cuda_graph_mode=opts.cuda_graph_mode,
+                              kv_high_precision_layers=opts.kv_high_precision_layers,
+                              innerq_calibration_tokens=opts.innerq_calibration_tokens)
+        cfg = model_config_from_hf(raw)
+        loader = check_kv_support(kv_dtype, cfg.head_dim, backend, device, plan_layers(cfg, kv_dtype, ropts))
         runner = build_runner(raw, dict(tensors), tokenizer, ropts, backend, kv_dtype, source, loader)
         if out:
             out.info(f"timing {source} · {backend} · kv {kv_dtype.value} · {runner.messages[0]}")
@@ -201,6 +240,13 @@ def run_bench(opts: BenchOptions, out: Output | None = None) -> dict:
             "weight_bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "rows": rows}
 
 
+def _tokens(row: dict) -> str:
+    """Pool capacity: the tokens free GPU memory would hold, else the run's pool."""
+    if "free_memory_tokens" in row:
+        return f"{row['free_memory_tokens']:,} (free memory)"
+    return f"{row['pool_tokens']:,}" if "pool_tokens" in row else ""
+
+
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -214,11 +260,13 @@ def run_bench_cmd(out: Output, opts: BenchOptions) -> dict:
     rows = [[r["engine"], r["test"], f"{r['tokens_per_s']:.1f} ± {r['std']:.1f}",
              f"{r['achieved_gbs']:.0f}" if "achieved_gbs" in r else "",
              f"{r['roofline_pct']:.1f}%" if "roofline_pct" in r else "",
-             f"{r['vs_hf']:.2f}x" if "vs_hf" in r else ""] for r in result["rows"]]
+             f"{r['vs_hf']:.2f}x" if "vs_hf" in r else "",
+             str(r.get("kv_bytes_per_token", "")),
+             _tokens(r)] for r in result["rows"]]
     caption = f"{result['device']}; weights {result['weight_bytes'] / 1e9:.2f} GB" + (
         f"; roofline bandwidth {peak:.0f} GB/s" if peak else "")
-    out.table(f"metrale bench: {result['model']}", ["engine", "test", "t/s", "GB/s", "% roofline", "vs HF"], rows,
-              caption)
+    out.table(f"metrale bench: {result['model']}",
+              ["engine", "test", "t/s", "GB/s", "% roofline", "vs HF", "KV B/token", "KV tokens"], rows, caption)
     for name, table in result["profiles"].items():
         out.text(f"top kernels, {name} (one pp + tg repetition):\n{table}")
     return result

@@ -36,6 +36,12 @@ CalibOpt = Annotated[int, typer.Option(
     "when the checkpoint has none")]
 GraphOpt = Annotated[str, typer.Option(
     "--cuda-graph-mode", help="full: replay each decode step as one CUDA graph (cuda backend); disabled: eager")]
+HighPrecOpt = Annotated[str, typer.Option(
+    "--kv-high-precision-layers", help="N | auto | max | all: boundary layers that keep bf16 KV (first "
+    "ceil(N/2), last floor(N/2)); turbo and asymmetric dtypes promote a minimum even at 0")]
+InnerQOpt = Annotated[Optional[int], typer.Option(
+    "--innerq-calibration-tokens", help="InnerQ for a rotated (turbo) K side: calibrate per-channel "
+    "scales over the first N tokens (0 = off; default: TURBO_INNERQ, else off)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
 
@@ -77,6 +83,8 @@ def generate(
     fp8_kv_calibration_tokens: CalibOpt = 256,
     prefill_chunk: Annotated[int, typer.Option(help="tokens per prefill chunk")] = 512,
     cuda_graph_mode: GraphOpt = "full",
+    kv_high_precision_layers: HighPrecOpt = "0",
+    innerq_calibration_tokens: InnerQOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="print KV and load details")] = False,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -103,7 +111,8 @@ def generate(
                          max_seq_len=max_seq_len, max_num_seqs=len(prompts),
                          gpu_memory_utilization=gpu_memory_utilization,
                          fp8_kv_calibration_tokens=fp8_kv_calibration_tokens, prefill_chunk=prefill_chunk,
-                         cuda_graph_mode=cuda_graph_mode)
+                         cuda_graph_mode=cuda_graph_mode, kv_high_precision_layers=kv_high_precision_layers,
+                         innerq_calibration_tokens=innerq_calibration_tokens)
     _run(out, debug, lambda: run_generate(
         out, opts, prompts,
         SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -153,24 +162,46 @@ def bench(
     gpu_memory_utilization: GpuMemOpt = 0.9,
     cuda_graph_mode: GraphOpt = "full",
     profile: Annotated[bool, typer.Option("--profile", help="print the top kernels by time (torch profiler)")] = False,
+    kv_high_precision_layers: HighPrecOpt = "0",
+    innerq_calibration_tokens: InnerQOpt = None,
+    kv_quality: Annotated[bool, typer.Option(
+        "--kv-quality", help="instead of timing: KL divergence, perplexity change and top-1 agreement "
+        "of each KV dtype against bf16 KV on a text corpus (default: all 16 dtypes)")] = False,
+    corpus: Annotated[Optional[str], typer.Option(help="--kv-quality: a UTF-8 text file (default: the "
+                                                  "shipped English corpus)")] = None,
+    window: Annotated[int, typer.Option(help="--kv-quality: tokens per scored window")] = 512,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ):
-    """Time prefill (ppN) and decode (tgN): tokens/s, achieved GB/s and % of the bandwidth roofline.
+    """Time prefill (ppN) and decode (tgN): tokens/s, achieved GB/s and % of the bandwidth roofline,
+    KV bytes per token and pool capacity. With --kv-quality: how much each KV dtype changes the
+    next-token distributions against bf16 KV.
 
     Examples:
       metrale bench --preset qwen3-8b --compare-hf
       metrale bench --preset qwen3-0.6b -p 512 -n 128 --batch 16 --kv-cache-dtype bf16 --kv-cache-dtype fp8
       metrale bench -m ./my-model --json
+      metrale bench --kv-quality --backend torch
     """
+    out = Output(json_mode=json_out)
+    if kv_quality:
+        from metrale_cli.kv_quality import QualityOptions, run_quality_cmd
+
+        qopts = QualityOptions(model=model, corpus=corpus, window=window,
+                               kv_cache_dtypes=tuple(kv_cache_dtype or ()), backend=backend, dtype=dtype,
+                               kv_high_precision_layers=kv_high_precision_layers,
+                               innerq_calibration_tokens=innerq_calibration_tokens)
+        _run(out, debug, run_quality_cmd, out, qopts)
+        return
     from metrale_cli.bench import BenchOptions, run_bench_cmd
 
-    out = Output(json_mode=json_out)
     opts = BenchOptions(model=model, preset=preset, n_prompt=n_prompt, n_gen=n_gen, batch=batch,
                         repetitions=repetitions, kv_cache_dtypes=tuple(kv_cache_dtype or ("auto",)),
                         backend=backend, dtype=dtype, peak_bandwidth_gbs=peak_bandwidth,
                         compare_hf=compare_hf, gpu_memory_utilization=gpu_memory_utilization,
-                        cuda_graph_mode=cuda_graph_mode, profile=profile)
+                        cuda_graph_mode=cuda_graph_mode, profile=profile,
+                        kv_high_precision_layers=kv_high_precision_layers,
+                        innerq_calibration_tokens=innerq_calibration_tokens)
     _run(out, debug, run_bench_cmd, out, opts)
 
 

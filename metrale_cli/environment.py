@@ -5,11 +5,16 @@ from __future__ import annotations
 import os
 import pathlib
 
+from metrale_cli.errors import MetraleError
+
 ENV_LEVERS: dict[str, str] = {
     "METRALE_CACHE_DIR": "where converted GGUF weights and kernel compile checks are cached "
     "(default ~/.cache/metrale)",
     "HF_HUB_OFFLINE": "1 = never contact the hub; hub ids must already be in the HF cache",
     "HF_HOME": "the Hugging Face cache folder for hub ids",
+    "TURBO_INNERQ": "InnerQ calibration tokens for a rotated (turbo) K side, as "
+    "--innerq-calibration-tokens (0 = off, the default)",
+    "TURBO_INNERQ_STRENGTH": "InnerQ strength α in s = (mean/rms)^α (default 0.5)",
 }
 
 
@@ -19,3 +24,21 @@ def cache_dir() -> pathlib.Path:
 
 def levers_help() -> str:
     return "Environment: " + "; ".join(f"{k}: {v}" for k, v in ENV_LEVERS.items())
+
+
+def _number(name: str, kind: type, default):
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise MetraleError(f"{name}={raw!r} is not a {kind.__name__}", hint=ENV_LEVERS[name]) from None
+    if value < 0:
+        raise MetraleError(f"{name}={raw!r} must not be negative", hint=ENV_LEVERS[name])
+    return value
+
+
+def innerq_env() -> tuple[int, float]:
+    """(calibration tokens, strength) from TURBO_INNERQ / TURBO_INNERQ_STRENGTH."""
+    return _number("TURBO_INNERQ", int, 0), _number("TURBO_INNERQ_STRENGTH", float, 0.5)

@@ -70,10 +70,39 @@ def test_hub_id_offline():
     assert_one_line_error(metrale("generate", "-m", "someone/some-model", "hi"), "HF_HUB_OFFLINE")
 
 
-def test_turbo_dtype_fails_before_loading_with_the_whole_list(tiny):
-    result = metrale("generate", "-m", str(tiny), "--kv-cache-dtype", "turbo3", "hi")
-    assert_one_line_error(result, "reshape_and_cache_turbo::reshape_and_cache_flash_turbo3",
-                          "wht_bf16::wht_bf16_inplace_inv", "experimental")
+def test_turbo_dtype_refuses_a_head_dim_the_rotation_does_not_serve(tiny):
+    result = metrale("generate", "-m", str(tiny), "--kv-cache-dtype", "turbo3", "hi")  # head_dim 16
+    assert_one_line_error(result, "turbo KV sides need head_dim in (64, 128, 256, 512), not 16")
+
+
+def test_generate_verbose_reports_kv_memory(tiny):
+    result = metrale("generate", "-m", str(tiny), "--kv-cache-dtype", "nvfp4", "--no-chat-template", "-n", "3",
+                     "--ignore-eos", "--verbose", "--kv-high-precision-layers", "1", "hello")
+    assert result.returncode == 0, result.stderr
+    # 2 layers, 2 KV heads, head_dim 16: bf16 layer 2·2·16·2 = 128 B, nvfp4 layer 2·2·(8 + 1) = 36 B
+    assert "KV cache: nvfp4, 164 bytes/token over 2 layers" in result.stderr, result.stderr
+    assert "KV layer dtypes: bf16 layer 0, nvfp4 layer 1 (per layer and token: bf16 128 B, nvfp4 36 B)" \
+        in result.stderr
+
+
+def test_bad_high_precision_layers_is_one_line(tiny):
+    result = metrale("generate", "-m", str(tiny), "--kv-high-precision-layers", "some", "hi")
+    assert_one_line_error(result, "invalid --kv-high-precision-layers 'some'")
+
+
+def test_bench_kv_quality_json(tiny, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The cat sat on the mat and looked at the rain. " * 6)
+    result = metrale("bench", "--kv-quality", "-m", str(tiny), "--backend", "torch", "--corpus", str(corpus),
+                     "--window", "32", "--kv-cache-dtype", "bf16", "--kv-cache-dtype", "nvfp4", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    bf16, nvfp4 = report["rows"]
+    assert bf16["kv_cache_dtype"] == "bf16" and bf16["mean_kl"] == 0 and bf16["top1_agreement"] == 1
+    assert bf16["ppl"] == pytest.approx(report["reference_ppl"])
+    assert nvfp4["mean_kl"] > 0 and 0 < nvfp4["top1_agreement"] <= 1
+    assert nvfp4["kv_bytes_per_token"] == 2 * 36 and nvfp4["all_layers"]["mean_kl"] == pytest.approx(nvfp4["mean_kl"])
+    assert report["windows"] >= 2 and report["corpus"] == str(corpus)
 
 
 def _hf_greedy_ids(folder, prompt: str, n: int) -> list[int]:
@@ -147,9 +176,8 @@ def test_validate_kernels_cli():
     report = json.loads(ok.stdout)
     assert report["ok"] and report["missing"] == []
     assert "paged_decode_fp8::paged_decode_attn_fp8" in [k["kernel"] for k in report["kernels"]]
-    bad = metrale("validate-kernels", "--kv-cache-dtype", "turbo2", "--head-dim", "256")
-    assert bad.returncode == 1
-    assert "paged_decode_turbo2_128::paged_decode_attn_turbo2" in bad.stderr
+    bad = metrale("validate-kernels", "--kv-cache-dtype", "turbo2", "--head-dim", "96")
+    assert_one_line_error(bad, "head_dim")
 
 
 def test_bench_cpu_json():
@@ -163,3 +191,6 @@ def test_bench_cpu_json():
         ("HF transformers (eager)", "pp8"), ("HF transformers (eager)", "tg2 b1 @8"),
     ]
     assert all(r["tokens_per_s"] > 0 for r in rows)
+    # SmolLM2 shapes: 30 layers, 3 KV heads, head_dim 64 -> bf16 768 B and fp8 384 B per layer
+    assert [r["kv_bytes_per_token"] for r in rows[:4]] == [23040, 23040, 11520, 11520]
+    assert rows[0]["pool_tokens"] == 16 * 1  # one 11-token sequence: one block

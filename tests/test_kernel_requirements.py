@@ -1,8 +1,15 @@
-"""The KV-dtype -> kernels table of KV_DTYPES.md and the start-up check built on it."""
+"""The KV-dtype -> kernels table of KV_DTYPES.md and the start-up check built on it.
+
+Modules compile into the user's kernel cache (warm after the first run of the suite)."""
+
+import json
 
 import pytest
+from typer.testing import CliRunner
 
+from metrale_cli.cli import app
 from metrale_cli.errors import MetraleError
+from metrale_cli.kernels.registry import module_for
 from metrale_cli.kernels.requirements import (
     REQUIREMENTS,
     missing_kernels,
@@ -10,14 +17,9 @@ from metrale_cli.kernels.requirements import (
     validate_required_kv_kernels,
 )
 from metrale_cli.kernels.validate import SKIPPED, validate_kernels
-from metrale_cli.kv.dtypes import KvCacheDtype
+from metrale_cli.kv.dtypes import KvCacheDtype, is_wht_rotated, kv_pair
 
 WHT = ["wht_bf16::wht_bf16_inplace", "wht_bf16::wht_bf16_inplace_inv"]
-
-
-@pytest.fixture(autouse=True)
-def cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("METRALE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "metrale-cache"))
 
 
 def names(dtype, head_dim):
@@ -28,6 +30,14 @@ def test_every_dtype_has_a_row():
     assert set(REQUIREMENTS) == set(KvCacheDtype)
     for d in KvCacheDtype:
         assert len(names(d, 128)) >= 2
+
+
+@pytest.mark.parametrize("dtype", list(KvCacheDtype))
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+def test_every_required_kernel_is_in_the_registry(dtype, head_dim):
+    for spec in required_kernels(dtype, head_dim):
+        assert module_for(spec) is not None, spec
+    assert (WHT[0] in names(dtype, head_dim)) == any(is_wht_rotated(s) for s in kv_pair(dtype))
 
 
 @pytest.mark.parametrize(
@@ -69,46 +79,61 @@ def test_missing_kernels_reports_every_reason_not_the_first():
     assert missing_kernels("turbo3", 128, lambda spec: None) == []
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_bf16_and_fp8_validate_clean_on_cpu(dtype):
+@pytest.mark.parametrize("dtype", list(KvCacheDtype))
+def test_every_dtype_validates_clean_on_cpu(dtype):
     kernels = validate_required_kv_kernels(dtype, 128)
     assert [str(k) for k in kernels] == names(dtype, 128)
     report = validate_kernels(dtype, 128, on_gpu=False)
-    assert report.ok
+    assert report.ok, [r for r in report.rows if not r.ok]
     assert {r.numeric for r in report.rows} == {SKIPPED}
     assert {r.symbol for r in report.rows} == {"exported"}
-    assert len(report.rows) == 8  # 4 dtype-independent + write, decode, split combine, prefill
+    rotated = any(is_wht_rotated(s) for s in kv_pair(dtype))
+    # 4 dtype-independent + write, decode, split combine, prefill (+ the two WHT bookends)
+    assert len(report.rows) == 8 + 2 * rotated
 
 
-def test_turbo3_fails_with_the_full_list_in_one_message():
+@pytest.mark.parametrize("dtype", [d.value for d in KvCacheDtype] + ["fp8k4v"])
+def test_validate_kernels_command_exits_0_on_cpu(dtype):
+    result = CliRunner().invoke(app, ["validate-kernels", "--kv-cache-dtype", dtype, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["ok"] and report["missing"] == [] and not report["on_gpu"]
+    assert str(required_kernels(dtype, 128)[1]) in [k["kernel"] for k in report["kernels"]]
+
+
+def test_a_head_dim_a_module_is_not_built_for_is_named_in_one_message():
+    with pytest.raises(MetraleError) as info:
+        validate_required_kv_kernels(KvCacheDtype.TURBO2, 512)
+    assert info.value.message == (
+        "kv-cache-dtype turbo2 (head_dim 512) requires kernel(s) missing from this build: "
+        "paged_decode_turbo2_128::paged_decode_attn_turbo2 (turbo2 is experimental)"
+    )
+    assert "built for head_dim 64/128/256 only" in info.value.hint
+    report = validate_kernels("turbo2", 512, on_gpu=False)
+    assert [r.kernel for r in report.rows if not r.ok] == ["paged_decode_turbo2_128::paged_decode_attn_turbo2"]
+    assert validate_kernels("turbo4", 512, on_gpu=False).ok
+
+
+def test_a_kernel_missing_from_the_build_fails_with_the_full_list(monkeypatch):
+    from metrale_cli.kernels import registry
+
+    for name in ("reshape_and_cache_turbo", "prefill_paged_turbo3", "wht_bf16"):
+        monkeypatch.delitem(registry.MODULES, name)
     with pytest.raises(MetraleError) as info:
         validate_required_kv_kernels(KvCacheDtype.TURBO3, 128)
     assert info.value.message == (
         "kv-cache-dtype turbo3 (head_dim 128) requires kernel(s) missing from this build: "
         "reshape_and_cache_turbo::reshape_and_cache_flash_turbo3, "
-        "paged_decode_turbo3_128::paged_decode_attn_turbo3, "
         "prefill_paged_turbo3::attn_prefill_paged_turbo3_64, "
         "wht_bf16::wht_bf16_inplace, wht_bf16::wht_bf16_inplace_inv (turbo3 is experimental)"
     )
     assert "not in this build" in info.value.hint
-
-
-def test_nvfp4_is_reported_missing_and_not_experimental():
-    with pytest.raises(MetraleError) as info:
-        validate_required_kv_kernels("nvfp4", 64)
-    assert info.value.message.endswith(
-        "reshape_and_cache::reshape_and_cache_flash_nvfp4, paged_decode_nvfp4::paged_decode_attn_nvfp4"
-    )
-
-
-def test_validate_report_rows_for_a_missing_dtype():
     progress = []
     report = validate_kernels("turbo3", 128, progress=lambda k, i, n: progress.append((i, n)), on_gpu=False)
-    assert not report.ok
-    assert progress == [(i, 9) for i in range(9)]
+    assert not report.ok and progress == [(i, 10) for i in range(10)]
     missing = [r.kernel for r in report.rows if not r.ok]
-    assert missing == names("turbo3", 128)
     assert all(r.compiled.startswith("missing") for r in report.rows if not r.ok)
+    assert "paged_decode_turbo3_128::paged_decode_attn_turbo3" not in missing and len(missing) == 4
 
 
 def test_auto_is_not_a_concrete_dtype():

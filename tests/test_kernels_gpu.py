@@ -1,5 +1,6 @@
 """CUDA kernels vs their torch references on odd shapes (needs an H200 or another sm_90 GPU).
 
+The references of the KV kernels run on the CPU (they define the bytes); the kernels on the GPU.
 Tolerances (|got - want| <= atol + rtol·|want|), one row per reason:
 """
 
@@ -8,20 +9,28 @@ import math
 import pytest
 import torch
 
+from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import reference as ref
-from metrale_cli.kernels.validate import compare, make_paged_case, validate_kernels
+from metrale_cli.kernels.cuda_ops import kv_kernels
+from metrale_cli.kernels.validate import compare, compare_bytes, make_paged_case, pool_to, validate_kernels
+from metrale_cli.kv.dtypes import KvCacheDtype
+from metrale_cli.kv.wht import wht_signs
 
 pytestmark = pytest.mark.gpu
 
 TOLERANCE = {
     # kernel family: (atol, rtol, why)
-    "store": (0.0, 0.0, "bf16 copies and fp8 quantization are bit-exact by contract"),
+    "store": (0.0, 0.0, "cache writes reproduce the torch codecs' bytes by contract (docs/kv-formats.md)"),
+    "wht": (0.0, 0.0, "the same fp32 butterflies in the same order, one bf16 rounding"),
     "rope": (0.0, 0.0, "same bf16 rounding steps as the reference"),
     "norm": (1e-2, 8e-3, "<= 1 bf16 ulp: fp32 reduction order and rsqrt differ"),
     "silu": (1e-3, 8e-3, "<= 1 bf16 ulp: expf vs torch's exp"),
-    "attention": (2e-2, 2e-2, "fp32 online softmax (exp2) vs fp32 softmax, output rounded to bf16"),
+    "attention": (2e-2, 2e-2, "K/V dequantize to the very values the reference reads (same fp32 products); "
+                  "fp32 online softmax (exp2) vs fp32 softmax, output rounded to bf16"),
+    "round trip": (5e-2, 2e-2, "R^T(R x) = x up to two bf16 roundings of rotated values"),
 }
 TOKENS = (1, 7, 19, 99, 989)
+DTYPES = list(KvCacheDtype)
 
 
 def close(got, want, family):
@@ -30,9 +39,24 @@ def close(got, want, family):
     assert problem is None, f"{family}: {problem}"
 
 
-def randn(*shape, scale=1.0, seed=0):
+def randn(*shape, scale=1.0, seed=0, device="cuda"):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16).cuda()
+    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16).to(device)
+
+
+def served(dtype, head_dims=(64, 128, 256, 512)):
+    """(dtype, head_dim) pairs this build serves (the _128-only dtypes stop at 256)."""
+    out = []
+    for d in head_dims:
+        try:
+            kv_kernels(dtype, d)
+        except MetraleError:
+            continue
+        out.append((dtype, d))
+    return out
+
+
+KV_CASES = [case for dtype in DTYPES for case in served(dtype)]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +64,10 @@ def ops():
     from metrale_cli.kernels.cuda_ops import CudaOps
 
     return CudaOps()
+
+
+def gpu_pools(case):
+    return pool_to(case["k_pool"], "cuda"), pool_to(case["v_pool"], "cuda")
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
@@ -74,67 +102,83 @@ def test_silu_and_mul(ops, tokens, inter):
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_reshape_and_cache_is_bit_exact(ops, tokens, kv_dtype, head_dim):
-    c = make_paged_case([tokens + 40], 8, 2, head_dim, kv_dtype)
-    k, v = randn(tokens, 2, head_dim, scale=5), randn(tokens, 2, head_dim, scale=5, seed=1)
-    k[0, 0, :3] = torch.tensor([1e4, -1e4, 0.0])  # saturates to +-448 in fp8
-    slots = torch.randperm(c["k_cache"].shape[0] * 16)[:tokens].to(torch.int32).cuda()
+@pytest.mark.parametrize("dtype, head_dim", KV_CASES)
+def test_reshape_and_cache_is_bit_exact(ops, tokens, dtype, head_dim):
+    c = make_paged_case([tokens + 40], 8, 2, head_dim, dtype, seed=tokens)
+    k = randn(tokens, 2, head_dim, scale=5, device="cpu")
+    v = randn(tokens, 2, head_dim, scale=5, seed=1, device="cpu")
+    k[0, 0, :3] = torch.tensor([1e4, -1e4, 0.0])  # saturates fp8 and group scales
+    v[-1, 1, 16:32] = 0.0  # an all-zero group
+    slots = torch.randperm(c["k_pool"].num_blocks * 16)[:tokens].to(torch.int32)
     slots[tokens // 2] = -1
-    mine = [c["k_cache"].clone(), c["v_cache"].clone()]
-    ops.reshape_and_cache(k, v, *mine, slots, c["k_scale"], c["v_scale"])
-    ref.reshape_and_cache(k, v, c["k_cache"], c["v_cache"], slots, c["k_scale"], c["v_scale"])
-    for got, want in zip(mine, (c["k_cache"], c["v_cache"])):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    mine = gpu_pools(c)
+    ops.reshape_and_cache(k.cuda(), v.cuda(), *mine, slots.cuda())
+    ref.reshape_and_cache(k, v, c["k_pool"], c["v_pool"], slots)
+    assert compare_bytes(mine[0].data, c["k_pool"].data) is None
+    assert compare_bytes(mine[1].data, c["v_pool"].data) is None
 
 
-ATTN = [
-    (kv, d, group)
-    for kv in (torch.bfloat16, torch.float8_e4m3fn)
-    for d in (64, 128, 256)
-    for group in (1, 4, 8)
-]
+ATTN = [(dtype, d, group) for dtype, d in KV_CASES for group in (1, 4, 8)]
 
 
-@pytest.mark.parametrize("kv_dtype, head_dim, group", ATTN)
-def test_paged_decode(ops, kv_dtype, head_dim, group):
+@pytest.mark.parametrize("dtype, head_dim, group", ATTN)
+def test_paged_decode(ops, dtype, head_dim, group):
     lens = list(TOKENS) + [16, 17]
     hk = 2
-    c = make_paged_case(lens, hk * group, hk, head_dim, kv_dtype, seed=head_dim + group)
-    q = randn(len(lens), hk * group, head_dim, seed=3)
-    args = (c["k_cache"], c["v_cache"], c["block_tables"], c["seq_lens"], head_dim**-0.5, c["k_scale"], c["v_scale"])
-    close(ops.paged_decode(q, *args), ref.paged_decode(q, *args), "attention")
+    c = make_paged_case(lens, hk * group, hk, head_dim, dtype, seed=head_dim + group)
+    q = randn(len(lens), hk * group, head_dim, seed=3, device="cpu")
+    got = ops.paged_decode(q.cuda(), *gpu_pools(c), c["block_tables"].cuda(), c["seq_lens"].cuda(), head_dim**-0.5)
+    want = ref.paged_decode(q, c["k_pool"], c["v_pool"], c["block_tables"], c["seq_lens"], head_dim**-0.5)
+    close(got, want, "attention")
 
 
-@pytest.mark.parametrize("kv_dtype, head_dim, group", ATTN)
+@pytest.mark.parametrize("dtype, head_dim, group", ATTN)
 @pytest.mark.parametrize("tokens, start", [(1, 0), (7, 0), (19, 80), (99, 0), (989, 37)])
-def test_paged_prefill(ops, kv_dtype, head_dim, group, tokens, start):
+def test_paged_prefill(ops, dtype, head_dim, group, tokens, start):
     hk = 2
-    c = make_paged_case([start + tokens], hk * group, hk, head_dim, kv_dtype, seed=tokens)
-    q = randn(tokens, hk * group, head_dim, seed=4)
-    args = (c["k_cache"], c["v_cache"], c["block_tables"][0], start, head_dim**-0.5, c["k_scale"], c["v_scale"])
-    close(ops.paged_prefill(q, *args), ref.paged_prefill(q, *args), "attention")
+    c = make_paged_case([start + tokens], hk * group, hk, head_dim, dtype, seed=tokens)
+    q = randn(tokens, hk * group, head_dim, seed=4, device="cpu")
+    table = c["block_tables"][0]
+    got = ops.paged_prefill(q.cuda(), *gpu_pools(c), table.cuda(), start, head_dim**-0.5)
+    close(got, ref.paged_prefill(q, c["k_pool"], c["v_pool"], table, start, head_dim**-0.5), "attention")
 
 
-def test_empty_sequence_decodes_to_zero(ops):
-    c = make_paged_case([0, 5], 8, 2, 128, torch.bfloat16)
-    q = randn(2, 8, 128)
-    out = ops.paged_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], c["seq_lens"], 0.1, c["k_scale"], c["v_scale"])
+@pytest.mark.parametrize("rows", [n * 4 for n in TOKENS])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+def test_wht_is_bit_exact_and_round_trips(ops, rows, head_dim):
+    x, signs = randn(rows, head_dim, scale=3, device="cpu"), wht_signs(head_dim)
+    fwd = ops.wht(x.cuda(), signs.cuda(), False)
+    assert compare_bytes(fwd, ref.TorchOps.wht(x.clone(), signs, False)) is None
+    back = ops.wht(fwd.clone(), signs.cuda(), True)
+    assert compare_bytes(back, ref.TorchOps.wht(fwd.cpu(), signs, True)) is None
+    close(back, x, "round trip")
+    view = x.cuda().t().contiguous().t()  # a non-contiguous input is rotated in place too
+    assert ops.wht(view, signs.cuda(), False) is view
+    assert compare_bytes(view.contiguous(), fwd) is None
+
+
+@pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.NVFP4, KvCacheDtype.TURBO3])
+def test_empty_sequence_decodes_to_zero(ops, dtype):
+    c = make_paged_case([0, 5], 8, 2, 128, dtype)
+    out = ops.paged_decode(randn(2, 8, 128), *gpu_pools(c), c["block_tables"].cuda(), c["seq_lens"].cuda(), 0.1)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_launch_inside_a_cuda_graph_replays(ops, kv_dtype):
+@pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.FP8, KvCacheDtype.TURBO4,
+                                   KvCacheDtype.FP8K_TURBO2V, KvCacheDtype.TURBO3K_TURBO8V])
+def test_launch_inside_a_cuda_graph_replays(ops, dtype):
     hk, group, d, batch = 2, 4, 128, 3
-    c = make_paged_case([700, 300, 33], hk * group, hk, d, kv_dtype)
+    c = make_paged_case([700, 300, 33], hk * group, hk, d, dtype)
+    kp, vp = gpu_pools(c)
     q, k, v = randn(batch, hk * group, d), randn(batch, hk, d, seed=1), randn(batch, hk, d, seed=2)
-    lens = c["seq_lens"]
-    slots = torch.stack([c["block_tables"][b, (n - 1) // 16] * 16 + (n - 1) % 16 for b, n in enumerate(lens.tolist())]).int()
+    lens, tables = c["seq_lens"].cuda(), c["block_tables"].cuda()
+    slots = torch.stack([c["block_tables"][b, (n - 1) // 16] * 16 + (n - 1) % 16
+                         for b, n in enumerate(c["seq_lens"].tolist())]).int()
+    slots_gpu = slots.cuda()
 
     def step():
-        ops.reshape_and_cache(k, v, c["k_cache"], c["v_cache"], slots, c["k_scale"], c["v_scale"])
-        return ops.paged_decode(q, c["k_cache"], c["v_cache"], c["block_tables"], lens, d**-0.5, c["k_scale"], c["v_scale"])
+        ops.reshape_and_cache(k, v, kp, vp, slots_gpu)
+        return ops.paged_decode(q, kp, vp, tables, lens, d**-0.5)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -149,16 +193,17 @@ def test_launch_inside_a_cuda_graph_replays(ops, kv_dtype):
         k.copy_(randn(*k.shape, seed=seed + 1))
         graph.replay()
         torch.cuda.synchronize()
-        ref_k, ref_v = c["k_cache"].clone(), c["v_cache"].clone()
-        ref.reshape_and_cache(k, v, ref_k, ref_v, slots, c["k_scale"], c["v_scale"])
-        want = ref.paged_decode(q, ref_k, ref_v, c["block_tables"], lens, d**-0.5, c["k_scale"], c["v_scale"])
+        ref.reshape_and_cache(k.cpu(), v.cpu(), c["k_pool"], c["v_pool"], slots)
+        assert compare_bytes(kp.data, c["k_pool"].data) is None
+        want = ref.paged_decode(q.cpu(), c["k_pool"], c["v_pool"], c["block_tables"], c["seq_lens"], d**-0.5)
         close(out, want, "attention")
         assert not math.isnan(out.float().sum().item())
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_validate_kernels_on_gpu(dtype):
-    report = validate_kernels(dtype, 128)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_validate_kernels_on_gpu(dtype, head_dim):
+    report = validate_kernels(dtype, head_dim)
     assert report.on_gpu
     assert report.ok, [r for r in report.rows if not r.ok]
     assert {r.numeric for r in report.rows} == {"matches reference"}

@@ -94,7 +94,8 @@ def test_fp8_kv_within_budget(family, calibration):
     engine = ours(hf, raw, kv=KvCacheDtype.FP8, calibration=calibration)
     got = teacher_forced(engine, ids)
     assert _nmse(got, hf_logits(hf, ids)) <= 5e-2
-    scales = torch.cat(engine.model.kv_cache.k_scale + engine.model.kv_cache.v_scale)
+    cache = engine.model.kv_cache
+    scales = torch.cat([pool.scale for pool in cache.k + cache.v])
     if calibration:
         assert engine.model.fp8_scales.source == "calibration"
         assert (scales != 1.0).all() and (scales > 0).all()
@@ -111,7 +112,7 @@ def test_fp8_kv_scales_from_checkpoint():
     model = build_model(model_config_from_hf(raw), tensors, TorchOps(), KvCacheDtype.FP8, 16, 512, 256,
                         torch.device("cpu"))
     assert model.fp8_scales.source == "checkpoint"
-    assert [round(float(s), 4) for s in model.kv_cache.v_scale] == [0.01, 0.02, 0.03]
+    assert [round(float(pool.scale), 4) for pool in model.kv_cache.v] == [0.01, 0.02, 0.03]
 
 
 def test_chunked_prefill_equals_whole():

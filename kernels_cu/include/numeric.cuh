@@ -21,6 +21,11 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
 // Round through bf16: what torch does when a float result is stored in a bf16 tensor.
 __device__ __forceinline__ float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+#ifdef METRALE_HOST_EMULATION
+// kernels_cu/host/: the same conversions in software, for the CPU emulation tests.
+unsigned short f32x2_to_e4m3x2(float lo, float hi);
+void e4m3x2_to_f32x2(unsigned short v, float& lo, float& hi);
+#else
 // Two floats -> two e4m3 bytes (lo in bits 0-7), RNE, saturated to +-448 (NaN stays NaN).
 __device__ __forceinline__ unsigned short f32x2_to_e4m3x2(float lo, float hi) {
     unsigned short r;
@@ -36,6 +41,7 @@ __device__ __forceinline__ void e4m3x2_to_f32x2(unsigned short v, float& lo, flo
     asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(h_lo));
     asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(h_hi));
 }
+#endif
 
 // W 32-bit words with the alignment that makes the compiler emit one vector load/store.
 template <int W>

@@ -1,34 +1,61 @@
-// The one paged-attention body behind decode and chunked prefill, bf16 or e4m3 KV.
+// The one paged-attention body behind decode and chunked prefill, for every KV side type.
 //
 // A CTA owns up to RW "rows" (query vectors of one KV head's query group) and a key range.
 // Its ATTN_WARPS warps split the keys (key = begin + warp, + ATTN_WARPS, ...); each lane holds
 // D/32 consecutive elements of every row's q and accumulator, so K/V rows are read once per
-// warp as one coalesced vector load and reused by all RW rows. Softmax is online, in the log2
+// warp as one coalesced load and reused by all RW rows. Softmax is online, in the log2
 // domain; warps merge through shared memory at the end. A row attends keys 0..limit inclusive.
 //
-// Compile with -DKV_FP8 for e4m3 caches (scores scaled by k_scale, output by v_scale).
+// The K and V element types are chosen per module by -D defines (the registry's table):
+//   K_SIDE, V_SIDE   bf16 (default), fp8, nvfp4, turbo2, turbo3, turbo4, turbo8
+//                    (kv_formats.cuh: side_<name><D> loads and decodes a lane's elements)
+//   KV_SUFFIX        appended to the entry points' names (_fp8, _turbo4, _turbo4_64, ...)
+//   ATTN_MAX_D       the largest head_dim instantiated: 256 (default) or 512
+// An fp8 side scales scores by k_scale / the output by v_scale; the other sides' values are
+// decoded as stored (a rotated side stays in the rotated basis).
 #pragma once
-#include "numeric.cuh"
+#include "kv_formats.cuh"
 #include "reduce.cuh"
 
 #define ATTN_WARPS 4
 #define ATTN_THREADS (ATTN_WARPS * 32)
-#define ATTN_MAX_D 256
 #define ATTN_BLOCK 16
 #define LOG2E 1.4426950408889634f
 
-#ifdef KV_FP8
-typedef fp8_t kv_t;
-#define KV_ENTRY(name) name##_fp8
-#else
-typedef bf16_t kv_t;
-#define KV_ENTRY(name) name
+#ifndef K_SIDE
+#define K_SIDE bf16
 #endif
+#ifndef V_SIDE
+#define V_SIDE K_SIDE
+#endif
+#ifndef KV_SUFFIX
+#define KV_SUFFIX
+#endif
+#ifndef ATTN_MAX_D
+#define ATTN_MAX_D 256
+#endif
+
+// New modules pass ATTN_MIN_CTAS=1: without it ptxas caps the packed-side bodies at 128
+// registers and spills inside the key loop. (bf16 / fp8 keep the bounds they were tuned with.)
+#ifdef ATTN_MIN_CTAS
+#define ATTN_BOUNDS __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS)
+#else
+#define ATTN_BOUNDS __launch_bounds__(ATTN_THREADS)
+#endif
+
+#define METRALE_CAT_(a, b) a##b
+#define METRALE_CAT(a, b) METRALE_CAT_(a, b)
+#define KV_ENTRY(name) METRALE_CAT(name, KV_SUFFIX)
+
+template <int D>
+using KSide = METRALE_CAT(side_, K_SIDE)<D>;
+template <int D>
+using VSide = METRALE_CAT(side_, V_SIDE)<D>;
 
 // Rows held per CTA: the host mirrors this rule (metrale_cli/kernels/cuda_ops.py).
 template <int D>
 struct RowsPerCta {
-    static const int value = D <= 128 ? 8 : 4;
+    static const int value = D <= 128 ? 8 : D <= 256 ? 4 : 2;
 };
 
 struct AttnRows {
@@ -38,8 +65,8 @@ struct AttnRows {
 };
 
 struct AttnKv {
-    const kv_t* k_cache;
-    const kv_t* v_cache;
+    const void* k_cache;
+    const void* v_cache;
     const int* block_table;
     int num_kv_heads;
     int kv_head;
@@ -51,10 +78,34 @@ struct AttnOut {
     float* part_ml;    // split decode: (max, sum) per partial, log2 domain
 };
 
+// The code -> value tables of the K and V sides (packed code sides only), filled by the CTA
+// before any key is read (nothing to do, and no barrier, for element sides).
+__shared__ float attn_luts[2][16];
+
+__device__ __forceinline__ void fill_luts() {
+    if constexpr (KSide<64>::kLevels > 0 || VSide<64>::kLevels > 0) {
+        if (threadIdx.x < 16) {
+            const int t = threadIdx.x;
+            attn_luts[0][t] = t < KSide<64>::kLevels ? KSide<64>::level(t) : 0.0f;
+            attn_luts[1][t] = t < VSide<64>::kLevels ? VSide<64>::level(t) : 0.0f;
+        }
+        __syncthreads();
+    }
+}
+
+// One key's K and V elements of this lane as loaded, decoded only when the key is scored.
 template <int D>
-__device__ __forceinline__ long long kv_offset(const AttnKv& kv, int key) {
+struct KvRaw {
+    typename KSide<D>::Raw k;
+    typename VSide<D>::Raw v;
+};
+
+template <int D>
+__device__ __forceinline__ KvRaw<D> load_key(const AttnKv& kv, int key, int lane) {
     const long long block = kv.block_table[key / ATTN_BLOCK];
-    return ((block * ATTN_BLOCK + key % ATTN_BLOCK) * kv.num_kv_heads + kv.kv_head) * D;
+    const int row = (key % ATTN_BLOCK) * kv.num_kv_heads + kv.kv_head;
+    return KvRaw<D>{KSide<D>::load(kv.k_cache, block, row, kv.num_kv_heads, lane),
+                    VSide<D>::load(kv.v_cache, block, row, kv.num_kv_heads, lane)};
 }
 
 // Merge the warps' (m, l, acc) of one row through shared memory and write it.
@@ -122,21 +173,14 @@ __device__ void attend_rows(const bf16_t* q, const AttnRows& rows, int key_begin
     }
     // Software-pipelined: the next key's K/V loads are in flight while this key is scored, so a
     // warp waits for memory once per split rather than once per key.
-    float kf[EPL], vf[EPL];
+    KvRaw<D> cur, nxt;
     int key = key_begin + warp;
-    if (key < key_end) {
-        const long long off = kv_offset<D>(kv, key) + lane * EPL;
-        load_vec<EPL>(kv.k_cache + off, kf);
-        load_vec<EPL>(kv.v_cache + off, vf);
-    }
+    if (key < key_end) cur = load_key<D>(kv, key, lane);
     for (; key < key_end; key += ATTN_WARPS) {
-        float kn[EPL], vn[EPL], s[RW];
+        float kf[EPL], vf[EPL], s[RW];
         const int next = key + ATTN_WARPS;
-        if (next < key_end) {
-            const long long off = kv_offset<D>(kv, next) + lane * EPL;
-            load_vec<EPL>(kv.k_cache + off, kn);
-            load_vec<EPL>(kv.v_cache + off, vn);
-        }
+        if (next < key_end) nxt = load_key<D>(kv, next, lane);
+        KSide<D>::decode(cur.k, attn_luts[0], kf);
 #pragma unroll
         for (int r = 0; r < RW; ++r) {
             float dot = 0.0f;
@@ -147,6 +191,7 @@ __device__ void attend_rows(const bf16_t* q, const AttnRows& rows, int key_begin
             }
             s[r] = dot;
         }
+        VSide<D>::decode(cur.v, attn_luts[1], vf);
 #pragma unroll
         for (int r = 0; r < RW; ++r) {
             if (rows.q_off[r] < 0 || key > rows.limit[r]) continue;  // uniform across the warp
@@ -158,13 +203,7 @@ __device__ void attend_rows(const bf16_t* q, const AttnRows& rows, int key_begin
             for (int e = 0; e < EPL; ++e) acc[r][e] = acc[r][e] * corr + p * vf[e];
             m[r] = m_new;
         }
-        if (next < key_end) {
-#pragma unroll
-            for (int e = 0; e < EPL; ++e) {
-                kf[e] = kn[e];
-                vf[e] = vn[e];
-            }
-        }
+        if (next < key_end) cur = nxt;
     }
 #pragma unroll
     for (int r = 0; r < RW; ++r) {
@@ -173,11 +212,9 @@ __device__ void attend_rows(const bf16_t* q, const AttnRows& rows, int key_begin
     }
 }
 
-// Per-variant scale reads: the bf16 body ignores the (1,) scale tensors.
+// The per-tensor scale of a side: read for fp8, 1 for every other side.
+template <class Side>
 __device__ __forceinline__ float kv_scale(const float* p) {
-#ifdef KV_FP8
-    return *p;
-#else
-    return 1.0f;
-#endif
+    if constexpr (Side::kTensorScale) return *p;
+    else return 1.0f;
 }

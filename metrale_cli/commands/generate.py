@@ -51,4 +51,7 @@ def run_generate(out: Output, opts: RunnerOptions, prompts: list[str], params: S
     out.info(f"prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s · decode: "
              f"{stats.decode_tokens} tokens, {stats.decode_tps:.1f} tok/s · finish: "
              + ", ".join(sorted({r['finish_reason'] for r in results})))
+    innerq = runner.model.innerq.outcome() if runner.model.innerq is not None else None
+    if innerq:
+        out.info(innerq)
     return results

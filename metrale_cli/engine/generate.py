@@ -94,10 +94,10 @@ class Engine:
         return self.model.forward(ids, ctx, torch.arange(len(seqs), device=self.device))
 
     def _can_replay(self, batch: int) -> bool:
-        """Graphs serve the step once online fp8 calibration has frozen every scale: a graph
+        """Graphs serve the step once online calibration (fp8 scales, InnerQ) has frozen: a graph
         captured while calibration is open would replay its scale writes on every step."""
         return (self.graphs is not None and self.graphs.bucket(batch) is not None
-                and all(self.model.fp8_scales.frozen))
+                and self.model.kv_frozen)
 
     # --- the loop -------------------------------------------------------------------------
     def _budget(self, seq: Sequence) -> int:

@@ -16,7 +16,11 @@ from metrale_cli.engine.generate import Engine
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.ops import Ops
 from metrale_cli.kv.dtypes import AUTO, KvCacheDtype, kv_pair, parse_kv_cache_dtype, resolve_auto
-from metrale_cli.kv.paged import STORAGE_DTYPES, KvLayout, blocks_for
+from metrale_cli.kv.formats import SIDE_FORMATS, side_format
+from metrale_cli.kv.innerq import InnerQSettings
+from metrale_cli.kv.paged import KvLayout, blocks_for
+from metrale_cli.kv.precision import describe as describe_layers
+from metrale_cli.kv.precision import layer_dtypes
 from metrale_cli.models import build_model
 from metrale_cli.models.model import CausalLM
 
@@ -38,6 +42,18 @@ class RunnerOptions:
     fp8_kv_calibration_tokens: int = 256
     prefill_chunk: int = 512
     cuda_graph_mode: str = "full"  # full: replay the decode step as a CUDA graph (cuda backend)
+    kv_high_precision_layers: str = "0"  # N | auto | max | all (plus the dtype's minimum)
+    kv_promote_minimum: bool = True  # False only to measure a dtype on every layer (kv-quality)
+    innerq_calibration_tokens: int | None = None  # None: TURBO_INNERQ, else off
+    innerq_strength: float | None = None  # None: TURBO_INNERQ_STRENGTH, else 0.5
+
+    def innerq(self) -> InnerQSettings:
+        from metrale_cli.environment import innerq_env
+
+        tokens, strength = innerq_env()
+        return InnerQSettings(
+            tokens=self.innerq_calibration_tokens if self.innerq_calibration_tokens is not None else tokens,
+            strength=self.innerq_strength if self.innerq_strength is not None else strength)
 
 
 @dataclass
@@ -77,21 +93,27 @@ def make_ops(backend: str, loader=None) -> Ops:
     return TorchOps()
 
 
-def check_kv_support(kv_dtype: KvCacheDtype, head_dim: int, backend: str, device: torch.device):
+def check_kv_support(kv_dtype: KvCacheDtype, head_dim: int, backend: str, device: torch.device,
+                     dtypes: tuple[KvCacheDtype, ...] = ()):
     """The start-up check, before any weight is read. Returns the kernel loader (cuda) or None.
 
-    cuda: every kernel the KV dtype needs (KV_DTYPES.md's table) and every kernel the layers
-    launch is compiled and loaded through CuPy; all problems are reported in one message.
-    Both backends: the dtype's sides must have cache storage in this build.
+    torch: a dtype is usable once every side has a codec (``kv/formats.py``) and, for a rotated
+    side, head_dim is a WHT size. cuda: every kernel the KV dtype needs (KV_DTYPES.md's table)
+    and every kernel the layers launch, for each layer dtype in ``dtypes`` too (high-precision
+    layers), is compiled and loaded through CuPy; all problems are reported in one message.
     """
     from metrale_cli.kernels.requirements import validate_required_kv_kernels
+    from metrale_cli.kv.wht import wht_signs
 
-    missing = [s.value for s in kv_pair(kv_dtype) if s not in STORAGE_DTYPES]
+    every = list(dict.fromkeys((kv_dtype, *dtypes)))
+    sides = {s for d in every for s in kv_pair(d)}
+    missing = [s.value for s in sides if s not in SIDE_FORMATS]
+    if missing:
+        raise MetraleError(f"kv-cache-dtype {kv_dtype.value} has no cache codec in this build "
+                           f"(side types: {', '.join(missing)})")
+    if any(side_format(s).rotated for s in sides):
+        wht_signs(head_dim)  # refuses a head_dim the rotation does not serve
     if backend != "cuda":
-        if missing:
-            validate_required_kv_kernels(kv_dtype, head_dim)  # names the missing kernels
-            raise MetraleError(f"kv-cache-dtype {kv_dtype.value} has no cache storage in this build "
-                               f"(side types: {', '.join(missing)})")
         return None
     from metrale_cli.kernels.cuda_ops import layer_kernels
     from metrale_cli.kernels.loader import KernelLoader
@@ -107,8 +129,10 @@ def check_kv_support(kv_dtype: KvCacheDtype, head_dim: int, backend: str, device
             return f"does not load: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
         return None
 
-    validate_required_kv_kernels(kv_dtype, head_dim, load)
-    problems = {str(spec): why for spec in layer_kernels(kv_dtype, head_dim) if (why := load(spec))}
+    for d in every:
+        validate_required_kv_kernels(d, head_dim, load)
+    specs = dict.fromkeys(spec for d in every for spec in layer_kernels(d, head_dim))
+    problems = {str(spec): why for spec in specs if (why := load(spec))}
     if problems:
         raise MetraleError(
             f"the cuda backend needs kernel(s) that do not load: {', '.join(problems)}",
@@ -134,16 +158,34 @@ def pool_blocks(layout: KvLayout, opts: RunnerOptions, max_seq_len: int, device:
     return blocks
 
 
+def kv_messages(layout: KvLayout, blocks: int, max_seq_len: int) -> list[str]:
+    """The KV lines a run prints once: bytes per token and pool capacity, per-layer dtypes."""
+    dtypes = layout.dtypes
+    main = next((d for d in dtypes if d != KvCacheDtype.BF16), KvCacheDtype.BF16)  # the requested one
+    lines = [f"KV cache: {main.value}, {layout.bytes_per_token()} bytes/token over {layout.num_layers} "
+             f"layers, {blocks} blocks = {blocks * 16} tokens, context {max_seq_len}"]
+    if len(set(dtypes)) > 1:
+        per = ", ".join(f"{d.value} {layout.layer_bytes_per_token(dtypes.index(d))} B"
+                        for d in dict.fromkeys(dtypes))
+        lines.append(f"KV layer dtypes: {describe_layers(dtypes)} (per layer and token: {per})")
+    return lines
+
+
+def plan_layers(cfg: ModelConfig, kv_dtype: KvCacheDtype, opts: RunnerOptions) -> tuple[KvCacheDtype, ...]:
+    return layer_dtypes(kv_dtype, cfg.num_layers, opts.kv_high_precision_layers, opts.kv_promote_minimum)
+
+
 def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, opts: RunnerOptions,
                  backend: str, kv_dtype: KvCacheDtype, source: str, loader=None) -> Runner:
     """Build from weights already on the device (the checkpoint path and bench presets share it)."""
     cfg = model_config_from_hf(raw_config)
     device = next(iter(tensors.values())).device
     max_seq_len = opts.max_seq_len or min(cfg.max_position_embeddings, 8192)
-    layout = KvLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+    dtypes = plan_layers(cfg, kv_dtype, opts)
+    layout = KvLayout(cfg.num_kv_heads, cfg.head_dim, dtypes)
     blocks = pool_blocks(layout, opts, max_seq_len, device)
     model = build_model(cfg, tensors, make_ops(backend, loader), kv_dtype, blocks, max_seq_len,
-                        opts.fp8_kv_calibration_tokens, device)
+                        opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq(), dtypes=dtypes)
     graphs = None
     if opts.cuda_graph_mode not in GRAPH_MODES:
         raise MetraleError(f"unknown --cuda-graph-mode '{opts.cuda_graph_mode}'",
@@ -154,12 +196,10 @@ def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, 
         graphs = DecodeGraphs(model, max(1, opts.max_num_seqs), blocks_for(max_seq_len))
     runner = Runner(model, Engine(model, max_seq_len, opts.prefill_chunk, graphs), tokenizer, backend,
                     kv_dtype, source)
-    runner.messages.append(
-        f"KV cache: {kv_dtype.value}, {layout.bytes_per_token()} bytes/token, {blocks} blocks "
-        f"= {blocks * 16} tokens, context {max_seq_len}"
-    )
-    if model.fp8_scales.describe():
-        runner.messages.append(model.fp8_scales.describe())
+    runner.messages += kv_messages(layout, blocks, max_seq_len)
+    for policy in (model.fp8_scales, model.innerq):
+        if policy.describe():
+            runner.messages.append(policy.describe())
     cold = [e for e in getattr(loader, "events", []) if e.cold]
     if cold:
         runner.messages.append(f"compiled {len(cold)} kernel module(s) in "
@@ -184,7 +224,7 @@ def load_runner(opts: RunnerOptions, progress: Callable[[int, int], None] | None
     raw = read_config(opts.model)
     cfg = model_config_from_hf(raw)
     kv_dtype = resolve_auto(raw.get("kv_cache_dtype")) if requested == AUTO else requested
-    loader = check_kv_support(kv_dtype, cfg.head_dim, backend, device)
+    loader = check_kv_support(kv_dtype, cfg.head_dim, backend, device, plan_layers(cfg, kv_dtype, opts))
     ckpt = load_checkpoint(opts.model, device, dtype, progress)
     return build_runner(ckpt.config, dict(ckpt.tensors), ckpt.tokenizer, opts, backend, kv_dtype,
                         ckpt.source, loader)

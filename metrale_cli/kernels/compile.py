@@ -21,6 +21,7 @@ import struct
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def source_digest(module: KernelModule, arch: str = ARCH) -> str:
     h = hashlib.sha256()
     for path, text in sorted(included_sources(module.path.resolve()).items()):
         h.update(path.name.encode() + b"\0" + text.encode() + b"\0")
-    h.update(repr((module.defines, arch)).encode())
+    h.update(repr((module.defines, module.flags, arch)).encode())
     return h.hexdigest()[:24]
 
 
@@ -173,3 +174,22 @@ def check_module(module: KernelModule, arch: str = ARCH, compiler: str | None = 
     tmp.write_text(json.dumps({"ok": cubin is not None, "symbols": symbols, "log": log}))
     tmp.replace(entry)
     return CompileResult(module.name, cubin is not None, symbols, log, ident, seconds, False)
+
+
+def check_modules(modules, arch: str = ARCH, workers: int | None = None) -> dict[str, CompileResult]:
+    """:func:`check_module` for many modules, the cold ones compiled in parallel processes
+    (NVRTC serialises compiles inside one process; the forked workers only run NVRTC and write
+    the disk cache). {module name: result}."""
+    modules = list(modules)
+    ident = compiler_id()
+    cold = [m for m in modules
+            if ident and not (cache_dir() / f"{m.name}-{source_digest(m, arch)}-{ident}.json").is_file()]
+    workers = min(len(cold), workers or os.cpu_count() or 1)
+    if workers > 1:
+        import multiprocessing
+
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            list(pool.map(check_module, cold, [arch] * len(cold)))
+    return {m.name: check_module(m, arch) for m in modules}

@@ -1,8 +1,9 @@
 """``CudaOps``: the :class:`~metrale_cli.kernels.ops.Ops` contract on CuPy-launched kernels.
 
-Each method prepares outputs, picks the kernel from the cache dtype (one table per family) and
-goes through :meth:`KernelLoader.launch`, which checks every argument. Semantics are exactly the
-torch references' (``kernels/reference.py``); the GPU tests hold the two together.
+Each method prepares outputs, picks the kernels of the layer's KV dtype from the pools' side
+types (:func:`kv_kernels`, built from the KV_DTYPES.md table in ``requirements.py``) and goes
+through :meth:`KernelLoader.launch`, which checks every argument. Semantics are exactly the torch
+references' (``kernels/reference.py``); the GPU tests hold the two together.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import torch
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.loader import KernelLoader, Signature
-from metrale_cli.kernels.registry import KernelSpec
+from metrale_cli.kernels.ops import SidePool
+from metrale_cli.kernels.registry import KernelSpec, module_for
+from metrale_cli.kernels.requirements import REQUIREMENTS, WHT_KERNELS
+from metrale_cli.kv.dtypes import KvCacheDtype, SideType, is_wht_rotated, kv_pair
 
-HEAD_DIMS = (64, 128, 256)  # instantiated in kernels_cu/include/paged_attention.cuh
 ATTN_THREADS = 128
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 32
+WHT_ROWS_PER_CTA = 4
 
 K = KernelSpec.parse
 RMS_NORM = K("rmsnorm::rms_norm_bf16"), Signature.parse(
@@ -33,55 +37,110 @@ ROPE = K("rope::rope_neox_bf16"), Signature.parse(
     "q: bf16*, k: bf16*, positions: i32*, cos: f32*, sin: f32*, hq: i32, hk: i32, head_dim: i32, rot_dim: i32"
 )
 SILU_AND_MUL = K("activation::silu_and_mul_bf16"), Signature.parse("gate_up: bf16*, out: bf16*, inter: i32")
+_WHT_SIG = Signature.parse("x: bf16*, signs: f32*, rows: i32, head_dim: i32")
+WHT = {False: (WHT_KERNELS[0], _WHT_SIG), True: (WHT_KERNELS[1], _WHT_SIG)}  # by `inverse`
+
+# Pointer type of a pool's data: element sides by element, packed sides as bytes.
+POOL_POINTER = {SideType.BF16: "bf16*", SideType.FP8: "fp8*"}
+
+_DECODE = (
+    "q: bf16*, k_cache: {k}, v_cache: {v}, block_tables: i32*, seq_lens: i32*, out: bf16*, "
+    "part_o: f32*?, part_ml: f32*?, k_scale: f32*, v_scale: f32*, scale: f32, hq: i32, hk: i32, "
+    "head_dim: i32, max_blocks: i32, num_splits: i32"
+)
+_PREFILL = (
+    "q: bf16*, k_cache: {k}, v_cache: {v}, block_table: i32*, out: bf16*, k_scale: f32*, "
+    "v_scale: f32*, scale: f32, tokens: i32, start_pos: i32, hq: i32, hk: i32, head_dim: i32"
+)
+_COMBINE = "part_o: f32*, part_ml: f32*, out: bf16*, hq: i32, head_dim: i32, num_splits: i32"
+_WRITE_HEAD = "k: bf16*, v: bf16*, k_cache: {k}, v_cache: {v}, slot_mapping: i32*"
+_WRITE_TAIL = ", hk: i32, head_dim: i32"
+
+
+@dataclass(frozen=True)
+class WriteLaunch:
+    """A cache-write kernel's extra parameters and grid: per token (block 128) or per
+    (token, KV head) with a warp per side (block 64)."""
+
+    params: str
+    per_head: bool
+
+
+_WRITES: dict[KvCacheDtype, WriteLaunch] = {
+    KvCacheDtype.BF16: WriteLaunch("", False),
+    KvCacheDtype.FP8: WriteLaunch(", k_scale: f32*, v_scale: f32*", False),
+    KvCacheDtype.NVFP4: WriteLaunch("", True),
+}
+_TURBO_WRITE = WriteLaunch(
+    ", k_scale: f32*, v_scale: f32*, k_signs: f32*?, v_signs: f32*?, channel_scale: f32*?", True
+)
+_BY_SIDES: dict[tuple[SideType, SideType], KvCacheDtype] = {kv_pair(d): d for d in KvCacheDtype}
+
+Kernel = tuple[KernelSpec, Signature]
 
 
 @dataclass(frozen=True)
 class KvKernels:
-    """The kernels serving one cache element type."""
+    """The kernels serving one KV dtype at one head_dim."""
 
-    cache_write: tuple[KernelSpec, Signature]
-    decode: tuple[KernelSpec, Signature]
-    combine: tuple[KernelSpec, Signature]
-    prefill: tuple[KernelSpec, Signature]
+    write: Kernel
+    write_per_head: bool
+    decode: Kernel
+    combine: Kernel
+    prefill: Kernel
+    rotated: bool  # some side is WHT-rotated: the layer launches the WHT bookends
+
+    def specs(self) -> list[KernelSpec]:
+        wht = list(WHT_KERNELS) if self.rotated else []
+        return [self.write[0], self.decode[0], self.combine[0], self.prefill[0], *wht]
 
 
-def _kv_kernels(kv: str, suffix: str, write_sig: str) -> KvKernels:
-    decode = (
-        "q: bf16*, k_cache: {kv}*, v_cache: {kv}*, block_tables: i32*, seq_lens: i32*, out: bf16*, "
-        "part_o: f32*?, part_ml: f32*?, k_scale: f32*?, v_scale: f32*?, scale: f32, hq: i32, hk: i32, "
-        "head_dim: i32, max_blocks: i32, num_splits: i32"
-    )
-    prefill = (
-        "q: bf16*, k_cache: {kv}*, v_cache: {kv}*, block_table: i32*, out: bf16*, k_scale: f32*?, "
-        "v_scale: f32*?, scale: f32, tokens: i32, start_pos: i32, hq: i32, hk: i32, head_dim: i32"
-    )
-    combine = "part_o: f32*, part_ml: f32*, out: bf16*, hq: i32, head_dim: i32, num_splits: i32"
+def _suffix(d: KvCacheDtype) -> str:
+    return "" if d == KvCacheDtype.BF16 else f"_{d.value}"
+
+
+def _serves(spec: KernelSpec, head_dim: int) -> bool:
+    module = module_for(spec)
+    return module is None or module.head_dims is None or head_dim in module.head_dims
+
+
+@functools.lru_cache(maxsize=None)
+def kv_kernels(d: KvCacheDtype, head_dim: int) -> KvKernels:
+    """Write, decode (its ``_128`` module when KV_DTYPES.md says so), split combine and chunked
+    prefill of dtype ``d``; raises when a kernel does not serve ``head_dim``."""
+    row, sfx = REQUIREMENTS[d], _suffix(d)
+    k, v = (POOL_POINTER.get(s, "u8*") for s in kv_pair(d))
+    write = _WRITES.get(d, _TURBO_WRITE)
+    decode = row.decode(head_dim)
+    prefill = row.prefill or KernelSpec(f"prefill_paged{sfx}", f"attn_prefill_paged{sfx}")
+    unserved = [str(s) for s in (row.cache_write, decode, prefill) if not _serves(s, head_dim)]
+    if unserved:
+        raise MetraleError(
+            f"kv-cache-dtype {d.value}: kernel(s) {', '.join(unserved)} do not serve head_dim {head_dim}",
+            hint="use another --kv-cache-dtype or --backend torch for this model",
+        )
     return KvKernels(
-        cache_write=(K(f"reshape_and_cache::reshape_and_cache_flash{suffix}"), Signature.parse(write_sig)),
-        decode=(K(f"paged_decode{suffix}::paged_decode_attn{suffix}"), Signature.parse(decode.format(kv=kv))),
-        combine=(K(f"paged_decode{suffix}::paged_decode_combine{suffix}"), Signature.parse(combine)),
-        prefill=(
-            K(f"prefill_paged{suffix}::attn_prefill_paged{suffix}"),
-            Signature.parse(prefill.format(kv=kv)),
-        ),
+        write=(row.cache_write, Signature.parse(_WRITE_HEAD.format(k=k, v=v) + write.params + _WRITE_TAIL)),
+        write_per_head=write.per_head,
+        decode=(decode, Signature.parse(_DECODE.format(k=k, v=v))),
+        combine=(KernelSpec(decode.module, f"paged_decode_combine{sfx}"), Signature.parse(_COMBINE)),
+        prefill=(prefill, Signature.parse(_PREFILL.format(k=k, v=v))),
+        rotated=any(is_wht_rotated(s) for s in kv_pair(d)),
     )
 
 
-_WRITE = (
-    "k: bf16*, v: bf16*, k_cache: {kv}*, v_cache: {kv}*, slot_mapping: i32*{scales}, "
-    "hk: i32, head_dim: i32"
-)
-KV_KERNELS: dict[torch.dtype, KvKernels] = {
-    torch.bfloat16: _kv_kernels("bf16", "", _WRITE.format(kv="bf16", scales="")),
-    torch.float8_e4m3fn: _kv_kernels(
-        "fp8", "_fp8", _WRITE.format(kv="fp8", scales=", k_scale: f32*, v_scale: f32*")
-    ),
-}
+def dtype_of(k_pool: SidePool, v_pool: SidePool) -> KvCacheDtype:
+    """The KV dtype whose (K side, V side) the two pools are."""
+    sides = (k_pool.side, v_pool.side)
+    if sides not in _BY_SIDES:
+        raise MetraleError(f"no KV-cache dtype stores K as {sides[0].value} and V as {sides[1].value}",
+                           hint="the 16 dtypes of --kv-cache-dtype are the supported pairs")
+    return _BY_SIDES[sides]
 
 
 def rows_per_cta(head_dim: int) -> int:
     """Mirror of ``RowsPerCta<D>`` in paged_attention.cuh."""
-    return 8 if head_dim <= 128 else 4
+    return 8 if head_dim <= 128 else 4 if head_dim <= 256 else 2
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
@@ -95,23 +154,13 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _kv_for(k_cache: torch.Tensor, v_cache: torch.Tensor) -> KvKernels:
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in KV_KERNELS:
-        raise MetraleError(
-            f"the cuda backend has no kernels for a {k_cache.dtype}/{v_cache.dtype} KV cache",
-            hint="bf16 and fp8 caches are supported here; other dtypes need their own kernels",
-        )
-    return KV_KERNELS[k_cache.dtype]
-
-
-def _check_heads(hq: int, hk: int, head_dim: int) -> None:
-    if head_dim not in HEAD_DIMS:
-        raise MetraleError(
-            f"paged attention kernels support head_dim {HEAD_DIMS}, not {head_dim}",
-            hint="use --backend torch for this model",
-        )
+def _attention_kernels(q: torch.Tensor, k_pool: SidePool, v_pool: SidePool) -> KvKernels:
+    hq, head_dim, hk = q.shape[1], q.shape[2], k_pool.num_kv_heads
     if hk == 0 or hq % hk:
         raise MetraleError(f"{hq} query heads cannot share {hk} KV heads evenly")
+    if head_dim != k_pool.head_dim:
+        raise MetraleError(f"q has head_dim {head_dim}, the KV pools {k_pool.head_dim}")
+    return kv_kernels(dtype_of(k_pool, v_pool), head_dim)
 
 
 class CudaOps:
@@ -163,22 +212,26 @@ class CudaOps:
             self._launch(SILU_AND_MUL, (tokens, math.ceil(inter / (128 * 8))), (128,), gate_up, out, inter)
         return out
 
-    def reshape_and_cache(self, k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
-        kernels = _kv_for(k_cache, v_cache)
+    def reshape_and_cache(self, k, v, k_pool: SidePool, v_pool: SidePool, slot_mapping):
         tokens, hk, head_dim = k.shape
+        kernels = kv_kernels(dtype_of(k_pool, v_pool), head_dim)
         if not tokens:
             return
-        scales = (k_scale, v_scale) if k_cache.dtype == torch.float8_e4m3fn else ()
-        self._launch(
-            kernels.cache_write, (tokens,), (128,), _ready(k), _ready(v), k_cache, v_cache,
-            _ready(slot_mapping), *scales, hk, head_dim,
+        channel = k_pool.channel_scale
+        values = dict(
+            k=_ready(k), v=_ready(v), k_cache=k_pool.data, v_cache=v_pool.data,
+            slot_mapping=_ready(slot_mapping), k_scale=k_pool.scale, v_scale=v_pool.scale,
+            k_signs=k_pool.signs, v_signs=v_pool.signs,
+            channel_scale=None if channel is None else _ready(channel), hk=hk, head_dim=head_dim,
         )
+        spec, sig = kernels.write
+        grid, block = ((tokens, hk), (64,)) if kernels.write_per_head else ((tokens,), (128,))
+        self.loader.launch(spec, sig, grid, block, *(values[name] for name, _ in sig.params))
 
-    def paged_decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale):
-        kernels = _kv_for(k_cache, v_cache)
+    def paged_decode(self, q, k_pool: SidePool, v_pool: SidePool, block_tables, seq_lens, scale):
+        kernels = _attention_kernels(q, k_pool, v_pool)
         batch, hq, head_dim = q.shape
-        hk = k_cache.shape[2]
-        _check_heads(hq, hk, head_dim)
+        hk = k_pool.num_kv_heads
         q, out = _ready(q), torch.empty_like(q)
         if not batch:
             return out
@@ -189,9 +242,9 @@ class CudaOps:
             part_o = torch.empty(batch, hq, splits, head_dim, dtype=torch.float32, device=q.device)
             part_ml = torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device)
         self._launch(
-            kernels.decode, (hk, batch, chunks * splits), (ATTN_THREADS,), q, k_cache, v_cache,
-            _ready(block_tables), _ready(seq_lens), out, part_o, part_ml, k_scale, v_scale, scale,
-            hq, hk, head_dim, block_tables.shape[1], splits,
+            kernels.decode, (hk, batch, chunks * splits), (ATTN_THREADS,), q, k_pool.data, v_pool.data,
+            _ready(block_tables), _ready(seq_lens), out, part_o, part_ml, k_pool.scale, v_pool.scale,
+            scale, hq, hk, head_dim, block_tables.shape[1], splits,
         )
         if splits > 1:
             self._launch(kernels.combine, (hq, batch), (128,), part_o, part_ml, out, hq, head_dim, splits)
@@ -204,11 +257,10 @@ class CudaOps:
         wanted = math.ceil(2 * _sm_count(device.index) / ctas)
         return max(1, min(MAX_SPLITS, by_size, wanted))
 
-    def paged_prefill(self, q, k_cache, v_cache, block_table, start_pos, scale, k_scale, v_scale):
-        kernels = _kv_for(k_cache, v_cache)
+    def paged_prefill(self, q, k_pool: SidePool, v_pool: SidePool, block_table, start_pos, scale):
+        kernels = _attention_kernels(q, k_pool, v_pool)
         tokens, hq, head_dim = q.shape
-        hk = k_cache.shape[2]
-        _check_heads(hq, hk, head_dim)
+        hk = k_pool.num_kv_heads
         q, out = _ready(q), torch.empty_like(q)
         if tokens:
             rows = math.ceil(tokens * (hq // hk) / rows_per_cta(head_dim))
@@ -218,10 +270,25 @@ class CudaOps:
                     hint="prefill in chunks of at most 8192 tokens",
                 )
             self._launch(
-                kernels.prefill, (hk, rows), (ATTN_THREADS,), q, k_cache, v_cache, _ready(block_table),
-                out, k_scale, v_scale, scale, tokens, start_pos, hq, hk, head_dim,
+                kernels.prefill, (hk, rows), (ATTN_THREADS,), q, k_pool.data, v_pool.data,
+                _ready(block_table), out, k_pool.scale, v_pool.scale, scale, tokens, start_pos, hq, hk,
+                head_dim,
             )
         return out
+
+    def wht(self, x, signs, inverse: bool):
+        rows, head_dim = x.shape
+        kernel = WHT[bool(inverse)]
+        if not _serves(kernel[0], head_dim):
+            raise MetraleError(f"the WHT kernels serve head_dim {module_for(kernel[0]).head_dims}, "
+                               f"not {head_dim}")
+        if rows:
+            buf = _ready(x)
+            self._launch(kernel, (math.ceil(rows / WHT_ROWS_PER_CTA),), (32 * WHT_ROWS_PER_CTA,),
+                         buf, _ready(signs), rows, head_dim)
+            if buf is not x:
+                x.copy_(buf)
+        return x
 
 
 def _norm_block(hidden: int) -> int:
@@ -229,18 +296,10 @@ def _norm_block(hidden: int) -> int:
 
 
 def layer_kernels(kv_dtype, head_dim: int) -> list[KernelSpec]:
-    """Every kernel ``CudaOps`` launches for a model with this KV dtype: the start-up check loads
-    them all before any weight is read."""
-    from metrale_cli.kv.dtypes import kv_pair
-    from metrale_cli.kv.paged import storage_dtype
+    """Every kernel ``CudaOps`` launches for a layer of this KV dtype (norms, RoPE, SwiGLU, the
+    dtype's write / decode / split combine / prefill, and the WHT bookends of a rotated side):
+    the start-up check loads them all before any weight is read."""
+    from metrale_cli.kernels.requirements import as_kv_dtype
 
-    if head_dim not in HEAD_DIMS:
-        raise MetraleError(
-            f"paged attention kernels support head_dim {HEAD_DIMS}, not {head_dim}",
-            hint="use --backend torch for this model",
-        )
     specs = [RMS_NORM[0], ADD_RMS_NORM[0], ROPE[0], SILU_AND_MUL[0]]
-    for side in dict.fromkeys(kv_pair(kv_dtype)):
-        kv = KV_KERNELS[storage_dtype(side)]
-        specs += [kv.cache_write[0], kv.decode[0], kv.combine[0], kv.prefill[0]]
-    return specs
+    return specs + kv_kernels(as_kv_dtype(kv_dtype), head_dim).specs()

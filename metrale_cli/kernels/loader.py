@@ -31,6 +31,7 @@ POINTER_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "f32": torch.float32,
     "i32": torch.int32,
+    "u8": torch.uint8,
 }
 SCALARS = {"i32": np.int32, "f32": np.float32}
 
@@ -39,7 +40,8 @@ SCALARS = {"i32": np.int32, "f32": np.float32}
 class Signature:
     """A kernel's parameters, e.g. ``Signature.parse("x: bf16*, out: bf16*, n: i32, eps: f32")``.
 
-    Pointer types end in ``*`` (``bf16*``, ``fp8*``, ``f32*``, ``i32*``); a trailing ``?``
+    Pointer types end in ``*`` (``bf16*``, ``fp8*``, ``f32*``, ``i32*``, ``u8*`` for packed KV
+    pools); a trailing ``?``
     (``f32*?``) accepts None for an unused pointer. Scalars are ``i32`` or ``f32``.
     """
 

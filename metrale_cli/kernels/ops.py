@@ -8,22 +8,54 @@ the contract: both backends use torch (cuBLAS on a GPU) for them.
 Shapes below use T = tokens, B = sequences, Hq / Hk = query / KV heads, D = head_dim,
 NB = blocks in the pool, MB = blocks in a block table. Activations are bf16 (or the model dtype);
 ``positions``, ``slot_mapping``, ``block_tables`` and ``seq_lens`` are int32 on the activations'
-device. KV scales are float32 tensors of shape (1,) on that device so a CUDA graph can capture
-them (online fp8 calibration rewrites them in place).
+device. Every tensor of a :class:`SidePool` lives on that device too, so a CUDA graph can
+capture it (online fp8 calibration rewrites ``scale`` in place).
 
-Paged KV layout (per layer, per side): ``(NB, BLOCK_SIZE, Hk, D)``; element dtype bf16 for a
-bf16 side, ``torch.float8_e4m3fn`` for an fp8 side (stored value = e4m3(x / scale), rounded to
-nearest even with saturation to ±448). Slot ``s`` is block ``s // 16``, offset ``s % 16``;
-a negative slot is skipped.
+The cache of one layer is two :class:`SidePool` objects, K and V, each with its own side type
+(``kv/dtypes.py``). Their byte layouts are normative in ``docs/kv-formats.md`` and defined by the
+torch codecs of ``kv/quant.py``. Slot ``s`` is block ``s // 16``, offset ``s % 16``; a negative
+slot is skipped.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from metrale_cli.kv.dtypes import SideType
+
 BLOCK_SIZE = 16
+
+
+@dataclass
+class SidePool:
+    """One layer's cache pool for one side (K or V).
+
+    ``data``: ``(NB, 16, Hk, D)`` bf16 / float8_e4m3fn for BF16 / FP8 sides, ``(NB, block_bytes)``
+    uint8 for packed sides (nvfp4, turbo2/3/4/8). ``scale``: ``(1,)`` fp32, the fp8 per-tensor
+    scale (stored value = e4m3(x / scale)); 1.0 for the other sides. ``signs``: ``(2, D)`` fp32
+    WHT signs (row 0 = S1, row 1 = S2) when the side is stored rotated (turbo), else None.
+    ``channel_scale``: ``(Hk, D)`` fp32 InnerQ scales (K side only) multiplied into K after the
+    rotation and before quantizing; None = all ones.
+    """
+
+    side: SideType
+    data: torch.Tensor
+    num_kv_heads: int
+    head_dim: int
+    scale: torch.Tensor
+    signs: torch.Tensor | None = None
+    channel_scale: torch.Tensor | None = None
+
+    @property
+    def rotated(self) -> bool:
+        return self.signs is not None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[0]
 
 
 class Ops(Protocol):
@@ -55,52 +87,51 @@ class Ops(Protocol):
         """gate_up: (T, 2I) = [gate | up] -> silu(gate) * up: (T, I)."""
 
     def reshape_and_cache(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        k_scale: torch.Tensor,
-        v_scale: torch.Tensor,
+        self, k: torch.Tensor, v: torch.Tensor, k_pool: SidePool, v_pool: SidePool, slot_mapping: torch.Tensor
     ) -> None:
-        """Write k, v: (T, Hk, D) into the paged caches at ``slot_mapping``: (T,).
+        """Write k, v: (T, Hk, D) bf16, in the ORIGINAL basis, at ``slot_mapping``: (T,).
 
-        The cache tensors' dtype selects the store (bf16 copy or fp8 quantize by scale).
+        Each side stores in its own type: bf16 copy, fp8 = e4m3(x / scale), packed nvfp4, or a
+        rotated side: rotate in fp32 by R (``pool.signs``), multiply by ``channel_scale`` (K
+        only, when set) and quantize, all inside the write, exactly as docs/kv-formats.md says.
         """
 
     def paged_decode(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_pool: SidePool,
+        v_pool: SidePool,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
-        k_scale: torch.Tensor,
-        v_scale: torch.Tensor,
     ) -> torch.Tensor:
         """One query token per sequence over its whole cached context.
 
         q: (B, Hq, D), block_tables: (B, MB), seq_lens: (B,) tokens in the cache for each
         sequence, the current one included -> (B, Hq, D) in q's dtype. GQA: query head h reads
-        KV head h // (Hq // Hk).
+        KV head h // (Hq // Hk). ``q`` arrives already rotated (and divided by the InnerQ scales
+        of its KV head) when the K side is rotated; the output is in the rotated basis when the
+        V side is rotated (the layer rotates it back). Kernels only dequantize and attend.
         """
 
     def paged_prefill(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_pool: SidePool,
+        v_pool: SidePool,
         block_table: torch.Tensor,
         start_pos: int,
         scale: float,
-        k_scale: torch.Tensor,
-        v_scale: torch.Tensor,
     ) -> torch.Tensor:
         """Causal attention of one chunk of one sequence over the cache (chunked prefill).
 
         q: (T, Hq, D) holds positions ``start_pos .. start_pos+T-1``, whose K/V are already in
         the cache together with every earlier position; block_table: (MB,). Query t attends to
-        cache positions ``0 .. start_pos + t`` -> (T, Hq, D) in q's dtype.
+        cache positions ``0 .. start_pos + t`` -> (T, Hq, D) in q's dtype. Rotation as in
+        :meth:`paged_decode`.
         """
+
+    def wht(self, x: torch.Tensor, signs: torch.Tensor, inverse: bool) -> torch.Tensor:
+        """x: (N, D) bf16 rows (N = tokens * heads), rotated in place by R = S2·H·S1/√D (by Rᵀ
+        when ``inverse``), computed in fp32 and rounded to bf16 once; returns x.
+        signs: (2, D) fp32 (row 0 = S1, row 1 = S2)."""

@@ -1,16 +1,21 @@
 """Torch references of every kernel: the oracle for kernel tests and the ``torch`` backend.
 
 Plain and readable on purpose. Norms and RoPE reproduce HF transformers' rounding order in the
-model dtype so the torch backend tracks HF token for token; attention upcasts to fp32.
+model dtype so the torch backend tracks HF token for token; attention upcasts to fp32. The
+cache write and read of every side type are the codecs of ``kv/formats.py`` + ``kv/quant.py``
+(the normative bytes); attention sees the values as stored, in the rotated basis for a rotated
+side (the layer rotates Q and the output, see ``layers/attention.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from metrale_cli.kernels.ops import BLOCK_SIZE
+from metrale_cli.kernels.ops import SidePool
+from metrale_cli.kv import formats
+from metrale_cli.kv.quant import FP8_MAX
+from metrale_cli.kv.wht import wht_inplace
 
-FP8_MAX = 448.0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,29 +57,14 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-def _store(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    if cache.dtype == torch.float8_e4m3fn:
-        return quantize_fp8(x, scale)
-    return x.to(cache.dtype)
+def reshape_and_cache(k, v, k_pool: SidePool, v_pool: SidePool, slot_mapping) -> None:
+    formats.store(k, k_pool, slot_mapping)
+    formats.store(v, v_pool, slot_mapping)
 
 
-def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    slots = slots[keep]
-    blocks, offsets = slots // BLOCK_SIZE, slots % BLOCK_SIZE
-    k_cache[blocks, offsets] = _store(k[keep], k_cache, k_scale)
-    v_cache[blocks, offsets] = _store(v[keep], v_cache, v_scale)
-
-
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int, scale) -> torch.Tensor:
+def gather_context(pool: SidePool, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` cached positions of one sequence, dequantized: (length, Hk, D) fp32."""
-    nblocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
-    blocks = cache[block_table[:nblocks].long()]  # (nb, 16, Hk, D)
-    flat = blocks.reshape(-1, *cache.shape[2:])[:length].float()
-    if cache.dtype == torch.float8_e4m3fn:
-        flat = flat * scale.float()
-    return flat
+    return formats.load(pool, block_table, length)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask) -> torch.Tensor:
@@ -89,19 +79,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, m
     return torch.einsum("hts,shd->thd", probs, v).to(q.dtype)
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale):
+def paged_decode(q, k_pool: SidePool, v_pool: SidePool, block_tables, seq_lens, scale):
     out = torch.empty_like(q)
     for b, length in enumerate(seq_lens.tolist()):
-        k = gather_context(k_cache, block_tables[b], length, k_scale)
-        v = gather_context(v_cache, block_tables[b], length, v_scale)
+        k = gather_context(k_pool, block_tables[b], length)
+        v = gather_context(v_pool, block_tables[b], length)
         out[b] = attention(q[b : b + 1], k, v, scale, None)[0]
     return out
 
 
-def paged_prefill(q, k_cache, v_cache, block_table, start_pos, scale, k_scale, v_scale):
+def paged_prefill(q, k_pool: SidePool, v_pool: SidePool, block_table, start_pos, scale):
     total = start_pos + q.shape[0]
-    k = gather_context(k_cache, block_table, total, k_scale)
-    v = gather_context(v_cache, block_table, total, v_scale)
+    k = gather_context(k_pool, block_table, total)
+    v = gather_context(v_pool, block_table, total)
     qpos = torch.arange(start_pos, total, device=q.device)[:, None]
     kpos = torch.arange(total, device=q.device)[None, :]
     return attention(q, k, v, scale, kpos <= qpos)
@@ -118,3 +108,7 @@ class TorchOps:
     reshape_and_cache = staticmethod(reshape_and_cache)
     paged_decode = staticmethod(paged_decode)
     paged_prefill = staticmethod(paged_prefill)
+
+    @staticmethod
+    def wht(x: torch.Tensor, signs: torch.Tensor, inverse: bool) -> torch.Tensor:
+        return wht_inplace(x, signs, inverse)

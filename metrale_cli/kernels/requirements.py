@@ -1,9 +1,10 @@
 """Which kernels each KV-cache dtype needs, and the start-up check that they exist.
 
 :data:`REQUIREMENTS` is the table of KV_DTYPES.md, one row per dtype (a test walks every
-:class:`KvCacheDtype`). A WHT-rotated side adds the Hadamard bookends. Kernels that this build
-does not ship are reported missing, never stubbed: :func:`validate_required_kv_kernels` names
-every one of them in a single error before any weight is loaded.
+:class:`KvCacheDtype`). A WHT-rotated side adds the Hadamard bookends. A kernel that this build
+does not ship, that does not compile, or whose module is not instantiated for the head_dim is
+reported, never stubbed: :func:`validate_required_kv_kernels` names every one of them in a
+single error before any weight is loaded.
 """
 
 from __future__ import annotations
@@ -110,10 +111,18 @@ def compile_check(spec: KernelSpec) -> str | None:
     return None
 
 
+def head_dim_problem(spec: KernelSpec, head_dim: int) -> str | None:
+    """Why the module of ``spec`` cannot serve ``head_dim`` (its instantiated sizes), or None."""
+    module = module_for(spec)
+    if module is None or module.head_dims is None or head_dim in module.head_dims:
+        return None
+    return f"built for head_dim {'/'.join(map(str, module.head_dims))} only"
+
+
 def kernel_problems(dtype, head_dim: int, checker: KernelCheck | None = None) -> dict[str, str]:
     """{``module::function``: reason} for every required kernel that is not usable."""
     check = checker or compile_check
-    problems = {str(k): check(k) for k in required_kernels(dtype, head_dim)}
+    problems = {str(k): check(k) or head_dim_problem(k, head_dim) for k in required_kernels(dtype, head_dim)}
     return {name: reason for name, reason in problems.items() if reason is not None}
 
 

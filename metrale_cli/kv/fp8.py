@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from metrale_cli.kernels.reference import FP8_MAX
-from metrale_cli.kv.dtypes import SideType, kv_pair
+from metrale_cli.kv.dtypes import SideType
 from metrale_cli.kv.paged import PagedKvCache
+from metrale_cli.kv.quant import FP8_MAX
 
 # Checkpoint tensor names that carry per-layer KV scales (vLLM / compressed-tensors / ModelOpt).
 SCALE_NAMES = {
@@ -29,25 +29,26 @@ def checkpoint_scales(tensors: dict[str, torch.Tensor], layer: int, side: str) -
 
 
 class Fp8ScalePolicy:
-    """Decides and applies the scale source for every fp8 side of a cache; says which, once."""
+    """Decides and applies the scale source for every fp8 side of a cache (``pool.scale``);
+    says which, once. Layers without an fp8 side are frozen from the start."""
 
     def __init__(self, cache: PagedKvCache, tensors: dict[str, torch.Tensor], calibration_tokens: int):
         self.cache = cache
-        k_side, v_side = kv_pair(cache.layout.dtype)
-        self.fp8_sides = [s for s, t in (("k", k_side), ("v", v_side)) if t == SideType.FP8]
+        layers = range(cache.layout.num_layers)
+        self.fp8_sides = [(i, side) for i in layers for side in "kv"
+                          if getattr(cache, side)[i].side == SideType.FP8]
         self.calibration_tokens = calibration_tokens
-        self.frozen = [False] * cache.layout.num_layers
+        self.frozen = [not any(i == j for j, _ in self.fp8_sides) for i in layers]
         self.source = self._load(tensors) if self.fp8_sides else None
 
     def _load(self, tensors: dict[str, torch.Tensor]) -> str:
         found = 0
-        for layer in range(self.cache.layout.num_layers):
-            for side in self.fp8_sides:
-                t = checkpoint_scales(tensors, layer, side)
-                if t is not None:
-                    getattr(self.cache, f"{side}_scale")[layer].copy_(t.float().reshape(-1)[:1])
-                    found += 1
-        if found == self.cache.layout.num_layers * len(self.fp8_sides):
+        for layer, side in self.fp8_sides:
+            t = checkpoint_scales(tensors, layer, side)
+            if t is not None:
+                getattr(self.cache, side)[layer].scale.copy_(t.float().reshape(-1)[:1])
+                found += 1
+        if found == len(self.fp8_sides):
             self.frozen = [True] * len(self.frozen)
             return "checkpoint"
         if found:
@@ -76,7 +77,7 @@ class Fp8ScalePolicy:
             return
         n = self.calibration_tokens
         for side, x in (("k", k), ("v", v)):
-            if side in self.fp8_sides:
+            if (layer, side) in self.fp8_sides:
                 amax = x[:n].detach().abs().amax().float().clamp(min=1e-4)
-                getattr(self.cache, f"{side}_scale")[layer].copy_((amax / FP8_MAX).reshape(1))
+                getattr(self.cache, side)[layer].scale.copy_((amax / FP8_MAX).reshape(1))
         self.frozen[layer] = True

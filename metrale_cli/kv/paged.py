@@ -1,4 +1,8 @@
-"""PagedKvCache: one block pool per layer and per side, shared block ids, block tables per sequence."""
+"""PagedKvCache: one SidePool per layer and per side, shared block ids, block tables per sequence.
+
+Layers may differ in KV dtype (high-precision boundary layers keep bf16); every pool has the
+same number of blocks, so one block table per sequence serves every layer.
+"""
 
 from __future__ import annotations
 
@@ -8,38 +12,47 @@ from dataclasses import dataclass
 import torch
 
 from metrale_cli.errors import MetraleError
-from metrale_cli.kernels.ops import BLOCK_SIZE
+from metrale_cli.kernels.ops import BLOCK_SIZE, SidePool
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
+from metrale_cli.kv.formats import SIDE_FORMATS, new_pool, side_format
 
-# The side types this build can store; the others arrive with their kernels.
+# Sides stored element-wise, as (NB, 16, Hk, D) tensors of this dtype; the others are packed uint8.
 STORAGE_DTYPES: dict[SideType, torch.dtype] = {
-    SideType.BF16: torch.bfloat16,
-    SideType.FP8: torch.float8_e4m3fn,
+    s: f.element for s, f in SIDE_FORMATS.items() if not f.packed
 }
 
 
 def storage_dtype(side: SideType) -> torch.dtype:
+    """The element dtype of an element-wise side (bf16, fp8); packed sides have none."""
     if side not in STORAGE_DTYPES:
-        raise MetraleError(
-            f"KV side type '{side.value}' has no cache storage in this build",
-            hint="supported now: " + ", ".join(s.value for s in STORAGE_DTYPES),
-        )
+        raise MetraleError(f"KV side type '{side.value}' is packed (uint8 blocks), not element-wise")
     return STORAGE_DTYPES[side]
 
 
 @dataclass(frozen=True)
 class KvLayout:
-    num_layers: int
+    """The cache's shape: one KV dtype per layer (``dtypes``), one head count and head_dim."""
+
     num_kv_heads: int
     head_dim: int
-    dtype: KvCacheDtype
+    dtypes: tuple[KvCacheDtype, ...]
+
+    @classmethod
+    def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: KvCacheDtype) -> KvLayout:
+        return cls(num_kv_heads, head_dim, (dtype,) * num_layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.dtypes)
+
+    def layer_bytes_per_token(self, layer: int) -> int:
+        """Bytes one token occupies in one layer, K and V, group scales included."""
+        return sum(self.num_kv_heads * side_format(s).vector_bytes(self.head_dim)
+                   for s in kv_pair(self.dtypes[layer]))
 
     def bytes_per_token(self) -> int:
         """Bytes one token occupies across all layers, K and V."""
-        k, v = kv_pair(self.dtype)
-        per_side = self.num_kv_heads * self.head_dim
-        sides = storage_dtype(k).itemsize + storage_dtype(v).itemsize
-        return self.num_layers * per_side * sides
+        return sum(self.layer_bytes_per_token(i) for i in range(self.num_layers))
 
     def bytes_per_block(self) -> int:
         return self.bytes_per_token() * BLOCK_SIZE
@@ -75,21 +88,21 @@ class BlockAllocator:
 
 
 class PagedKvCache:
-    """K and V pools ``(num_blocks, 16, Hk, D)`` per layer, plus fp8 per-tensor scales.
-
-    Scales are float32 tensors of shape (1,) per layer and side (1.0 for bf16 sides).
-    """
+    """``k[i]`` / ``v[i]``: layer i's :class:`SidePool` for K and V, in that layer's side types."""
 
     def __init__(self, layout: KvLayout, num_blocks: int, device: torch.device):
         self.layout = layout
         self.device = device
-        k_side, v_side = kv_pair(layout.dtype)
-        shape = (num_blocks, BLOCK_SIZE, layout.num_kv_heads, layout.head_dim)
-        self.k = [torch.zeros(shape, dtype=storage_dtype(k_side), device=device) for _ in range(layout.num_layers)]
-        self.v = [torch.zeros(shape, dtype=storage_dtype(v_side), device=device) for _ in range(layout.num_layers)]
-        self.k_scale = [torch.ones(1, dtype=torch.float32, device=device) for _ in range(layout.num_layers)]
-        self.v_scale = [torch.ones(1, dtype=torch.float32, device=device) for _ in range(layout.num_layers)]
+        self.k: list[SidePool] = []
+        self.v: list[SidePool] = []
+        for dtype in layout.dtypes:
+            k_side, v_side = kv_pair(dtype)
+            self.k.append(new_pool(k_side, num_blocks, layout.num_kv_heads, layout.head_dim, device))
+            self.v.append(new_pool(v_side, num_blocks, layout.num_kv_heads, layout.head_dim, device))
         self.allocator = BlockAllocator(num_blocks)
+
+    def pools(self, layer: int) -> tuple[SidePool, SidePool]:
+        return self.k[layer], self.v[layer]
 
     @property
     def num_blocks(self) -> int:

@@ -2,7 +2,9 @@
 
 RMSNorm (fused with the residual add) -> fused q/k/v projection -> optional QK-norm -> RoPE ->
 KV-cache write -> paged attention -> o_proj -> residual add + post-attention norm -> FFN
-component. Layers pass ``(hidden, residual)`` on, vLLM style: the residual add of one sub-layer
+component. WHT bookends: when the layer's K side is stored rotated, Q is rotated the same way
+(and divided by the InnerQ channel scales) before attention, so scores are unchanged; when the
+V side is rotated, the attention output comes back in the rotated basis and is rotated back. Layers pass ``(hidden, residual)`` on, vLLM style: the residual add of one sub-layer
 is fused into the next norm.
 """
 
@@ -14,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from metrale_cli.config import ModelConfig
-from metrale_cli.kernels.ops import Ops
+from metrale_cli.kernels.ops import Ops, SidePool
 from metrale_cli.kv.fp8 import Fp8ScalePolicy
+from metrale_cli.kv.innerq import InnerQPolicy
 from metrale_cli.kv.paged import PagedKvCache
 from metrale_cli.layers.context import ForwardContext
 from metrale_cli.layers.ffn import DenseSwiGluFfn
@@ -39,6 +42,28 @@ class AttnLayerState:
     """
 
 
+def rotate_query(ops: Ops, q: torch.Tensor, k_pool: SidePool) -> torch.Tensor:
+    """q: (T, Hq, D) -> the query the kernels expect for ``k_pool``: R·q / channel_scale when the
+    K side is rotated (query head h divided by the scales of KV head h // (Hq // Hk)), else q."""
+    if not k_pool.rotated:
+        return q
+    tokens, hq, d = q.shape
+    q = ops.wht(q.reshape(-1, d).contiguous(), k_pool.signs, False).view(tokens, hq, d)
+    if k_pool.channel_scale is not None:
+        hk = k_pool.num_kv_heads
+        grouped = q.view(tokens, hk, hq // hk, d).float() / k_pool.channel_scale[None, :, None, :]
+        q = grouped.to(q.dtype).view(tokens, hq, d)
+    return q
+
+
+def restore_output(ops: Ops, out: torch.Tensor, v_pool: SidePool) -> torch.Tensor:
+    """out: (T, Hq, D) in the V side's basis -> the original basis (Rᵀ·out when V is rotated)."""
+    if not v_pool.rotated:
+        return out
+    tokens, hq, d = out.shape
+    return ops.wht(out.reshape(-1, d).contiguous(), v_pool.signs, True).view(tokens, hq, d)
+
+
 class Qwen3AttentionLayer:
     def __init__(
         self,
@@ -53,6 +78,7 @@ class Qwen3AttentionLayer:
         fp8_scales: Fp8ScalePolicy,
         rope_cos: torch.Tensor,
         rope_sin: torch.Tensor,
+        innerq: InnerQPolicy | None = None,
     ):
         self.idx = layer_idx
         self.cfg = config
@@ -63,6 +89,7 @@ class Qwen3AttentionLayer:
         self.ops = ops
         self.kv = kv_cache
         self.fp8_scales = fp8_scales
+        self.innerq = innerq
         self.rope_cos, self.rope_sin = rope_cos, rope_sin
         self.scale = config.head_dim**-0.5
 
@@ -117,10 +144,14 @@ class Qwen3AttentionLayer:
             k = ops.rms_norm(k.reshape(-1, d), w.k_norm, cfg.rms_norm_eps).view(tokens, -1, d)
         q, k = ops.rope(q.contiguous(), k.contiguous(), ctx.positions, self.rope_cos, self.rope_sin)
         self.fp8_scales.observe(i, k, v)
-        kc, vc, ks, vs = self.kv.k[i], self.kv.v[i], self.kv.k_scale[i], self.kv.v_scale[i]
-        ops.reshape_and_cache(k, v, kc, vc, ctx.slot_mapping, ks, vs)
+        if self.innerq is not None:
+            self.innerq.observe(i, k, ctx.slot_mapping)
+        kp, vp = self.kv.pools(i)
+        ops.reshape_and_cache(k, v, kp, vp, ctx.slot_mapping)
+        q = rotate_query(ops, q, kp)
         if ctx.is_prefill:
-            out = ops.paged_prefill(q, kc, vc, ctx.block_table, ctx.start_pos, self.scale, ks, vs)
+            out = ops.paged_prefill(q, kp, vp, ctx.block_table, ctx.start_pos, self.scale)
         else:
-            out = ops.paged_decode(q, kc, vc, ctx.block_tables, ctx.seq_lens, self.scale, ks, vs)
+            out = ops.paged_decode(q, kp, vp, ctx.block_tables, ctx.seq_lens, self.scale)
+        out = restore_output(ops, out, vp)
         return F.linear(out.reshape(tokens, cfg.q_size), w.o, w.o_bias)

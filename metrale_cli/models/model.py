@@ -8,13 +8,15 @@ import torch.nn.functional as F
 from metrale_cli.config import ModelConfig
 from metrale_cli.kernels.ops import Ops
 from metrale_cli.kv.fp8 import Fp8ScalePolicy
+from metrale_cli.kv.innerq import InnerQPolicy
 from metrale_cli.kv.paged import PagedKvCache
 from metrale_cli.layers.context import ForwardContext
 
 
 class CausalLM:
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list, final_norm: torch.Tensor,
-                 lm_head: torch.Tensor, ops: Ops, kv_cache: PagedKvCache, fp8_scales: Fp8ScalePolicy):
+                 lm_head: torch.Tensor, ops: Ops, kv_cache: PagedKvCache, fp8_scales: Fp8ScalePolicy,
+                 innerq: InnerQPolicy | None = None):
         self.cfg = cfg
         self.embed = embed
         self.layers = layers
@@ -23,6 +25,12 @@ class CausalLM:
         self.ops = ops
         self.kv_cache = kv_cache
         self.fp8_scales = fp8_scales
+        self.innerq = innerq
+
+    @property
+    def kv_frozen(self) -> bool:
+        """True once every online KV calibration (fp8 scales, InnerQ) has frozen."""
+        return all(self.fp8_scales.frozen) and (self.innerq is None or all(self.innerq.frozen))
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,82 @@
+"""High-precision boundary layers: which layers keep bf16 KV (``--kv-high-precision-layers``).
+
+N boundary layers keep bf16, the first ⌈N/2⌉ and the last ⌊N/2⌋ of the stack. Quantized KV
+hurts most at the ends of the stack, and a turbo or asymmetric dtype promotes a minimum even at
+N = 0 (KV_DTYPES.md): :data:`MINIMUM_RULES` is that table, one row per dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from metrale_cli.errors import MetraleError
+from metrale_cli.kv.dtypes import KvCacheDtype
+
+D = KvCacheDtype
+
+
+def _none(_layers: int) -> int:
+    return 0
+
+
+def _third(layers: int) -> int:
+    return max(2, math.ceil(layers / 3))
+
+
+def _four_fifths(layers: int) -> int:
+    return max(4, math.ceil(4 * layers / 5))
+
+
+MINIMUM_RULES: dict[KvCacheDtype, Callable[[int], int]] = {
+    D.BF16: _none, D.FP8: _none, D.NVFP4: _none,
+    D.TURBO2: _four_fifths, D.BF16K_TURBO3V: _four_fifths,
+    D.TURBO4: _third, D.TURBO3: _third, D.TURBO8: _third,
+    D.TURBO4K_TURBO3V: _third, D.TURBO4K_TURBO8V: _third, D.TURBO3K_TURBO8V: _third,
+    D.BF16K_TURBO4V: _third, D.BF16K_TURBO2V: _third,
+    D.FP8K_TURBO4V: _third, D.FP8K_TURBO3V: _third, D.FP8K_TURBO2V: _third,
+}
+
+NAMED = {"auto": 2}
+EVERY = ("max", "all")
+
+
+def requested_layers(spec: str | int, num_layers: int) -> int:
+    """N from ``N|auto|max|all`` (before the dtype's minimum)."""
+    key = str(spec).strip().lower()
+    if key in EVERY:
+        return num_layers
+    if key in NAMED:
+        return NAMED[key]
+    if not key.isdigit():
+        raise MetraleError(f"invalid --kv-high-precision-layers '{spec}'",
+                           hint="give a number of layers, or auto (= 2), max or all")
+    return int(key)
+
+
+def high_precision_count(dtype: KvCacheDtype, num_layers: int, spec: str | int = 0,
+                         promote_minimum: bool = True) -> int:
+    """How many boundary layers keep bf16: max(N, the dtype's minimum), at most every layer."""
+    n = requested_layers(spec, num_layers)
+    floor = MINIMUM_RULES[dtype](num_layers) if promote_minimum else 0
+    return min(num_layers, max(n, floor))
+
+
+def layer_dtypes(dtype: KvCacheDtype, num_layers: int, spec: str | int = 0,
+                 promote_minimum: bool = True) -> tuple[KvCacheDtype, ...]:
+    """Each layer's KV dtype: bf16 for the first ⌈N/2⌉ and last ⌊N/2⌋ layers, else ``dtype``."""
+    n = high_precision_count(dtype, num_layers, spec, promote_minimum)
+    head, tail = math.ceil(n / 2), n // 2
+    return tuple(D.BF16 if i < head or i >= num_layers - tail else dtype for i in range(num_layers))
+
+
+def describe(dtypes: tuple[KvCacheDtype, ...]) -> str:
+    """'bf16 layers 0-1, turbo3 layers 2-27, bf16 layers 28-29' (runs of equal dtypes)."""
+    runs: list[list] = []
+    for i, d in enumerate(dtypes):
+        if runs and runs[-1][0] == d:
+            runs[-1][2] = i
+        else:
+            runs.append([d, i, i])
+    return ", ".join(f"{d.value} layer{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''}"
+                     for d, a, b in runs)

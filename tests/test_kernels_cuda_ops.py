@@ -1,0 +1,176 @@
+"""CudaOps without a GPU: which kernel each pool pair launches, with which grid and arguments.
+
+A recording loader stands in for CuPy, so kernel choice, grids, split counts and signatures
+(checked against the registry's head dims and the KV_DTYPES.md table) are tested on the CPU.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from metrale_cli.errors import MetraleError
+from metrale_cli.kernels import cuda_ops
+from metrale_cli.kernels.loader import KernelLoader
+from metrale_cli.kernels.registry import module_for
+from metrale_cli.kernels.requirements import required_kernels
+from metrale_cli.kv.dtypes import KvCacheDtype, SideType, is_wht_rotated, kv_pair
+from metrale_cli.kv.formats import new_pool
+
+CPU = torch.device("cpu")
+
+
+class RecordingLoader:
+    """Stands in for the CuPy loader: records launches so grids and signatures can be checked."""
+
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, spec, sig, grid, block, *args):
+        assert len(sig.params) == len(args)
+        self.calls.append((str(spec), tuple(grid), tuple(block), dict(zip((n for n, _ in sig.params), args)),
+                           dict(sig.params)))
+
+
+@pytest.fixture
+def ops(monkeypatch):
+    monkeypatch.setattr(cuda_ops, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(cuda_ops, "_ready", lambda t: t.contiguous())
+    return cuda_ops.CudaOps(RecordingLoader())
+
+
+def pools(dtype, blocks=64, hk=8, d=128):
+    return [new_pool(side, blocks, hk, d, CPU) for side in kv_pair(KvCacheDtype(dtype))]
+
+
+def test_fp8_decode_splits_and_prefill_rows(ops):
+    kp, vp = pools("fp8")
+    q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
+    tables, lens = torch.zeros(1, 64, dtype=torch.int32), torch.tensor([999], dtype=torch.int32)
+    ops.paged_decode(q, kp, vp, tables, lens, 0.1)
+    (decode, d_grid, _, d_args, _), (combine, c_grid, _, _, _) = ops.loader.calls
+    assert decode == "paged_decode_fp8::paged_decode_attn_fp8" and combine.endswith("paged_decode_combine_fp8")
+    # 8 KV heads x 1 sequence x 1 head chunk = 8 CTAs: 32 splits (the cap; 64 blocks * 16 keys
+    # would allow 32 splits of 32 keys, and 2 waves of 132 SMs want 33).
+    assert d_grid == (8, 1, 32) and d_args["num_splits"] == 32 and c_grid == (32, 1)
+    assert d_args["part_o"].shape == (1, 32, 32, 128)
+    assert d_args["k_scale"] is kp.scale and d_args["k_cache"] is kp.data
+    ops.loader.calls.clear()
+    kp, vp = pools("fp8", d=256)
+    ops.paged_prefill(torch.zeros(19, 32, 256, dtype=torch.bfloat16), kp, vp, tables[0], 5, 0.1)
+    (name, grid, block, args, _), = ops.loader.calls
+    assert name == "prefill_paged_fp8::attn_prefill_paged_fp8"
+    assert grid == (8, 19 * 4 // 4) and block == (128,) and args["start_pos"] == 5  # 4 rows per CTA at d=256
+
+
+@pytest.mark.parametrize("dtype, head_dim, decode, prefill", [
+    ("turbo4", 128, "paged_decode_turbo4_128::paged_decode_attn_turbo4",
+     "prefill_paged_turbo4::attn_prefill_paged_turbo4_64"),
+    ("turbo4", 512, "paged_decode_turbo4::paged_decode_attn_turbo4",
+     "prefill_paged_turbo4::attn_prefill_paged_turbo4_64"),
+    ("turbo2", 256, "paged_decode_turbo2_128::paged_decode_attn_turbo2",
+     "prefill_paged_turbo2::attn_prefill_paged_turbo2"),
+    ("nvfp4", 64, "paged_decode_nvfp4::paged_decode_attn_nvfp4", "prefill_paged_nvfp4::attn_prefill_paged_nvfp4"),
+    ("bf16k_turbo3v", 256, "paged_decode_bf16k_turbo3v::paged_decode_attn_bf16k_turbo3v",
+     "prefill_paged_bf16k_turbo3v::attn_prefill_paged_bf16k_turbo3v_64"),
+])
+def test_pool_sides_pick_the_table_kernels(ops, dtype, head_dim, decode, prefill):
+    kp, vp = pools(dtype, d=head_dim)
+    q = torch.zeros(2, 16, head_dim, dtype=torch.bfloat16)
+    ops.paged_decode(q, kp, vp, torch.zeros(2, 3, dtype=torch.int32), torch.tensor([5, 40], dtype=torch.int32), 0.1)
+    ops.paged_prefill(q, kp, vp, torch.zeros(3, dtype=torch.int32), 0, 0.1)
+    names = [c[0] for c in ops.loader.calls]
+    assert names[0] == decode and names[-1] == prefill
+    _, grid, _, args, kinds = ops.loader.calls[0]
+    assert grid == (8, 2, args["num_splits"])  # a group of 2 fits one CTA at every head_dim
+    want = {SideType.BF16: "bf16*", SideType.FP8: "fp8*"}
+    assert kinds["k_cache"] == want.get(kp.side, "u8*") and kinds["v_cache"] == want.get(vp.side, "u8*")
+    assert args["v_cache"].dtype == torch.uint8
+    assert decode in [str(k) for k in required_kernels(dtype, head_dim)]
+
+
+def test_turbo_write_passes_signs_and_innerq_scales_per_head(ops):
+    kp, vp = pools("turbo4k_turbo8v", hk=4)
+    kp.channel_scale = torch.full((4, 128), 1.5)
+    k = torch.zeros(7, 4, 128, dtype=torch.bfloat16)
+    ops.reshape_and_cache(k, k.clone(), kp, vp, torch.arange(7, dtype=torch.int32))
+    (name, grid, block, args, kinds), = ops.loader.calls
+    assert name == "reshape_and_cache_turbo::reshape_and_cache_flash_turbo4k_turbo8v"
+    assert grid == (7, 4) and block == (64,)
+    assert args["k_signs"] is kp.signs and args["v_signs"] is vp.signs
+    assert torch.equal(args["channel_scale"], kp.channel_scale) and args["hk"] == 4 and args["head_dim"] == 128
+    assert kinds["channel_scale"] == "f32*?" and kinds["k_cache"] == "u8*"
+
+
+@pytest.mark.parametrize("dtype, name, grid, block, params", [
+    ("bf16", "reshape_and_cache::reshape_and_cache_flash", (7,), (128,), 7),
+    ("fp8", "reshape_and_cache::reshape_and_cache_flash_fp8", (7,), (128,), 9),
+    ("nvfp4", "reshape_and_cache::reshape_and_cache_flash_nvfp4", (7, 2), (64,), 7),
+    ("fp8k_turbo2v", "reshape_and_cache_turbo::reshape_and_cache_flash_fp8k_turbo2v", (7, 2), (64,), 12),
+])
+def test_write_kernels_and_grids(ops, dtype, name, grid, block, params):
+    kp, vp = pools(dtype, hk=2, d=64)
+    k = torch.zeros(7, 2, 64, dtype=torch.bfloat16)
+    ops.reshape_and_cache(k, k, kp, vp, torch.arange(7, dtype=torch.int32))
+    (got, g, b, args, _), = ops.loader.calls
+    assert (got, g, b, len(args)) == (name, grid, block, params)
+    assert args["v_cache"] is vp.data
+
+
+def test_wht_rows_grid_and_direction(ops):
+    signs = torch.ones(2, 256)
+    x = torch.zeros(10, 256, dtype=torch.bfloat16)
+    assert ops.wht(x, signs, False) is x
+    ops.wht(x, signs, True)
+    (fwd, grid, block, args, _), (inv, *_rest) = ops.loader.calls
+    assert fwd == "wht_bf16::wht_bf16_inplace" and inv == "wht_bf16::wht_bf16_inplace_inv"
+    assert grid == (3,) and block == (128,) and args["rows"] == 10 and args["head_dim"] == 256
+    with pytest.raises(MetraleError, match="head_dim"):
+        ops.wht(torch.zeros(2, 96, dtype=torch.bfloat16), torch.ones(2, 96), False)
+
+
+def test_unsupported_shapes_and_pairs_are_user_errors(ops):
+    kp, vp = pools("bf16", d=96)
+    with pytest.raises(MetraleError, match="head_dim 96"):
+        ops.paged_decode(torch.zeros(1, 16, 96, dtype=torch.bfloat16), kp, vp,
+                         torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1)
+    kp, vp = pools("turbo2", d=512)
+    with pytest.raises(MetraleError, match="paged_decode_turbo2_128::paged_decode_attn_turbo2"):
+        ops.paged_prefill(torch.zeros(1, 8, 512, dtype=torch.bfloat16), kp, vp, torch.zeros(4, dtype=torch.int32), 0, 0.1)
+    k_side, v_side = pools("turbo2")[0], pools("bf16")[0]
+    with pytest.raises(MetraleError, match="K as turbo2 and V as bf16"):
+        ops.reshape_and_cache(torch.zeros(1, 8, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 128, dtype=torch.bfloat16),
+                              k_side, v_side, torch.zeros(1, dtype=torch.int32))
+    kp, vp = pools("turbo3")
+    with pytest.raises(MetraleError, match="cannot share"):
+        ops.paged_decode(torch.zeros(1, 12, 128, dtype=torch.bfloat16), kp, vp,
+                         torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1)
+
+
+@pytest.mark.parametrize("dtype", list(KvCacheDtype))
+def test_layer_kernels_cover_every_side(dtype):
+    specs = cuda_ops.layer_kernels(dtype, 128)
+    names = [str(s) for s in specs]
+    assert len(names) == len(set(names)) == 8 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype))
+    assert set(map(str, required_kernels(dtype, 128))) <= set(names)
+    assert all(module_for(s) is not None for s in specs)
+    assert names[:4] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
+                         "activation::silu_and_mul_bf16"]
+
+
+def test_launch_checks_arguments_before_touching_cupy():
+    spec, sig = cuda_ops.RMS_NORM
+    x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(MetraleError, match="CUDA device"):
+        KernelLoader().launch(spec, sig, (2,), (128,), x, x, x, 8, 1e-6)
+    assert [kind for _, kind in sig.params] == ["bf16*", "bf16*", "bf16*", "i32", "f32"]
+
+
+def test_packed_pools_travel_as_byte_pointers():
+    from metrale_cli.kernels.loader import _typed
+
+    spec = cuda_ops.RMS_NORM[0]
+    pool = torch.zeros(4, 64, dtype=torch.uint8)
+    assert _typed(spec, "k_cache", "u8*", pool, CPU) == np.uint64(pool.data_ptr())
+    with pytest.raises(MetraleError, match="torch.uint8"):
+        _typed(spec, "k_cache", "u8*", pool.view(torch.int8), CPU)
+    assert _typed(spec, "k_signs", "f32*?", None, CPU) == np.uint64(0)

@@ -1,0 +1,183 @@
+"""Every KV dtype in a whole model on the torch backend: greedy generation runs, stays close to
+bf16 KV, per-layer dtypes and InnerQ calibration behave as KV_DTYPES.md says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_oracle import make_hf, ours, teacher_forced
+from metrale_cli.config import model_config_from_hf
+from metrale_cli.engine.generate import Engine
+from metrale_cli.engine.runner import RunnerOptions, check_kv_support, kv_messages
+from metrale_cli.engine.sampler import SamplingParams
+from metrale_cli.errors import MetraleError
+from metrale_cli.kernels.reference import TorchOps
+from metrale_cli.kv import formats
+from metrale_cli.kv.dtypes import kv_pair
+from metrale_cli.kv.dtypes import KvCacheDtype
+from metrale_cli.kv.innerq import InnerQSettings, channel_scales
+from metrale_cli.kv.paged import KvLayout
+from metrale_cli.models import build_model
+
+D = KvCacheDtype
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_hf("qwen3", head_dim=64)  # turbo sides need a WHT size (64..512)
+
+
+def _engine(tiny, dtypes=None, kv=D.BF16, innerq=InnerQSettings(), chunk=512, high_precision=0):
+    hf, raw = tiny
+    tensors = {k: v.detach().to(torch.bfloat16).clone() for k, v in hf.state_dict().items()}
+    model = build_model(model_config_from_hf(raw), tensors, TorchOps(), kv, 32, 512, 0, CPU,
+                        high_precision_layers=high_precision, innerq=innerq, dtypes=dtypes)
+    return Engine(model, 512, prefill_chunk=chunk)
+
+
+def _ids(n, seed=5):
+    return torch.randint(0, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("dtype", list(KvCacheDtype), ids=lambda d: d.value)
+def test_greedy_generation_with_every_dtype_on_every_layer(tiny, dtype):
+    engine = _engine(tiny, dtypes=(dtype,) * 3, chunk=16)
+    seqs, _ = engine.generate([_ids(40)], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    out = seqs[0].output_ids
+    assert len(out) == 8 and all(0 <= t < 384 for t in out)
+    cache = engine.model.kv_cache
+    k_side, v_side = kv_pair(dtype)
+    assert [(p.side, q.side) for p, q in zip(cache.k, cache.v)] == [(k_side, v_side)] * 3
+    assert all(p.data.view(torch.uint8).any() for p in cache.k + cache.v)  # every layer wrote its side
+    assert cache.allocator.free_blocks == 32  # released
+
+
+# Logit NMSE of a 3-layer random model (init 0.2, chaotic) with every layer quantized, against
+# bf16 KV. Several times the attention-output budget of test_kv_attention: three layers compound.
+LOGIT_NMSE = {D.FP8: 2e-2, D.TURBO8: 2e-2, D.NVFP4: 1.5e-1, D.TURBO4: 1.5e-1, D.TURBO3: 4e-1}
+
+
+@pytest.mark.parametrize("dtype", list(LOGIT_NMSE), ids=lambda d: d.value)
+def test_logits_close_to_bf16_kv(tiny, dtype):
+    ids = _ids(60)
+    want = teacher_forced(_engine(tiny), ids)
+    got = teacher_forced(_engine(tiny, dtypes=(dtype,) * 3), ids)
+    nmse = ((got - want).pow(2).sum() / want.pow(2).sum()).item()
+    assert 0 < nmse <= LOGIT_NMSE[dtype], f"{dtype.value}: {nmse:.3e}"
+
+
+def test_default_plan_keeps_boundary_layers_bf16(tiny):
+    engine = _engine(tiny, kv=D.TURBO4)  # 3 layers: max(2, ceil(3/3)) = 2 boundary layers
+    assert engine.model.kv_cache.layout.dtypes == (D.BF16, D.TURBO4, D.BF16)
+    assert [p.data.dtype for p in engine.model.kv_cache.k] == [torch.bfloat16, torch.uint8, torch.bfloat16]
+    assert len({p.num_blocks for p in engine.model.kv_cache.k + engine.model.kv_cache.v}) == 1
+
+
+def test_kv_messages_report_bytes_and_layer_dtypes():
+    layout = KvLayout(3, 64, (D.BF16,) + (D.TURBO3,) * 4 + (D.BF16,))
+    lines = kv_messages(layout, 10, 160)
+    assert lines[0] == "KV cache: turbo3, 2208 bytes/token over 6 layers, 10 blocks = 160 tokens, context 160"
+    assert lines[1] == ("KV layer dtypes: bf16 layer 0, turbo3 layers 1-4, bf16 layer 5 "
+                        "(per layer and token: bf16 768 B, turbo3 168 B)")
+
+
+def test_turbo_needs_a_wht_head_dim():
+    with pytest.raises(MetraleError, match="head_dim"):
+        check_kv_support(D.TURBO3, 96, "torch", CPU)
+    assert check_kv_support(D.TURBO3, 128, "torch", CPU) is None
+    assert check_kv_support(D.NVFP4, 96, "torch", CPU) is None  # nvfp4 is not rotated
+
+
+# --- InnerQ -----------------------------------------------------------------------------------
+def test_channel_scales_rule():
+    flat = torch.ones(2, 64)
+    assert channel_scales(flat * 7.0, 7, 0.5) is None  # every ratio is 1
+    sumsq = torch.ones(1, 64)
+    sumsq[0, 0] = 16.0  # rms 4 on channel 0
+    s = channel_scales(sumsq, 1, 0.5)
+    mean = (4 + 63) / 64
+    assert s[0, 0].item() == pytest.approx((mean / 4) ** 0.5)
+    assert s[0, 1].item() == pytest.approx(mean ** 0.5)
+    sumsq[0, 1] = 1e6  # huge channel: clamped at 0.5
+    assert channel_scales(sumsq, 1, 1.0)[0, 1].item() == 0.5
+
+
+def _skewed(tiny):
+    """K with a few dominant channels after rotation is what InnerQ is for: scale one K row."""
+    hf, raw = tiny
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.k_norm.weight[:8] *= 6.0
+    return hf, raw
+
+
+def test_innerq_requantizes_positions_written_before_the_freeze():
+    """Chunks of 16 tokens, calibration over 40: positions 0-31 are written with s = 1, then
+    re-quantized at the freeze; every position then reads back near R·k·s (within turbo4's
+    per-element error, twice for the re-quantized ones), never near R·k."""
+    from metrale_cli.kv.innerq import InnerQPolicy
+    from metrale_cli.kv.paged import PagedKvCache
+
+    from metrale_cli.kv.wht import rotate_fp32
+
+    cache = PagedKvCache(KvLayout.uniform(1, 2, 64, D.TURBO4), 4, CPU)
+    g = torch.Generator().manual_seed(6)
+    uneven = torch.randn(48, 2, 64, generator=g) * torch.linspace(0.2, 3.0, 64)  # in the rotated basis
+    k = rotate_fp32(uneven, cache.k[0].signs, inverse=True).to(torch.bfloat16)
+    policy = InnerQPolicy(cache, InnerQSettings(tokens=40))
+    pool = cache.k[0]
+    for start in range(0, 48, 16):
+        slots = torch.arange(start, start + 16, dtype=torch.int32)
+        policy.observe(0, k[start : start + 16], slots)
+        formats.store(k[start : start + 16], pool, slots)
+    assert policy.frozen == [True] and pool.channel_scale is not None
+    back = formats.load(pool, torch.arange(4, dtype=torch.int32), 48)
+    scaled = formats.prepare(k, pool)
+
+    def nmse(a, b):
+        return ((a - b).pow(2).sum() / b.pow(2).sum()).item()
+
+    requantized = nmse(back[:32], scaled[:32])
+    assert requantized < 2.5e-2 and nmse(back[32:], scaled[32:]) < 1.5e-2
+    pool.channel_scale = None
+    unscaled = formats.prepare(k, pool)
+    assert nmse(back[:32], unscaled[:32]) > 3 * requantized
+
+
+def test_innerq_in_a_model_keeps_logits_near_bf16_kv(tiny):
+    hf, raw = _skewed(make_hf("qwen3", head_dim=64))
+    ids = _ids(48)
+    want = teacher_forced(_engine((hf, raw)), ids)
+    plain = teacher_forced(_engine((hf, raw), dtypes=(D.TURBO4,) * 3, chunk=16), ids)
+    calibrated = _engine((hf, raw), dtypes=(D.TURBO4,) * 3, chunk=16, innerq=InnerQSettings(tokens=40))
+    policy = calibrated.model.innerq
+    assert policy.describe().startswith("InnerQ: calibrating K channel scales over the first 40 tokens")
+    calibrated.generate([ids], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert all(policy.frozen) and calibrated.model.kv_frozen
+    assert policy.outcome() == ("InnerQ: scales applied on 3 layer(s), skipped on 0 "
+                                "(every channel within 1.2x of the mean)")
+    got = teacher_forced(calibrated, ids)
+
+    def nmse(a):
+        return ((a - want).pow(2).sum() / want.pow(2).sum()).item()
+
+    # QKᵀ is unchanged by InnerQ; only the quantization error moves, so it stays turbo4-sized
+    assert nmse(got) < 1.5 * nmse(plain) + 1e-2
+
+
+def test_innerq_is_off_without_a_rotated_k_side(tiny):
+    engine = _engine(tiny, kv=D.BF16K_TURBO4V, innerq=InnerQSettings(tokens=16))
+    assert engine.model.innerq.describe().startswith("InnerQ: off")
+    assert all(engine.model.innerq.frozen)
+
+
+def test_innerq_env_levers(monkeypatch):
+    monkeypatch.setenv("TURBO_INNERQ", "64")
+    monkeypatch.setenv("TURBO_INNERQ_STRENGTH", "0.25")
+    assert RunnerOptions().innerq() == InnerQSettings(64, 0.25)
+    assert RunnerOptions(innerq_calibration_tokens=0).innerq() == InnerQSettings(0, 0.25)  # the flag wins
+    monkeypatch.setenv("TURBO_INNERQ", "many")
+    with pytest.raises(MetraleError, match="TURBO_INNERQ"):
+        RunnerOptions().innerq()
