@@ -162,6 +162,9 @@ def bench(
     gpu_memory_utilization: GpuMemOpt = 0.9,
     cuda_graph_mode: GraphOpt = "full",
     profile: Annotated[bool, typer.Option("--profile", help="print the top kernels by time (torch profiler)")] = False,
+    synthetic_context: Annotated[bool, typer.Option(
+        "--synthetic-context", help="fill the -p context with random K/V through the cache-write kernels "
+        "instead of prefilling it: decode timing at long contexts (no pp row)")] = False,
     kv_high_precision_layers: HighPrecOpt = "0",
     innerq_calibration_tokens: InnerQOpt = None,
     kv_quality: Annotated[bool, typer.Option(
@@ -199,7 +202,7 @@ def bench(
                         repetitions=repetitions, kv_cache_dtypes=tuple(kv_cache_dtype or ("auto",)),
                         backend=backend, dtype=dtype, peak_bandwidth_gbs=peak_bandwidth,
                         compare_hf=compare_hf, gpu_memory_utilization=gpu_memory_utilization,
-                        cuda_graph_mode=cuda_graph_mode, profile=profile,
+                        cuda_graph_mode=cuda_graph_mode, profile=profile, synthetic_context=synthetic_context,
                         kv_high_precision_layers=kv_high_precision_layers,
                         innerq_calibration_tokens=innerq_calibration_tokens)
     _run(out, debug, run_bench_cmd, out, opts)
