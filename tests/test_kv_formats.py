@@ -206,3 +206,13 @@ def test_mixed_layout_sums_its_layers():
     assert layout.bytes_per_token() == 10 * 768 + 20 * 168
     assert formats.side_format(S.TURBO3).bits_per_element(64) == 3.5
     assert formats.side_format(S.TURBO8).bits_per_element(64) == 9
+
+
+@pytest.mark.parametrize("side", list(SideType), ids=lambda s: s.value)
+def test_a_write_whose_slots_are_all_skipped_changes_nothing(side):
+    from metrale_cli.kv.formats import new_pool, store
+
+    pool = new_pool(side, 2, 2, 64, torch.device("cpu"))
+    before = pool.data.clone()
+    store(torch.randn(3, 2, 64, dtype=torch.bfloat16), pool, torch.full((3,), -1, dtype=torch.int32))
+    assert torch.equal(pool.data.view(torch.uint8), before.view(torch.uint8))

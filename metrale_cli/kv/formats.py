@@ -107,6 +107,8 @@ def store(x: torch.Tensor, pool: SidePool, slot_mapping: torch.Tensor) -> None:
     slots = slot_mapping.long()
     keep = slots >= 0
     slots, x = slots[keep], x[keep]
+    if not len(slots):  # every slot skipped (already cached): nothing to write
+        return
     fmt = side_format(pool.side)
     if pool.side == S.FP8:
         values = (x.float() / pool.scale.float()).clamp(-quant.FP8_MAX, quant.FP8_MAX)

@@ -47,7 +47,7 @@ def from_e4m3(b: torch.Tensor) -> torch.Tensor:
 
 def groups(x: torch.Tensor) -> torch.Tensor:
     """(N, D) -> (N, D/16, 16)."""
-    return x.reshape(x.shape[0], -1, GROUP)
+    return x.reshape(x.shape[0], x.shape[1] // GROUP, GROUP)
 
 
 def butterfly_sum(v: torch.Tensor) -> torch.Tensor:
