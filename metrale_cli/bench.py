@@ -173,7 +173,9 @@ def bench_metrale(runner, opts: BenchOptions, peak: float | None) -> list[dict]:
     rows.append(_row(name, f"tg{opts.n_gen} b{opts.batch} @{opts.n_prompt}", [r[1] for r in runs],
                      opts.batch, step_bytes, peak))
     memory = kv_memory(runner)
-    return [r | memory for r in rows]
+    timing = runner.engine.host_timing
+    extra = {"prefill_host_us": timing.per_prefill()} if timing is not None and timing.prefills else {}
+    return [r | memory | extra for r in rows]
 
 
 def kv_memory(runner) -> dict:
@@ -269,4 +271,8 @@ def run_bench_cmd(out: Output, opts: BenchOptions) -> dict:
               ["engine", "test", "t/s", "GB/s", "% roofline", "vs HF", "KV B/token", "KV tokens"], rows, caption)
     for name, table in result["profiles"].items():
         out.text(f"top kernels, {name} (one pp + tg repetition):\n{table}")
+    for r in result["rows"]:
+        if "prefill_host_us" in r and r["test"].startswith("pp"):
+            phases = ", ".join(f"{k} {v:.0f} µs" for k, v in r["prefill_host_us"].items())
+            out.text(f"prefill host time per prefill, all layers, {r['engine']}: {phases}")
     return result

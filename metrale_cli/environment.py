@@ -15,6 +15,8 @@ ENV_LEVERS: dict[str, str] = {
     "TURBO_INNERQ": "InnerQ calibration tokens for a rotated (turbo) K side, as "
     "--innerq-calibration-tokens (0 = off, the default)",
     "TURBO_INNERQ_STRENGTH": "InnerQ strength α in s = (mean/rms)^α (default 0.5)",
+    "METRALE_PREFILL_HOST_TIMING": "1 = accumulate host microseconds per prefill phase "
+    "(projections, to attention call, attention call, FFN); bench prints them",
 }
 
 
@@ -33,7 +35,8 @@ def _number(name: str, kind: type, default):
     try:
         value = kind(raw)
     except ValueError:
-        raise MetraleError(f"{name}={raw!r} is not a {kind.__name__}", hint=ENV_LEVERS[name]) from None
+        what = "an integer" if kind is int else "a number"
+        raise MetraleError(f"{name}={raw!r} is not {what}", hint=ENV_LEVERS[name]) from None
     if value < 0:
         raise MetraleError(f"{name}={raw!r} must not be negative", hint=ENV_LEVERS[name])
     return value
@@ -42,3 +45,8 @@ def _number(name: str, kind: type, default):
 def innerq_env() -> tuple[int, float]:
     """(calibration tokens, strength) from TURBO_INNERQ / TURBO_INNERQ_STRENGTH."""
     return _number("TURBO_INNERQ", int, 0), _number("TURBO_INNERQ_STRENGTH", float, 0.5)
+
+
+def prefill_host_timing() -> bool:
+    """METRALE_PREFILL_HOST_TIMING=1: time the host phases of prefill."""
+    return _number("METRALE_PREFILL_HOST_TIMING", int, 0) == 1

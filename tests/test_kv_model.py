@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_oracle import make_hf, ours, teacher_forced
+from hf_oracle import make_hf, teacher_forced
 from metrale_cli.config import model_config_from_hf
 from metrale_cli.engine.generate import Engine
 from metrale_cli.engine.runner import RunnerOptions, check_kv_support, kv_messages

@@ -20,6 +20,7 @@ from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.ops import BLOCK_SIZE
 from metrale_cli.kv.paged import blocks_for
 from metrale_cli.layers.context import ForwardContext
+from metrale_cli.layers.host_timing import HostTiming
 from metrale_cli.models.model import CausalLM
 
 TextCallback = Callable[[int, str], None]
@@ -42,12 +43,14 @@ class GenerationStats:
 
 
 class Engine:
-    def __init__(self, model: CausalLM, max_seq_len: int, prefill_chunk: int = 512, graphs=None):
+    def __init__(self, model: CausalLM, max_seq_len: int, prefill_chunk: int = 512, graphs=None,
+                 host_timing: HostTiming | None = None):
         self.model = model
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self.device = model.device
         self.graphs = graphs  # DecodeGraphs, or None for eager decode
+        self.host_timing = host_timing  # set by METRALE_PREFILL_HOST_TIMING=1
 
     # --- model steps ----------------------------------------------------------------------
     def _int32(self, values) -> torch.Tensor:
@@ -69,10 +72,12 @@ class Engine:
             ctx = ForwardContext(
                 kind="prefill", positions=self._int32(list(positions)),
                 slot_mapping=self._int32(self._slots(seq.block_table, positions, kv_write_start)),
-                start_pos=start, block_table=table,
+                start_pos=start, block_table=table, timing=self.host_timing,
             )
             tokens = torch.tensor(chunk, dtype=torch.long, device=self.device)
             logits = self.model.forward(tokens, ctx, torch.tensor([len(chunk) - 1], device=self.device))
+        if self.host_timing is not None:
+            self.host_timing.prefills += 1
         return logits
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:

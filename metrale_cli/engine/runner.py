@@ -13,6 +13,8 @@ import torch
 
 from metrale_cli.config import ModelConfig, model_config_from_hf
 from metrale_cli.engine.generate import Engine
+from metrale_cli.environment import prefill_host_timing
+from metrale_cli.layers.host_timing import HostTiming
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.ops import Ops
 from metrale_cli.kv.dtypes import AUTO, KvCacheDtype, kv_pair, parse_kv_cache_dtype, resolve_auto
@@ -194,7 +196,8 @@ def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, 
         from metrale_cli.engine.cuda_graphs import DecodeGraphs
 
         graphs = DecodeGraphs(model, max(1, opts.max_num_seqs), blocks_for(max_seq_len))
-    runner = Runner(model, Engine(model, max_seq_len, opts.prefill_chunk, graphs), tokenizer, backend,
+    timing = HostTiming() if prefill_host_timing() else None
+    runner = Runner(model, Engine(model, max_seq_len, opts.prefill_chunk, graphs, timing), tokenizer, backend,
                     kv_dtype, source)
     runner.messages += kv_messages(layout, blocks, max_seq_len)
     for policy in (model.fp8_scales, model.innerq):

@@ -13,20 +13,8 @@ import torch
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.ops import BLOCK_SIZE, SidePool
-from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
-from metrale_cli.kv.formats import SIDE_FORMATS, new_pool, side_format
-
-# Sides stored element-wise, as (NB, 16, Hk, D) tensors of this dtype; the others are packed uint8.
-STORAGE_DTYPES: dict[SideType, torch.dtype] = {
-    s: f.element for s, f in SIDE_FORMATS.items() if not f.packed
-}
-
-
-def storage_dtype(side: SideType) -> torch.dtype:
-    """The element dtype of an element-wise side (bf16, fp8); packed sides have none."""
-    if side not in STORAGE_DTYPES:
-        raise MetraleError(f"KV side type '{side.value}' is packed (uint8 blocks), not element-wise")
-    return STORAGE_DTYPES[side]
+from metrale_cli.kv.dtypes import KvCacheDtype, kv_pair
+from metrale_cli.kv.formats import new_pool, side_format
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from metrale_cli.kv.innerq import InnerQPolicy
 from metrale_cli.kv.paged import PagedKvCache
 from metrale_cli.layers.context import ForwardContext
 from metrale_cli.layers.ffn import DenseSwiGluFfn
+from metrale_cli.layers.host_timing import phase
 
 
 @dataclass
@@ -127,14 +128,30 @@ class Qwen3AttentionLayer:
             normed = self.ops.rms_norm(hidden, self.input_norm, eps)
         else:
             normed, residual = self.ops.add_rms_norm(hidden, residual, self.input_norm, eps)
-        attn_out = self._attention(normed, ctx)
+        timing = ctx.timing if ctx.is_prefill else None
+        attn_out = self._attention(normed, ctx, timing)
         normed, residual = self.ops.add_rms_norm(attn_out, residual, self.post_attn_norm, eps)
-        return self.ffn(normed), residual
+        with phase(timing, "ffn"):
+            return self.ffn(normed), residual
 
-    def _attention(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _attention(self, x: torch.Tensor, ctx: ForwardContext, timing) -> torch.Tensor:
+        cfg, w, ops = self.cfg, self.attn, self.ops
+        with phase(timing, "projections"):
+            qkv = F.linear(x, w.qkv, w.qkv_bias)
+        with phase(timing, "to attention call"):
+            q, kp, vp = self._prepare(qkv, ctx)
+        with phase(timing, "attention call"):
+            if ctx.is_prefill:
+                out = ops.paged_prefill(q, kp, vp, ctx.block_table, ctx.start_pos, self.scale)
+            else:
+                out = ops.paged_decode(q, kp, vp, ctx.block_tables, ctx.seq_lens, self.scale)
+        out = restore_output(ops, out, vp)
+        return F.linear(out.reshape(x.shape[0], cfg.q_size), w.o, w.o_bias)
+
+    def _prepare(self, qkv: torch.Tensor, ctx: ForwardContext):
+        """Split, QK-norm, RoPE, calibrate, write the cache, rotate Q: (q, k_pool, v_pool)."""
         cfg, w, ops, i = self.cfg, self.attn, self.ops, self.idx
-        tokens, d = x.shape[0], cfg.head_dim
-        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        tokens, d = qkv.shape[0], cfg.head_dim
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.reshape(tokens, cfg.num_heads, d)
         k = k.reshape(tokens, cfg.num_kv_heads, d)
@@ -148,10 +165,4 @@ class Qwen3AttentionLayer:
             self.innerq.observe(i, k, ctx.slot_mapping)
         kp, vp = self.kv.pools(i)
         ops.reshape_and_cache(k, v, kp, vp, ctx.slot_mapping)
-        q = rotate_query(ops, q, kp)
-        if ctx.is_prefill:
-            out = ops.paged_prefill(q, kp, vp, ctx.block_table, ctx.start_pos, self.scale)
-        else:
-            out = ops.paged_decode(q, kp, vp, ctx.block_tables, ctx.seq_lens, self.scale)
-        out = restore_output(ops, out, vp)
-        return F.linear(out.reshape(tokens, cfg.q_size), w.o, w.o_bias)
+        return rotate_query(ops, q, kp), kp, vp

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from metrale_cli.layers.host_timing import HostTiming
+
 
 @dataclass
 class ForwardContext:
@@ -24,6 +26,7 @@ class ForwardContext:
     block_table: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    timing: HostTiming | None = None  # prefill host-phase timer (METRALE_PREFILL_HOST_TIMING=1)
 
     @property
     def is_prefill(self) -> bool:

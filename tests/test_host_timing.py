@@ -1,0 +1,48 @@
+"""METRALE_PREFILL_HOST_TIMING: per-phase host time of prefill, off by default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale_cli.bench_presets import random_weights
+from metrale_cli.engine.runner import RunnerOptions, build_runner
+from metrale_cli.engine.sequence import Sequence
+from metrale_cli.errors import MetraleError
+from metrale_cli.kv.dtypes import KvCacheDtype
+from metrale_cli.layers.host_timing import PHASES
+
+TINY = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 300,
+        "max_position_embeddings": 256}
+
+
+def _runner():
+    weights = random_weights(TINY, torch.device("cpu"), torch.bfloat16)
+    opts = RunnerOptions(backend="torch", max_seq_len=64, prefill_chunk=8)
+    return build_runner(TINY, weights, None, opts, "torch", KvCacheDtype.BF16, "tiny")
+
+
+def test_host_timing_accumulates_every_phase(monkeypatch):
+    monkeypatch.setenv("METRALE_PREFILL_HOST_TIMING", "1")
+    runner = _runner()
+    timing = runner.engine.host_timing
+    for n in (20, 5):
+        runner.engine.prefill(Sequence(0, list(range(n)), 1))
+    assert timing.prefills == 2
+    assert set(timing.us) == set(PHASES) and all(v > 0 for v in timing.us.values())
+    assert timing.per_prefill()["ffn"] == pytest.approx(timing.us["ffn"] / 2)
+    seq = Sequence(0, [1, 2, 3], 4)
+    runner.engine.prefill(seq)
+    after_prefill = dict(timing.us)
+    seq.output_ids.append(5)
+    runner.engine.decode([seq])
+    assert timing.us == after_prefill and timing.prefills == 3  # decode is not timed
+
+
+def test_host_timing_is_off_by_default_and_checked(monkeypatch):
+    monkeypatch.delenv("METRALE_PREFILL_HOST_TIMING", raising=False)
+    assert _runner().engine.host_timing is None
+    monkeypatch.setenv("METRALE_PREFILL_HOST_TIMING", "yes")
+    with pytest.raises(MetraleError, match="is not an integer"):
+        _runner()
