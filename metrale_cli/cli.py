@@ -176,9 +176,11 @@ def bench(
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ):
-    """Time prefill (ppN) and decode (tgN): tokens/s, achieved GB/s and % of the bandwidth roofline,
-    KV bytes per token and pool capacity. With --kv-quality: how much each KV dtype changes the
-    next-token distributions against bf16 KV.
+    """Time prefill (ppN) and decode (tgN) against the bandwidth roofline, or measure KV quality.
+
+    Reports tokens/s, achieved GB/s, % of the roofline, KV bytes per token and pool capacity.
+    With --kv-quality: how much each KV dtype changes the next-token distributions against
+    bf16 KV (KL divergence, perplexity change, top-1 agreement).
 
     Examples:
       metrale bench --preset qwen3-8b --compare-hf
