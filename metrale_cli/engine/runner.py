@@ -189,9 +189,7 @@ def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, 
     model = build_model(cfg, tensors, make_ops(backend, loader), kv_dtype, blocks, max_seq_len,
                         opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq(), dtypes=dtypes)
     graphs = None
-    if opts.cuda_graph_mode not in GRAPH_MODES:
-        raise MetraleError(f"unknown --cuda-graph-mode '{opts.cuda_graph_mode}'",
-                           hint="choose one of: " + ", ".join(GRAPH_MODES))
+    check_graph_mode(opts.cuda_graph_mode)
     if opts.cuda_graph_mode == "full" and backend == "cuda":
         from metrale_cli.engine.cuda_graphs import DecodeGraphs
 
@@ -211,6 +209,11 @@ def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, 
     return runner
 
 
+def check_graph_mode(mode: str) -> None:
+    if mode not in GRAPH_MODES:
+        raise MetraleError(f"unknown --cuda-graph-mode '{mode}'", hint="choose one of: " + ", ".join(GRAPH_MODES))
+
+
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise MetraleError(f"unknown --dtype '{name}'", hint="choose one of: " + ", ".join(DTYPES))
@@ -223,6 +226,7 @@ def load_runner(opts: RunnerOptions, progress: Callable[[int, int], None] | None
 
     backend, device = resolve_backend(opts.backend)
     dtype = parse_dtype(opts.dtype)
+    check_graph_mode(opts.cuda_graph_mode)
     requested = parse_kv_cache_dtype(opts.kv_cache_dtype)
     raw = read_config(opts.model)
     cfg = model_config_from_hf(raw)
