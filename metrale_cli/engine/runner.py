@@ -188,12 +188,19 @@ def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, 
     blocks = pool_blocks(layout, opts, max_seq_len, device)
     model = build_model(cfg, tensors, make_ops(backend, loader), kv_dtype, blocks, max_seq_len,
                         opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq(), dtypes=dtypes)
-    graphs = None
+    graphs, decode_mode = None, "decode: eager (--cuda-graph-mode disabled)"
     check_graph_mode(opts.cuda_graph_mode)
-    if opts.cuda_graph_mode == "full" and backend == "cuda":
-        from metrale_cli.engine.cuda_graphs import DecodeGraphs
+    if device.type != "cuda":
+        decode_mode = "decode: eager (no GPU)"
+    elif opts.cuda_graph_mode == "full":
+        why = model.decode_graph_unsupported()
+        if why:
+            decode_mode = f"decode: eager, not CUDA graphs ({why})"
+        else:
+            from metrale_cli.engine.cuda_graphs import DecodeGraphs
 
-        graphs = DecodeGraphs(model, max(1, opts.max_num_seqs), blocks_for(max_seq_len))
+            graphs = DecodeGraphs(model, max(1, opts.max_num_seqs), blocks_for(max_seq_len))
+            decode_mode = "decode: CUDA graphs (one per batch-size bucket)"
     timing = HostTiming() if prefill_host_timing() else None
     runner = Runner(model, Engine(model, max_seq_len, opts.prefill_chunk, graphs, timing), tokenizer, backend,
                     kv_dtype, source)
@@ -205,7 +212,7 @@ def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, 
     if cold:
         runner.messages.append(f"compiled {len(cold)} kernel module(s) in "
                                f"{sum(e.seconds for e in cold):.1f} s (cached for the next start)")
-    runner.messages.append("decode: CUDA graphs" if graphs else "decode: eager")
+    runner.messages.append(decode_mode)
     return runner
 
 

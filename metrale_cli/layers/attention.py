@@ -101,6 +101,16 @@ class Qwen3AttentionLayer:
     def release_state(self, state: AttnLayerState) -> None:
         """Nothing to free: the sequence's blocks are released by the cache's owner."""
 
+    def decode_graph_unsupported(self) -> str | None:
+        """Why this layer's decode step cannot be captured in a CUDA graph, or None if it can.
+
+        The cuda kernels read every step input from device buffers; the torch references
+        gather each sequence's context with host-side lengths, which a graph would freeze.
+        """
+        if self.ops.name != "cuda":
+            return f"the {self.ops.name} backend's attention reads context lengths on the host"
+        return None
+
     def prefill(self, hidden, residual, ctx: ForwardContext):
         """One chunk of one sequence. hidden/residual: (T, hidden); residual None on layer 0.
 

@@ -27,6 +27,11 @@ class CausalLM:
         self.fp8_scales = fp8_scales
         self.innerq = innerq
 
+    def decode_graph_unsupported(self) -> str | None:
+        """The first layer's reason its decode step cannot be graph-captured, else None."""
+        return next((f"layer {i}: {why}" for i, layer in enumerate(self.layers)
+                     if (why := layer.decode_graph_unsupported())), None)
+
     @property
     def kv_frozen(self) -> bool:
         """True once every online KV calibration (fp8 scales, InnerQ) has frozen."""

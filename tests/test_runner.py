@@ -1,4 +1,5 @@
-"""METRALE_PREFILL_HOST_TIMING: per-phase host time of prefill, off by default."""
+"""Runner levers: METRALE_PREFILL_HOST_TIMING (per-phase host time of prefill, off by default)
+and the decode mode line (CUDA graphs, or eager and why)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,10 @@ def test_host_timing_is_off_by_default_and_checked(monkeypatch):
     monkeypatch.setenv("METRALE_PREFILL_HOST_TIMING", "yes")
     with pytest.raises(MetraleError, match="is not an integer"):
         _runner()
+
+
+def test_decode_mode_says_why_it_is_eager():
+    runner = _runner()
+    assert runner.engine.graphs is None and "decode: eager (no GPU)" in runner.messages
+    assert runner.model.decode_graph_unsupported() == (
+        "layer 0: the torch backend's attention reads context lengths on the host")
