@@ -194,3 +194,21 @@ def test_bench_cpu_json():
     # SmolLM2 shapes: 30 layers, 3 KV heads, head_dim 64 -> bf16 768 B and fp8 384 B per layer
     assert [r["kv_bytes_per_token"] for r in rows[:4]] == [23040, 23040, 11520, 11520]
     assert rows[0]["pool_tokens"] == 16 * 1  # one 11-token sequence: one block
+
+
+def test_hub_id_served_from_the_hf_cache_offline(tiny, tmp_path):
+    """A model already in the HF cache loads by hub id with HF_HUB_OFFLINE=1, equal to its folder."""
+    import shutil
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--tiny-qwen3"
+    shutil.copytree(tiny, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    args = ["generate", "--no-chat-template", "-n", "8", "--ignore-eos", "--json", "Hello world"]
+    env = {**ENV, "HF_HUB_CACHE": str(tmp_path / "hub")}
+    by_id = subprocess.run([sys.executable, "-m", "metrale_cli", *args, "-m", "someone/tiny-qwen3"],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert by_id.returncode == 0, by_id.stderr
+    by_folder = json.loads(metrale(*args, "-m", str(tiny)).stdout)["results"][0]["token_ids"]
+    assert json.loads(by_id.stdout)["results"][0]["token_ids"] == by_folder
