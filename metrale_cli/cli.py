@@ -122,7 +122,8 @@ def generate(
 
 @app.command("validate-kernels")
 def validate_kernels(
-    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="one of: " + ", ".join(valid_names()))],
+    kv_cache_dtype: Annotated[str, typer.Option(
+        "--kv-cache-dtype", help="one of: " + ", ".join(valid_names()) + "; or all (every dtype)")],
     head_dim: Annotated[int, typer.Option(help="attention head_dim the kernels must serve")] = 128,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -136,6 +137,7 @@ def validate_kernels(
     Examples:
       metrale validate-kernels --kv-cache-dtype fp8
       metrale validate-kernels --kv-cache-dtype turbo3 --head-dim 256 --json
+      metrale validate-kernels --kv-cache-dtype all
     """
     from metrale_cli.commands.validate import run_validate
 

@@ -212,3 +212,17 @@ def test_hub_id_served_from_the_hf_cache_offline(tiny, tmp_path):
     assert by_id.returncode == 0, by_id.stderr
     by_folder = json.loads(metrale(*args, "-m", str(tiny)).stdout)["results"][0]["token_ids"]
     assert json.loads(by_id.stdout)["results"][0]["token_ids"] == by_folder
+
+
+def test_validate_kernels_all_dtypes_in_one_run():
+    result = metrale("validate-kernels", "--kv-cache-dtype", "all", "--json")
+    assert result.returncode == 0, result.stderr
+    reports = json.loads(result.stdout)
+    assert [r["kv_cache_dtype"] for r in reports] == [
+        "bf16", "fp8", "nvfp4", "turbo4", "turbo3", "turbo2", "turbo8", "turbo4k_turbo3v", "turbo4k_turbo8v",
+        "turbo3k_turbo8v", "bf16k_turbo4v", "bf16k_turbo3v", "bf16k_turbo2v", "fp8k_turbo4v", "fp8k_turbo3v",
+        "fp8k_turbo2v"]
+    assert all(r["ok"] and r["missing"] == [] for r in reports)
+    bad = metrale("validate-kernels", "--kv-cache-dtype", "all", "--head-dim", "512")
+    assert bad.returncode == 1
+    assert "kv-cache-dtype turbo2 (head_dim 512) requires" in bad.stderr  # turbo2 is _128-only
