@@ -131,6 +131,9 @@ def test_gguf_metadata_errors():
         Tokenizer.from_gguf({"general.architecture": "llama"})
     with pytest.raises(MetraleError, match="tokenizer model 'bert' is not supported"):
         Tokenizer.from_gguf({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
+    with pytest.raises(MetraleError, match="pre-tokenizer 'deepseek-llm' is not supported"):
+        Tokenizer.from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"],
+                             "tokenizer.ggml.pre": "deepseek-llm"})
 
 
 def test_gguf_add_bos_token_prepends_bos(folder):

@@ -33,8 +33,9 @@ def _gpt2_bytes() -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
-# tokenizer.ggml.pre -> (normalizer or None, pre-tokenizer). Unlisted names get "default":
-# GPT-2's byte-level split, which is also what transformers uses for every GGUF BPE vocabulary.
+# tokenizer.ggml.pre -> (normalizer or None, pre-tokenizer). A file without the key gets
+# "default", GPT-2's byte-level split (llama.cpp's default too); an unlisted name is refused:
+# another model's split would tokenize some text differently, which is wrong output.
 PRE_TOKENIZERS: dict[str, Callable[[], tuple]] = {
     "default": lambda: (None, _gpt2_bytes()),
     "gpt2": lambda: (None, _gpt2_bytes()),
@@ -50,8 +51,11 @@ def _bpe_backend(meta: dict) -> Tokenizer:
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     backend = Tokenizer(BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
                             continuing_subword_prefix="", end_of_word_suffix=""))
-    normalizer, pre = PRE_TOKENIZERS.get(meta.get("tokenizer.ggml.pre", "default"),
-                                         PRE_TOKENIZERS["default"])()
+    pre_name = meta.get("tokenizer.ggml.pre", "default")
+    if pre_name not in PRE_TOKENIZERS:
+        raise MetraleError(f"GGUF pre-tokenizer {pre_name!r} is not supported",
+                           f"supported: {', '.join(PRE_TOKENIZERS)}; or load the model's HF folder instead")
+    normalizer, pre = PRE_TOKENIZERS[pre_name]()
     if normalizer is not None:
         backend.normalizer = normalizer
     backend.pre_tokenizer = pre
