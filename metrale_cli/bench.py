@@ -147,7 +147,7 @@ def _step_bytes(runner, opts: BenchOptions) -> float:
     return runner.model.weight_bytes() + opts.batch * ctx * layout.bytes_per_token()
 
 
-def _row(name: str, test: str, samples: list[float], tokens: int, step_bytes: float | None,
+def timing_row(name: str, test: str, samples: list[float], tokens: int, step_bytes: float | None,
          peak: float | None) -> dict:
     tps = [tokens / s for s in samples]
     row = {"engine": name, "test": test, "tokens_per_s": statistics.mean(tps),
@@ -169,8 +169,8 @@ def bench_metrale(runner, opts: BenchOptions, peak: float | None) -> list[dict]:
     if opts.profile:
         _PROFILES[name] = profile_run(runner, opts)
     rows = [] if opts.synthetic_context else [
-        _row(name, f"pp{opts.n_prompt}", [r[0] for r in runs], opts.n_prompt, None, peak)]
-    rows.append(_row(name, f"tg{opts.n_gen} b{opts.batch} @{opts.n_prompt}", [r[1] for r in runs],
+        timing_row(name, f"pp{opts.n_prompt}", [r[0] for r in runs], opts.n_prompt, None, peak)]
+    rows.append(timing_row(name, f"tg{opts.n_gen} b{opts.batch} @{opts.n_prompt}", [r[1] for r in runs],
                      opts.batch, step_bytes, peak))
     memory = kv_memory(runner)
     timing = runner.engine.host_timing

@@ -46,7 +46,7 @@ def _time_hf(model, opts, device, seed: int) -> tuple[float, float]:
 
 def bench_hf(raw: dict, tensors: dict[str, torch.Tensor], opts, device: torch.device,
              peak: float | None) -> list[dict]:
-    from metrale_cli.bench import _row
+    from metrale_cli.bench import timing_row
 
     dtype = next(iter(tensors.values())).dtype
     model = hf_model(raw, tensors, device, dtype)
@@ -58,7 +58,7 @@ def bench_hf(raw: dict, tensors: dict[str, torch.Tensor], opts, device: torch.de
     step_bytes = weight_bytes + opts.batch * (opts.n_prompt + opts.n_gen // 2) * kv_bytes
     name = "HF transformers (eager)"
     return [
-        _row(name, f"pp{opts.n_prompt}", [r[0] for r in runs], opts.n_prompt, None, peak),
-        _row(name, f"tg{opts.n_gen} b{opts.batch} @{opts.n_prompt}", [r[1] for r in runs], opts.batch,
+        timing_row(name, f"pp{opts.n_prompt}", [r[0] for r in runs], opts.n_prompt, None, peak),
+        timing_row(name, f"tg{opts.n_gen} b{opts.batch} @{opts.n_prompt}", [r[1] for r in runs], opts.batch,
              step_bytes, peak),
     ]

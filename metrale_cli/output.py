@@ -27,9 +27,6 @@ class Output:
         if not self.quiet:
             self.err.print(f"[dim]{message}[/dim]" if self.err.is_terminal else message, markup=self.err.is_terminal)
 
-    def warn(self, message: str) -> None:
-        self.err.print(f"warning: {message}", style="yellow", markup=False)
-
     def error(self, message: str, hint: str | None = None) -> None:
         self.err.print(f"error: {message}", style="bold red", markup=False)
         if hint:

@@ -13,7 +13,6 @@ import torch
 
 from metrale_cli.kernels.ops import SidePool
 from metrale_cli.kv import formats
-from metrale_cli.kv.quant import FP8_MAX
 from metrale_cli.kv.wht import wht_inplace
 
 
@@ -50,11 +49,6 @@ def rope(q, k, positions, cos, sin):
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
-
-
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3(x / scale), round to nearest even, saturated to ±448."""
-    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def reshape_and_cache(k, v, k_pool: SidePool, v_pool: SidePool, slot_mapping) -> None:
