@@ -139,3 +139,25 @@ def test_a_kernel_missing_from_the_build_fails_with_the_full_list(monkeypatch):
 def test_auto_is_not_a_concrete_dtype():
     with pytest.raises(MetraleError):
         required_kernels("auto", 128)
+
+
+def test_a_numeric_check_that_raises_fails_its_row_not_the_table(monkeypatch):
+    """E.g. bf16's cache write at head_dim 512: its check reads back through the dtype's decode,
+    which does not serve 512. The row says so; the other rows are still checked."""
+    from metrale_cli.kernels import validate
+    from metrale_cli.kernels.registry import KernelSpec
+
+    class Loader:
+        def function(self, spec, device):
+            return object()
+
+    def check(ops, head_dim):
+        raise MetraleError(f"kernel(s) x do not serve head_dim {head_dim}")
+
+    write = KernelSpec.parse("reshape_and_cache::reshape_and_cache_flash")
+    monkeypatch.setitem(validate.NUMERIC_CHECKS, str(write), check)
+    monkeypatch.setattr(validate.torch.cuda, "current_device", lambda: 0)
+    checker = validate._GpuChecker.__new__(validate._GpuChecker)
+    checker.ops, checker.head_dim = type("Ops", (), {"loader": Loader()})(), 512
+    row, _ = checker.row(write)
+    assert not row.ok and row.numeric == "kernel(s) x do not serve head_dim 512"
