@@ -1,7 +1,7 @@
 """The bench command's library: ppN / tgN timings, achieved bandwidth, roofline, HF comparison.
 
-Decode steps are timed as ``generate`` runs them (one host round-trip per step for the sampled
-token), with CUDA events on a GPU. The roofline of a decode step is the bytes it must read:
+Decode steps are timed as ``generate`` runs them (greedy sampling on the device, the host reading
+step t's tokens while the GPU runs step t + 1), with CUDA events on a GPU. The roofline of a decode step is the bytes it must read:
 every weight once plus each sequence's cached K/V, over the peak bandwidth (measured as a
 device-to-device copy unless given).
 """
@@ -18,6 +18,7 @@ from metrale_cli.bench_presets import PRESETS, random_weights
 from metrale_cli.config import model_config_from_hf
 from metrale_cli.engine.runner import (RunnerOptions, build_runner, check_kv_support, parse_dtype,
                                        plan_layers, resolve_backend)
+from metrale_cli.engine.sampler import Sampler, SamplingParams
 from metrale_cli.engine.sequence import Sequence
 from metrale_cli.errors import MetraleError
 from metrale_cli.kv.dtypes import AUTO, parse_kv_cache_dtype, resolve_auto
@@ -98,10 +99,7 @@ def _time_run(runner, opts: BenchOptions, seed: int) -> tuple[float, float]:
                 s.output_ids.append(int(engine.prefill(s).argmax(-1)[0]))
         prefill_s.append(t.seconds)
     with Timer(device) as t:
-        for _ in range(opts.n_gen):
-            tokens = engine.decode(seqs).argmax(-1).tolist()
-            for s, tok in zip(seqs, tokens):
-                s.output_ids.append(tok)
+        engine.decode_steps(seqs, opts.n_gen, Sampler(SamplingParams(), device))
     for s in seqs:
         cache.release(s.block_table)
     return statistics.median(prefill_s), t.seconds / opts.n_gen
@@ -163,7 +161,7 @@ def timing_row(name: str, test: str, samples: list[float], tokens: int, step_byt
 def bench_metrale(runner, opts: BenchOptions, peak: float | None) -> list[dict]:
     _time_run(runner, opts, seed=0)  # warm-up at the timed shapes (kernel loads, allocator, clocks)
     runs = [_time_run(runner, opts, seed=r + 1) for r in range(opts.repetitions)]
-    graphs = "graphs" if runner.engine.graphs is not None else "eager"
+    graphs = "graphs" if runner.engine.graphs.capture else "eager"
     name = f"metrale {runner.backend} {graphs} kv={runner.kv_dtype.value}"
     step_bytes = _step_bytes(runner, opts)
     if opts.profile:

@@ -34,11 +34,11 @@ def as_dtype(hf, dtype):
 
 
 def ours(hf, raw: dict, kv=KvCacheDtype.BF16, dtype=torch.bfloat16, chunk=512, blocks=64,
-         calibration=0, ops=None) -> Engine:
+         calibration=0, ops=None, max_batch=8) -> Engine:
     tensors = {k: v.detach().to(dtype).clone() for k, v in hf.state_dict().items()}
     model = build_model(model_config_from_hf(raw), tensors, ops or TorchOps(), kv, blocks, 512,
                         calibration, torch.device("cpu"))
-    return Engine(model, 512, prefill_chunk=chunk)
+    return Engine(model, 512, prefill_chunk=chunk, max_batch=max_batch)
 
 
 def teacher_forced(engine: Engine, ids: list[int]) -> torch.Tensor:

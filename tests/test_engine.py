@@ -51,6 +51,25 @@ def test_eos_stops_generation():
     assert seq.finish_reason == "eos" and seq.output_ids == free.output_ids[: first + 1]
 
 
+def test_pipelined_decode_equals_step_by_step_decode():
+    """Batches the static buffers hold decode pipelined: the next step is launched from inputs
+    advanced on the device before the host reads this step's tokens, so a sequence that stops
+    runs one step too many (dropped). Larger batches decode step by step from host state. Both
+    give the same tokens and stops, whichever sequence finishes when."""
+    hf, raw = make_hf("qwen3", head_dim=32)
+    prompts = [_ids(n, s) for s, n in enumerate((12, 5, 30, 17))]
+    free = ours(hf, raw, dtype=torch.float32).generate(
+        prompts[:1], SamplingParams(max_new_tokens=12, ignore_eos=True))[0][0]
+    eos, params = free.output_ids[4], SamplingParams(max_new_tokens=12)
+    piped, stats = ours(hf, raw, dtype=torch.float32).generate(prompts, params, eos_ids=[eos])
+    stepped = ours(hf, raw, dtype=torch.float32, max_batch=1).generate(prompts, params, eos_ids=[eos])[0]
+    assert [s.output_ids for s in piped] == [s.output_ids for s in stepped]
+    assert [s.finish_reason for s in piped] == [s.finish_reason for s in stepped]
+    assert piped[0].finish_reason == "eos" and len(piped[0].output_ids) <= 5
+    assert "length" in {s.finish_reason for s in piped}
+    assert stats.decode_tokens == sum(len(s.output_ids) - 1 for s in piped)  # dropped ones uncounted
+
+
 def test_top_p_and_top_k_restrict_the_draw():
     logits = torch.tensor([[5.0, 4.9, 0.0, -1.0]])
     draws = {int(Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=s), torch.device("cpu"))(logits))

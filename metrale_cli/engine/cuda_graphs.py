@@ -1,10 +1,21 @@
-"""CUDA-graph replay of the whole decode step, one graph per batch-size bucket.
+"""Decode steps from static device buffers, replayed as CUDA graphs, one per batch-size bucket.
 
 An eager decode step of a 28-36 layer model issues several hundred kernel launches from Python;
 replaying a captured graph issues one. Every input of the step lives in a static device buffer
-(tokens, positions, cache slots, block tables, context lengths) that the engine fills before
-each replay, so one graph per bucket serves every later step and every sequence. Rows past the
-live batch are padding: slot -1 (nothing written), context length 1, block 0.
+(tokens, positions, cache slots, block tables, context lengths, a live-row mask) that is filled
+from the host when the batch changes, so one graph per bucket serves every later step and every
+sequence. Rows past the live batch are padding: slot -1 (nothing written), context length 1,
+block 0.
+
+Between steps the buffers move on by themselves: :meth:`advance` writes the sampled tokens in
+as the next inputs and moves every live row's position, context length and cache slot on by
+one, on the device (a second small graph). The engine can so launch step t + 1 before it has
+read step t's tokens on the host: the host work of a step (sampling launch, the token
+round-trip, stop checks, streaming) overlaps the GPU's work on the next one.
+
+Without ``capture`` (a backend whose attention cannot be captured, ``--cuda-graph-mode
+disabled``, or the CPU) the same buffers drive an eager forward, so every backend runs the one
+decode loop.
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from metrale_cli.kernels.ops import BLOCK_SIZE
 from metrale_cli.layers.context import ForwardContext
 from metrale_cli.models.model import CausalLM
 
@@ -19,62 +31,123 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, max_batch: int, max_blocks: int):
+    def __init__(self, model: CausalLM, max_batch: int, max_blocks: int, capture: bool = True):
         dev = model.device
         self.model = model
+        self.capture = capture and dev.type == "cuda"
         self.max_blocks = max_blocks
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         b = max_batch
         self.tokens = torch.zeros(b, dtype=torch.long, device=dev)
+        self.next_tokens = torch.zeros(b, dtype=torch.long, device=dev)
         self.positions = torch.zeros(b, dtype=torch.int32, device=dev)
         self.slots = torch.full((b,), -1, dtype=torch.int32, device=dev)
         self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(b, dtype=torch.int32, device=dev)
+        self.live = torch.zeros(b, dtype=torch.int32, device=dev)
         self.rows = torch.arange(b, device=dev)
-        self._host = np.zeros((b, 3 + max_blocks), dtype=np.int64)
+        self._host = np.zeros((b, 4 + max_blocks), dtype=np.int64)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.advance_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
+    def graphed(self) -> bool:
+        """Whether steps replay graphs now: online calibration (fp8 scales, InnerQ) must have
+        frozen, or a captured graph would replay its scale writes on every step."""
+        return self.capture and self.model.kv_frozen
+
+    # --- the step -------------------------------------------------------------------------
     def run(self, tokens: list[int], positions: list[int], slots: list[int],
             block_tables: list[list[int]]) -> torch.Tensor:
-        """One decode step for n sequences -> (n, vocab) float32 logits."""
+        """Fill the buffers for n sequences and run one step -> (n, vocab) float32 logits."""
+        self.fill(tokens, positions, slots, block_tables)
+        return self.forward(len(tokens))
+
+    def fill(self, tokens, positions, slots, block_tables) -> None:
+        """Load one step's inputs from the host (one copy); rows past them become padding."""
         n = len(tokens)
         b = self.bucket(n)
-        self._fill(tokens, positions, slots, block_tables, b)
+        host = self._host[:b]
+        host[:] = 0
+        host[:n, 0], host[:n, 1], host[:n, 2], host[:n, 3] = tokens, positions, slots, 1
+        host[n:, 2] = -1
+        for i, table in enumerate(block_tables):
+            host[i, 4 : 4 + len(table)] = table
+        staged = torch.from_numpy(host).to(self.model.device, non_blocking=False)
+        self.tokens[:b].copy_(staged[:, 0])
+        self.positions[:b].copy_(staged[:, 1])
+        self.slots[:b].copy_(staged[:, 2])
+        self.live[:b].copy_(staged[:, 3])
+        self.seq_lens[:b].copy_(staged[:, 1] + 1)
+        self.tables[:b].copy_(staged[:, 4:])
+
+    def forward(self, n: int) -> torch.Tensor:
+        """One step over the buffers' first n rows -> (n, vocab) float32 logits."""
+        b = self.bucket(n)
+        if not self.graphed():
+            return self.model.forward(*self._args(b))[:n]
         if b not in self.graphs:
             self.graphs[b] = self._capture(b)
         graph, logits = self.graphs[b]
         graph.replay()
         return logits[:n]
 
-    def _fill(self, tokens, positions, slots, block_tables, b: int) -> None:
-        host, n = self._host[:b], len(tokens)
-        host[:] = 0
-        host[:n, 0], host[:n, 1], host[:n, 2] = tokens, positions, slots
-        host[n:, 2] = -1
-        for i, table in enumerate(block_tables):
-            host[i, 3 : 3 + len(table)] = table
-        staged = torch.from_numpy(host).to(self.model.device, non_blocking=False)
-        self.tokens[:b].copy_(staged[:, 0])
-        self.positions[:b].copy_(staged[:, 1])
-        self.slots[:b].copy_(staged[:, 2])
-        self.seq_lens[:b].copy_(staged[:, 1] + 1)
-        self.tables[:b].copy_(staged[:, 3:])
+    def advance(self, n: int, next_tokens: torch.Tensor) -> None:
+        """Make the sampled tokens (n,) the next step's inputs and move the live rows on by one
+        position (context length, cache slot from the block table), all on the device."""
+        b = self.bucket(n)
+        self.next_tokens[:n].copy_(next_tokens)
+        if not self.graphed():
+            self._advance(b)
+            return
+        if b not in self.advance_graphs:
+            self.advance_graphs[b] = self._capture_advance(b)
+        self.advance_graphs[b].replay()
 
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    # --- internals ------------------------------------------------------------------------
+    def _args(self, b: int):
         ctx = ForwardContext("decode", self.positions[:b], self.slots[:b],
                              block_tables=self.tables[:b], seq_lens=self.seq_lens[:b])
-        args = (self.tokens[:b], ctx, self.rows[:b])
+        return self.tokens[:b], ctx, self.rows[:b]
+
+    def _advance(self, b: int) -> None:
+        live = self.live[:b]
+        self.tokens[:b].copy_(self.next_tokens[:b])
+        self.positions[:b] += live
+        self.seq_lens[:b] += live
+        pos = self.positions[:b]
+        # a row that just finished may point one block past its table: its slot is never used
+        index = torch.clamp(pos // BLOCK_SIZE, max=self.max_blocks - 1).long()
+        block = self.tables[:b].gather(1, index[:, None])[:, 0]
+        self.slots[:b].copy_(torch.where(live.bool(), block * BLOCK_SIZE + pos % BLOCK_SIZE, -1))
+
+    def _warm(self, fn) -> None:
+        """Run once on a side stream (lazy kernel loads, allocator growth) before a capture."""
         side = torch.cuda.Stream(self.model.device)
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture: lazy loads, allocator growth
-            self.model.forward(*args)
+        with torch.cuda.stream(side):
+            fn()
         torch.cuda.current_stream().wait_stream(side)
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        args = self._args(b)
+        self._warm(lambda: self.model.forward(*args))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self.model.forward(*args)
         self.pool = graph.pool()
         return graph, logits
+
+    def _capture_advance(self, b: int) -> torch.cuda.CUDAGraph:
+        saved = [t.clone() for t in (self.tokens, self.positions, self.seq_lens, self.slots)]
+        self._warm(lambda: self._advance(b))
+        for buf, old in zip((self.tokens, self.positions, self.seq_lens, self.slots), saved):
+            buf.copy_(old)  # the warm-up moved the live rows on: undo it
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._advance(b)
+        self.pool = graph.pool()
+        return graph

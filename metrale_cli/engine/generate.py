@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from metrale_cli.engine.cuda_graphs import DecodeGraphs
 from metrale_cli.engine.sampler import Sampler, SamplingParams
 from metrale_cli.engine.sequence import Sequence, StopText
 from metrale_cli.errors import MetraleError
@@ -42,16 +43,33 @@ class GenerationStats:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
+@dataclass
+class InFlight:
+    """A launched decode step whose sampled tokens are on their way to the host."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # (n,) int64 on the host (pinned on a GPU), valid once `ready` is set
+    ready: torch.cuda.Event | None = None
+
+    def collect(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.tokens.tolist()
+
+
 class Engine:
-    def __init__(self, model: CausalLM, max_seq_len: int, prefill_chunk: int = 512, graphs=None,
-                 host_timing: HostTiming | None = None):
+    def __init__(self, model: CausalLM, max_seq_len: int, prefill_chunk: int = 512,
+                 graphs: DecodeGraphs | None = None, host_timing: HostTiming | None = None,
+                 max_batch: int = 8):
+        """``graphs``: the static-buffer decode step (captured or eager); by default an eager one
+        for up to ``max_batch`` sequences. Larger batches decode eagerly from host state."""
         self.model = model
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self.device = model.device
-        self.graphs = graphs  # DecodeGraphs, or None for eager decode
+        self.graphs = graphs or DecodeGraphs(model, max_batch, blocks_for(max_seq_len), capture=False)
         self.host_timing = host_timing  # set by METRALE_PREFILL_HOST_TIMING=1
-
+        self._ring, self._ring_at = None, 0
     # --- model steps ----------------------------------------------------------------------
     def _int32(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self.device)
@@ -80,14 +98,18 @@ class Engine:
             self.host_timing.prefills += 1
         return logits
 
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One step for every sequence: feeds each one's last token; returns (B, V) logits."""
+    def _inputs(self, seqs: list[Sequence]):
+        """Each sequence's last token, its position and cache slot, from the host state."""
         for s in seqs:
             self.model.kv_cache.ensure_capacity(s.block_table, s.length)
         positions = [s.length - 1 for s in seqs]
         slots = [self._slots(s.block_table, range(p, p + 1), 0)[0] for s, p in zip(seqs, positions)]
-        tokens = [s.output_ids[-1] for s in seqs]
-        if self._can_replay(len(seqs)):
+        return [s.output_ids[-1] for s in seqs], positions, slots
+
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One step for every sequence: feeds each one's last token; returns (B, V) logits."""
+        tokens, positions, slots = self._inputs(seqs)
+        if self._fed(len(seqs)):
             return self.graphs.run(tokens, positions, slots, [s.block_table for s in seqs])
         width = max(len(s.block_table) for s in seqs)
         ctx = ForwardContext(
@@ -98,11 +120,60 @@ class Engine:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.model.forward(ids, ctx, torch.arange(len(seqs), device=self.device))
 
-    def _can_replay(self, batch: int) -> bool:
-        """Graphs serve the step once online calibration (fp8 scales, InnerQ) has frozen: a graph
-        captured while calibration is open would replay its scale writes on every step."""
-        return (self.graphs is not None and self.graphs.bucket(batch) is not None
-                and self.model.kv_frozen)
+    def _fed(self, batch: int) -> bool:
+        """Whether a step of this batch runs from the static buffers (then the next step's inputs
+        are advanced on the device and the host may read tokens a step late)."""
+        return self.graphs.bucket(batch) is not None
+
+    def launch(self, seqs: list[Sequence], sampler: Sampler, refill: bool) -> InFlight:
+        """Launch one decode step for every sequence and the sampling of its tokens; returns
+        without waiting for them. ``refill``: load the inputs from the sequences' host state;
+        else the static buffers already hold them (advanced on the device by the last step,
+        whose tokens the host need not have read yet)."""
+        n = len(seqs)
+        if self._fed(n):
+            if refill:
+                self.graphs.fill(*self._inputs(seqs), [s.block_table for s in seqs])
+            tokens = sampler(self.graphs.forward(n))
+            self.graphs.advance(n, tokens)
+        else:
+            tokens = sampler(self.decode(seqs))
+        return InFlight(seqs, *self._to_host(tokens))
+
+    def decode_steps(self, seqs: list[Sequence], steps: int, sampler: Sampler) -> None:
+        """``steps`` decode steps of every sequence without stop checks (bench), each sampled
+        token appended to its sequence; pipelined as :meth:`generate` runs them."""
+        flight, refill = None, True
+        for _ in range(steps):
+            if flight is not None and refill:
+                self._append(flight)
+                flight = None
+            launched = self.launch(seqs, sampler, refill)
+            refill = not self._fed(len(seqs))
+            if flight is not None:
+                self._append(flight)
+            flight = launched
+        if flight is not None:
+            self._append(flight)
+
+    @staticmethod
+    def _append(flight: InFlight) -> None:
+        for seq, token in zip(flight.seqs, flight.collect()):
+            seq.output_ids.append(token)
+
+    def _to_host(self, tokens: torch.Tensor):
+        if self.device.type != "cuda":
+            return tokens.clone(), None
+        n = tokens.shape[0]
+        if self._ring is None or self._ring[0].shape[0] < n:
+            size = max([n, *self.graphs.buckets])
+            self._ring = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        buf = self._ring[self._ring_at][:n]
+        self._ring_at ^= 1  # two steps are in flight at most: the one launched, the one read
+        buf.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return buf, ready
 
     # --- the loop -------------------------------------------------------------------------
     def _budget(self, seq: Sequence) -> int:
@@ -151,8 +222,13 @@ class Engine:
         sampler, eos, stats = Sampler(params, self.device), set(eos_ids), GenerationStats()
         waiting, running = list(seqs), []
         cache = self.model.kv_cache
-        while waiting or running:
-            while waiting and self._budget(waiting[0]) <= cache.allocator.free_blocks:
+        flight, refill, started = None, True, self._now()
+        while waiting or running or flight:
+            if flight is not None and refill:  # the host must catch up before the batch changes
+                self._accept_all(flight, params, eos, on_text, stats)
+                flight = None
+            running = self._retire(running, on_text)
+            while flight is None and waiting and self._budget(waiting[0]) <= cache.allocator.free_blocks:
                 seq = waiting.pop(0)
                 cache.ensure_capacity(seq.block_table, self._budget(seq) * BLOCK_SIZE)
                 t0 = self._now()
@@ -161,16 +237,30 @@ class Engine:
                 stats.prompt_tokens += len(seq.prompt_ids)
                 stats.prompt_seconds += self._now() - t0
                 running.append(seq)
+                refill = True
             running = self._retire(running, on_text)
+            launched = None
             if running:
-                t0 = self._now()
-                tokens = sampler(self.decode(running)).tolist()
-                for seq, token in zip(running, tokens):
-                    self._accept(seq, token, params, eos, on_text)
-                stats.decode_tokens += len(running)
-                stats.decode_seconds += self._now() - t0
-                running = self._retire(running, on_text)
+                launched = self.launch(running, sampler, refill)
+                refill = not self._fed(len(running))  # an eager step reads host state: catch up first
+            if flight is not None:
+                self._accept_all(flight, params, eos, on_text, stats)
+                if any(s.done for s in flight.seqs) or self._admissible(waiting):
+                    refill = True
+            flight = launched
+        stats.decode_seconds = self._now() - started - stats.prompt_seconds
         return seqs, stats
+
+    def _accept_all(self, flight: InFlight, params, eos, on_text, stats: GenerationStats) -> None:
+        """Read a step's tokens; a sequence that finished while the step was in flight drops its
+        token (the step ran one position past its end, inside its reserved blocks)."""
+        for seq, token in zip(flight.seqs, flight.collect()):
+            if not seq.done:
+                self._accept(seq, token, params, eos, on_text)
+                stats.decode_tokens += 1
+
+    def _admissible(self, waiting: list[Sequence]) -> bool:
+        return bool(waiting) and self._budget(waiting[0]) <= self.model.kv_cache.allocator.free_blocks
 
     def _retire(self, running: list[Sequence], on_text: TextCallback | None) -> list[Sequence]:
         still = []

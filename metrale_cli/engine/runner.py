@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from metrale_cli.config import ModelConfig, model_config_from_hf
+from metrale_cli.engine.cuda_graphs import DecodeGraphs
 from metrale_cli.engine.generate import Engine
 from metrale_cli.environment import prefill_host_timing
 from metrale_cli.layers.host_timing import HostTiming
@@ -188,19 +189,16 @@ def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, 
     blocks = pool_blocks(layout, opts, max_seq_len, device)
     model = build_model(cfg, tensors, make_ops(backend, loader), kv_dtype, blocks, max_seq_len,
                         opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq(), dtypes=dtypes)
-    graphs, decode_mode = None, "decode: eager (--cuda-graph-mode disabled)"
     check_graph_mode(opts.cuda_graph_mode)
+    capture, decode_mode = False, "decode: eager (--cuda-graph-mode disabled)"
     if device.type != "cuda":
         decode_mode = "decode: eager (no GPU)"
     elif opts.cuda_graph_mode == "full":
         why = model.decode_graph_unsupported()
-        if why:
-            decode_mode = f"decode: eager, not CUDA graphs ({why})"
-        else:
-            from metrale_cli.engine.cuda_graphs import DecodeGraphs
-
-            graphs = DecodeGraphs(model, max(1, opts.max_num_seqs), blocks_for(max_seq_len))
-            decode_mode = "decode: CUDA graphs (one per batch-size bucket)"
+        capture = why is None
+        decode_mode = (f"decode: eager, not CUDA graphs ({why})" if why
+                       else "decode: CUDA graphs (one per batch-size bucket)")
+    graphs = DecodeGraphs(model, max(1, opts.max_num_seqs), blocks_for(max_seq_len), capture)
     timing = HostTiming() if prefill_host_timing() else None
     runner = Runner(model, Engine(model, max_seq_len, opts.prefill_chunk, graphs, timing), tokenizer, backend,
                     kv_dtype, source)
