@@ -1,7 +1,8 @@
 // RMSNorm, HF rounding order: y = bf16(x * rsqrt(mean(x^2) + eps)); out = bf16(w * y).
-// One block per row; 8-wide vector loads when the row allows it.
-#include "numeric.cuh"
+// One block per row; 8-wide vector loads when the row allows it. The per-element arithmetic is
+// rms_row.cuh's, shared with the fused QK-norm of rope_and_cache.cu.
 #include "reduce.cuh"
+#include "rms_row.cuh"
 
 template <int V>
 __device__ float row_sum_squares(const bf16_t* x, int hidden) {
@@ -9,8 +10,7 @@ __device__ float row_sum_squares(const bf16_t* x, int hidden) {
     for (int i = threadIdx.x * V; i < hidden; i += blockDim.x * V) {
         float f[V];
         load_vec<V>(x + i, f);
-#pragma unroll
-        for (int j = 0; j < V; ++j) ss += f[j] * f[j];
+        ss = add_squares<V>(ss, f);
     }
     return block_sum(ss);
 }
@@ -22,7 +22,7 @@ __device__ void row_normalize(const bf16_t* s, const bf16_t* w, bf16_t* out, int
         load_vec<V>(s + i, f);
         load_vec<V>(w + i, g);
 #pragma unroll
-        for (int j = 0; j < V; ++j) f[j] = g[j] * round_bf16(f[j] * r);
+        for (int j = 0; j < V; ++j) f[j] = rms_scaled(f[j], g[j], r);
         store_vec<V>(out + i, f);
     }
 }
@@ -43,10 +43,6 @@ __device__ float row_add(const bf16_t* x, const bf16_t* res, bf16_t* sum_out, in
         store_vec<V>(sum_out + i, a);
     }
     return block_sum(ss);
-}
-
-__device__ __forceinline__ float inv_rms(float sum_squares, int hidden, float eps) {
-    return 1.0f / sqrtf(sum_squares / (float)hidden + eps);
 }
 
 __device__ __forceinline__ bool vec8_ok(int hidden, const void* a, const void* b, const void* c,

@@ -1,13 +1,7 @@
 // Neox (rotate-half) RoPE in place on q and k, first rot_dim dims of each head. Matches the
-// torch reference's rounding: cos/sin rounded to bf16, each product and the sum rounded to bf16.
-#include "numeric.cuh"
-
-__device__ __forceinline__ void rotate_pair(bf16_t* head, int j, int half, float c, float s) {
-    float x1 = bf16_to_f32(head[j]);
-    float x2 = bf16_to_f32(head[j + half]);
-    head[j] = f32_to_bf16(round_bf16(x1 * c) + round_bf16(-x2 * s));
-    head[j + half] = f32_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
-}
+// torch reference's rounding (rope.cuh): cos/sin rounded to bf16, each product and the sum
+// rounded to bf16.
+#include "rope.cuh"
 
 // q: (T, Hq, D), k: (T, Hk, D) bf16; positions: (T,) int32; cos/sin: (max_pos, rot_dim/2) fp32.
 // grid = (T, ceil((Hq + Hk) * rot_dim / 2 / blockDim.x)): one thread per rotated pair.
@@ -27,6 +21,6 @@ extern "C" __global__ void rope_neox_bf16(bf16_t* q, bf16_t* k, const int* posit
         bf16_t* base = head < num_q_heads
                            ? q + ((long long)t * num_q_heads + head) * head_dim
                            : k + ((long long)t * num_kv_heads + (head - num_q_heads)) * head_dim;
-        rotate_pair(base, j, half, round_bf16(cos_row[j]), round_bf16(sin_row[j]));
+        rope_pair(base, j, half, cos_row, sin_row);
     }
 }

@@ -56,7 +56,7 @@ def test_fp8_decode_splits_and_prefill_rows(ops):
     assert d_args["k_scale"] is kp.scale and d_args["k_cache"] is kp.data
     ops.loader.calls.clear()
     kp, vp = pools("fp8", d=256)
-    ops.paged_prefill(torch.zeros(19, 32, 256, dtype=torch.bfloat16), kp, vp, tables[0], 5, 0.1)
+    ops.paged_prefill(torch.zeros(19, 32, 256, dtype=torch.bfloat16), kp, vp, tables[0], 5, 0.1, use_kernel=True)
     (name, grid, block, args, _), = ops.loader.calls
     assert name == "prefill_paged_fp8::attn_prefill_paged_fp8"
     assert grid == (8, 19 * 4 // 4) and block == (128,) and args["start_pos"] == 5  # 4 rows per CTA at d=256
@@ -150,7 +150,7 @@ def test_unsupported_shapes_and_pairs_are_user_errors(ops):
 def test_layer_kernels_cover_every_side(dtype):
     specs = cuda_ops.layer_kernels(dtype, 128)
     names = [str(s) for s in specs]
-    assert len(names) == len(set(names)) == 8 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype))
+    assert len(names) == len(set(names)) == 9 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype))
     assert set(map(str, required_kernels(dtype, 128))) <= set(names)
     assert all(module_for(s) is not None for s in specs)
     assert names[:4] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",

@@ -139,7 +139,7 @@ def test_paged_prefill(ops, dtype, head_dim, group, tokens, start):
     c = make_paged_case([start + tokens], hk * group, hk, head_dim, dtype, seed=tokens)
     q = randn(tokens, hk * group, head_dim, seed=4, device="cpu")
     table = c["block_tables"][0]
-    got = ops.paged_prefill(q.cuda(), *gpu_pools(c), table.cuda(), start, head_dim**-0.5)
+    got = ops.paged_prefill(q.cuda(), *gpu_pools(c), table.cuda(), start, head_dim**-0.5, use_kernel=True)
     close(got, ref.paged_prefill(q, c["k_pool"], c["v_pool"], table, start, head_dim**-0.5), "attention")
 
 

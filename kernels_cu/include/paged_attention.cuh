@@ -58,6 +58,23 @@ struct RowsPerCta {
     static const int value = D <= 128 ? 8 : D <= 256 ? 4 : 2;
 };
 
+// Keys in flight per warp: about 64 bytes of K+V per lane (a lane holds D/32 elements per side).
+template <int D>
+struct PipelineDepth {
+    static const int bytes = (int)(sizeof(typename KSide<D>::Raw) + sizeof(typename VSide<D>::Raw));
+    static const int value = bytes <= 8 ? 8 : bytes <= 16 ? 4 : 2;
+};
+
+// Context keys per split of a split decode: at least ATTN_SPLIT_MIN_KEYS, so a short context
+// runs on few splits (and the combine reads only those); the host mirrors it (MIN_KEYS_PER_SPLIT).
+#define ATTN_SPLIT_MIN_KEYS 32
+__device__ __forceinline__ int split_keys(int len, int num_splits) {
+    return max((len + num_splits - 1) / num_splits, ATTN_SPLIT_MIN_KEYS);
+}
+__device__ __forceinline__ int active_splits(int len, int num_splits) {
+    return min(num_splits, (len + split_keys(len, num_splits) - 1) / split_keys(len, num_splits));
+}
+
 struct AttnRows {
     long long q_off[8];   // element offset of each row's q and output; -1 = no row
     int limit[8];         // last key position the row may attend
@@ -171,39 +188,48 @@ __device__ void attend_rows(const bf16_t* q, const AttnRows& rows, int key_begin
                            : bf16_to_f32(q[rows.q_off[r] + lane * EPL + e]) * q_mul;
         }
     }
-    // Software-pipelined: the next key's K/V loads are in flight while this key is scored, so a
-    // warp waits for memory once per split rather than once per key.
-    KvRaw<D> cur, nxt;
-    int key = key_begin + warp;
-    if (key < key_end) cur = load_key<D>(kv, key, lane);
-    for (; key < key_end; key += ATTN_WARPS) {
-        float kf[EPL], vf[EPL], s[RW];
-        const int next = key + ATTN_WARPS;
-        if (next < key_end) nxt = load_key<D>(kv, next, lane);
-        KSide<D>::decode(cur.k, attn_luts[0], kf);
+    // Software-pipelined P keys deep: while a key is scored, the loads of the warp's next P - 1
+    // keys are in flight, so a warp waits on memory about once per P keys. P is set by the bytes
+    // a lane holds per key (PipelineDepth): short rows (fp8, packed sides) go deeper.
+    constexpr int P = PipelineDepth<D>::value;
+    constexpr int STEP = P * ATTN_WARPS;
+    KvRaw<D> buf[P];
 #pragma unroll
-        for (int r = 0; r < RW; ++r) {
-            float dot = 0.0f;
-            if (rows.q_off[r] >= 0) {  // uniform: idle rows skip their reduction
+    for (int p = 0; p < P; ++p) {
+        const int key = key_begin + warp + p * ATTN_WARPS;
+        if (key < key_end) buf[p] = load_key<D>(kv, key, lane);
+    }
+    for (int base = key_begin + warp; base < key_end; base += STEP) {
 #pragma unroll
-                for (int e = 0; e < EPL; ++e) dot += qr[r][e] * kf[e];
-                dot = warp_sum(dot);
+        for (int p = 0; p < P; ++p) {
+            const int key = base + p * ATTN_WARPS;
+            if (key >= key_end) break;  // uniform across the warp
+            float kf[EPL], vf[EPL], s[RW];
+            KSide<D>::decode(buf[p].k, attn_luts[0], kf);
+#pragma unroll
+            for (int r = 0; r < RW; ++r) {
+                float dot = 0.0f;
+                if (rows.q_off[r] >= 0) {  // uniform: idle rows skip their reduction
+#pragma unroll
+                    for (int e = 0; e < EPL; ++e) dot += qr[r][e] * kf[e];
+                    dot = warp_sum(dot);
+                }
+                s[r] = dot;
             }
-            s[r] = dot;
-        }
-        VSide<D>::decode(cur.v, attn_luts[1], vf);
+            VSide<D>::decode(buf[p].v, attn_luts[1], vf);
+            if (key + STEP < key_end) buf[p] = load_key<D>(kv, key + STEP, lane);
 #pragma unroll
-        for (int r = 0; r < RW; ++r) {
-            if (rows.q_off[r] < 0 || key > rows.limit[r]) continue;  // uniform across the warp
-            const float m_new = fmaxf(m[r], s[r]);
-            const float corr = exp2f(m[r] - m_new);
-            const float p = exp2f(s[r] - m_new);
-            l[r] = l[r] * corr + p;
+            for (int r = 0; r < RW; ++r) {
+                if (rows.q_off[r] < 0 || key > rows.limit[r]) continue;  // uniform across the warp
+                const float m_new = fmaxf(m[r], s[r]);
+                const float corr = exp2f(m[r] - m_new);
+                const float pr = exp2f(s[r] - m_new);
+                l[r] = l[r] * corr + pr;
 #pragma unroll
-            for (int e = 0; e < EPL; ++e) acc[r][e] = acc[r][e] * corr + p * vf[e];
-            m[r] = m_new;
+                for (int e = 0; e < EPL; ++e) acc[r][e] = acc[r][e] * corr + pr * vf[e];
+                m[r] = m_new;
+            }
         }
-        if (next < key_end) cur = nxt;
     }
 #pragma unroll
     for (int r = 0; r < RW; ++r) {

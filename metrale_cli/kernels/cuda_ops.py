@@ -19,12 +19,19 @@ from metrale_cli.kernels.loader import KernelLoader, Signature
 from metrale_cli.kernels.ops import SidePool
 from metrale_cli.kernels.registry import KernelSpec, module_for
 from metrale_cli.kernels.requirements import REQUIREMENTS, WHT_KERNELS
+from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType, is_wht_rotated, kv_pair
 
 ATTN_THREADS = 128
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 32
 WHT_ROWS_PER_CTA = 4
+# Prefill chunks of at least this many query tokens run torch SDPA (tensor cores) over the
+# context gathered to bf16; shorter ones (speculative verify, a few tokens) run the paged kernel.
+# The kernel reads the paged cache once and its CUDA-core work grows with tokens x context; the
+# SDPA path first copies (and dequantizes) the whole context in several torch launches, a fixed
+# cost that only pays off once the chunk fills at least one 16-row tensor-core tile.
+SDPA_MIN_TOKENS = 16
 
 K = KernelSpec.parse
 RMS_NORM = K("rmsnorm::rms_norm_bf16"), Signature.parse(
@@ -43,6 +50,19 @@ WHT = {False: (WHT_KERNELS[0], _WHT_SIG), True: (WHT_KERNELS[1], _WHT_SIG)}  # b
 # Pointer type of a pool's data: element sides by element, packed sides as bytes.
 POOL_POINTER = {SideType.BF16: "bf16*", SideType.FP8: "fp8*"}
 
+_ROPE_AND_CACHE = (
+    "q: bf16*, k: bf16*, v: bf16*, q_out: bf16*, k_cache: {k}, v_cache: {v}, slot_mapping: i32*, "
+    "positions: i32*, cos: f32*, sin: f32*, q_norm: bf16*?, k_norm: bf16*?, k_scale: f32*, v_scale: f32*, "
+    "k_signs: f32*?, v_signs: f32*?, channel_scale: f32*?, q_stride: i32, k_stride: i32, v_stride: i32, "
+    "hq: i32, hk: i32, head_dim: i32, rot_dim: i32, eps: f32"
+)
+ROPE_AND_CACHE_WARPS = 2  # a CTA: K and V of one KV head, or two query heads (rope_and_cache.cu)
+_POINTERS = {d: tuple(POOL_POINTER.get(s, "u8*") for s in kv_pair(d)) for d in KvCacheDtype}
+ROPE_AND_CACHE = {  # by KV dtype
+    d: (K(f"rope_and_cache::rope_and_cache_{d.value}"), Signature.parse(_ROPE_AND_CACHE.format(k=k, v=v)))
+    for d, (k, v) in _POINTERS.items()
+}
+
 _DECODE = (
     "q: bf16*, k_cache: {k}, v_cache: {v}, block_tables: i32*, seq_lens: i32*, out: bf16*, "
     "part_o: f32*?, part_ml: f32*?, k_scale: f32*, v_scale: f32*, scale: f32, hq: i32, hk: i32, "
@@ -52,7 +72,7 @@ _PREFILL = (
     "q: bf16*, k_cache: {k}, v_cache: {v}, block_table: i32*, out: bf16*, k_scale: f32*, "
     "v_scale: f32*, scale: f32, tokens: i32, start_pos: i32, hq: i32, hk: i32, head_dim: i32"
 )
-_COMBINE = "part_o: f32*, part_ml: f32*, out: bf16*, hq: i32, head_dim: i32, num_splits: i32"
+_COMBINE = "part_o: f32*, part_ml: f32*, seq_lens: i32*, out: bf16*, hq: i32, head_dim: i32, num_splits: i32"
 _WRITE_HEAD = "k: bf16*, v: bf16*, k_cache: {k}, v_cache: {v}, slot_mapping: i32*"
 _WRITE_TAIL = ", hk: i32, head_dim: i32"
 
@@ -139,8 +159,15 @@ def dtype_of(k_pool: SidePool, v_pool: SidePool) -> KvCacheDtype:
 
 
 def rows_per_cta(head_dim: int) -> int:
-    """Mirror of ``RowsPerCta<D>`` in paged_attention.cuh."""
+    """Mirror of ``RowsPerCta<D>`` in paged_attention.cuh (chunked prefill's query tile)."""
     return 8 if head_dim <= 128 else 4 if head_dim <= 256 else 2
+
+
+def decode_rows(head_dim: int, group: int) -> int:
+    """Mirror of paged_decode.cu's rule: query heads per decode CTA."""
+    if head_dim <= 128:
+        return 2 if group <= 2 else 4
+    return rows_per_cta(head_dim)
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
@@ -235,7 +262,7 @@ class CudaOps:
         q, out = _ready(q), torch.empty_like(q)
         if not batch:
             return out
-        chunks = math.ceil(hq // hk / rows_per_cta(head_dim))
+        chunks = math.ceil(hq // hk / decode_rows(head_dim, hq // hk))
         splits = self._splits(q.device, hk * batch * chunks, block_tables.shape[1])
         part_o = part_ml = None
         if splits > 1:
@@ -247,19 +274,27 @@ class CudaOps:
             scale, hq, hk, head_dim, block_tables.shape[1], splits,
         )
         if splits > 1:
-            self._launch(kernels.combine, (hq, batch), (128,), part_o, part_ml, out, hq, head_dim, splits)
+            self._launch(kernels.combine, (hq, batch), (128,), part_o, part_ml, _ready(seq_lens), out, hq,
+                         head_dim, splits)
         return out
 
     @staticmethod
     def _splits(device: torch.device, ctas: int, max_blocks: int) -> int:
-        """Context splits so that the grid covers the GPU twice; static per shape (graph-safe)."""
+        """Context splits so that the grid covers the GPU twice; static per shape (graph-safe).
+        The kernel cuts each live context into splits of at least MIN_KEYS_PER_SPLIT keys
+        (``split_keys`` in paged_attention.cuh), so a short context only uses a few of them."""
         by_size = max(1, max_blocks * 16 // MIN_KEYS_PER_SPLIT)
         wanted = math.ceil(2 * _sm_count(device.index) / ctas)
         return max(1, min(MAX_SPLITS, by_size, wanted))
 
-    def paged_prefill(self, q, k_pool: SidePool, v_pool: SidePool, block_table, start_pos, scale):
+    def paged_prefill(self, q, k_pool: SidePool, v_pool: SidePool, block_table, start_pos, scale,
+                      use_kernel: bool = False):
+        """Chunks of SDPA_MIN_TOKENS or more tokens go to :func:`sdpa_prefill`; shorter ones, and
+        any chunk when ``use_kernel`` (kernel tests), to the dtype's paged prefill kernel."""
         kernels = _attention_kernels(q, k_pool, v_pool)
         tokens, hq, head_dim = q.shape
+        if tokens >= SDPA_MIN_TOKENS and not use_kernel:
+            return sdpa_prefill(q, k_pool, v_pool, block_table, start_pos, scale)
         hk = k_pool.num_kv_heads
         q, out = _ready(q), torch.empty_like(q)
         if tokens:
@@ -290,6 +325,45 @@ class CudaOps:
                 x.copy_(buf)
         return x
 
+    def rope_and_cache(self, q, k, v, k_pool: SidePool, v_pool: SidePool, slot_mapping, positions, cos, sin,
+                       q_norm, k_norm, eps):
+        tokens, hq, head_dim = q.shape
+        hk, rot_dim = k.shape[1], cos.shape[-1] * 2
+        kernel = ROPE_AND_CACHE[dtype_of(k_pool, v_pool)]
+        if not _serves(kernel[0], head_dim) or rot_dim > head_dim:
+            raise MetraleError(f"{kernel[0]} serves head_dim {module_for(kernel[0]).head_dims} with "
+                               f"rot_dim <= head_dim, not head_dim {head_dim}, rot_dim {rot_dim}")
+        if (k_pool.num_kv_heads, k_pool.head_dim) != (hk, head_dim):
+            raise MetraleError(f"k has {hk} heads of {head_dim}, the KV pools {k_pool.num_kv_heads} of "
+                               f"{k_pool.head_dim}")
+        out = torch.empty(tokens, hq, head_dim, dtype=q.dtype, device=q.device)
+        if not tokens:
+            return out
+        (qs, q_stride), (ks, k_stride), (vs, v_stride) = (self._head_rows(x) for x in (q, k, v))
+        # InnerQ scales belong to a rotated K side; the unfused writes of the other sides ignore them
+        channel = k_pool.channel_scale if k_pool.rotated else None
+        q_norm, k_norm, channel = (None if t is None else _ready(t) for t in (q_norm, k_norm, channel))
+        grid = (tokens, hk + math.ceil(hq / ROPE_AND_CACHE_WARPS))
+        self._launch(
+            kernel, grid, (32 * ROPE_AND_CACHE_WARPS,), qs, ks, vs, out, k_pool.data, v_pool.data,
+            _ready(slot_mapping), _ready(positions), _ready(cos), _ready(sin), q_norm, k_norm, k_pool.scale,
+            v_pool.scale, k_pool.signs, v_pool.signs, channel, q_stride, k_stride, v_stride, hq, hk, head_dim,
+            rot_dim, eps,
+        )
+        return out
+
+    @staticmethod
+    def _head_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(T, H, D) whose heads are contiguous within a token (a view into a fused qkv output)
+        -> (a contiguous 1-D view from its first element to its last, the token stride), so no
+        copy is launched; a copy (``_ready``) only for another layout or a misaligned start."""
+        tokens, heads, d = x.shape
+        stride = x.stride(0) if tokens > 1 else heads * d
+        if (x.stride(2) == 1 and (heads == 1 or x.stride(1) == d) and heads * d <= stride < 2**31
+                and x.data_ptr() % 16 == 0):
+            return x.as_strided(((tokens - 1) * stride + heads * d,), (1,)), stride
+        return _ready(x), heads * d
+
 
 def _norm_block(hidden: int) -> int:
     return 256 if hidden >= 2048 else 128
@@ -297,9 +371,10 @@ def _norm_block(hidden: int) -> int:
 
 def layer_kernels(kv_dtype, head_dim: int) -> list[KernelSpec]:
     """Every kernel ``CudaOps`` launches for a layer of this KV dtype (norms, RoPE, SwiGLU, the
-    dtype's write / decode / split combine / prefill, and the WHT bookends of a rotated side):
-    the start-up check loads them all before any weight is read."""
+    dtype's write / decode / split combine / prefill, the WHT bookends of a rotated side, and the
+    fused QK-norm + RoPE + write): the start-up check loads them all before any weight is read."""
     from metrale_cli.kernels.requirements import as_kv_dtype
 
     specs = [RMS_NORM[0], ADD_RMS_NORM[0], ROPE[0], SILU_AND_MUL[0]]
-    return specs + kv_kernels(as_kv_dtype(kv_dtype), head_dim).specs()
+    d = as_kv_dtype(kv_dtype)
+    return specs + kv_kernels(d, head_dim).specs() + [ROPE_AND_CACHE[d][0]]

@@ -96,6 +96,32 @@ class Ops(Protocol):
         only, when set) and quantize, all inside the write, exactly as docs/kv-formats.md says.
         """
 
+    def rope_and_cache(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: SidePool,
+        v_pool: SidePool,
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
+        """QK-norm, RoPE and the cache write in one call; returns the query.
+
+        Exactly ``q = rms_norm(q) if q_norm``, ``k = rms_norm(k) if k_norm`` (per head, over D),
+        ``q, k = rope(q, k, positions, cos, sin)``, ``reshape_and_cache(k, v, k_pool, v_pool,
+        slot_mapping)``. q: (T, Hq, D), k / v: (T, Hk, D) bf16, each head's D elements contiguous
+        (strided views of a fused qkv projection are fine); q_norm / k_norm: (D,) or None;
+        cos / sin as for :meth:`rope`. Returns a new contiguous (T, Hq, D) tensor holding q after
+        norm and RoPE (in the original basis: the caller still rotates it for a rotated K side).
+        q, k and v are not modified; the normalized, rotated k is only written to the cache.
+        """
+
     def paged_decode(
         self,
         q: torch.Tensor,

@@ -56,6 +56,18 @@ def reshape_and_cache(k, v, k_pool: SidePool, v_pool: SidePool, slot_mapping) ->
     formats.store(v, v_pool, slot_mapping)
 
 
+def rope_and_cache(q, k, v, k_pool: SidePool, v_pool: SidePool, slot_mapping, positions, cos, sin,
+                   q_norm, k_norm, eps):
+    """The unfused sequence: QK-norm per head, RoPE, cache write; returns q."""
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, eps)
+    if k_norm is not None:
+        k = rms_norm(k, k_norm, eps)
+    q, k = rope(q, k, positions, cos, sin)
+    reshape_and_cache(k, v, k_pool, v_pool, slot_mapping)
+    return q
+
+
 def gather_context(pool: SidePool, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` cached positions of one sequence, dequantized: (length, Hk, D) fp32."""
     return formats.load(pool, block_table, length)
@@ -100,6 +112,7 @@ class TorchOps:
     rope = staticmethod(rope)
     silu_and_mul = staticmethod(silu_and_mul)
     reshape_and_cache = staticmethod(reshape_and_cache)
+    rope_and_cache = staticmethod(rope_and_cache)
     paged_decode = staticmethod(paged_decode)
     paged_prefill = staticmethod(paged_prefill)
 

@@ -147,6 +147,9 @@ MODULES: dict[str, KernelModule] = {
         ),
         KernelModule("reshape_and_cache_turbo", "reshape_and_cache_turbo.cu", (),
                      tuple(f"reshape_and_cache_flash_{d.value}" for d in TURBO_WRITES), EXACT, ALL_HEAD_DIMS),
+        # QK-norm + RoPE + cache write fused, one entry per KV dtype (exact cache bytes).
+        KernelModule("rope_and_cache", "rope_and_cache.cu", (),
+                     tuple(f"rope_and_cache_{d.value}" for d in KvCacheDtype), EXACT, ALL_HEAD_DIMS),
         KernelModule("paged_decode", "paged_decode.cu", (), ("paged_decode_attn", "paged_decode_combine"),
                      head_dims=_LEGACY_DIMS),
         KernelModule("paged_decode_fp8", "paged_decode.cu", _FP8,

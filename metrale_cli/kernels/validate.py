@@ -261,7 +261,7 @@ def _check_prefill(dtype):
         c = make_paged_case([99], 8, 2, hd, dtype)
         q, table = _randn(19, 8, hd), c["block_tables"][0]
         got = ops.paged_prefill(q.cuda(), pool_to(c["k_pool"], "cuda"), pool_to(c["v_pool"], "cuda"),
-                                table.cuda(), 80, hd**-0.5)
+                                table.cuda(), 80, hd**-0.5, use_kernel=True)
         want = ref.paged_prefill(q, c["k_pool"], c["v_pool"], table, 80, hd**-0.5)
         return compare(got, want, *ATTENTION_TOL)
     return check
@@ -277,13 +277,34 @@ def _check_wht(inverse: bool):
     return check
 
 
+def _check_rope_and_cache(dtype):
+    def check(ops, hd):
+        """The fused kernel against the unfused kernels it replaces: q and pool bytes equal."""
+        c = make_paged_case([40], 8, 2, hd, dtype)
+        q, k, v = _randn(19, 8, hd), _randn(19, 2, hd, seed=3) * 4, _randn(19, 2, hd, seed=5) * 4
+        pos = torch.randint(0, 64, (19,), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+        ang = torch.arange(64)[:, None] * 0.01 ** (torch.arange(hd // 4) / (hd // 4))  # rot_dim = hd // 2
+        slots = torch.randperm(48, generator=torch.Generator().manual_seed(6))[:19].to(torch.int32)
+        slots[3] = -1
+        q, k, v, w, slots, pos, cos, sin = _gpu(q, k, v, _randn(hd), slots, pos, ang.cos(), ang.sin())
+        fused, unfused = ([pool_to(c["k_pool"], "cuda"), pool_to(c["v_pool"], "cuda")] for _ in range(2))
+        got = ops.rope_and_cache(q, k, v, *fused, slots, pos, cos, sin, w, w, 1e-6)
+        want, k = ops.rope(ops.rms_norm(q, w, 1e-6), ops.rms_norm(k, w, 1e-6), pos, cos, sin)
+        ops.reshape_and_cache(k, v, *unfused, slots)
+        return (compare(got, want, 0, 0) or compare_bytes(fused[0].data, unfused[0].data)
+                or compare_bytes(fused[1].data, unfused[1].data))
+    return check
+
+
 def _numeric_checks() -> dict[str, Callable]:
     """{``module::function``: check(ops, head_dim) -> problem or None} for every kernel."""
-    from metrale_cli.kernels.cuda_ops import ADD_RMS_NORM, RMS_NORM, ROPE, SILU_AND_MUL, WHT, kv_kernels
+    from metrale_cli.kernels.cuda_ops import (ADD_RMS_NORM, RMS_NORM, ROPE, ROPE_AND_CACHE, SILU_AND_MUL, WHT,
+                                              kv_kernels)
 
     checks = {str(RMS_NORM[0]): _check_rms, str(ADD_RMS_NORM[0]): _check_add_rms,
               str(ROPE[0]): _check_rope, str(SILU_AND_MUL[0]): _check_silu}
     checks.update({str(WHT[inv][0]): _check_wht(inv) for inv in (False, True)})
+    checks.update({str(kernel[0]): _check_rope_and_cache(d) for d, kernel in ROPE_AND_CACHE.items()})
     for d in KvCacheDtype:
         for hd in (64, 128, 256, 512):
             try:

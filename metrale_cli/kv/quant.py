@@ -9,6 +9,8 @@ elements of one vector; group sums use the warp's xor-butterfly order.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_MAX = 448.0
@@ -87,6 +89,18 @@ def unpack(data: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
     return codes.reshape(n, head_dim)
 
 
+# Decode tables live on the data's device, copied there once: a host-to-device copy in every
+# call waits for the GPU, and the cuda backend decodes packed contexts on the GPU (sdpa_prefill).
+@functools.lru_cache(maxsize=None)
+def _e2m1_on(device: torch.device) -> torch.Tensor:
+    return torch.tensor(E2M1, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _levels_on(bits: int, device: torch.device) -> torch.Tensor:
+    return LEVELS[bits].to(device)
+
+
 # --- nvfp4 ------------------------------------------------------------------------------------
 def nvfp4_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g = groups(x.float())
@@ -103,7 +117,7 @@ def nvfp4_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def nvfp4_decode(data: torch.Tensor, scales: torch.Tensor, head_dim: int) -> torch.Tensor:
     codes = unpack(data, 4, head_dim)
-    table = torch.tensor(E2M1, device=data.device)
+    table = _e2m1_on(data.device)
     val = table[codes & 7] * (1 - 2 * (codes >> 3)).float()
     return (groups(val) * from_e4m3(scales)[..., None]).reshape(data.shape[0], head_dim)
 
@@ -126,7 +140,7 @@ def codebook_encode(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Ten
 
 def codebook_decode(data: torch.Tensor, scales: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
     codes = unpack(data, bits, head_dim)
-    val = LEVELS[bits].to(data.device)[codes]
+    val = _levels_on(bits, data.device)[codes]
     return (groups(val) * from_e4m3(scales)[..., None]).reshape(data.shape[0], head_dim)
 
 

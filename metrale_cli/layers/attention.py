@@ -1,11 +1,12 @@
 """Qwen3AttentionLayer: the full-attention transformer layer (the seed engine's name and role).
 
 RMSNorm (fused with the residual add) -> fused q/k/v projection -> optional QK-norm -> RoPE ->
-KV-cache write -> paged attention -> o_proj -> residual add + post-attention norm -> FFN
-component. WHT bookends: when the layer's K side is stored rotated, Q is rotated the same way
-(and divided by the InnerQ channel scales) before attention, so scores are unchanged; when the
-V side is rotated, the attention output comes back in the rotated basis and is rotated back. Layers pass ``(hidden, residual)`` on, vLLM style: the residual add of one sub-layer
-is fused into the next norm.
+KV-cache write (these three one launch once calibration has frozen) -> paged attention ->
+o_proj -> residual add + post-attention norm -> FFN component. WHT bookends: when the layer's K
+side is stored rotated, Q is rotated the same way (and divided by the InnerQ channel scales)
+before attention, so scores are unchanged; when the V side is rotated, the attention output
+comes back in the rotated basis and is rotated back. Layers pass ``(hidden, residual)`` on, vLLM
+style: the residual add of one sub-layer is fused into the next norm.
 """
 
 from __future__ import annotations
@@ -159,13 +160,22 @@ class Qwen3AttentionLayer:
         return F.linear(out.reshape(x.shape[0], cfg.q_size), w.o, w.o_bias)
 
     def _prepare(self, qkv: torch.Tensor, ctx: ForwardContext):
-        """Split, QK-norm, RoPE, calibrate, write the cache, rotate Q: (q, k_pool, v_pool)."""
+        """Split, QK-norm, RoPE, calibrate, write the cache, rotate Q: (q, k_pool, v_pool).
+
+        Once this layer's online calibration (fp8 scales, InnerQ) has frozen, nothing needs the
+        rotated K on the host side, and QK-norm, RoPE and the cache write are one launch."""
         cfg, w, ops, i = self.cfg, self.attn, self.ops, self.idx
         tokens, d = qkv.shape[0], cfg.head_dim
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.reshape(tokens, cfg.num_heads, d)
-        k = k.reshape(tokens, cfg.num_kv_heads, d)
-        v = v.reshape(tokens, cfg.num_kv_heads, d).contiguous()
+        q = q.view(tokens, cfg.num_heads, d)
+        k = k.view(tokens, cfg.num_kv_heads, d)
+        v = v.view(tokens, cfg.num_kv_heads, d)
+        kp, vp = self.kv.pools(i)
+        if self.fp8_scales.frozen[i] and (self.innerq is None or self.innerq.frozen[i]):
+            q = ops.rope_and_cache(q, k, v, kp, vp, ctx.slot_mapping, ctx.positions, self.rope_cos,
+                                   self.rope_sin, w.q_norm, w.k_norm, cfg.rms_norm_eps)
+            return rotate_query(ops, q, kp), kp, vp
+        v = v.contiguous()
         if w.q_norm is not None:
             q = ops.rms_norm(q.reshape(-1, d), w.q_norm, cfg.rms_norm_eps).view(tokens, -1, d)
             k = ops.rms_norm(k.reshape(-1, d), w.k_norm, cfg.rms_norm_eps).view(tokens, -1, d)
@@ -173,6 +183,5 @@ class Qwen3AttentionLayer:
         self.fp8_scales.observe(i, k, v)
         if self.innerq is not None:
             self.innerq.observe(i, k, ctx.slot_mapping)
-        kp, vp = self.kv.pools(i)
         ops.reshape_and_cache(k, v, kp, vp, ctx.slot_mapping)
         return rotate_query(ops, q, kp), kp, vp
