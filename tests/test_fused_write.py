@@ -76,7 +76,8 @@ def unfused(ops, c, kp, vp, q_norm, k_norm):
         q = ops.rms_norm(q.reshape(-1, d), q_norm, EPS).view(tokens, -1, d)
     if k_norm is not None:
         k = ops.rms_norm(k.reshape(-1, d), k_norm, EPS).view(tokens, -1, d)
-    q, k = ops.rope(q.contiguous(), k.contiguous(), c["positions"], c["cos"], c["sin"])
+    # clones: RoPE runs in place, and a one-token view of qkv is already contiguous
+    q, k = ops.rope(q.contiguous().clone(), k.contiguous().clone(), c["positions"], c["cos"], c["sin"])
     ops.reshape_and_cache(k, v.contiguous(), kp, vp, c["slots"])
     return q, k
 

@@ -81,9 +81,14 @@ def _cupy():
     return cupy
 
 
-def _cupy_cache_entries() -> int:
+def _cupy_cache_stamp() -> int:
+    """Modification time of CuPy's (flat) kernel cache folder: a compile that adds an entry
+    changes it. A stat, not a walk: the folder holds an entry per module variant ever built."""
     folder = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
-    return sum(1 for _ in folder.rglob("*")) if folder.is_dir() else 0
+    try:
+        return folder.stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 def arch_of(device: torch.device) -> str:
@@ -120,12 +125,12 @@ class KernelLoader:
         # CuPy's cache key covers the source text and options, not included headers: the
         # digest define makes a header edit a new cache entry.
         options = module.options() + (f"-DMETRALE_SOURCE_DIGEST=0x{source_digest(module, arch)[:15]}",)
-        before, start = _cupy_cache_entries(), time.perf_counter()
+        before, start = _cupy_cache_stamp(), time.perf_counter()
         with cp.cuda.Device(device.index):
             raw = cp.RawModule(code=module.path.read_text(), options=options, backend="nvrtc")
             raw.compile()
         seconds = time.perf_counter() - start
-        cold = _cupy_cache_entries() > before
+        cold = _cupy_cache_stamp() != before
         self.events.append(LoadEvent(module.name, seconds, cold))
         log.info("%s kernel module %s (%s) in %.2f s", "compiled" if cold else "loaded cached",
                  module.name, arch, seconds)
