@@ -42,6 +42,17 @@ def pools(dtype, blocks=64, hk=8, d=128):
     return [new_pool(side, blocks, hk, d, CPU) for side in kv_pair(KvCacheDtype(dtype))]
 
 
+@pytest.mark.parametrize("ctas, max_blocks, splits", [
+    (8, 64, 32),  # batch 1: far from a wave, as many splits as allowed
+    (8, 4, 2),  # ... but a split keeps at least 32 keys of the table
+    (128, 2048, 3),  # 384 CTAs: 97% of one wave of 396
+    (512, 67, 3),  # 1 split is 1.29 waves (65% of the last), 2 are 2.59; 3 fill 3.88
+    (1024, 67, 3),  # 1 split: 2.59 waves (86% of the last); 2: 5.17 (86%); 3: 7.76 (97%)
+])
+def test_decode_splits_fill_whole_waves(ops, ctas, max_blocks, splits):
+    assert ops._splits(CPU, ctas, max_blocks) == splits
+
+
 def test_fp8_decode_splits_and_prefill_rows(ops):
     kp, vp = pools("fp8")
     q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
@@ -50,7 +61,7 @@ def test_fp8_decode_splits_and_prefill_rows(ops):
     (decode, d_grid, _, d_args, _), (combine, c_grid, _, _, _) = ops.loader.calls
     assert decode == "paged_decode_fp8::paged_decode_attn_fp8" and combine.endswith("paged_decode_combine_fp8")
     # 8 KV heads x 1 sequence x 1 head chunk = 8 CTAs: 32 splits (the cap; 64 blocks * 16 keys
-    # would allow 32 splits of 32 keys, and 2 waves of 132 SMs want 33).
+    # would allow 32 splits of 32 keys, and no count makes a wave of 3 x 132 resident CTAs).
     assert d_grid == (8, 1, 32) and d_args["num_splits"] == 32 and c_grid == (32, 1)
     assert d_args["part_o"].shape == (1, 32, 32, 128)
     assert d_args["k_scale"] is kp.scale and d_args["k_cache"] is kp.data

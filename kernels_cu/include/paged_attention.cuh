@@ -35,13 +35,12 @@
 #define ATTN_MAX_D 256
 #endif
 
-// New modules pass ATTN_MIN_CTAS=1: without it ptxas caps the packed-side bodies at 128
-// registers and spills inside the key loop. (bf16 / fp8 keep the bounds they were tuned with.)
-#ifdef ATTN_MIN_CTAS
-#define ATTN_BOUNDS __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS)
-#else
-#define ATTN_BOUNDS __launch_bounds__(ATTN_THREADS)
+// At least one CTA per SM is all the bound asks: without a minimum ptxas caps the bodies at 128
+// registers and spills inside the key loop.
+#ifndef ATTN_MIN_CTAS
+#define ATTN_MIN_CTAS 1
 #endif
+#define ATTN_BOUNDS __launch_bounds__(ATTN_THREADS, ATTN_MIN_CTAS)
 
 #define METRALE_CAT_(a, b) a##b
 #define METRALE_CAT(a, b) METRALE_CAT_(a, b)
@@ -58,11 +57,14 @@ struct RowsPerCta {
     static const int value = D <= 128 ? 8 : D <= 256 ? 4 : 2;
 };
 
-// Keys in flight per warp: about 64 bytes of K+V per lane (a lane holds D/32 elements per side).
-template <int D>
-struct PipelineDepth {
+// Keys per batch of a warp (attend_rows): P * RW <= 16 dot products reduced together, and about
+// 64 bytes of K+V per lane in each of the two batches in flight (a lane holds D/32 elements per
+// side): short rows (fp8, packed sides) take more keys per batch.
+template <int D, int RW>
+struct KeyBatch {
     static const int bytes = (int)(sizeof(typename KSide<D>::Raw) + sizeof(typename VSide<D>::Raw));
-    static const int value = bytes <= 8 ? 8 : bytes <= 16 ? 4 : 2;
+    static const int by_bytes = bytes <= 8 ? 8 : bytes <= 16 ? 4 : bytes <= 32 ? 2 : 1;
+    static const int value = by_bytes < 16 / RW ? by_bytes : 16 / RW;
 };
 
 // Context keys per split of a split decode: at least ATTN_SPLIT_MIN_KEYS, so a short context
@@ -98,6 +100,8 @@ struct AttnOut {
 // The code -> value tables of the K and V sides (packed code sides only), filled by the CTA
 // before any key is read (nothing to do, and no barrier, for element sides).
 __shared__ float attn_luts[2][16];
+// Per warp: one batch's probabilities and row statistics (attend_rows).
+__shared__ float attn_batch[ATTN_WARPS][32];
 
 __device__ __forceinline__ void fill_luts() {
     if constexpr (KSide<64>::kLevels > 0 || VSide<64>::kLevels > 0) {
@@ -188,48 +192,111 @@ __device__ void attend_rows(const bf16_t* q, const AttnRows& rows, int key_begin
                            : bf16_to_f32(q[rows.q_off[r] + lane * EPL + e]) * q_mul;
         }
     }
-    // Software-pipelined P keys deep: while a key is scored, the loads of the warp's next P - 1
-    // keys are in flight, so a warp waits on memory about once per P keys. P is set by the bytes
-    // a lane holds per key (PipelineDepth): short rows (fp8, packed sides) go deeper.
-    constexpr int P = PipelineDepth<D>::value;
+    // Keys go in batches of P per warp (the warp's keys are key_begin + warp + i * ATTN_WARPS),
+    // the next batch's K/V loads in flight while this one is scored. The P * RW dot products of
+    // a batch are reduced together (transposed butterfly: NV - 1 shuffles for NV values instead
+    // of 5 per value), after which lane L holds value L / G = p * RW + r; the online softmax
+    // then runs once per batch, and the probabilities reach every lane through shared memory.
+    constexpr int P = KeyBatch<D, RW>::value;
+    constexpr int NV = P * RW;  // <= 16
+    constexpr int G = 32 / NV;
+    constexpr int LOG_NV = NV >= 16 ? 4 : NV >= 8 ? 3 : NV >= 4 ? 2 : NV >= 2 ? 1 : 0;
     constexpr int STEP = P * ATTN_WARPS;
-    KvRaw<D> buf[P];
+    float* wbuf = attn_batch[warp];  // [0, NV): probabilities, [16, 16 + RW): row max, [24, ..): row sum
+    const int mine = lane / G, my_p = mine / RW, my_r = mine % RW;
+    int my_limit = rows.limit[0];
+#pragma unroll
+    for (int r = 1; r < RW; ++r) my_limit = my_r == r ? rows.limit[r] : my_limit;
+    KvRaw<D> cur[P], nxt[P];
 #pragma unroll
     for (int p = 0; p < P; ++p) {
         const int key = key_begin + warp + p * ATTN_WARPS;
-        if (key < key_end) buf[p] = load_key<D>(kv, key, lane);
+        if (key < key_end) cur[p] = load_key<D>(kv, key, lane);
     }
     for (int base = key_begin + warp; base < key_end; base += STEP) {
 #pragma unroll
         for (int p = 0; p < P; ++p) {
-            const int key = base + p * ATTN_WARPS;
-            if (key >= key_end) break;  // uniform across the warp
-            float kf[EPL], vf[EPL], s[RW];
-            KSide<D>::decode(buf[p].k, attn_luts[0], kf);
+            const int key = base + STEP + p * ATTN_WARPS;
+            if (key < key_end) nxt[p] = load_key<D>(kv, key, lane);
+        }
+        float part[NV];
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            float kf[EPL];
+            if (base + p * ATTN_WARPS < key_end) {  // uniform across the warp
+                KSide<D>::decode(cur[p].k, attn_luts[0], kf);
+            } else {
+#pragma unroll
+                for (int e = 0; e < EPL; ++e) kf[e] = 0.0f;
+            }
 #pragma unroll
             for (int r = 0; r < RW; ++r) {
                 float dot = 0.0f;
-                if (rows.q_off[r] >= 0) {  // uniform: idle rows skip their reduction
 #pragma unroll
-                    for (int e = 0; e < EPL; ++e) dot += qr[r][e] * kf[e];
-                    dot = warp_sum(dot);
-                }
-                s[r] = dot;
-            }
-            VSide<D>::decode(buf[p].v, attn_luts[1], vf);
-            if (key + STEP < key_end) buf[p] = load_key<D>(kv, key + STEP, lane);
-#pragma unroll
-            for (int r = 0; r < RW; ++r) {
-                if (rows.q_off[r] < 0 || key > rows.limit[r]) continue;  // uniform across the warp
-                const float m_new = fmaxf(m[r], s[r]);
-                const float corr = exp2f(m[r] - m_new);
-                const float pr = exp2f(s[r] - m_new);
-                l[r] = l[r] * corr + pr;
-#pragma unroll
-                for (int e = 0; e < EPL; ++e) acc[r][e] = acc[r][e] * corr + pr * vf[e];
-                m[r] = m_new;
+                for (int e = 0; e < EPL; ++e) dot += qr[r][e] * kf[e];
+                part[p * RW + r] = dot;
             }
         }
+#pragma unroll
+        for (int st = 0; st < LOG_NV; ++st) {  // halve the values held, double the lanes summed
+            const int half = (NV >> st) / 2, h = 16 >> st;
+            const bool upper = (lane & h) != 0;
+#pragma unroll
+            for (int i = 0; i < half; ++i) {
+                const float send = upper ? part[i] : part[i + half];
+                const float keep = upper ? part[i + half] : part[i];
+                part[i] = keep + __shfl_xor_sync(0xffffffffu, send, h);
+            }
+        }
+        float s = part[0];
+#pragma unroll
+        for (int h = G / 2; h > 0; h >>= 1) s += __shfl_xor_sync(0xffffffffu, s, h);
+        const int key = base + my_p * ATTN_WARPS;
+        if (key >= key_end || key > my_limit) s = METRALE_NEG_INF;
+        float mx = s;  // the batch's max of this lane's row: lanes of one row differ above RW * G
+#pragma unroll
+        for (int h = RW * G; h < 32; h <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, h));
+        float m_old = m[0];
+#pragma unroll
+        for (int r = 1; r < RW; ++r) m_old = my_r == r ? m[r] : m_old;
+        const float m_new = fmaxf(m_old, mx);
+        const float pr = s == METRALE_NEG_INF ? 0.0f : exp2f(s - m_new);
+        float psum = pr;
+#pragma unroll
+        for (int h = RW * G; h < 32; h <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, h);
+        if (lane % G == 0) {
+            wbuf[mine] = pr;
+            if (my_p == 0) {
+                wbuf[16 + my_r] = m_new;
+                wbuf[24 + my_r] = psum;
+            }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int r = 0; r < RW; ++r) {
+            const float mr = wbuf[16 + r];
+            const float corr = mr == METRALE_NEG_INF ? 1.0f : exp2f(m[r] - mr);
+            l[r] = l[r] * corr + wbuf[24 + r];
+            m[r] = mr;
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) acc[r][e] *= corr;
+        }
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            if (base + p * ATTN_WARPS < key_end) {  // uniform across the warp
+                float vf[EPL];
+                VSide<D>::decode(cur[p].v, attn_luts[1], vf);
+#pragma unroll
+                for (int r = 0; r < RW; ++r) {
+                    const float pw = wbuf[p * RW + r];
+#pragma unroll
+                    for (int e = 0; e < EPL; ++e) acc[r][e] += pw * vf[e];
+                }
+            }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int p = 0; p < P; ++p) cur[p] = nxt[p];
     }
 #pragma unroll
     for (int r = 0; r < RW; ++r) {

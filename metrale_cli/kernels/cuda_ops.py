@@ -25,6 +25,7 @@ from metrale_cli.kv.dtypes import KvCacheDtype, SideType, is_wht_rotated, kv_pai
 ATTN_THREADS = 128
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 32
+DECODE_CTAS_PER_SM = 3  # decode attention CTAs resident per SM (about 155 registers x 128 threads)
 WHT_ROWS_PER_CTA = 4
 # Prefill chunks of at least this many query tokens run torch SDPA (tensor cores) over the
 # context gathered to bf16; shorter ones (speculative verify, a few tokens) run the paged kernel.
@@ -280,12 +281,22 @@ class CudaOps:
 
     @staticmethod
     def _splits(device: torch.device, ctas: int, max_blocks: int) -> int:
-        """Context splits so that the grid covers the GPU twice; static per shape (graph-safe).
-        The kernel cuts each live context into splits of at least MIN_KEYS_PER_SPLIT keys
-        (``split_keys`` in paged_attention.cuh), so a short context only uses a few of them."""
-        by_size = max(1, max_blocks * 16 // MIN_KEYS_PER_SPLIT)
-        wanted = math.ceil(2 * _sm_count(device.index) / ctas)
-        return max(1, min(MAX_SPLITS, by_size, wanted))
+        """Context splits of a decode launch; static per shape (graph-safe). The fewest splits
+        whose grid fills its waves of resident CTAs (at least 90% of the last one), else the
+        count that fills them best (all allowed ones when the grid stays under one wave). The kernel cuts each live context
+        into splits of at least MIN_KEYS_PER_SPLIT keys (``split_keys`` in paged_attention.cuh),
+        so a short context only uses a few of them."""
+        slots = _sm_count(device.index) * DECODE_CTAS_PER_SM
+        allowed = max(1, min(MAX_SPLITS, max_blocks * 16 // MIN_KEYS_PER_SPLIT))
+        best, best_fill = allowed, 0.0
+        for splits in range(1, allowed + 1):
+            waves = ctas * splits / slots
+            fill = waves / max(1, math.ceil(waves))
+            if fill >= 0.9:
+                return splits
+            if fill > best_fill:
+                best, best_fill = splits, fill
+        return best
 
     def paged_prefill(self, q, k_pool: SidePool, v_pool: SidePool, block_table, start_pos, scale,
                       use_kernel: bool = False):
