@@ -27,6 +27,7 @@ from metrale_cli.kernels.registry import KERNELS_DIR, MODULES
 from metrale_cli.kernels.validate import compare, pool_to
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
 from metrale_cli.kv.formats import new_pool, side_format
+from test_kernels_cuda_ops import RecordingLoader
 
 CPU = torch.device("cpu")
 DTYPES = list(KvCacheDtype)  # the host library's dtype numbering
@@ -269,16 +270,6 @@ def test_host_fused_kernel_equals_the_unfused_kernels(host, dtype, head_dim, rot
 
 
 # --- CudaOps: arguments and grid, through a recording loader -------------------------------------
-class RecordingLoader:
-    def __init__(self):
-        self.calls = []
-
-    def launch(self, spec, sig, grid, block, *args):
-        assert len(sig.params) == len(args)
-        self.calls.append((str(spec), tuple(grid), tuple(block), dict(zip((n for n, _ in sig.params), args)),
-                           dict(sig.params)))
-
-
 @pytest.mark.parametrize("dtype", ["bf16", "nvfp4", "turbo4k_turbo3v", "fp8k_turbo2v"])
 def test_cuda_ops_launch_takes_views_without_copies(dtype):
     ops = cuda_ops.CudaOps(RecordingLoader())
