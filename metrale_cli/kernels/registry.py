@@ -129,11 +129,8 @@ def _kv_modules(d: KvCacheDtype, build: KvBuild) -> list[KernelModule]:
     return mods
 
 
-# bf16 and fp8 attention up to head_dim 512 (Gemma-4's global layers): the 512 path costs the
-# others no occupancy (about 160 registers either way, 3 CTAs per SM).
-_BF16 = (("ATTN_MAX_D", "512"),)
-_FP8 = (("K_SIDE", "fp8"), ("V_SIDE", "fp8"), ("KV_SUFFIX", "_fp8"), ("ATTN_MAX_D", "512"))
-_LEGACY_DIMS = _dims(512)
+_FP8 = (("K_SIDE", "fp8"), ("V_SIDE", "fp8"), ("KV_SUFFIX", "_fp8"))
+_LEGACY_DIMS = _dims(256)
 
 MODULES: dict[str, KernelModule] = {
     m.name: m
@@ -153,11 +150,11 @@ MODULES: dict[str, KernelModule] = {
         # QK-norm + RoPE + cache write fused, one entry per KV dtype (exact cache bytes).
         KernelModule("rope_and_cache", "rope_and_cache.cu", (),
                      tuple(f"rope_and_cache_{d.value}" for d in KvCacheDtype), EXACT, ALL_HEAD_DIMS),
-        KernelModule("paged_decode", "paged_decode.cu", _BF16, ("paged_decode_attn", "paged_decode_combine"),
+        KernelModule("paged_decode", "paged_decode.cu", (), ("paged_decode_attn", "paged_decode_combine"),
                      head_dims=_LEGACY_DIMS),
         KernelModule("paged_decode_fp8", "paged_decode.cu", _FP8,
                      ("paged_decode_attn_fp8", "paged_decode_combine_fp8"), head_dims=_LEGACY_DIMS),
-        KernelModule("prefill_paged", "prefill_paged.cu", _BF16, ("attn_prefill_paged",), head_dims=_LEGACY_DIMS),
+        KernelModule("prefill_paged", "prefill_paged.cu", (), ("attn_prefill_paged",), head_dims=_LEGACY_DIMS),
         KernelModule("prefill_paged_fp8", "prefill_paged.cu", _FP8, ("attn_prefill_paged_fp8",),
                      head_dims=_LEGACY_DIMS),
         *(m for d, build in KV_BUILD.items() for m in _kv_modules(d, build)),
