@@ -60,6 +60,18 @@ def test_prompt_longer_than_context(tiny):
     assert_one_line_error(result, "--max-seq-len")
 
 
+def test_a_prompt_that_cannot_fit_is_refused_before_the_weights_load(tiny, tmp_path):
+    """The weights of this copy are truncated: reaching them would fail on them instead."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny.iterdir():
+        data = f.read_bytes()
+        (broken / f.name).write_bytes(data[: len(data) // 2] if f.suffix == ".safetensors" else data)
+    result = metrale("generate", "-m", str(broken), "--no-chat-template", "--max-seq-len", "16", "word " * 40)
+    assert_one_line_error(result, "prompt 1 has", "the context is 16 tokens (--max-seq-len)")
+    assert "truncated" not in result.stderr
+
+
 def test_cuda_backend_without_gpu(tiny):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

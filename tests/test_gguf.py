@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from helpers_checkpoints import hf_state_dict, llama_cpp_permute, make_hf_checkpoint, write_gguf
-from metrale_cli.checkpoint import default_model_path, gguf_cache_path, gguf_io, load_checkpoint, read_config
+from metrale_cli.checkpoint import (default_model_path, gguf_cache_path, gguf_io, load_checkpoint, read_config,
+                                    read_tokenizer)
 from metrale_cli.checkpoint import gguf_config
 from metrale_cli.errors import MetraleError
 from metrale_cli.tokenizer import Tokenizer
@@ -143,6 +144,25 @@ def test_gguf_tokenizer_matches_the_hf_folder_tokenizer(tmp_path):
     assert from_gguf.apply_chat_template(messages) == from_folder.apply_chat_template(messages)
     assert from_gguf.eos_token_ids == from_folder.eos_token_ids
     assert from_gguf.bos_token_id == from_folder.bos_token_id
+
+
+def test_the_tokenizer_reads_without_tensors_before_and_after_conversion(tmp_path, monkeypatch):
+    folder = make_hf_checkpoint(tmp_path, "llama")
+    path = write_gguf(folder, tmp_path / "r.gguf")
+    from_folder = Tokenizer.from_hf_folder(folder)
+
+    def no_tensors(*_args, **_kwargs):
+        raise AssertionError("tensors were read")
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_io, "convert_tensors", no_tensors)
+        before = read_tokenizer(str(path))  # from the file's metadata
+    load_checkpoint(str(path), CPU, torch.bfloat16)
+    monkeypatch.setattr(gguf_io, "open_reader", no_tensors)
+    after = read_tokenizer(str(path))  # from the conversion cache, the file not opened
+    for tok in (before, after):
+        assert tok.encode("Café naïve 🤖 12345") == from_folder.encode("Café naïve 🤖 12345")
+        assert tok.eos_token_ids == from_folder.eos_token_ids
 
 
 # --- the embedded default: SmolLM2-135M-Instruct Q4_1 -------------------------------------

@@ -13,12 +13,13 @@ from typing import Callable
 
 import torch
 
-from metrale_cli.checkpoint.gguf_io import gguf_cache_path, load_gguf, read_gguf_config
+from metrale_cli.checkpoint.gguf_io import gguf_cache_path, load_gguf, read_gguf_config, read_gguf_tokenizer
 from metrale_cli.checkpoint.resolve import Format, ModelLocation, default_model_path, locate
 from metrale_cli.checkpoint.safetensors_io import Progress, load_hf_folder_tensors, read_hf_config
 from metrale_cli.tokenizer import Tokenizer
 
-__all__ = ["Checkpoint", "load_checkpoint", "read_config", "default_model_path", "gguf_cache_path"]
+__all__ = ["Checkpoint", "load_checkpoint", "read_config", "read_tokenizer", "default_model_path",
+           "gguf_cache_path"]
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,11 @@ def _load_gguf(where: ModelLocation, device, dtype, progress) -> Checkpoint:
                       f"in {gguf_cache_path(where.path)})")
 
 
-# weight format -> (loader, config reader)
-FORMATS: dict[Format, tuple[Callable[..., Checkpoint], Callable[[pathlib.Path], dict]]] = {
-    Format.HF_FOLDER: (_load_hf_folder, read_hf_config),
-    Format.GGUF: (_load_gguf, read_gguf_config),
+# weight format -> (loader, config reader, tokenizer reader)
+FORMATS: dict[Format, tuple[Callable[..., Checkpoint], Callable[[pathlib.Path], dict],
+                            Callable[[pathlib.Path], Tokenizer]]] = {
+    Format.HF_FOLDER: (_load_hf_folder, read_hf_config, Tokenizer.from_hf_folder),
+    Format.GGUF: (_load_gguf, read_gguf_config, read_gguf_tokenizer),
 }
 
 
@@ -65,12 +67,17 @@ def load_checkpoint(spec: str | None, device: torch.device, dtype: torch.dtype,
     "owner/name" -> hub id. ``progress(done_bytes, total_bytes)`` is called as tensors load.
     Every user-caused failure is a MetraleError."""
     where = locate(spec)
-    loader, _ = FORMATS[where.format]
+    loader = FORMATS[where.format][0]
     return loader(where, torch.device(device), dtype, progress)
 
 
 def read_config(spec: str | None) -> dict:
     """The HF-style config of ``spec`` without loading tensors."""
     where = locate(spec)
-    _, reader = FORMATS[where.format]
-    return reader(where.path)
+    return FORMATS[where.format][1](where.path)
+
+
+def read_tokenizer(spec: str | None) -> Tokenizer:
+    """The tokenizer of ``spec`` without loading tensors (prompts are checked before weights)."""
+    where = locate(spec)
+    return FORMATS[where.format][2](where.path)

@@ -144,6 +144,18 @@ def main_quant(reader) -> str:
     return kinds.most_common(1)[0][0] if kinds else "F32"
 
 
+def read_gguf_tokenizer(path: pathlib.Path) -> Tokenizer:
+    """The tokenizer of a GGUF file: from its conversion cache when there is one, else from the
+    file's metadata (no tensor is read)."""
+    folder = gguf_cache_path(path)
+    if (folder / "config.json").is_file():
+        try:
+            return Tokenizer.from_hf_folder(folder)
+        except MetraleError:
+            pass  # an incomplete cache entry: the file itself says
+    return Tokenizer.from_gguf(metadata(open_reader(path)))
+
+
 def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
               progress: Progress | None = None) -> GgufModel:
     """Config, tensors on ``device`` (floats in ``dtype``) and tokenizer of a GGUF file.

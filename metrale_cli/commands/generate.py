@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from metrale_cli.engine.generate import check_prompt_lengths
 from metrale_cli.engine.runner import RunnerOptions, load_runner
 from metrale_cli.engine.sampler import SamplingParams
 from metrale_cli.output import Output
@@ -18,8 +19,11 @@ def render_prompt(tokenizer, text: str, chat: bool, system: str | None) -> list[
 
 def run_generate(out: Output, opts: RunnerOptions, prompts: list[str], params: SamplingParams,
                  chat: bool = True, system: str | None = None, verbose: bool = False) -> list[dict]:
+    def check_prompts(tokenizer, context: int) -> None:  # before the weights: fail fast
+        check_prompt_lengths([render_prompt(tokenizer, p, chat, system) for p in prompts], context)
+
     with out.progress("loading weights") as progress:
-        runner = load_runner(opts, progress)
+        runner = load_runner(opts, progress, before_weights=check_prompts)
     out.info(f"model: {runner.source} · backend {runner.backend} · kv {runner.kv_dtype.value}")
     if verbose:
         for line in runner.messages:

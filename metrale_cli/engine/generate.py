@@ -43,6 +43,16 @@ class GenerationStats:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
+def check_prompt_lengths(prompts: list[list[int]], max_seq_len: int) -> None:
+    """Every prompt must leave room for one generated token in the context."""
+    for i, ids in enumerate(prompts):
+        if len(ids) >= max_seq_len:
+            raise MetraleError(
+                f"prompt {i + 1} has {len(ids)} tokens; the context is {max_seq_len} tokens (--max-seq-len)",
+                hint="shorten the prompt or raise --max-seq-len",
+            )
+
+
 @dataclass
 class InFlight:
     """A launched decode step whose sampled tokens are on their way to the host."""
@@ -181,13 +191,8 @@ class Engine:
 
     def _check_fits(self, seqs: list[Sequence]) -> None:
         pool = self.model.kv_cache.num_blocks
+        check_prompt_lengths([s.prompt_ids for s in seqs], self.max_seq_len)
         for s in seqs:
-            if len(s.prompt_ids) >= self.max_seq_len:
-                raise MetraleError(
-                    f"prompt {s.index + 1} has {len(s.prompt_ids)} tokens; the context is "
-                    f"{self.max_seq_len} tokens (--max-seq-len)",
-                    hint="shorten the prompt or raise --max-seq-len",
-                )
             if self._budget(s) > pool:
                 raise MetraleError(
                     f"KV cache pool exhausted: prompt {s.index + 1} needs {self._budget(s)} blocks "

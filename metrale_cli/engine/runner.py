@@ -26,6 +26,7 @@ from metrale_cli.kv.precision import describe as describe_layers
 from metrale_cli.kv.precision import layer_dtypes
 from metrale_cli.models import build_model
 from metrale_cli.models.model import CausalLM
+from metrale_cli.tokenizer import Tokenizer
 
 BACKENDS = ("auto", "cuda", "torch")
 GRAPH_MODES = ("disabled", "full")
@@ -183,7 +184,7 @@ def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, 
     """Build from weights already on the device (the checkpoint path and bench presets share it)."""
     cfg = model_config_from_hf(raw_config)
     device = next(iter(tensors.values())).device
-    max_seq_len = opts.max_seq_len or min(cfg.max_position_embeddings, 8192)
+    max_seq_len = context_length(cfg, opts)
     dtypes = plan_layers(cfg, kv_dtype, opts)
     layout = KvLayout(cfg.num_kv_heads, cfg.head_dim, dtypes)
     blocks = pool_blocks(layout, opts, max_seq_len, device)
@@ -214,6 +215,11 @@ def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, 
     return runner
 
 
+def context_length(cfg: ModelConfig, opts: RunnerOptions) -> int:
+    """--max-seq-len, else the model's context capped at 8192 tokens."""
+    return opts.max_seq_len or min(cfg.max_position_embeddings, 8192)
+
+
 def check_graph_mode(mode: str) -> None:
     if mode not in GRAPH_MODES:
         raise MetraleError(f"unknown --cuda-graph-mode '{mode}'", hint="choose one of: " + ", ".join(GRAPH_MODES))
@@ -225,9 +231,13 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_runner(opts: RunnerOptions, progress: Callable[[int, int], None] | None = None) -> Runner:
-    """Resolve, check kernels, load the checkpoint and build. Errors are MetraleError."""
-    from metrale_cli.checkpoint import load_checkpoint, read_config
+def load_runner(opts: RunnerOptions, progress: Callable[[int, int], None] | None = None,
+                before_weights: Callable[[Tokenizer, int], None] | None = None) -> Runner:
+    """Resolve, check kernels, load the checkpoint and build. Errors are MetraleError.
+
+    ``before_weights(tokenizer, context_length)`` runs after the kernel check and before any
+    weight is read (e.g. to refuse a prompt that cannot fit)."""
+    from metrale_cli.checkpoint import load_checkpoint, read_config, read_tokenizer
 
     backend, device = resolve_backend(opts.backend)
     dtype = parse_dtype(opts.dtype)
@@ -237,6 +247,8 @@ def load_runner(opts: RunnerOptions, progress: Callable[[int, int], None] | None
     cfg = model_config_from_hf(raw)
     kv_dtype = resolve_auto(raw.get("kv_cache_dtype")) if requested == AUTO else requested
     loader = check_kv_support(kv_dtype, cfg.head_dim, backend, device, plan_layers(cfg, kv_dtype, opts))
+    if before_weights is not None:
+        before_weights(read_tokenizer(opts.model), context_length(cfg, opts))
     ckpt = load_checkpoint(opts.model, device, dtype, progress)
     return build_runner(ckpt.config, dict(ckpt.tensors), ckpt.tokenizer, opts, backend, kv_dtype,
                         ckpt.source, loader)
