@@ -45,13 +45,19 @@ def test_missing_model_path():
     assert_one_line_error(metrale("generate", "-m", "/no/such/model", "hi"), "/no/such/model")
 
 
-def test_corrupt_safetensors(tiny, tmp_path):
+@pytest.fixture
+def truncated(tiny, tmp_path):
+    """A copy of the tiny checkpoint whose safetensors files are cut in half."""
     broken = tmp_path / "broken"
     broken.mkdir()
     for f in tiny.iterdir():
         data = f.read_bytes()
         (broken / f.name).write_bytes(data[: len(data) // 2] if f.suffix == ".safetensors" else data)
-    assert_one_line_error(metrale("generate", "-m", str(broken), "hi"), "truncated")
+    return broken
+
+
+def test_corrupt_safetensors(truncated):
+    assert_one_line_error(metrale("generate", "-m", str(truncated), "hi"), "truncated")
 
 
 def test_prompt_longer_than_context(tiny):
@@ -60,14 +66,10 @@ def test_prompt_longer_than_context(tiny):
     assert_one_line_error(result, "--max-seq-len")
 
 
-def test_a_prompt_that_cannot_fit_is_refused_before_the_weights_load(tiny, tmp_path):
+def test_a_prompt_that_cannot_fit_is_refused_before_the_weights_load(truncated):
     """The weights of this copy are truncated: reaching them would fail on them instead."""
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for f in tiny.iterdir():
-        data = f.read_bytes()
-        (broken / f.name).write_bytes(data[: len(data) // 2] if f.suffix == ".safetensors" else data)
-    result = metrale("generate", "-m", str(broken), "--no-chat-template", "--max-seq-len", "16", "word " * 40)
+    result = metrale("generate", "-m", str(truncated), "--no-chat-template", "--max-seq-len", "16",
+                     "word " * 40)
     assert_one_line_error(result, "prompt 1 has", "the context is 16 tokens (--max-seq-len)")
     assert "truncated" not in result.stderr
 
