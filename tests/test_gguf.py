@@ -236,3 +236,58 @@ def test_gguf_loads_to_the_gpu_from_conversion_and_from_cache(tmp_path):
         ck = load_checkpoint(str(path), torch.device("cuda"), torch.bfloat16)
         assert all(t.is_cuda and t.dtype == torch.bfloat16 for t in ck.tensors.values())
         assert torch.equal(ck.tensors["lm_head.weight"].cpu(), hf_state_dict(folder)["lm_head.weight"])
+
+
+# --- SentencePiece (tokenizer.ggml.model "llama": Llama 2, Mistral, ...) ---------------------
+
+def _spm_vocab():
+    """A small SentencePiece vocabulary as llama.cpp stores it: control and unknown tokens, the
+    256 byte-fallback pieces, then scored pieces (higher score = merged first)."""
+    tokens, scores, types = ["<unk>", "<s>", "</s>"], [0.0, 0.0, 0.0], [2, 3, 3]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    scores += [0.0] * 256
+    types += [6] * 256
+    pieces = ["▁", "e", "t", "a", "o", "i", "n", "h", "s", "r", "d", "l", "u", "c", "m", "w", "f", "g", "y",
+              "p", "b", ",", ".", "T", "H", "é", "th", "▁t", "he", "▁the", "in", "▁a", "er", "an", "on", "▁th",
+              "re", "at", "en", "nd", "▁w", "▁s", "ing", "▁in", "▁of", "ed", "▁The", "or", "es", "is", "▁an",
+              "▁and", "it", "ou", "ar", "▁h", "▁he", "▁wh", "▁whe", "▁when", "ion", "ll", "▁c", "▁ca", "▁cat",
+              "▁sat"]
+    tokens += pieces
+    scores += [-0.5 * i - (1.0 if len(p) > 2 else 0.0) for i, p in enumerate(pieces)]
+    types += [1] * len(pieces)
+    return tokens, scores, types
+
+
+SPM_TEXTS = ["The cat sat when the hen ate.", "  the  end", "héllo 日本 wörld\n\tok", "When, then? in and of", ""]
+
+
+def test_sentencepiece_gguf_tokenizes_as_transformers_converts_it(tmp_path):
+    from transformers.integrations.ggml import GGUFLlamaConverter
+    import gguf
+
+    tokens, scores, types = _spm_vocab()
+    path = tmp_path / "spm.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours = read_tokenizer(str(path))
+    theirs = GGUFLlamaConverter({"tokens": tokens, "scores": scores, "token_type": types, "bos_token_id": 1,
+                                 "eos_token_id": 2, "unk_token_id": 0}).converted()
+    for text in SPM_TEXTS:
+        ids = theirs.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text, add_special_tokens=False) == ids, text
+        assert ours.decode(ids) == theirs.decode(ids)
+    assert ours.encode("The cat")[:1] == [1]  # llama.cpp puts BOS first in SentencePiece vocabularies
+    assert 2 in ours.eos_token_ids
+    byte_pieces = ours.encode("日", add_special_tokens=False)
+    assert [tokens[i] for i in byte_pieces] == ["▁", "<0xE6>", "<0x97>", "<0xA5>"]  # byte fallback

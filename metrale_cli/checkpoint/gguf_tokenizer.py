@@ -1,7 +1,8 @@
 """A ``tokenizers`` backend from GGUF tokenizer metadata (``tokenizer.ggml.*``).
 
-``tokenizer.ggml.model`` picks the model ("gpt2" = byte-level BPE); ``tokenizer.ggml.pre``
-picks the pre-tokenizer llama.cpp would use, from the table below.
+``tokenizer.ggml.model`` picks the model: "gpt2" = byte-level BPE, whose ``tokenizer.ggml.pre``
+picks the pre-tokenizer llama.cpp would use (the table below); "llama" = SentencePiece BPE
+(Llama 2, Mistral, ...): pieces with scores, "▁" for spaces, byte fallback to ``<0xXX>``.
 """
 
 from __future__ import annotations
@@ -65,6 +66,40 @@ def _bpe_backend(meta: dict) -> Tokenizer:
     return backend
 
 
+def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE as merges: every split of a piece into two pieces of the vocabulary,
+    the best-scored result first (as transformers' GGUF converter orders them, so both
+    tokenize alike); for one piece, the split whose parts score best first."""
+    score = dict(zip(tokens, scores))
+    merges = []
+    for piece, piece_score in score.items():
+        local = [(piece[:i], piece[i:], piece_score) for i in range(1, len(piece))
+                 if piece[:i] in score and piece[i:] in score]
+        merges += sorted(local, key=lambda m: (score[m[0]], score[m[1]]), reverse=True)
+    merges.sort(key=lambda m: m[2], reverse=True)  # stable: ties keep the order above
+    return [(left, right) for left, right, _ in merges]
+
+
+def _spm_backend(meta: dict) -> Tokenizer:
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    if "tokenizer.ggml.scores" not in meta:
+        raise MetraleError("the GGUF SentencePiece tokenizer has no scores (tokenizer.ggml.scores)")
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    backend = Tokenizer(BPE({t: i for i, t in enumerate(tokens)}, _spm_merges(tokens, meta["tokenizer.ggml.scores"]),
+                            unk_token=None if unk is None else tokens[unk], fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    backend.normalizer = normalizers.Sequence(
+        ([normalizers.Prepend("▁")] if prefix else []) + [normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    _add_typed_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type", []))
+    bos = _bos_processor(meta, tokens, default=True)  # llama.cpp adds BOS to SentencePiece vocabularies
+    if bos is not None:
+        backend.post_processor = bos
+    return backend
+
+
 def _add_typed_tokens(backend: Tokenizer, tokens: list[str], types: list[int]) -> None:
     special = [AddedToken(t, normalized=False, special=True)
                for t, kind in zip(tokens, types) if kind == TOKEN_TYPE_CONTROL]
@@ -77,17 +112,23 @@ def _add_typed_tokens(backend: Tokenizer, tokens: list[str], types: list[int]) -
 
 
 def _post_processor(meta: dict, tokens: list[str]):
+    return _bos_processor(meta, tokens) or processors.ByteLevel(trim_offsets=False)
+
+
+def _bos_processor(meta: dict, tokens: list[str], default: bool = False):
+    """BOS before the text when the file says so (``add_bos_token``), else None."""
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+    if meta.get("tokenizer.ggml.add_bos_token", default) and bos is not None:
         return processors.TemplateProcessing(single=f"{tokens[bos]}:0 $A:0",
                                              pair=f"{tokens[bos]}:0 $A:0 $B:1",
                                              special_tokens=[(tokens[bos], bos)])
-    return processors.ByteLevel(trim_offsets=False)
+    return None
 
 
 # tokenizer.ggml.model -> backend builder.
 TOKENIZER_MODELS: dict[str, Callable[[dict], Tokenizer]] = {
     "gpt2": _bpe_backend,
+    "llama": _spm_backend,
 }
 
 
