@@ -29,6 +29,7 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    freq_factors: tuple[float, ...] | None = None  # GGUF rope_freqs: inv_freq[i] / freq_factors[i]
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,8 @@ def _rope_config(raw: dict) -> RopeConfig:
             "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
     extra = {k: params[k] for k in keys if params.get(k) is not None}
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if params.get("freq_factors") is not None:
+        extra["freq_factors"] = tuple(float(f) for f in params["freq_factors"])
     return RopeConfig(theta=float(theta), rope_type=rope_type, partial_rotary_factor=partial, **extra)
 
 

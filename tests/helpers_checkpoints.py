@@ -8,6 +8,7 @@ template), so model tests can compare metrale against HF on the very same files.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 
 import numpy as np
@@ -152,6 +153,9 @@ def write_gguf(folder: pathlib.Path, out: pathlib.Path, quant: str = "F32") -> p
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
     _add_tokenizer(writer, folder)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(config))
     qtype = gguf.GGMLQuantizationType[quant]
     for name, tensor in hf_state_dict(folder).items():
         values = tensor.float().numpy()
@@ -167,6 +171,26 @@ def write_gguf(folder: pathlib.Path, out: pathlib.Path, quant: str = "F32") -> p
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def llama_cpp_rope_freqs(config: dict) -> np.ndarray:
+    """The divisors llama.cpp's converter writes as rope_freqs.weight for llama3 RoPE scaling."""
+    rope = config.get("rope_parameters") or config["rope_scaling"]
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _add_tokenizer(writer, folder: pathlib.Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ from helpers_checkpoints import hf_state_dict, llama_cpp_permute, make_hf_checkp
 from metrale_cli.checkpoint import (default_model_path, gguf_cache_path, gguf_io, load_checkpoint, read_config,
                                     read_tokenizer)
 from metrale_cli.checkpoint import gguf_config
+from metrale_cli.config import model_config_from_hf
+from metrale_cli.layers.rope import inv_freq_and_scaling
 from metrale_cli.errors import MetraleError
 from metrale_cli.tokenizer import Tokenizer
 
@@ -57,6 +60,24 @@ def test_gguf_config_matches_hf_config(tmp_path):
     assert config["rms_norm_eps"] == pytest.approx(hf["rms_norm_eps"])
     assert config["rope_theta"] == hf["rope_parameters"]["rope_theta"]
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def test_llama3_rope_freqs_give_the_frequencies_of_the_hf_config(tmp_path):
+    """Llama 3.1 GGUFs carry llama3 RoPE scaling as rope_freqs.weight divisors, the metadata
+    saying "default": the frequencies must still be the HF config's."""
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    folder = make_hf_checkpoint(tmp_path, "llama", rope_parameters=rope)
+    gguf_rope = model_config_from_hf(read_config(str(write_gguf(folder, tmp_path / "l3.gguf")))).rope
+    hf_rope = model_config_from_hf(read_config(str(folder))).rope
+    assert gguf_rope.rope_type == "default" and hf_rope.rope_type == "llama3"
+    assert len(set(gguf_rope.freq_factors)) == 4  # 1, 8 and two smoothed in between
+    got, want = inv_freq_and_scaling(gguf_rope, 16, 256)[0], inv_freq_and_scaling(hf_rope, 16, 256)[0]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    plain = inv_freq_and_scaling(replace(gguf_rope, freq_factors=None), 16, 256)[0]
+    assert not torch.allclose(plain, want)  # dropping the tensor would be wrong RoPE
+    with pytest.raises(MetraleError, match="rope_freqs has 8 factors; the rotary dimension 32 needs 16"):
+        inv_freq_and_scaling(gguf_rope, 32, 256)
 
 
 def test_q8_0_gguf_is_within_quantization_error(tmp_path):

@@ -63,7 +63,7 @@ GLOBAL_NAMES: dict[str, str] = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# Tensors llama.cpp stores that HF recomputes from the config.
+# Tensors that are not weights: rope_freqs goes into the config (synthesize_config).
 IGNORED_NAMES = ("rope_freqs.weight",)
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -111,10 +111,13 @@ def permute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return grouped.swapaxes(1, 2).reshape(weight.shape)
 
 
-def synthesize_config(meta: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
-    """HF-style config of a GGUF file from its metadata (``meta``: key -> python value) and
+def synthesize_config(meta: dict, shapes: dict[str, tuple[int, ...]],
+                      rope_freqs: list[float] | None = None) -> dict:
+    """HF-style config of a GGUF file from its metadata (``meta``: key -> python value),
     tensor shapes (``shapes``: llama.cpp name -> HF-order shape; vocab_size follows the
-    embedding's rows, which may exceed the token list)."""
+    embedding's rows, which may exceed the token list) and the ``rope_freqs.weight`` values,
+    which become ``rope_parameters["freq_factors"]`` (each frequency divided by its factor, as
+    llama.cpp applies them)."""
     architecture = meta.get("general.architecture", "")
     arch = arch_of(architecture)
     config = {hf_key: meta[f"{architecture}.{key}"] for hf_key, key in ARCH_KEYS.items()
@@ -148,6 +151,8 @@ def synthesize_config(meta: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
     # transformers >= 5 spells RoPE settings this way; both spellings agree.
     config["rope_parameters"] = {"rope_type": "default", **(scaling or {}),
                                  "rope_theta": config["rope_theta"]}
+    if rope_freqs is not None:
+        config["rope_parameters"]["freq_factors"] = list(rope_freqs)
     return config
 
 

@@ -82,13 +82,22 @@ def tensor_shapes(reader) -> dict[str, tuple[int, ...]]:
     return {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
 
 
+def rope_freqs(reader) -> list[float] | None:
+    """The per-frequency RoPE divisors llama.cpp stores as ``rope_freqs.weight`` (Llama 3.1's
+    llama3 scaling), or None."""
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            return np.asarray(t.data, dtype=np.float32).reshape(-1).tolist()
+    return None
+
+
 def read_gguf_config(path: pathlib.Path) -> dict:
     """The synthesized HF config of a GGUF file (cached config when present)."""
     cached = gguf_cache_path(path) / "config.json"
     if cached.is_file():
         return json.loads(cached.read_text(encoding="utf-8"))
     reader = open_reader(path)
-    return gguf_config.synthesize_config(metadata(reader), tensor_shapes(reader))
+    return gguf_config.synthesize_config(metadata(reader), tensor_shapes(reader), rope_freqs(reader))
 
 
 def convert_tensors(reader, config: dict, dtype: torch.dtype,
@@ -174,7 +183,7 @@ def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
             shutil.rmtree(folder, ignore_errors=True)  # a broken cache entry of ours: rebuild it
     reader = open_reader(path)
     meta = metadata(reader)
-    config = gguf_config.synthesize_config(meta, tensor_shapes(reader))
+    config = gguf_config.synthesize_config(meta, tensor_shapes(reader), rope_freqs(reader))
     model = GgufModel(config, convert_tensors(reader, config, dtype, progress),
                       Tokenizer.from_gguf(meta), main_quant(reader))
     try:

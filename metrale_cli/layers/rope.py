@@ -11,6 +11,7 @@ import math
 import torch
 
 from metrale_cli.config import RopeConfig
+from metrale_cli.errors import MetraleError
 
 
 def _base_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -62,16 +63,23 @@ def _yarn(rope: RopeConfig, dim: int, max_pos: int) -> tuple[torch.Tensor, float
 
 
 def inv_freq_and_scaling(rope: RopeConfig, head_dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq: (rot_dim // 2,) float32, attention scaling) for the config's rope type."""
+    """(inv_freq: (rot_dim // 2,) float32, attention scaling) for the config's rope type, each
+    frequency divided by its ``freq_factors`` entry when the checkpoint gives them (GGUF)."""
     dim = int(head_dim * rope.partial_rotary_factor)
     if rope.rope_type == "llama3":
-        return _llama3(rope, dim, max_pos)
-    if rope.rope_type == "yarn":
-        return _yarn(rope, dim, max_pos)
-    inv_freq = _base_inv_freq(rope, dim)
-    if rope.rope_type == "linear":
-        inv_freq = inv_freq / rope.factor
-    return inv_freq, 1.0
+        inv_freq, scaling = _llama3(rope, dim, max_pos)
+    elif rope.rope_type == "yarn":
+        inv_freq, scaling = _yarn(rope, dim, max_pos)
+    else:
+        inv_freq, scaling = _base_inv_freq(rope, dim), 1.0
+        if rope.rope_type == "linear":
+            inv_freq = inv_freq / rope.factor
+    if rope.freq_factors is not None:
+        if len(rope.freq_factors) != dim // 2:
+            raise MetraleError(f"rope_freqs has {len(rope.freq_factors)} factors; the rotary dimension "
+                               f"{dim} needs {dim // 2}")
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
+    return inv_freq, scaling
 
 
 def rope_tables(
