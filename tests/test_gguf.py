@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import replace
 
 import numpy as np
@@ -123,6 +124,36 @@ def test_second_load_comes_from_the_cache(tmp_path, monkeypatch, cache_dir):
     assert second.tokenizer.eos_token_ids == first.tokenizer.eos_token_ids
     os.utime(path, ns=(1, 1))
     assert gguf_cache_path(path) != cached  # an edited file is converted again
+
+
+def test_conversion_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """The cache file is written as tensors are converted: a model larger than host memory
+    converts as long as its largest tensor fits."""
+    folder = make_hf_checkpoint(tmp_path, "llama", num_hidden_layers=3)
+    path = write_gguf(folder, tmp_path / "s.gguf")
+    alive, most = [], 0
+    convert = gguf_io.convert_tensors
+
+    def tracked(*args, **kwargs):
+        nonlocal most
+        for name, tensor in convert(*args, **kwargs):
+            alive.append(weakref.ref(tensor))
+            most = max(most, sum(r() is not None for r in alive))
+            yield name, tensor
+
+    monkeypatch.setattr(gguf_io, "convert_tensors", tracked)
+    ck = load_checkpoint(str(path), CPU, torch.float32)
+    assert len(alive) == len(ck.tensors) > 20 and most <= 2  # the one written and the one coming
+    assert all(torch.equal(ck.tensors[n], t.float()) for n, t in hf_state_dict(folder).items())
+
+
+def test_an_unwritable_cache_still_loads_the_model(tmp_path, cache_dir):
+    folder = make_hf_checkpoint(tmp_path, "qwen2")
+    path = write_gguf(folder, tmp_path / "u.gguf")
+    cache_dir.write_text("a file where the cache folder should be")  # every write below fails
+    ck = load_checkpoint(str(path), CPU, torch.float32)
+    assert all(torch.equal(ck.tensors[n], t.float()) for n, t in hf_state_dict(folder).items())
+    assert not gguf_cache_path(path).exists()
 
 
 def test_truncated_gguf_is_one_clear_error(tmp_path):

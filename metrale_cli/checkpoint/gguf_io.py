@@ -13,11 +13,11 @@ import os
 import pathlib
 import shutil
 from collections import Counter
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from metrale_cli.checkpoint import gguf_config
 from metrale_cli.checkpoint.safetensors_io import Progress, load_tensors, read_hf_config, read_shard_header
@@ -25,6 +25,7 @@ from metrale_cli.errors import MetraleError
 from metrale_cli.tokenizer import Tokenizer
 
 CACHE_ENV = "METRALE_CACHE_DIR"
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 QUANT_KEY = "gguf_quant"
 
 # HF name suffix -> expected shape from the synthesized config.
@@ -101,16 +102,14 @@ def read_gguf_config(path: pathlib.Path) -> dict:
 
 
 def convert_tensors(reader, config: dict, dtype: torch.dtype,
-                    progress: Progress | None = None) -> dict[str, torch.Tensor]:
-    """Every GGUF tensor dequantized, un-permuted where llama.cpp permuted it, under HF names.
-
-    Returns CPU tensors of ``dtype``, shapes checked against ``config``.
-    """
+                    progress: Progress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every GGUF tensor dequantized, un-permuted where llama.cpp permuted it, under its HF name:
+    (name, CPU tensor of ``dtype``) one at a time, shapes checked against ``config``."""
     from gguf.quants import dequantize
 
     arch = gguf_config.arch_of(config["model_type"])
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    total, done, tensors = sum(int(t.n_bytes) for t in reader.tensors), 0, {}
+    total, done = sum(int(t.n_bytes) for t in reader.tensors), 0
     for tensor in reader.tensors:
         name = gguf_config.hf_name(tensor.name)
         done += int(tensor.n_bytes)
@@ -121,10 +120,9 @@ def convert_tensors(reader, config: dict, dtype: torch.dtype,
         proj = name.split(".")[-2]
         if arch.permuted_qk and proj in heads:
             values = gguf_config.unpermute_qk(values, heads[proj])
-        tensors[name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
+        yield name, torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
         if progress is not None:
             progress(done, total)
-    return tensors
 
 
 def _check_shape(tensor, name: str, values: np.ndarray, config: dict) -> None:
@@ -184,20 +182,54 @@ def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
     reader = open_reader(path)
     meta = metadata(reader)
     config = gguf_config.synthesize_config(meta, tensor_shapes(reader), rope_freqs(reader))
-    model = GgufModel(config, convert_tensors(reader, config, dtype, progress),
-                      Tokenizer.from_gguf(meta), main_quant(reader))
+    tokenizer, quant = Tokenizer.from_gguf(meta), main_quant(reader)
     try:
-        _write_cache(folder, weights, model)
-    except OSError:
-        pass  # an unwritable cache only costs the next start the same conversion
-    return replace(model, tensors={n: t.to(device) for n, t in model.tensors.items()})
+        _write_cache(folder, weights, config, tokenizer, quant, dtype,
+                     convert_tensors(reader, config, dtype, progress), _entries(reader, dtype))
+    except OSError:  # an unwritable cache only costs the next start the same conversion
+        tensors = {name: t.to(device) for name, t in convert_tensors(reader, config, dtype, progress)}
+        return GgufModel(config, tensors, tokenizer, quant)
+    return GgufModel(config, load_tensors([read_shard_header(weights)], device, dtype), tokenizer, quant)
 
 
-def _write_cache(folder: pathlib.Path, weights: pathlib.Path, model: GgufModel) -> None:
-    """Weights last, via a temp name: a weights file present means the folder is complete."""
+def _entries(reader, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], int]]:
+    """HF name -> (shape, bytes) of every weight the conversion yields, in file order."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    entries = {}
+    for t in reader.tensors:
+        name = gguf_config.hf_name(t.name)
+        if name is not None:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            entries[name] = (shape, int(np.prod(shape)) * size)
+    return entries
+
+
+def _write_cache(folder: pathlib.Path, weights: pathlib.Path, config: dict, tokenizer: Tokenizer, quant: str,
+                 dtype: torch.dtype, tensors: Iterator[tuple[str, torch.Tensor]],
+                 entries: dict[str, tuple[tuple[int, ...], int]]) -> None:
+    """The HF-style folder of a converted GGUF. The safetensors file is written as the tensors
+    come (its header first, from the shapes), so the host holds one converted tensor at a time;
+    under a temp name until the tokenizer and config are written too: a weights file present
+    means the folder is complete."""
     folder.mkdir(parents=True, exist_ok=True)
-    model.tokenizer.save(folder)
-    (folder / "config.json").write_text(json.dumps(model.config, indent=2), encoding="utf-8")
+    header, offset = {"__metadata__": {"format": "pt", QUANT_KEY: quant}}, 0
+    for name, (shape, nbytes) in entries.items():
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
     partial = weights.with_suffix(".partial")
-    save_file(model.tensors, str(partial), metadata={"format": "pt", QUANT_KEY: model.quant})
-    os.replace(partial, weights)
+    try:
+        with open(partial, "wb") as out:
+            out.write(len(raw).to_bytes(8, "little") + raw)
+            for name, tensor in tensors:
+                data = tensor.contiguous().view(torch.uint8).numpy()
+                if out.tell() - 8 - len(raw) != header[name]["data_offsets"][0] or data.nbytes != entries[name][1]:
+                    raise MetraleError(f"GGUF tensor {name} does not match the cache header written for it")
+                out.write(data.tobytes())
+        tokenizer.save(folder)
+        (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+        os.replace(partial, weights)
+    finally:
+        partial.unlink(missing_ok=True)
