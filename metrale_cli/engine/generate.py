@@ -233,7 +233,7 @@ class Engine:
                 self._accept_all(flight, params, eos, on_text, stats)
                 flight = None
             running = self._retire(running, on_text)
-            while flight is None and waiting and self._budget(waiting[0]) <= cache.allocator.free_blocks:
+            while flight is None and self._admissible(waiting):
                 seq = waiting.pop(0)
                 cache.ensure_capacity(seq.block_table, self._budget(seq) * BLOCK_SIZE)
                 t0 = self._now()
