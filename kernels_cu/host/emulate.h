@@ -91,6 +91,8 @@ inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline float fabsf(float x) { return std::fabs(x); }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
 inline float fmaxf(float a, float b) { return std::fmax(a, b); }
 
 inline float e4m3_value(unsigned byte) {

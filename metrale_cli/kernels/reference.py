@@ -86,8 +86,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, m
 
 
 def paged_decode(q, k_pool: SidePool, v_pool: SidePool, block_tables, seq_lens, scale):
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q)  # an empty context attends to nothing: zeros, as the kernels write
     for b, length in enumerate(seq_lens.tolist()):
+        if length == 0:
+            continue
         k = gather_context(k_pool, block_tables[b], length)
         v = gather_context(v_pool, block_tables[b], length)
         out[b] = attention(q[b : b + 1], k, v, scale, None)[0]

@@ -145,6 +145,8 @@ def load(pool: SidePool, block_table: torch.Tensor, length: int) -> torch.Tensor
     nblocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
     ids = block_table[:nblocks].long()
     fmt, hk, d = side_format(pool.side), pool.num_kv_heads, pool.head_dim
+    if length == 0:
+        return torch.zeros(0, hk, d, device=pool.data.device)
     if not fmt.packed:
         flat = pool.data[ids].reshape(-1, hk, d)[:length].float()
         return flat * pool.scale.float() if pool.side == S.FP8 else flat

@@ -1,0 +1,102 @@
+"""The paged attention kernels' body, run on the CPU, equals the torch references.
+
+``kernels_cu/host/paged_attention_host.cpp`` compiles paged_decode.cu and prefill_paged.cu for
+the host (emulate.h: a block's threads as fibers, warp shuffles and barriers emulated, IEEE fp32)
+with the K / V side types of one KV dtype, and launches them over the grids CudaOps uses: the
+key batches, the transposed reduction of their dot products, splits and their combine and the
+online softmax are checked here on any machine; the GPU tests check the compiled kernels the
+same way on an H200. Tolerance: that of tests/test_kernels_gpu.py's "attention" row.
+"""
+
+import ctypes
+import math
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from metrale_cli.kernels import reference as ref
+from metrale_cli.kernels.cuda_ops import decode_rows, rows_per_cta
+from metrale_cli.kernels.registry import KERNELS_DIR
+from metrale_cli.kernels.validate import compare, make_paged_case
+from metrale_cli.kv.dtypes import KvCacheDtype, kv_pair
+
+ATOL, RTOL = 2e-2, 2e-2
+DTYPES = [KvCacheDtype.BF16, KvCacheDtype.FP8, KvCacheDtype.NVFP4, KvCacheDtype.TURBO4, KvCacheDtype.TURBO3,
+          KvCacheDtype.TURBO8, KvCacheDtype.FP8K_TURBO2V, KvCacheDtype.BF16K_TURBO3V]
+_LIBS: dict[KvCacheDtype, ctypes.CDLL] = {}
+
+
+@pytest.fixture(scope="module")
+def build_dir(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not on PATH")
+    if not (KERNELS_DIR / "host" / "paged_attention_host.cpp").is_file():
+        pytest.skip("kernels_cu/host/ is in the source checkout only")
+    return tmp_path_factory.mktemp("attention_host")
+
+
+def library(build_dir, dtype: KvCacheDtype) -> ctypes.CDLL:
+    if dtype not in _LIBS:
+        k, v = (s.value for s in kv_pair(dtype))
+        lib = build_dir / f"attention_{dtype.value}.so"
+        cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", f"-I{KERNELS_DIR / 'include'}",
+               f"-DK_SIDE={k}", f"-DV_SIDE={v}", str(KERNELS_DIR / "host" / "paged_attention_host.cpp"),
+               "-o", str(lib)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode and "c++20" in proc.stderr:
+            pytest.skip("this g++ has no C++20")
+        assert proc.returncode == 0, proc.stderr
+        handle = ctypes.CDLL(str(lib))
+        handle.host_paged_decode.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] + [ctypes.c_int] * 7
+        handle.host_paged_prefill.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_float] + [ctypes.c_int] * 6
+        _LIBS[dtype] = handle
+    return _LIBS[dtype]
+
+
+def _ptr(t):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def _q(tokens, hq, head_dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, hq, head_dim, generator=g).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("splits", [1, 4, 32])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.value)
+def test_decode_equals_the_reference(build_dir, dtype, head_dim, group, splits):
+    lib, hk = library(build_dir, dtype), 2
+    c = make_paged_case([1, 7, 19, 99, 16, 0], hk * group, hk, head_dim, dtype, seed=head_dim + group)
+    q = _q(6, hk * group, head_dim, seed=3)
+    out = torch.full_like(q, float("nan"))
+    part_o = torch.full((6, hk * group, splits, head_dim), float("nan"))
+    part_ml = torch.full((6, hk * group, splits, 2), float("nan"))
+    chunks = math.ceil(group / decode_rows(head_dim, group))
+    kp, vp, tables, lens = c["k_pool"], c["v_pool"], c["block_tables"], c["seq_lens"]
+    lib.host_paged_decode(_ptr(q), _ptr(kp.data), _ptr(vp.data), _ptr(tables), _ptr(lens), _ptr(out), _ptr(part_o),
+                          _ptr(part_ml), _ptr(kp.scale), _ptr(vp.scale), head_dim**-0.5, hk * group, hk, head_dim,
+                          tables.shape[1], splits, 6, chunks)
+    want = ref.paged_decode(q, kp, vp, tables, lens, head_dim**-0.5)
+    assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
+    assert torch.equal(out[5], torch.zeros_like(out[5]))  # an empty context decodes to zero
+
+
+@pytest.mark.parametrize("tokens, start", [(1, 0), (7, 0), (19, 80), (70, 37)])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.value)
+def test_prefill_equals_the_reference(build_dir, dtype, head_dim, group, tokens, start):
+    lib, hk = library(build_dir, dtype), 2
+    c = make_paged_case([start + tokens], hk * group, hk, head_dim, dtype, seed=tokens)
+    q = _q(tokens, hk * group, head_dim, seed=4)
+    out = torch.full_like(q, float("nan"))
+    kp, vp, table = c["k_pool"], c["v_pool"], c["block_tables"][0].contiguous()
+    rows = math.ceil(tokens * group / rows_per_cta(head_dim))
+    lib.host_paged_prefill(_ptr(q), _ptr(kp.data), _ptr(vp.data), _ptr(table), _ptr(out), _ptr(kp.scale),
+                           _ptr(vp.scale), head_dim**-0.5, tokens, start, hk * group, hk, head_dim, rows)
+    want = ref.paged_prefill(q, kp, vp, table, start, head_dim**-0.5)
+    assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
