@@ -10,17 +10,15 @@ same way on an H200. Tolerance: that of tests/test_kernels_gpu.py's "attention" 
 
 import ctypes
 import math
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.cuda_ops import decode_rows, rows_per_cta
-from metrale_cli.kernels.registry import KERNELS_DIR
 from metrale_cli.kernels.validate import compare, make_paged_case
 from metrale_cli.kv.dtypes import KvCacheDtype, kv_pair
+from host_build import build_host_library
 
 ATOL, RTOL = 2e-2, 2e-2
 DTYPES = [KvCacheDtype.BF16, KvCacheDtype.FP8, KvCacheDtype.NVFP4, KvCacheDtype.TURBO4, KvCacheDtype.TURBO3,
@@ -30,25 +28,14 @@ _LIBS: dict[KvCacheDtype, ctypes.CDLL] = {}
 
 @pytest.fixture(scope="module")
 def build_dir(tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is not on PATH")
-    if not (KERNELS_DIR / "host" / "paged_attention_host.cpp").is_file():
-        pytest.skip("kernels_cu/host/ is in the source checkout only")
     return tmp_path_factory.mktemp("attention_host")
 
 
 def library(build_dir, dtype: KvCacheDtype) -> ctypes.CDLL:
     if dtype not in _LIBS:
         k, v = (s.value for s in kv_pair(dtype))
-        lib = build_dir / f"attention_{dtype.value}.so"
-        cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", f"-I{KERNELS_DIR / 'include'}",
-               f"-DK_SIDE={k}", f"-DV_SIDE={v}", str(KERNELS_DIR / "host" / "paged_attention_host.cpp"),
-               "-o", str(lib)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode and "c++20" in proc.stderr:
-            pytest.skip("this g++ has no C++20")
-        assert proc.returncode == 0, proc.stderr
-        handle = ctypes.CDLL(str(lib))
+        handle = build_host_library("paged_attention_host.cpp", build_dir, {"K_SIDE": k, "V_SIDE": v},
+                                    f"attention_{dtype.value}")
         handle.host_paged_decode.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] + [ctypes.c_int] * 7
         handle.host_paged_prefill.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_float] + [ctypes.c_int] * 6
         _LIBS[dtype] = handle

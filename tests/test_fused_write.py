@@ -12,8 +12,6 @@ The compiled kernels are checked the same way on an H200 by test_fused_write_gpu
 """
 
 import ctypes
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -23,11 +21,12 @@ from metrale_cli.kernels import compile as kc
 from metrale_cli.kernels import cuda_ops
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.reference import TorchOps
-from metrale_cli.kernels.registry import KERNELS_DIR, MODULES
+from metrale_cli.kernels.registry import MODULES
 from metrale_cli.kernels.validate import compare, pool_to
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
 from metrale_cli.kv.formats import new_pool, side_format
 from test_kernels_cuda_ops import RecordingLoader
+from host_build import build_host_library
 
 CPU = torch.device("cpu")
 DTYPES = list(KvCacheDtype)  # the host library's dtype numbering
@@ -160,19 +159,7 @@ def test_shared_headers_are_in_every_digest():
 # --- host emulation of the kernel code -----------------------------------------------------------
 @pytest.fixture(scope="module")
 def host(tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is not on PATH")
-    src = KERNELS_DIR / "host" / "rope_and_cache_host.cpp"
-    if not src.is_file():
-        pytest.skip("kernels_cu/host/ is in the source checkout only")
-    lib = tmp_path_factory.mktemp("host") / "rope_and_cache_host.so"
-    cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", f"-I{KERNELS_DIR / 'include'}",
-           str(src), "-o", str(lib), "-lpthread"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode and "c++20" in proc.stderr:
-        pytest.skip("this g++ has no C++20")
-    assert proc.returncode == 0, proc.stderr
-    return ctypes.CDLL(str(lib))
+    return build_host_library("rope_and_cache_host.cpp", tmp_path_factory.mktemp("host"))
 
 
 def _ptr(t):

@@ -9,15 +9,13 @@ compiled kernels the same way on an H200.
 """
 
 import ctypes
-import shutil
-import subprocess
 
 import pytest
 import torch
 
-from metrale_cli.kernels.registry import KERNELS_DIR
 from metrale_cli.kv.dtypes import SideType
 from metrale_cli.kv.formats import load, new_pool, store
+from host_build import build_host_library
 
 SIDES = [SideType.BF16, SideType.FP8, SideType.NVFP4, SideType.TURBO2, SideType.TURBO3, SideType.TURBO4,
          SideType.TURBO8]  # the library's side numbering
@@ -26,18 +24,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def codec(tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is not on PATH")
-    if not (KERNELS_DIR / "host" / "kv_codec_host.cpp").is_file():
-        pytest.skip("kernels_cu/host/ is in the source checkout only")
-    lib = tmp_path_factory.mktemp("host") / "kv_codec_host.so"
-    cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", f"-I{KERNELS_DIR / 'include'}",
-           str(KERNELS_DIR / "host" / "kv_codec_host.cpp"), "-o", str(lib), "-lpthread"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode and "c++20" in proc.stderr:
-        pytest.skip("this g++ has no C++20")
-    assert proc.returncode == 0, proc.stderr
-    fn = ctypes.CDLL(str(lib)).kv_codec_host
+    fn = build_host_library("kv_codec_host.cpp", tmp_path_factory.mktemp("host")).kv_codec_host
     fn.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 4
     return fn
 
