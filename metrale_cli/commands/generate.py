@@ -19,8 +19,11 @@ def render_prompt(tokenizer, text: str, chat: bool, system: str | None) -> list[
 
 def run_generate(out: Output, opts: RunnerOptions, prompts: list[str], params: SamplingParams,
                  chat: bool = True, system: str | None = None, verbose: bool = False) -> list[dict]:
+    ids: list[list[int]] = []
+
     def check_prompts(tokenizer, context: int) -> None:  # before the weights: fail fast
-        check_prompt_lengths([render_prompt(tokenizer, p, chat, system) for p in prompts], context)
+        ids.extend(render_prompt(tokenizer, p, chat, system) for p in prompts)
+        check_prompt_lengths(ids, context)
 
     with out.progress("loading weights") as progress:
         runner = load_runner(opts, progress, before_weights=check_prompts)
@@ -34,7 +37,6 @@ def run_generate(out: Output, opts: RunnerOptions, prompts: list[str], params: S
     tok = runner.tokenizer
     if chat and not tok.has_chat_template:
         out.info("the model has no chat template: sending the raw prompt")
-    ids = [render_prompt(tok, p, chat, system) for p in prompts]
     single = len(prompts) == 1 and not out.json_mode
     on_text = (lambda _i, delta: out.stream(delta)) if single else None
     eos = set(tok.eos_token_ids) | set(runner.config.eos_token_ids)
