@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from metrale_cli.kernels import reference as ref
-from metrale_cli.kernels.cuda_ops import decode_rows, rows_per_cta
+from metrale_cli.kernels.cuda_ops import TC_ROWS, decode_rows, rows_per_cta
 from metrale_cli.kernels.validate import compare, make_paged_case
 from metrale_cli.kv.dtypes import KvCacheDtype, kv_pair
 from host_build import build_host_library
@@ -87,3 +87,40 @@ def test_prefill_equals_the_reference(build_dir, dtype, head_dim, group, tokens,
                            _ptr(vp.scale), head_dim**-0.5, tokens, start, hk * group, hk, head_dim, rows)
     want = ref.paged_prefill(q, kp, vp, table, start, head_dim**-0.5)
     assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
+
+
+_TC_LIB: list[ctypes.CDLL] = []
+
+
+def tc_library(build_dir) -> ctypes.CDLL:
+    if not _TC_LIB:
+        handle = build_host_library("paged_decode_tc_host.cpp", build_dir, name="attention_tc")
+        handle.host_paged_decode_tc.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] + [ctypes.c_int] * 8
+        _TC_LIB.append(handle)
+    return _TC_LIB[0]
+
+
+@pytest.mark.parametrize("splits", [1, 3, 32])
+@pytest.mark.parametrize("group", [1, 4, 8, 12, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.FP8], ids=lambda d: d.value)
+def test_tensor_core_decode_equals_the_reference(build_dir, dtype, head_dim, group, splits):
+    """paged_decode_tc.cu: whole 16-key tiles, a partial last tile, several tiles per warp, idle
+    warps and splits, groups over two CTAs, an empty context; q with a large row (the fp8 path's
+    f16 scaling)."""
+    lib, hk = tc_library(build_dir), 2
+    lens = [1, 7, 16, 99, 300, 0]
+    c = make_paged_case(lens, hk * group, hk, head_dim, dtype, seed=head_dim + group)
+    q = _q(len(lens), hk * group, head_dim, seed=5)
+    q[1, 0] *= 3e5  # beyond f16's range: scaled into it by a power of two
+    out = torch.full_like(q, float("nan"))
+    part_o = torch.full((len(lens), hk * group, splits, head_dim), float("nan"))
+    part_ml = torch.full((len(lens), hk * group, splits, 2), float("nan"))
+    kp, vp, tables, seq = c["k_pool"], c["v_pool"], c["block_tables"], c["seq_lens"]
+    lib.host_paged_decode_tc(_ptr(q), _ptr(kp.data), _ptr(vp.data), _ptr(tables), _ptr(seq), _ptr(out),
+                             _ptr(part_o), _ptr(part_ml), _ptr(kp.scale), _ptr(vp.scale), head_dim**-0.5,
+                             hk * group, hk, head_dim, tables.shape[1], splits, len(lens),
+                             math.ceil(group / TC_ROWS), int(dtype == KvCacheDtype.FP8))
+    want = ref.paged_decode(q, kp, vp, tables, seq, head_dim**-0.5)
+    assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
+    assert torch.equal(out[5], torch.zeros_like(out[5]))

@@ -121,13 +121,24 @@ def test_reshape_and_cache_is_bit_exact(ops, tokens, dtype, head_dim):
 ATTN = [(dtype, d, group) for dtype, d in KV_CASES for group in (1, 4, 8)]
 
 
-@pytest.mark.parametrize("dtype, head_dim, group", ATTN)
-def test_paged_decode(ops, dtype, head_dim, group):
-    lens = list(TOKENS) + [16, 17]
+def _decode_cases():
+    """Every served case on the dtype's paged_decode_attn kernel; the tensor-core kernel's cases
+    (bf16 / fp8 at head_dim 64, 128) once more on it, with groups up to its limit of 16."""
+    cases = [(dtype, d, group, False) for dtype, d, group in ATTN]
+    for dtype, d in KV_CASES:
+        if kv_kernels(dtype, d).decode_tc is not None:
+            cases += [(dtype, d, group, True) for group in (1, 2, 4, 8, 12, 16)]
+    return cases
+
+
+@pytest.mark.parametrize("dtype, head_dim, group, tensor_cores", _decode_cases())
+def test_paged_decode(ops, dtype, head_dim, group, tensor_cores):
+    lens = list(TOKENS) + [16, 17, 4099]
     hk = 2
     c = make_paged_case(lens, hk * group, hk, head_dim, dtype, seed=head_dim + group)
     q = randn(len(lens), hk * group, head_dim, seed=3, device="cpu")
-    got = ops.paged_decode(q.cuda(), *gpu_pools(c), c["block_tables"].cuda(), c["seq_lens"].cuda(), head_dim**-0.5)
+    got = ops.paged_decode(q.cuda(), *gpu_pools(c), c["block_tables"].cuda(), c["seq_lens"].cuda(), head_dim**-0.5,
+                           tensor_cores=tensor_cores)
     want = ref.paged_decode(q, c["k_pool"], c["v_pool"], c["block_tables"], c["seq_lens"], head_dim**-0.5)
     close(got, want, "attention")
 

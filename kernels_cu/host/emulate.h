@@ -4,7 +4,8 @@
 // a switch costs far less than an OS thread's. __syncwarp / __syncthreads are barriers of the
 // warp / block; __shfl_xor_sync exchanges through the warp's slots; the __f*_rn intrinsics are
 // the host's IEEE fp32 operations (compile with -ffp-contract=off); e4m3 conversions are done in
-// software. Not part of any kernel module: only the host libraries of this folder include it.
+// software; the tensor-core MMA and movmatrix of mma.cuh exchange operands through per-warp
+// words, products exact in fp32, summed in order. Not part of any kernel module: only the host libraries of this folder include it.
 #pragma once
 #include <ucontext.h>
 
@@ -69,6 +70,7 @@ class EmulatedBarrier {
 inline std::deque<EmulatedBarrier> emulated_warps;  // barriers do not move: no vector
 inline EmulatedBarrier* emulated_whole = nullptr;
 inline std::vector<float> emulated_slots;  // 32 shuffle slots per warp
+inline std::vector<unsigned> emulated_words;  // 8 exchange words per thread (mma.cuh)
 
 inline void __syncwarp() { emulated_warps[threadIdx.x / 32].arrive_and_wait(); }
 inline void __syncthreads() { emulated_whole->arrive_and_wait(); }
@@ -125,6 +127,81 @@ inline void e4m3x2_to_f32x2(unsigned short v, float& lo, float& hi) {
     hi = e4m3_value(v >> 8);
 }
 
+// mma.cuh on the CPU. The lane's words: 0-3 A, 4-5 B, 6 movmatrix.
+inline unsigned* emulated_warp_words() { return emulated_words.data() + threadIdx.x / 32 * 32 * 8; }
+
+inline float emulated_bf16(unsigned short h) { return __uint_as_float((unsigned)h << 16); }
+inline float emulated_f16(unsigned short h) {
+    _Float16 f;
+    std::memcpy(&f, &h, 2);
+    return (float)f;
+}
+inline unsigned short emulated_to_f16(float x) {
+    const _Float16 f = (_Float16)x;  // RNE
+    unsigned short h;
+    std::memcpy(&h, &f, 2);
+    return h;
+}
+inline unsigned short emulated_to_bf16(float x) {
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+// d += A B for the warp's m16n8k16 fragments (layout: mma.cuh), elements decoded by `elem`.
+inline void emulated_mma(float* d, const unsigned* a, const unsigned* b, float (*elem)(unsigned short)) {
+    unsigned* words = emulated_warp_words();
+    const unsigned lane = threadIdx.x & 31, g = lane / 4, c = lane % 4;
+    for (int i = 0; i < 4; ++i) words[lane * 8 + i] = a[i];
+    words[lane * 8 + 4] = b[0];
+    words[lane * 8 + 5] = b[1];
+    __syncwarp();
+    auto half = [&](unsigned w, unsigned odd) { return elem((unsigned short)(odd ? w >> 16 : w & 0xffffu)); };
+    auto A = [&](unsigned row, unsigned k) {
+        return half(words[((row % 8) * 4 + (k % 8) / 2) * 8 + (row >= 8) + 2 * (k >= 8)], k % 2);
+    };
+    auto B = [&](unsigned k, unsigned col) { return half(words[(col * 4 + (k % 8) / 2) * 8 + 4 + (k >= 8)], k % 2); };
+    float r[4];
+    for (unsigned i = 0; i < 4; ++i) {
+        const unsigned row = g + (i >= 2 ? 8 : 0), col = 2 * c + (i & 1);
+        float acc = d[i];
+        for (unsigned k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
+        r[i] = acc;
+    }
+    __syncwarp();
+    for (int i = 0; i < 4; ++i) d[i] = r[i];
+}
+inline void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) { emulated_mma(d, a, b, emulated_bf16); }
+inline void mma_f16_16816(float* d, const unsigned* a, const unsigned* b) { emulated_mma(d, a, b, emulated_f16); }
+
+inline unsigned movmatrix_trans(unsigned a) {
+    unsigned* words = emulated_warp_words();
+    const unsigned lane = threadIdx.x & 31, g = lane / 4, c = lane % 4;
+    words[lane * 8 + 6] = a;
+    __syncwarp();
+    auto m = [&](unsigned row, unsigned col) {
+        const unsigned w = words[(row * 4 + col / 2) * 8 + 6];
+        return col % 2 ? w >> 16 : w & 0xffffu;
+    };
+    const unsigned r = m(2 * c, g) | (m(2 * c + 1, g) << 16);
+    __syncwarp();
+    return r;
+}
+
+inline unsigned pack_bf16x2(float lo, float hi) { return emulated_to_bf16(lo) | ((unsigned)emulated_to_bf16(hi) << 16); }
+inline unsigned pack_f16x2(float lo, float hi) { return emulated_to_f16(lo) | ((unsigned)emulated_to_f16(hi) << 16); }
+inline void unpack_f16x2(unsigned v, float& lo, float& hi) {
+    lo = emulated_f16((unsigned short)(v & 0xffffu));
+    hi = emulated_f16((unsigned short)(v >> 16));
+}
+inline unsigned e4m3x4_lo_to_f16x2(unsigned v) {
+    return pack_f16x2(e4m3_value(v & 0xffu), e4m3_value((v >> 8) & 0xffu));
+}
+inline unsigned e4m3x4_hi_to_f16x2(unsigned v) {
+    return pack_f16x2(e4m3_value((v >> 16) & 0xffu), e4m3_value(v >> 24));
+}
+
 inline void emulated_fiber() {
     (*emulated.fn)();
     emulated.finished[emulated.current] = true;
@@ -139,6 +216,7 @@ inline void run_block(EmulatedIndex block, unsigned threads, const std::function
     for (unsigned w = 0; w < threads / 32; ++w) emulated_warps.emplace_back(32);
     emulated_whole = &whole;
     emulated_slots.assign(threads, 0.0f);
+    emulated_words.assign(threads * 8, 0u);
     emulated.fibers.resize(threads);
     if (emulated.stacks.size() < threads) emulated.stacks.resize(threads, std::vector<char>(kStack));
     emulated.finished.assign(threads, false);

@@ -69,9 +69,11 @@ struct KeyBatch {
 
 // Context keys per split of a split decode: at least ATTN_SPLIT_MIN_KEYS, so a short context
 // runs on few splits (and the combine reads only those); the host mirrors it (MIN_KEYS_PER_SPLIT).
+// A whole number of cache blocks, so a split's 16-key tiles are blocks (paged_decode_tc.cu).
 #define ATTN_SPLIT_MIN_KEYS 32
 __device__ __forceinline__ int split_keys(int len, int num_splits) {
-    return max((len + num_splits - 1) / num_splits, ATTN_SPLIT_MIN_KEYS);
+    const int keys = max((len + num_splits - 1) / num_splits, ATTN_SPLIT_MIN_KEYS);
+    return (keys + ATTN_BLOCK - 1) / ATTN_BLOCK * ATTN_BLOCK;
 }
 __device__ __forceinline__ int active_splits(int len, int num_splits) {
     return min(num_splits, (len + split_keys(len, num_splits) - 1) / split_keys(len, num_splits));

@@ -110,10 +110,12 @@ class KvKernels:
     combine: Kernel
     prefill: Kernel
     rotated: bool  # some side is WHT-rotated: the layer launches the WHT bookends
+    decode_tc: Kernel | None = None  # tensor-core decode (bf16 / fp8 at head_dim 64, 128)
 
     def specs(self) -> list[KernelSpec]:
         wht = list(WHT_KERNELS) if self.rotated else []
-        return [self.write[0], self.decode[0], self.combine[0], self.prefill[0], *wht]
+        tc = [self.decode_tc[0]] if self.decode_tc else []
+        return [self.write[0], self.decode[0], *tc, self.combine[0], self.prefill[0], *wht]
 
 
 def _suffix(d: KvCacheDtype) -> str:
@@ -123,6 +125,16 @@ def _suffix(d: KvCacheDtype) -> str:
 def _serves(spec: KernelSpec, head_dim: int) -> bool:
     module = module_for(spec)
     return module is None or module.head_dims is None or head_dim in module.head_dims
+
+
+TC_HEAD_DIMS = (64, 128)
+TC_ROWS = 8  # query heads per CTA of the tensor-core decode (TC_ROWS in paged_decode_tc.cu)
+_TC_DECODE = {
+    KvCacheDtype.BF16: (KernelSpec("paged_decode_tc", "paged_decode_attn_tc"), Signature.parse(_DECODE.format(k="bf16*", v="bf16*"))),
+    KvCacheDtype.FP8: (KernelSpec("paged_decode_tc", "paged_decode_attn_tc_fp8"), Signature.parse(_DECODE.format(k="fp8*", v="fp8*"))),
+}
+"""paged_decode_tc.cu: the bf16 and fp8 caches' decode at head_dim 64 / 128 (other dtypes and sizes run
+paged_decode_attn<suffix>)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,6 +159,7 @@ def kv_kernels(d: KvCacheDtype, head_dim: int) -> KvKernels:
         combine=(KernelSpec(decode.module, f"paged_decode_combine{sfx}"), Signature.parse(_COMBINE)),
         prefill=(prefill, Signature.parse(_PREFILL.format(k=k, v=v))),
         rotated=any(is_wht_rotated(s) for s in kv_pair(d)),
+        decode_tc=_TC_DECODE[d] if d in _TC_DECODE and head_dim in TC_HEAD_DIMS else None,
     )
 
 
@@ -256,21 +269,28 @@ class CudaOps:
         grid, block = ((tokens, hk), (64,)) if kernels.write_per_head else ((tokens,), (128,))
         self.loader.launch(spec, sig, grid, block, *(values[name] for name, _ in sig.params))
 
-    def paged_decode(self, q, k_pool: SidePool, v_pool: SidePool, block_tables, seq_lens, scale):
+    def paged_decode(self, q, k_pool: SidePool, v_pool: SidePool, block_tables, seq_lens, scale,
+                     tensor_cores: bool = True):
+        """The tensor-core kernel where it serves the case (``tensor_cores=False``: the dtype's
+        paged_decode_attn kernel always, for its tests), else paged_decode_attn<suffix>."""
         kernels = _attention_kernels(q, k_pool, v_pool)
         batch, hq, head_dim = q.shape
         hk = k_pool.num_kv_heads
         q, out = _ready(q), torch.empty_like(q)
         if not batch:
             return out
-        chunks = math.ceil(hq // hk / decode_rows(head_dim, hq // hk))
+        kernel = kernels.decode
+        if tensor_cores and kernels.decode_tc is not None:
+            kernel, chunks = kernels.decode_tc, math.ceil(hq // hk / TC_ROWS)
+        else:
+            chunks = math.ceil(hq // hk / decode_rows(head_dim, hq // hk))
         splits = self._splits(q.device, hk * batch * chunks, block_tables.shape[1])
         part_o = part_ml = None
         if splits > 1:
             part_o = torch.empty(batch, hq, splits, head_dim, dtype=torch.float32, device=q.device)
             part_ml = torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device)
         self._launch(
-            kernels.decode, (hk, batch, chunks * splits), (ATTN_THREADS,), q, k_pool.data, v_pool.data,
+            kernel, (hk, batch, chunks * splits), (ATTN_THREADS,), q, k_pool.data, v_pool.data,
             _ready(block_tables), _ready(seq_lens), out, part_o, part_ml, k_pool.scale, v_pool.scale,
             scale, hq, hk, head_dim, block_tables.shape[1], splits,
         )

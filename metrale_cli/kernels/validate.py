@@ -245,12 +245,12 @@ def _check_write(dtype):
     return check
 
 
-def _check_decode(dtype):
+def _check_decode(dtype, tensor_cores: bool = False):
     def check(ops, hd):
         c = make_paged_case([1, 19, 599], 8, 2, hd, dtype)
         q = _randn(3, 8, hd)
         got = ops.paged_decode(q.cuda(), pool_to(c["k_pool"], "cuda"), pool_to(c["v_pool"], "cuda"),
-                               *_gpu(c["block_tables"], c["seq_lens"]), hd**-0.5)
+                               *_gpu(c["block_tables"], c["seq_lens"]), hd**-0.5, tensor_cores=tensor_cores)
         want = ref.paged_decode(q, c["k_pool"], c["v_pool"], c["block_tables"], c["seq_lens"], hd**-0.5)
         return compare(got, want, *ATTENTION_TOL)
     return check
@@ -315,6 +315,8 @@ def _numeric_checks() -> dict[str, Callable]:
             for kernel, check in ((kk.write, _check_write), (kk.decode, _check_decode),
                                   (kk.combine, _check_decode), (kk.prefill, _check_prefill)):
                 checks[str(kernel[0])] = check(d)
+            if kk.decode_tc is not None:
+                checks[str(kk.decode_tc[0])] = _check_decode(d, tensor_cores=True)
     return checks
 
 

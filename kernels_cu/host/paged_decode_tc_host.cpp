@@ -1,0 +1,34 @@
+// paged_decode_attn_tc / paged_decode_attn_tc_fp8 (paged_decode_tc.cu) and the split combine as a
+// host library, launched over their whole grids as CudaOps launches them, so tests can check the
+// tensor-core decode (fragment layouts, the permuted head_dim, movmatrix transposes, query chunks,
+// the online softmax and its warp merge) against the torch reference on a CPU:
+//   g++ -std=c++20 -O1 -ffp-contract=off -shared -fPIC -I../include paged_decode_tc_host.cpp -o tc.so
+#include "emulate.h"
+#include "../paged_decode.cu"
+#include "../paged_decode_tc.cu"
+
+// grid = (hk, batch, chunks * num_splits), then the combine over (hq, batch) when split.
+extern "C" void host_paged_decode_tc(const bf16_t* q, const void* k_cache, const void* v_cache,
+                                     const int* block_tables, const int* seq_lens, bf16_t* out,
+                                     float* part_o, float* part_ml, const float* k_scale,
+                                     const float* v_scale, float scale, int hq, int hk, int head_dim,
+                                     int max_blocks, int num_splits, int batch, int chunks, int fp8) {
+    for (int z = 0; z < chunks * num_splits; ++z)
+        for (int y = 0; y < batch; ++y)
+            for (int x = 0; x < hk; ++x)
+                run_block({(unsigned)x, (unsigned)y, (unsigned)z}, TC_THREADS, [&] {
+                    if (fp8)
+                        paged_decode_attn_tc_fp8(q, k_cache, v_cache, block_tables, seq_lens, out, part_o,
+                                                 part_ml, k_scale, v_scale, scale, hq, hk, head_dim,
+                                                 max_blocks, num_splits);
+                    else
+                        paged_decode_attn_tc(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml,
+                                             k_scale, v_scale, scale, hq, hk, head_dim, max_blocks, num_splits);
+                });
+    if (num_splits > 1)
+        for (int y = 0; y < batch; ++y)
+            for (int x = 0; x < hq; ++x)
+                run_block({(unsigned)x, (unsigned)y, 0}, 128, [&] {
+                    paged_decode_combine(part_o, part_ml, seq_lens, out, hq, head_dim, num_splits);
+                });
+}
