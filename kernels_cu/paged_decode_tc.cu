@@ -7,15 +7,17 @@
 // keys). Both products are m16n8k16 MMAs with the heads as the 8-wide N side:
 //   S^T = K Q^T     A = 16 keys x 16 dims of K, B = q: one MMA per 16 dims,
 //   O^T += V^T P^T  A = 16 dims x 16 keys of V, B = P: one MMA per 16 output dims.
-// Each lane loads its operands straight from the cache with 16-byte loads, no shared memory:
-// lane 4g + c reads keys g and g + 8, their 16-byte chunks c, c + 4, c + 8, ... (the 4 lanes of a
-// key read 64 contiguous bytes). As loaded these are K's A fragments, with the MMAs' head_dim
-// index a permutation of the dims (q is loaded through the same one: tc_dim). V's chunks become
-// A fragments by movmatrix (8x8 transposes): the output's rows come out permuted and are stored
-// by tc_out_dim. S^T's registers hold 2 heads x 2 keys per lane; packed and transposed, they are
-// P's B fragment. The online softmax runs per warp in the log2 domain (a head's 8 lanes exchange
-// maxima by three shuffles); the warps merge through shared memory, into the final output or a
-// split's partial (max, sum, unnormalised output), which paged_decode_combine<suffix> reduces.
+// Each lane loads its operands straight from the cache with 16-byte loads, no shared memory.
+// K: lane 4g + c reads keys g and g + 8, their 16-byte chunks c, c + 4, c + 8, ... (the 4 lanes of
+// a key read 64 contiguous bytes); as loaded these are A fragments, with the MMAs' head_dim index
+// a permutation of the dims (q is loaded through the same one: tc_dim). V: lane 4g + c reads dims
+// D/8 g .. D/8 (g + 1) of keys 2c, 2c + 1, 8 + 2c, 9 + 2c (8 lanes read a key's row), and
+// byte permutes pair a dim of two keys into one A register; the output's rows are dims in that
+// order (tc_out_dim). S^T's registers hold 2 heads x 2 keys per lane; packed and transposed
+// (movmatrix), they are P's B fragment. The online softmax runs per warp in the log2 domain (a
+// head's 8 lanes exchange maxima by three shuffles); the warps merge through shared memory, into
+// the final output or a split's partial (max, sum, unnormalised output), which
+// paged_decode_combine<suffix> reduces.
 //
 // bf16 cache: bf16 MMAs, q as stored, P rounded to bf16. fp8 cache: e4m3 converts exactly to f16,
 // so the MMAs are f16 ones: q is scaled by a power of two into f16's range (undone on the
@@ -77,15 +79,13 @@ struct TcWork {
     float* smem_ml;  // [TC_WARPS][TC_ROWS][2]
 };
 
-// The dim of output element (tile n, half r, lane group g): column g of the transposed 8x8 V
-// block that is A rows 8r + g of tile n (its register r, from chunk i's word or f16 pair y).
-template <bool FP8>
-__device__ __forceinline__ int tc_out_dim(int n, int r, int g) {
-    constexpr int E = TcElems<FP8>::value;
-    const int pair = 2 * n + r;  // f16/bf16 pair index within the lane's share: chunk i, pair y
-    const int i = pair / (E / 2), y = pair % (E / 2);
-    return (4 * i + g / 2) * E + 2 * y + g % 2;
-}
+// The tile key of this lane's V word set v (0-3): keys 2c, 2c + 1, 8 + 2c, 9 + 2c.
+__device__ __forceinline__ int tc_v_key(int c, int v) { return 2 * c + (v & 1) + 8 * (v >> 1); }
+
+// The dim of O^T row 8r + g of output tile n: lane group g holds dims D/8 g .. D/8 g + D/8 of V,
+// tile n pairs dims 2n (row g) and 2n + 1 (row g + 8) of them.
+template <int D>
+__device__ __forceinline__ int tc_out_dim(int n, int r, int g) { return D / 8 * g + 2 * n + r; }
 
 template <int D, bool FP8>
 __device__ void decode_tc(const TcWork& w) {
@@ -93,9 +93,10 @@ __device__ void decode_tc(const TcWork& w) {
     constexpr int BYTES = FP8 ? 1 : 2;  // per cache element
     constexpr int NC = D / (4 * E);     // 16-byte chunks of a key row per lane
     constexpr int KS = D / 16;          // MMA steps over head_dim (S^T) and output tiles (O^T)
-    // A warp's iteration loads TILES tiles before scoring the first: an fp8 tile is half a bf16
-    // one's bytes, and two keep as many bytes in flight.
-    constexpr int TILES = FP8 ? 2 : 1;
+    // fp8: a warp's next tile is loaded before this one is scored (an fp8 tile is half a bf16 one's
+    // bytes: without it, too few are in flight). bf16 has no registers to spare for it.
+    constexpr bool PREFETCH = FP8;
+    constexpr int VW = D / 8 * BYTES / 4;  // V words per key of a lane: D / 8 dims
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
 
     // q as the B operand of S^T = K Q^T: head g, elements 4j, 4j + 1 (register 0) and 4j + 2,
@@ -134,112 +135,124 @@ __device__ void decode_tc(const TcWork& w) {
 #pragma unroll
     for (int n = 0; n < KS; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
-    for (int first = w.begin + 16 * TILES * warp; first < w.end; first += 16 * TILES * TC_WARPS) {
-        Words<4> krs[TILES][2][NC], vrs[TILES][2][NC];
+    // A tile's K and V as this lane loads them (a dead key's slot is still inside the block: its
+    // scores are masked, its V zeroed below).
+    auto load = [&](int tile, Words<4> (&k)[2][NC], Words<VW> (&v)[4]) {
+        const long long block = w.block_table[tile / ATTN_BLOCK];
 #pragma unroll
-        for (int u = 0; u < TILES; ++u) {
-            const int tile = first + 16 * u;
-            if (tile >= w.end) break;  // uniform across the warp
-            const long long block = w.block_table[tile / ATTN_BLOCK];
+        for (int h = 0; h < 2; ++h) {  // K: keys g, g + 8
+            const long long row = (block * ATTN_BLOCK + 8 * h + g) * w.num_kv_heads + w.kv_head;
+            const unsigned char* kp = w.k_cache + row * (D * BYTES) + c * 16;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {  // key tile + 8h + g of this lane; a dead key's slot is
-                // still inside the block: its K is masked below, its V zeroed (NaN-safe).
-                const long long row = (block * ATTN_BLOCK + 8 * h + g) * w.num_kv_heads + w.kv_head;
-                const unsigned char* kp = w.k_cache + row * (D * BYTES) + c * 16;
-                const unsigned char* vp = w.v_cache + row * (D * BYTES) + c * 16;
+            for (int i = 0; i < NC; ++i) k[h][i] = *reinterpret_cast<const Words<4>*>(kp + 64 * i);
+        }
 #pragma unroll
-                for (int i = 0; i < NC; ++i) {
-                    krs[u][h][i] = *reinterpret_cast<const Words<4>*>(kp + 64 * i);
-                    vrs[u][h][i] = *reinterpret_cast<const Words<4>*>(vp + 64 * i);
-                }
+        for (int x = 0; x < 4; ++x) {  // V: keys tc_v_key(c, x), dims D/8 g .. D/8 g + D/8
+            const long long row = (block * ATTN_BLOCK + tc_v_key(c, x)) * w.num_kv_heads + w.kv_head;
+            v[x] = *reinterpret_cast<const Words<VW>*>(w.v_cache + row * (D * BYTES) + g * (VW * 4));
+        }
+    };
+    Words<4> kr[2][NC], kn[2][NC];
+    Words<VW> vr[4], vn[4];
+    if (PREFETCH && w.begin + 16 * warp < w.end) load(w.begin + 16 * warp, kr, vr);
+    for (int tile = w.begin + 16 * warp; tile < w.end; tile += 16 * TC_WARPS) {
+        if constexpr (PREFETCH) {  // the warp's next tile is in flight while this one is scored
+            if (tile + 16 * TC_WARPS < w.end) load(tile + 16 * TC_WARPS, kn, vn);
+        } else {
+            load(tile, kr, vr);
+        }
+        // S^T (16 keys x 8 heads per query tile): K rows g, g + 8 are the A operand as loaded.
+        float st[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < KS; ++j) {
+            unsigned a[4];  // key g low pair, key g + 8 low pair, key g high pair, key g + 8 high
+            if constexpr (FP8) {
+                const unsigned x0 = kr[0][j / 4].w[j % 4], x1 = kr[1][j / 4].w[j % 4];
+                a[0] = e4m3x4_lo_to_f16x2(x0);
+                a[1] = e4m3x4_lo_to_f16x2(x1);
+                a[2] = e4m3x4_hi_to_f16x2(x0);
+                a[3] = e4m3x4_hi_to_f16x2(x1);
+            } else {
+                a[0] = kr[0][j / 2].w[(j % 2) * 2];
+                a[1] = kr[1][j / 2].w[(j % 2) * 2];
+                a[2] = kr[0][j / 2].w[(j % 2) * 2 + 1];
+                a[3] = kr[1][j / 2].w[(j % 2) * 2 + 1];
+            }
+            tc_mma<FP8>(st, a, qb[j]);
+        }
+        // Online softmax of heads 2c + e over keys g (st[e]) and g + 8 (st[2 + e]);
+        // P^T goes back to registers and, transposed, is the B operand of O^T += V^T P^T.
+        const bool live0 = tile + g < w.end, live1 = tile + 8 + g < w.end;
+        float corr[2], p0[2], p1[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float x0 = live0 ? st[e] * q_mul : METRALE_NEG_INF;
+            const float x1 = live1 ? st[2 + e] * q_mul : METRALE_NEG_INF;
+            float mx = fmaxf(x0, x1);
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+            const float n = fmaxf(m[e], mx);
+            corr[e] = n == METRALE_NEG_INF ? 1.0f : exp2f(m[e] - n);
+            m[e] = n;
+            p0[e] = x0 == METRALE_NEG_INF ? 0.0f : exp2f(x0 - n);
+            p1[e] = x1 == METRALE_NEG_INF ? 0.0f : exp2f(x1 - n);
+        }
+        const unsigned k0 = tc_pack<FP8>(p0[0], p0[1]), k1 = tc_pack<FP8>(p1[0], p1[1]);
+        float r0, r1, r2, r3;  // the probabilities as rounded: the sum is of what P V uses
+        tc_unpack<FP8>(k0, r0, r1);
+        tc_unpack<FP8>(k1, r2, r3);
+        l[0] = l[0] * corr[0] + r0 + r2;
+        l[1] = l[1] * corr[1] + r1 + r3;
+        const unsigned pb[2] = {movmatrix_trans(k0),   // P[head g][keys 2c, 2c + 1]
+                                movmatrix_trans(k1)};  // ... keys 8 + 2c, 9 + 2c
+        if (corr[0] != 1.0f || corr[1] != 1.0f) {  // most tiles keep the maxima
+#pragma unroll
+            for (int n = 0; n < KS; ++n) {
+                o[n][0] *= corr[0];
+                o[n][1] *= corr[1];
+                o[n][2] *= corr[0];
+                o[n][3] *= corr[1];
             }
         }
 #pragma unroll
-        for (int u = 0; u < TILES; ++u) {
-            const int tile = first + 16 * u;
-            if (tile >= w.end) break;
-            auto& kr = krs[u];
-            auto& vr = vrs[u];
-            // S^T (16 keys x 8 heads per query tile): K rows g, g + 8 are the A operand as loaded.
-            float st[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int v = 0; v < 4; ++v) {  // a dead key's V is zeroed: 0 x NaN would be NaN
+            if (tile + tc_v_key(c, v) >= w.end) {
 #pragma unroll
-            for (int j = 0; j < KS; ++j) {
-                unsigned a[4];  // key g low pair, key g + 8 low pair, key g high pair, key g + 8 high
-                if constexpr (FP8) {
-                    const unsigned x0 = kr[0][j / 4].w[j % 4], x1 = kr[1][j / 4].w[j % 4];
-                    a[0] = e4m3x4_lo_to_f16x2(x0);
-                    a[1] = e4m3x4_lo_to_f16x2(x1);
-                    a[2] = e4m3x4_hi_to_f16x2(x0);
-                    a[3] = e4m3x4_hi_to_f16x2(x1);
-                } else {
-                    a[0] = kr[0][j / 2].w[(j % 2) * 2];
-                    a[1] = kr[1][j / 2].w[(j % 2) * 2];
-                    a[2] = kr[0][j / 2].w[(j % 2) * 2 + 1];
-                    a[3] = kr[1][j / 2].w[(j % 2) * 2 + 1];
-                }
-                tc_mma<FP8>(st, a, qb[j]);
+                for (int x = 0; x < VW; ++x) vr[v].w[x] = 0u;
             }
-            // Online softmax of heads 2c + e over keys g (st[e]) and g + 8 (st[2 + e]);
-            // P^T goes back to registers and, transposed, is the B operand of O^T += V^T P^T.
-            const bool live0 = tile + g < w.end, live1 = tile + 8 + g < w.end;
-            float corr[2], p0[2], p1[2];
+        }
+        // V^T as the A operand of output tile n: rows g, g + 8 are dims tc_out_dim(n, 0 / 1, g),
+        // columns keys 2c, 2c + 1 (registers 0, 1) and 8 + 2c, 9 + 2c (2, 3): each register
+        // pairs one dim of two keys, byte-permuted from the two keys' words.
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float x0 = live0 ? st[e] * q_mul : METRALE_NEG_INF;
-                const float x1 = live1 ? st[2 + e] * q_mul : METRALE_NEG_INF;
-                float mx = fmaxf(x0, x1);
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
-                const float n = fmaxf(m[e], mx);
-                corr[e] = n == METRALE_NEG_INF ? 1.0f : exp2f(m[e] - n);
-                m[e] = n;
-                p0[e] = x0 == METRALE_NEG_INF ? 0.0f : exp2f(x0 - n);
-                p1[e] = x1 == METRALE_NEG_INF ? 0.0f : exp2f(x1 - n);
-            }
-            const unsigned k0 = tc_pack<FP8>(p0[0], p0[1]), k1 = tc_pack<FP8>(p1[0], p1[1]);
-            float r0, r1, r2, r3;  // the probabilities as rounded: the sum is of what P V uses
-            tc_unpack<FP8>(k0, r0, r1);
-            tc_unpack<FP8>(k1, r2, r3);
-            l[0] = l[0] * corr[0] + r0 + r2;
-            l[1] = l[1] * corr[1] + r1 + r3;
-            const unsigned pb[2] = {movmatrix_trans(k0),   // P[head g][keys 2c, 2c + 1]
-                                    movmatrix_trans(k1)};  // ... keys 8 + 2c, 9 + 2c
-            if (corr[0] != 1.0f || corr[1] != 1.0f) {  // most tiles keep the maxima
-#pragma unroll
-                for (int n = 0; n < KS; ++n) {
-                    o[n][0] *= corr[0];
-                    o[n][1] *= corr[1];
-                    o[n][2] *= corr[0];
-                    o[n][3] *= corr[1];
-                }
-            }
+        for (int n = 0; n < KS; ++n) {
+            unsigned a[4];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                if (tile + 8 * h + g >= w.end) {
-#pragma unroll
-                    for (int i = 0; i < NC; ++i) vr[h][i].w[0] = vr[h][i].w[1] = vr[h][i].w[2] = vr[h][i].w[3] = 0u;
+                const Words<VW>& lo = vr[2 * h];     // key 8h + 2c
+                const Words<VW>& hi = vr[2 * h + 1];  // key 8h + 2c + 1
+                if constexpr (FP8) {  // bytes 2(n % 2), + 1 of word n / 2: the tile's two dims
+                    const int b = 2 * (n % 2);
+                    const unsigned x = __byte_perm(lo.w[n / 2], hi.w[n / 2],
+                                                   b | (b + 4) << 4 | (b + 1) << 8 | (b + 5) << 12);
+                    a[2 * h] = e4m3x4_lo_to_f16x2(x);      // dim 2n (row g)
+                    a[2 * h + 1] = e4m3x4_hi_to_f16x2(x);  // dim 2n + 1 (row g + 8)
+                } else {  // word n: the tile's two dims
+                    a[2 * h] = __byte_perm(lo.w[n], hi.w[n], 0x5410);
+                    a[2 * h + 1] = __byte_perm(lo.w[n], hi.w[n], 0x7632);
                 }
             }
-            // V^T as the A operand: word x of chunk i holds dims (4i + c) E + 2x, + 1 of key 8h + g
-            // (two f16 pairs from an fp8 word); transposed, 8 keys of 8 dims. Output tile n takes
-            // two such 8-dim groups: rows g (dims tc_out_dim(n, 0, g)) and g + 8 (.., 1, g).
+            tc_mma<FP8>(o[n], a, pb);
+        }
+        if constexpr (PREFETCH) {
 #pragma unroll
-            for (int n = 0; n < KS; ++n) {
-                unsigned a[4];
+            for (int h = 0; h < 2; ++h) {
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    if constexpr (FP8) {
-                        const unsigned x = vr[h][n / 4].w[n % 4];
-                        a[2 * h] = movmatrix_trans(e4m3x4_lo_to_f16x2(x));
-                        a[2 * h + 1] = movmatrix_trans(e4m3x4_hi_to_f16x2(x));
-                    } else {
-                        a[2 * h] = movmatrix_trans(vr[h][n / 2].w[(n % 2) * 2]);
-                        a[2 * h + 1] = movmatrix_trans(vr[h][n / 2].w[(n % 2) * 2 + 1]);
-                    }
-                }
-                tc_mma<FP8>(o[n], a, pb);
+                for (int i = 0; i < NC; ++i) kr[h][i] = kn[h][i];
             }
+#pragma unroll
+            for (int x = 0; x < 4; ++x) vr[x] = vn[x];
         }
     }
 
@@ -255,8 +268,8 @@ __device__ void decode_tc(const TcWork& w) {
         if (r < w.rows) {
 #pragma unroll
             for (int n = 0; n < KS; ++n) {
-                so[r * TC_MAX_D + tc_out_dim<FP8>(n, 0, g)] = o[n][e];
-                so[r * TC_MAX_D + tc_out_dim<FP8>(n, 1, g)] = o[n][2 + e];
+                so[r * TC_MAX_D + tc_out_dim<D>(n, 0, g)] = o[n][e];
+                so[r * TC_MAX_D + tc_out_dim<D>(n, 1, g)] = o[n][2 + e];
             }
             if (g == 0) {
                 sml[r * 2] = m[e];
@@ -332,8 +345,10 @@ __device__ void decode_tc_entry(const bf16_t* q, const void* k_cache, const void
 // Same arguments as paged_decode_attn (paged_decode.cu); grid = (Hk, B, chunks * num_splits) with
 // chunks = ceil(group / TC_ROWS), block = TC_THREADS; head_dim 64 or 128. The split partials go
 // to that module's paged_decode_combine (the same split rule and partial layout).
-#define METRALE_TC_ENTRY(name, fp8)                                                               \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, 3)                                  \
+// Resident CTAs per SM: bf16 4 (112 registers), fp8 3 (its prefetch takes 142; at 4 it spills);
+// the host mirrors them (cuda_ops.TC_CTAS_PER_SM) when it picks the split count.
+#define METRALE_TC_ENTRY(name, fp8, min_ctas)                                                     \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, min_ctas)                           \
         name(const bf16_t* q, const void* k_cache, const void* v_cache, const int* block_tables, \
              const int* seq_lens, bf16_t* out, float* part_o, float* part_ml,                    \
              const float* k_scale, const float* v_scale, float scale, int num_q_heads,           \
@@ -342,6 +357,6 @@ __device__ void decode_tc_entry(const bf16_t* q, const void* k_cache, const void
                              k_scale, v_scale, scale, num_q_heads, num_kv_heads, head_dim,       \
                              max_blocks, num_splits);                                            \
     }
-METRALE_TC_ENTRY(paged_decode_attn_tc, false)
-METRALE_TC_ENTRY(paged_decode_attn_tc_fp8, true)
+METRALE_TC_ENTRY(paged_decode_attn_tc, false, 4)
+METRALE_TC_ENTRY(paged_decode_attn_tc_fp8, true, 3)
 #undef METRALE_TC_ENTRY

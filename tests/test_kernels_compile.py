@@ -51,7 +51,8 @@ def test_side_defines_select_the_variant_names():
 
 def test_every_attention_module_is_one_of_two_sources():
     sources = {m.source for n, m in MODULES.items() if n.startswith(("paged_decode", "prefill_paged"))}
-    assert sources == {"paged_decode.cu", "prefill_paged.cu"}
+    assert sources == {"paged_decode.cu", "prefill_paged.cu", "paged_decode_tc.cu"}  # + the tensor-core decode
+    assert [n for n, m in MODULES.items() if m.source == "paged_decode_tc.cu"] == ["paged_decode_tc"]
     for d in KV_BUILD:
         k, v = (s.value for s in kv_pair(d))
         defines = dict(MODULES[f"prefill_paged_{d.value}"].defines)
@@ -89,10 +90,10 @@ def test_symbol_reader_rejects_non_elf():
 
 def test_registry_walk():
     names = [str(k) for k in all_kernels()]
-    # 4 core + 2 WHT + 3 + 13 writes + 16 fused rope_and_cache + bf16/fp8 (3 each)
-    # + 14 dtypes x (prefill + decode pairs)
+    # 4 core + 2 WHT + 3 + 13 writes + 16 fused rope_and_cache + bf16/fp8 (3 each) + 2 tensor-core
+    # decodes + 14 dtypes x (prefill + decode pairs)
     decode_modules = sum(b.decode + b.decode_128 for b in KV_BUILD.values())
-    assert len(names) == len(set(names)) == 4 + 2 + 16 + 16 + 6 + len(KV_BUILD) + 2 * decode_modules == 104
+    assert len(names) == len(set(names)) == 4 + 2 + 16 + 16 + 6 + 2 + len(KV_BUILD) + 2 * decode_modules == 106
     for spec in all_kernels():
         assert module_for(spec).path.is_file()
     assert module_for(KernelSpec("paged_decode", "paged_decode_attn_fp8")) is None

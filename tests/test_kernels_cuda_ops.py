@@ -57,7 +57,7 @@ def test_fp8_decode_splits_and_prefill_rows(ops):
     kp, vp = pools("fp8")
     q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
     tables, lens = torch.zeros(1, 64, dtype=torch.int32), torch.tensor([999], dtype=torch.int32)
-    ops.paged_decode(q, kp, vp, tables, lens, 0.1)
+    ops.paged_decode(q, kp, vp, tables, lens, 0.1, tensor_cores=False)
     (decode, d_grid, _, d_args, _), (combine, c_grid, _, _, _) = ops.loader.calls
     assert decode == "paged_decode_fp8::paged_decode_attn_fp8" and combine.endswith("paged_decode_combine_fp8")
     # 8 KV heads x 1 sequence x 1 head chunk = 8 CTAs: 32 splits (the cap; 64 blocks * 16 keys
@@ -161,7 +161,8 @@ def test_unsupported_shapes_and_pairs_are_user_errors(ops):
 def test_layer_kernels_cover_every_side(dtype):
     specs = cuda_ops.layer_kernels(dtype, 128)
     names = [str(s) for s in specs]
-    assert len(names) == len(set(names)) == 9 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype))
+    tc = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)  # + the tensor-core decode
+    assert len(names) == len(set(names)) == 9 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + tc
     assert set(map(str, required_kernels(dtype, 128))) <= set(names)
     assert all(module_for(s) is not None for s in specs)
     assert names[:4] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
@@ -185,3 +186,24 @@ def test_packed_pools_travel_as_byte_pointers():
     with pytest.raises(MetraleError, match="torch.uint8"):
         _typed(spec, "k_cache", "u8*", pool.view(torch.int8), CPU)
     assert _typed(spec, "k_signs", "f32*?", None, CPU) == np.uint64(0)
+
+
+@pytest.mark.parametrize("dtype, group, chunks, splits", [
+    ("bf16", 4, 1, 32),  # 8 CTAs: as many splits as allowed
+    ("fp8", 16, 2, 23),  # 16 query heads per KV head: two CTAs of 8; 16 x 23 = 93% of 3 x 132
+])
+def test_tensor_core_decode_launch(ops, dtype, group, chunks, splits):
+    kp, vp = pools(dtype)
+    q = torch.zeros(1, 8 * group, 128, dtype=torch.bfloat16)
+    tables, lens = torch.zeros(1, 64, dtype=torch.int32), torch.tensor([999], dtype=torch.int32)
+    ops.paged_decode(q, kp, vp, tables, lens, 0.1)
+    (decode, grid, block, args, _), (combine, c_grid, _, _, _) = ops.loader.calls
+    assert decode == f"paged_decode_tc::paged_decode_attn_tc{'' if dtype == 'bf16' else '_fp8'}"
+    assert grid == (8, 1, chunks * splits) and block == (128,) and args["num_splits"] == splits
+    assert combine.endswith("paged_decode_combine" + ("" if dtype == "bf16" else "_fp8")) and c_grid == (8 * group, 1)
+
+
+def test_tensor_core_decode_waves_count_its_residency(ops):
+    """bf16's kernel keeps 4 CTAs per SM, fp8's 3: 128 CTAs take 4 and 3 splits for one wave."""
+    assert ops._splits(CPU, 128, 2048, cuda_ops.TC_CTAS_PER_SM[KvCacheDtype.BF16]) == 4
+    assert ops._splits(CPU, 128, 2048, cuda_ops.TC_CTAS_PER_SM[KvCacheDtype.FP8]) == 3

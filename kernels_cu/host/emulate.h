@@ -189,6 +189,13 @@ inline unsigned movmatrix_trans(unsigned a) {
     return r;
 }
 
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long bytes = x | (unsigned long long)y << 32;
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= (unsigned)((bytes >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+    return r;
+}
+
 inline unsigned pack_bf16x2(float lo, float hi) { return emulated_to_bf16(lo) | ((unsigned)emulated_to_bf16(hi) << 16); }
 inline unsigned pack_f16x2(float lo, float hi) { return emulated_to_f16(lo) | ((unsigned)emulated_to_f16(hi) << 16); }
 inline void unpack_f16x2(unsigned v, float& lo, float& hi) {

@@ -129,6 +129,7 @@ def _serves(spec: KernelSpec, head_dim: int) -> bool:
 
 TC_HEAD_DIMS = (64, 128)
 TC_ROWS = 8  # query heads per CTA of the tensor-core decode (TC_ROWS in paged_decode_tc.cu)
+TC_CTAS_PER_SM = {KvCacheDtype.BF16: 4, KvCacheDtype.FP8: 3}  # its __launch_bounds__ minimums
 _TC_DECODE = {
     KvCacheDtype.BF16: (KernelSpec("paged_decode_tc", "paged_decode_attn_tc"), Signature.parse(_DECODE.format(k="bf16*", v="bf16*"))),
     KvCacheDtype.FP8: (KernelSpec("paged_decode_tc", "paged_decode_attn_tc_fp8"), Signature.parse(_DECODE.format(k="fp8*", v="fp8*"))),
@@ -279,12 +280,13 @@ class CudaOps:
         q, out = _ready(q), torch.empty_like(q)
         if not batch:
             return out
-        kernel = kernels.decode
+        kernel, per_sm = kernels.decode, DECODE_CTAS_PER_SM
         if tensor_cores and kernels.decode_tc is not None:
             kernel, chunks = kernels.decode_tc, math.ceil(hq // hk / TC_ROWS)
+            per_sm = TC_CTAS_PER_SM[dtype_of(k_pool, v_pool)]
         else:
             chunks = math.ceil(hq // hk / decode_rows(head_dim, hq // hk))
-        splits = self._splits(q.device, hk * batch * chunks, block_tables.shape[1])
+        splits = self._splits(q.device, hk * batch * chunks, block_tables.shape[1], per_sm)
         part_o = part_ml = None
         if splits > 1:
             part_o = torch.empty(batch, hq, splits, head_dim, dtype=torch.float32, device=q.device)
@@ -300,13 +302,13 @@ class CudaOps:
         return out
 
     @staticmethod
-    def _splits(device: torch.device, ctas: int, max_blocks: int) -> int:
+    def _splits(device: torch.device, ctas: int, max_blocks: int, per_sm: int = DECODE_CTAS_PER_SM) -> int:
         """Context splits of a decode launch; static per shape (graph-safe). The fewest splits
         whose grid fills its waves of resident CTAs (at least 90% of the last one), else the
         count that fills them best (all allowed ones when the grid stays under one wave). The kernel cuts each live context
         into splits of at least MIN_KEYS_PER_SPLIT keys (``split_keys`` in paged_attention.cuh),
         so a short context only uses a few of them."""
-        slots = _sm_count(device.index) * DECODE_CTAS_PER_SM
+        slots = _sm_count(device.index) * per_sm
         allowed = max(1, min(MAX_SPLITS, max_blocks * 16 // MIN_KEYS_PER_SPLIT))
         best, best_fill = allowed, 0.0
         for splits in range(1, allowed + 1):
