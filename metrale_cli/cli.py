@@ -125,24 +125,28 @@ def validate_kernels(
     kv_cache_dtype: Annotated[str, typer.Option(
         "--kv-cache-dtype", help="one of: " + ", ".join(valid_names()) + "; or all (every dtype)")],
     head_dim: Annotated[int, typer.Option(help="attention head_dim the kernels must serve")] = 128,
+    recheck: Annotated[bool, typer.Option(
+        "--recheck", help="run every numeric check again, even those this GPU passed for the same sources")] = False,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ):
     """Check that every kernel a KV-cache dtype needs is present and compiles (and, on a GPU, is right).
 
     Without a GPU each kernel is compiled to an sm_90 cubin and its exported symbol checked; on a
-    GPU each is loaded through CuPy and compared with its torch reference on small odd shapes.
+    GPU each is loaded through CuPy and compared with its torch reference on small odd shapes. A
+    passed comparison is remembered in the kernel cache for this GPU and these sources: later runs
+    say "matches reference (cached)" and skip it (--recheck runs it again).
     Exits 1 with the whole list of what is missing.
 
     Examples:
       metrale validate-kernels --kv-cache-dtype fp8
       metrale validate-kernels --kv-cache-dtype turbo3 --head-dim 256 --json
-      metrale validate-kernels --kv-cache-dtype all
+      metrale validate-kernels --kv-cache-dtype all --recheck
     """
     from metrale_cli.commands.validate import run_validate
 
     out = Output(json_mode=json_out)
-    _run(out, debug, run_validate, out, kv_cache_dtype, head_dim)
+    _run(out, debug, run_validate, out, kv_cache_dtype, head_dim, recheck)
 
 
 @app.command()

@@ -22,7 +22,7 @@ from metrale_cli.kernels import cuda_ops
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.kernels.registry import MODULES
-from metrale_cli.kernels.validate import compare, pool_to
+from metrale_cli.kernels.checks import compare, pool_to
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
 from metrale_cli.kv.formats import new_pool, side_format
 from test_kernels_cuda_ops import RecordingLoader

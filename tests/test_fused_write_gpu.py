@@ -16,7 +16,7 @@ import torch
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.cuda_ops import kv_kernels
-from metrale_cli.kernels.validate import compare, compare_bytes, pool_to
+from metrale_cli.kernels.checks import compare, compare_bytes, pool_to
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType
 from test_fused_write import (
     EPS,

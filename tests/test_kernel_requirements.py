@@ -143,23 +143,62 @@ def test_auto_is_not_a_concrete_dtype():
         required_kernels("auto", 128)
 
 
-def test_a_numeric_check_that_raises_fails_its_row_not_the_table(monkeypatch):
-    """E.g. bf16's cache write at head_dim 512: its check reads back through the dtype's decode,
-    which does not serve 512. The row says so; the other rows are still checked."""
+def _gpu_checker(tmp_path, head_dim=128, recheck=False, gpu="H200 sm_90 driver 13000"):
+    """A GPU checker whose loads succeed and whose verdicts live under ``tmp_path`` (no GPU)."""
     from metrale_cli.kernels import validate
-    from metrale_cli.kernels.registry import KernelSpec
 
     class Loader:
+        events: list = []
+
         def function(self, spec, device):
             return object()
+
+    store = validate.VerdictStore(tmp_path / "verified", gpu, "sm_90")
+    return validate._GpuChecker(head_dim, recheck, loader=Loader(), verdicts=store, device=0)
+
+
+def test_a_numeric_check_that_raises_fails_its_row_not_the_table(monkeypatch, tmp_path):
+    """E.g. bf16's cache write at head_dim 512: its check reads back through the dtype's decode,
+    which does not serve 512. The row says so; the other rows are still checked."""
+    from metrale_cli.kernels import checks
+    from metrale_cli.kernels.registry import KernelSpec
 
     def check(ops, head_dim):
         raise MetraleError(f"kernel(s) x do not serve head_dim {head_dim}")
 
     write = KernelSpec.parse("reshape_and_cache::reshape_and_cache_flash")
-    monkeypatch.setitem(validate.NUMERIC_CHECKS, str(write), check)
-    monkeypatch.setattr(validate.torch.cuda, "current_device", lambda: 0)
-    checker = validate._GpuChecker.__new__(validate._GpuChecker)
-    checker.ops, checker.head_dim = type("Ops", (), {"loader": Loader()})(), 512
-    row, _ = checker.row(write)
+    monkeypatch.setitem(checks.NUMERIC_CHECKS, str(write), check)
+    row, _ = _gpu_checker(tmp_path, head_dim=512).row(write)
     assert not row.ok and row.numeric == "kernel(s) x do not serve head_dim 512"
+
+
+def test_numeric_verdicts_are_reused_on_the_same_gpu_only(monkeypatch, tmp_path):
+    """A passed check is recorded: the next run on the same GPU reuses it without running it;
+    --recheck, another GPU, or a failed check runs it again."""
+    from metrale_cli.kernels import checks
+    from metrale_cli.kernels.registry import KernelSpec
+
+    spec = KernelSpec.parse("rmsnorm::rms_norm_bf16")
+    calls, verdict = [], [None]
+    monkeypatch.setitem(checks.NUMERIC_CHECKS, str(spec), lambda ops, hd: calls.append(hd) or verdict[0])
+    verdict[0] = "max |err| 1 at 1 of 7 elements"
+    assert _gpu_checker(tmp_path).row(spec)[0].numeric == verdict[0] and len(calls) == 1
+    assert _gpu_checker(tmp_path).row(spec)[0].numeric == verdict[0] and len(calls) == 2  # not recorded
+    verdict[0] = None
+    assert _gpu_checker(tmp_path).row(spec)[0].numeric == "matches reference" and len(calls) == 3
+    row = _gpu_checker(tmp_path).row(spec)[0]
+    assert (row.numeric, row.ok, len(calls)) == ("matches reference (cached)", True, 3)
+    assert _gpu_checker(tmp_path, recheck=True).row(spec)[0].numeric == "matches reference" and len(calls) == 4
+    assert _gpu_checker(tmp_path, gpu="H100 sm_90 driver 13000").row(spec)[0].numeric == "matches reference"
+    assert _gpu_checker(tmp_path, head_dim=64).row(spec)[0].numeric == "matches reference" and len(calls) == 6
+
+
+def test_validate_imports_no_torch():
+    """The start-up check's tables and validate-kernels' warm path load without torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, metrale_cli.kernels.validate, metrale_cli.kernels.table, metrale_cli.kernels.loader, "
+            "metrale_cli.commands.validate; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -12,7 +12,8 @@ import torch
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.cuda_ops import kv_kernels
-from metrale_cli.kernels.validate import compare, compare_bytes, make_paged_case, pool_to, validate_kernels
+from metrale_cli.kernels.checks import compare, compare_bytes, make_paged_case, pool_to
+from metrale_cli.kernels.validate import validate_kernels
 from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.kv.wht import wht_signs
 
@@ -214,7 +215,7 @@ def test_launch_inside_a_cuda_graph_replays(ops, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_validate_kernels_on_gpu(dtype, head_dim):
-    report = validate_kernels(dtype, head_dim)
+    report = validate_kernels(dtype, head_dim, recheck=True)
     assert report.on_gpu
     assert report.ok, [r for r in report.rows if not r.ok]
     assert {r.numeric for r in report.rows} == {"matches reference"}

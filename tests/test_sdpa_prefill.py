@@ -13,7 +13,7 @@ import torch
 from metrale_cli.kernels import cuda_ops
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.sdpa_prefill import gather_context, sdpa_prefill
-from metrale_cli.kernels.validate import ATTENTION_TOL, compare, make_paged_case
+from metrale_cli.kernels.checks import ATTENTION_TOL, compare, make_paged_case
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType
 
 HK = 2

@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.cuda_ops import SDPA_MIN_TOKENS, CudaOps
 from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
-from metrale_cli.kernels.validate import make_paged_case, pool_to
+from metrale_cli.kernels.checks import make_paged_case, pool_to
 from metrale_cli.kv.dtypes import KvCacheDtype
 from test_kernels_gpu import close, randn, served
 

@@ -26,8 +26,10 @@ def _dtypes(name: str) -> list[KvCacheDtype]:
 
 
 def _render(out: Output, report: ValidationReport, head_dim: int) -> None:
-    where = "GPU: loaded through CuPy, checked against torch references" if report.on_gpu else \
-        "no GPU: compiled to sm_90 cubins, symbols checked"
+    if report.on_gpu:
+        where = "GPU: loaded through CuPy, checked against torch references (cached: passed before on this GPU)"
+    else:
+        where = "no GPU: compiled to sm_90 cubins, symbols checked"
     out.table(f"kernels for kv-cache-dtype {report.dtype} (head_dim {head_dim})",
               ["kernel", "compiled", "symbol", "numeric"],
               [[r.kernel, r.compiled, r.symbol, r.numeric] for r in report.rows],
@@ -42,12 +44,13 @@ def _as_json(report: ValidationReport, head_dim: int) -> dict:
             "kernels": [asdict(r) for r in report.rows]}
 
 
-def run_validate(out: Output, kv_cache_dtype: str, head_dim: int) -> list[ValidationReport]:
+def run_validate(out: Output, kv_cache_dtype: str, head_dim: int, recheck: bool = False) -> list[ValidationReport]:
     dtypes = _dtypes(kv_cache_dtype)
     reports = []
     for dtype in dtypes:
         with out.progress(f"checking {dtype.value} kernels", bytes_mode=False) as progress:
-            reports.append(validate_kernels(dtype, head_dim, progress=lambda _k, i, n: progress(i + 1, n)))
+            reports.append(validate_kernels(dtype, head_dim, progress=lambda _k, i, n: progress(i + 1, n),
+                                            recheck=recheck))
         if not out.json_mode:
             _render(out, reports[-1], head_dim)
     if out.json_mode:

@@ -119,7 +119,7 @@ def check_kv_support(kv_dtype: KvCacheDtype, head_dim: int, backend: str, device
         wht_signs(head_dim)  # refuses a head_dim the rotation does not serve
     if backend != "cuda":
         return None
-    from metrale_cli.kernels.cuda_ops import layer_kernels
+    from metrale_cli.kernels.table import layer_kernels
     from metrale_cli.kernels.loader import KernelLoader
 
     loader = KernelLoader()

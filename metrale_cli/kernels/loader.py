@@ -11,46 +11,27 @@ does not exist on CPU-only machines.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.compile import source_digest
 from metrale_cli.kernels.registry import KernelSpec, module_for
+from metrale_cli.kernels.table import Signature
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("metrale.kernels")
 
-POINTER_DTYPES = {
-    "bf16": torch.bfloat16,
-    "fp8": torch.float8_e4m3fn,
-    "f32": torch.float32,
-    "i32": torch.int32,
-    "u8": torch.uint8,
-}
 SCALARS = {"i32": np.int32, "f32": np.float32}
-
-
-@dataclass(frozen=True)
-class Signature:
-    """A kernel's parameters, e.g. ``Signature.parse("x: bf16*, out: bf16*, n: i32, eps: f32")``.
-
-    Pointer types end in ``*`` (``bf16*``, ``fp8*``, ``f32*``, ``i32*``, ``u8*`` for packed KV
-    pools); a trailing ``?``
-    (``f32*?``) accepts None for an unused pointer. Scalars are ``i32`` or ``f32``.
-    """
-
-    params: tuple[tuple[str, str], ...]
-
-    @classmethod
-    def parse(cls, text: str) -> Signature:
-        pairs = [p.split(":") for p in text.split(",")]
-        return cls(tuple((n.strip(), t.strip()) for n, t in pairs))
 
 
 @dataclass(frozen=True)
@@ -91,9 +72,39 @@ def _cupy_cache_stamp() -> int:
         return 0
 
 
-def arch_of(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
+@functools.lru_cache(maxsize=None)
+def pointer_dtypes() -> dict:
+    """The torch dtype of each pointer type (torch is imported on the first launch, not before)."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "f32": torch.float32, "i32": torch.int32,
+            "u8": torch.uint8}
+
+
+def current_device() -> int:
+    """The current CUDA device's index, as CuPy sees it."""
+    return int(_cupy().cuda.runtime.getDevice())
+
+
+def device_index(device) -> int:
+    """A device index from an int or a ``torch.device`` (``cuda`` without index: the current one)."""
+    if isinstance(device, int):
+        return device
+    return device.index if device.index is not None else current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(index: int) -> str:
+    return f"sm_{_cupy().cuda.Device(index).compute_capability}"
+
+
+@functools.lru_cache(maxsize=None)
+def device_identity(index: int) -> str:
+    """The GPU's name, compute capability and driver version: what a numeric verdict holds for."""
+    cp = _cupy()
+    name = cp.cuda.runtime.getDeviceProperties(index)["name"]
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    return f"{name} {device_arch(index)} driver {cp.cuda.runtime.driverGetVersion()}"
 
 
 @dataclass
@@ -105,20 +116,22 @@ class KernelLoader:
     _functions: dict = field(default_factory=dict)
     _streams: dict = field(default_factory=dict)
 
-    def function(self, spec: KernelSpec, device: torch.device):
-        """The CuPy function for ``spec`` on ``device``, compiling its module on first use."""
-        key = (spec, device.index)
+    def function(self, spec: KernelSpec, device):
+        """The CuPy function for ``spec`` on ``device`` (an index or a ``torch.device``),
+        compiling its module on first use."""
+        index = device_index(device)
+        key = (spec, index)
         if key not in self._functions:
-            module = self._module(spec, device)
+            module = self._module(spec, index)
             self._functions[key] = module.get_function(spec.function)
         return self._functions[key]
 
-    def _module(self, spec: KernelSpec, device: torch.device):
+    def _module(self, spec: KernelSpec, index: int):
         module = module_for(spec)
         if module is None:
             raise MetraleError(f"kernel {spec} is not in this build")
-        arch = arch_of(device)
-        key = (module.name, module.defines, arch, device.index)
+        arch = device_arch(index)
+        key = (module.name, module.defines, arch, index)
         if key in self._modules:
             return self._modules[key]
         cp = _cupy()
@@ -126,7 +139,7 @@ class KernelLoader:
         # digest define makes a header edit a new cache entry.
         options = module.options() + (f"-DMETRALE_SOURCE_DIGEST=0x{source_digest(module, arch)[:15]}",)
         before, start = _cupy_cache_stamp(), time.perf_counter()
-        with cp.cuda.Device(device.index):
+        with cp.cuda.Device(index):
             raw = cp.RawModule(code=module.path.read_text(), options=options, backend="nvrtc")
             raw.compile()
         seconds = time.perf_counter() - start
@@ -138,6 +151,8 @@ class KernelLoader:
         return raw
 
     def _stream(self, cp, device: torch.device):
+        import torch
+
         ptr = torch.cuda.current_stream(device).cuda_stream
         if ptr not in self._streams:
             if hasattr(cp.cuda.Stream, "from_external"):
@@ -158,6 +173,8 @@ class KernelLoader:
 
 
 def _device_of(spec: KernelSpec, args) -> torch.device:
+    import torch
+
     for arg in args:
         if isinstance(arg, torch.Tensor):
             if arg.device.type != "cuda":
@@ -167,6 +184,8 @@ def _device_of(spec: KernelSpec, args) -> torch.device:
 
 
 def _typed(spec: KernelSpec, name: str, kind: str, arg, device: torch.device):
+    import torch
+
     if kind in SCALARS:
         if isinstance(arg, torch.Tensor):
             raise MetraleError(f"{spec}: {name} must be a Python {kind} scalar, not a tensor")
@@ -174,7 +193,7 @@ def _typed(spec: KernelSpec, name: str, kind: str, arg, device: torch.device):
             raise MetraleError(f"{spec}: {name}={arg} does not fit in int32")
         return SCALARS[kind](arg)
     optional = kind.endswith("?")
-    want = POINTER_DTYPES[kind.rstrip("?").rstrip("*")]
+    want = pointer_dtypes()[kind.rstrip("?").rstrip("*")]
     if arg is None and optional:
         return np.uint64(0)
     if not isinstance(arg, torch.Tensor) or arg.dtype != want:
