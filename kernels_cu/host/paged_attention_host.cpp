@@ -8,6 +8,7 @@
 #include "emulate.h"
 #include "../paged_decode.cu"
 #include "../prefill_paged.cu"
+#include "decode_grid.h"
 
 // grid = (hk, batch, chunks * num_splits), then the combine over (hq, batch) when split.
 extern "C" void host_paged_decode(const bf16_t* q, const void* k_cache, const void* v_cache,
@@ -15,19 +16,10 @@ extern "C" void host_paged_decode(const bf16_t* q, const void* k_cache, const vo
                                   float* part_o, float* part_ml, const float* k_scale,
                                   const float* v_scale, float scale, int hq, int hk, int head_dim,
                                   int max_blocks, int num_splits, int batch, int chunks) {
-    for (int z = 0; z < chunks * num_splits; ++z)
-        for (int y = 0; y < batch; ++y)
-            for (int x = 0; x < hk; ++x)
-                run_block({(unsigned)x, (unsigned)y, (unsigned)z}, ATTN_THREADS, [&] {
-                    paged_decode_attn(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml,
-                                      k_scale, v_scale, scale, hq, hk, head_dim, max_blocks, num_splits);
-                });
-    if (num_splits > 1)
-        for (int y = 0; y < batch; ++y)
-            for (int x = 0; x < hq; ++x)
-                run_block({(unsigned)x, (unsigned)y, 0}, 128, [&] {
-                    paged_decode_combine(part_o, part_ml, seq_lens, out, hq, head_dim, num_splits);
-                });
+    run_paged_decode(hk, batch, chunks * num_splits, ATTN_THREADS, [&] {
+        paged_decode_attn(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, k_scale, v_scale,
+                          scale, hq, hk, head_dim, max_blocks, num_splits);
+    }, part_o, part_ml, seq_lens, out, hq, head_dim, num_splits);
 }
 
 // grid = (hk, rows): rows of RowsPerCta<D> (token, query head) pairs.

@@ -6,6 +6,7 @@
 #include "emulate.h"
 #include "../paged_decode.cu"
 #include "../paged_decode_tc.cu"
+#include "decode_grid.h"
 
 // grid = (hk, batch, chunks * num_splits), then the combine over (hq, batch) when split.
 extern "C" void host_paged_decode_tc(const bf16_t* q, const void* k_cache, const void* v_cache,
@@ -13,22 +14,12 @@ extern "C" void host_paged_decode_tc(const bf16_t* q, const void* k_cache, const
                                      float* part_o, float* part_ml, const float* k_scale,
                                      const float* v_scale, float scale, int hq, int hk, int head_dim,
                                      int max_blocks, int num_splits, int batch, int chunks, int fp8) {
-    for (int z = 0; z < chunks * num_splits; ++z)
-        for (int y = 0; y < batch; ++y)
-            for (int x = 0; x < hk; ++x)
-                run_block({(unsigned)x, (unsigned)y, (unsigned)z}, TC_THREADS, [&] {
-                    if (fp8)
-                        paged_decode_attn_tc_fp8(q, k_cache, v_cache, block_tables, seq_lens, out, part_o,
-                                                 part_ml, k_scale, v_scale, scale, hq, hk, head_dim,
-                                                 max_blocks, num_splits);
-                    else
-                        paged_decode_attn_tc(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml,
-                                             k_scale, v_scale, scale, hq, hk, head_dim, max_blocks, num_splits);
-                });
-    if (num_splits > 1)
-        for (int y = 0; y < batch; ++y)
-            for (int x = 0; x < hq; ++x)
-                run_block({(unsigned)x, (unsigned)y, 0}, 128, [&] {
-                    paged_decode_combine(part_o, part_ml, seq_lens, out, hq, head_dim, num_splits);
-                });
+    run_paged_decode(hk, batch, chunks * num_splits, TC_THREADS, [&] {
+        if (fp8)
+            paged_decode_attn_tc_fp8(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, k_scale,
+                                     v_scale, scale, hq, hk, head_dim, max_blocks, num_splits);
+        else
+            paged_decode_attn_tc(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, k_scale, v_scale,
+                                 scale, hq, hk, head_dim, max_blocks, num_splits);
+    }, part_o, part_ml, seq_lens, out, hq, head_dim, num_splits);
 }
