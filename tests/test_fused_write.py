@@ -18,7 +18,7 @@ import torch
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import compile as kc
-from metrale_cli.kernels import cuda_ops
+from metrale_cli.kernels import cuda_ops, table
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.kernels.registry import MODULES
@@ -313,5 +313,5 @@ def test_cuda_ops_refuses_shapes_the_kernels_do_not_serve():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.value)
 def test_layer_kernels_include_the_fused_write(dtype):
-    names = [str(s) for s in cuda_ops.layer_kernels(dtype, 128)]
+    names = [str(s) for s in table.layer_kernels(dtype, 128)]
     assert names[-1] == f"rope_and_cache::rope_and_cache_{dtype.value}" and len(set(names)) == len(names)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from metrale_cli.errors import MetraleError
-from metrale_cli.kernels import cuda_ops
+from metrale_cli.kernels import cuda_ops, table
 from metrale_cli.kernels.loader import KernelLoader
 from metrale_cli.kernels.registry import module_for
 from metrale_cli.kernels.requirements import required_kernels
@@ -159,7 +159,7 @@ def test_unsupported_shapes_and_pairs_are_user_errors(ops):
 
 @pytest.mark.parametrize("dtype", list(KvCacheDtype))
 def test_layer_kernels_cover_every_side(dtype):
-    specs = cuda_ops.layer_kernels(dtype, 128)
+    specs = table.layer_kernels(dtype, 128)
     names = [str(s) for s in specs]
     tc = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)  # + the tensor-core decode
     assert len(names) == len(set(names)) == 9 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + tc

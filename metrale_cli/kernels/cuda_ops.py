@@ -19,11 +19,10 @@ from metrale_cli.kernels.loader import KernelLoader
 from metrale_cli.kernels.ops import SidePool
 from metrale_cli.kernels.registry import module_for
 from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
-from metrale_cli.kernels.table import (  # noqa: F401 - the table's names, as this module's too
-    ADD_RMS_NORM, ATTN_THREADS, DECODE_CTAS_PER_SM, MAX_SPLITS, MIN_KEYS_PER_SPLIT, RMS_NORM, ROPE,
-    ROPE_AND_CACHE, ROPE_AND_CACHE_WARPS, SDPA_MIN_TOKENS, SILU_AND_MUL, TC_CTAS_PER_SM, TC_HEAD_DIMS,
-    TC_ROWS, WHT, WHT_ROWS_PER_CTA, KvKernels, _serves, decode_rows, dtype_of, kv_kernels, layer_kernels,
-    rows_per_cta,
+from metrale_cli.kernels.table import (
+    ADD_RMS_NORM, ATTN_THREADS, DECODE_CTAS_PER_SM, MAX_SPLITS, MIN_KEYS_PER_SPLIT, RMS_NORM, ROPE, ROPE_AND_CACHE,
+    ROPE_AND_CACHE_WARPS, SDPA_MIN_TOKENS, SILU_AND_MUL, TC_CTAS_PER_SM, TC_ROWS, WHT, WHT_ROWS_PER_CTA, KvKernels,
+    _serves, decode_rows, dtype_of, kv_kernels, rows_per_cta,
 )
 
 
