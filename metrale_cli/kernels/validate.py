@@ -11,6 +11,7 @@ here: the CLI renders the :class:`ValidationReport`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -146,6 +147,7 @@ class _GpuChecker:
         self.head_dim, self.recheck = head_dim, recheck
         self.verdicts = verdicts or VerdictStore.for_device(self.device)
         self._ops = None
+        self._digests: dict[str, str] = {}
 
     def row(self, spec: KernelSpec) -> tuple[KernelRow, float]:
         module = module_for(spec)
@@ -158,7 +160,9 @@ class _GpuChecker:
         problem = head_dim_problem(spec, self.head_dim)
         numeric = problem
         if problem is None:
-            key = self.verdicts.key(spec, self.head_dim, source_digest(module, self.verdicts.arch))
+            if module.name not in self._digests:  # a module serves several rows: hash it once
+                self._digests[module.name] = source_digest(module, self.verdicts.arch)
+            key = self.verdicts.key(spec, self.head_dim, self._digests[module.name])
             if not self.recheck and self.verdicts.passed(key):
                 numeric = CACHED
             else:
@@ -186,17 +190,23 @@ _CHECK_SOURCES = ("kernels/checks.py", "kernels/reference.py", "kernels/cuda_ops
                   "kernels/sdpa_prefill.py", "kv/dtypes.py", "kv/formats.py", "kv/quant.py", "kv/wht.py")
 
 
+@functools.lru_cache(maxsize=None)
+def _checks_digest() -> str:
+    """Digest of the sources a numeric verdict depends on besides the kernel's own."""
+    package = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for name in _CHECK_SOURCES:
+        path = package / name
+        digest.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"-"))
+    return digest.hexdigest()
+
+
 class VerdictStore:
     """Passed numeric checks of one GPU, a file each under the kernel cache's ``verified/``."""
 
     def __init__(self, folder: Path, gpu: str, arch: str):
         self.folder, self.gpu, self.arch = folder, gpu, arch
-        package = Path(__file__).resolve().parent.parent
-        digest = hashlib.sha256()
-        for name in _CHECK_SOURCES:
-            path = package / name
-            digest.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"-"))
-        self.checks_digest = digest.hexdigest()
+        self.checks_digest = _checks_digest()
 
     @classmethod
     def for_device(cls, device: int) -> VerdictStore:
