@@ -9,6 +9,7 @@
 // of split_keys(len) keys, a CTA whose split starts past the context exits at once, and
 // paged_decode_combine<suffix> reduces the active splits.
 #include "paged_attention.cuh"
+#include "pdl.cuh"
 
 template <int D, int RW>
 __device__ void decode(const bf16_t* q, const void* k_cache, const void* v_cache,
@@ -93,6 +94,8 @@ extern "C" __global__ void KV_ENTRY(paged_decode_combine)(const float* part_o,
                                                           int num_splits) {
     __shared__ float weight[32];
     __shared__ float total;
+    pdl_wait();
+    pdl_launch_dependents();
     const long long head = (long long)blockIdx.y * num_q_heads + blockIdx.x;
     const int active = active_splits(seq_lens[blockIdx.y], num_splits);
     if (threadIdx.x < 32) {

@@ -24,6 +24,7 @@
 // scores), P rounded to f16; k_scale scales the scores and v_scale the output. A head's sum uses
 // its P as rounded, so the output is exactly a weighted mean of the V rows read.
 #include "mma.cuh"
+#include "pdl.cuh"
 #include "paged_attention.cuh"
 
 #define TC_WARPS 4
@@ -353,6 +354,8 @@ __device__ void decode_tc_entry(const bf16_t* q, const void* k_cache, const void
              const int* seq_lens, bf16_t* out, float* part_o, float* part_ml,                    \
              const float* k_scale, const float* v_scale, float scale, int num_q_heads,           \
              int num_kv_heads, int head_dim, int max_blocks, int num_splits) {                   \
+        pdl_wait();                                                                              \
+        pdl_launch_dependents();                                                                 \
         decode_tc_entry<fp8>(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml,  \
                              k_scale, v_scale, scale, num_q_heads, num_kv_heads, head_dim,       \
                              max_blocks, num_splits);                                            \

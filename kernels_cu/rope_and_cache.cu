@@ -7,6 +7,7 @@
 // One templated body, an entry point rope_and_cache_<dtype> per KV dtype. Compiled with
 // --fmad=false (bit-exact cache bytes; rms_row.cuh spells its fused multiply-adds).
 #include "kv_write.cuh"
+#include "pdl.cuh"
 #include "reduce.cuh"
 #include "rms_row.cuh"
 #include "rope.cuh"
@@ -163,6 +164,8 @@ __device__ void rope_and_cache(const RopeCacheArgs& a, int head_dim) {
         const float* v_scale, const float* k_signs, const float* v_signs,                          \
         const float* channel_scale, int q_stride, int k_stride, int v_stride, int hq, int hk,      \
         int head_dim, int rot_dim, float eps) {                                                    \
+        pdl_wait();                                                                                \
+        pdl_launch_dependents();                                                                   \
         const RopeCacheArgs a{q, k, v, q_out, k_cache, v_cache, slot_mapping, positions,           \
                               cos_table, sin_table, q_norm, k_norm, k_scale, v_scale, k_signs,     \
                               v_signs, channel_scale, q_stride, k_stride, v_stride, hq, hk,        \

@@ -24,9 +24,12 @@ class RecordingLoader:
 
     def __init__(self):
         self.calls = []
+        self.programmatic = []  # the kernels launched with pdl=True
 
-    def launch(self, spec, sig, grid, block, *args):
+    def launch(self, spec, sig, grid, block, *args, pdl=False):
         assert len(sig.params) == len(args)
+        if pdl:
+            self.programmatic.append(str(spec))
         self.calls.append((str(spec), tuple(grid), tuple(block), dict(zip((n for n, _ in sig.params), args)),
                            dict(sig.params)))
 
@@ -162,11 +165,12 @@ def test_layer_kernels_cover_every_side(dtype):
     specs = table.layer_kernels(dtype, 128)
     names = [str(s) for s in specs]
     tc = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)  # + the tensor-core decode
-    assert len(names) == len(set(names)) == 9 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + tc
+    assert len(names) == len(set(names)) == 12 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + tc
     assert set(map(str, required_kernels(dtype, 128))) <= set(names)
     assert all(module_for(s) is not None for s in specs)
-    assert names[:4] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
-                         "activation::silu_and_mul_bf16"]
+    assert names[:7] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
+                         "activation::silu_and_mul_bf16", "gemv::gemv_norm_bf16", "gemv::gemv_norm_swiglu_bf16",
+                         "gemv::gemv_add_bf16"]
 
 
 def test_launch_checks_arguments_before_touching_cupy():
@@ -201,6 +205,31 @@ def test_tensor_core_decode_launch(ops, dtype, group, chunks, splits):
     assert decode == f"paged_decode_tc::paged_decode_attn_tc{'' if dtype == 'bf16' else '_fp8'}"
     assert grid == (8, 1, chunks * splits) and block == (128,) and args["num_splits"] == splits
     assert combine.endswith("paged_decode_combine" + ("" if dtype == "bf16" else "_fp8")) and c_grid == (8 * group, 1)
+    assert ops.loader.programmatic == [decode, combine]  # both wait in-kernel (pdl.cuh)
+
+
+def test_only_kernels_that_wait_in_kernel_launch_programmatically(ops):
+    """The CUDA-core decode does not call pdl_wait: it must never be launched programmatically."""
+    kp, vp = pools("turbo3")
+    q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
+    ops.paged_decode(q, kp, vp, torch.zeros(1, 64, dtype=torch.int32), torch.tensor([999], dtype=torch.int32), 0.1)
+    (decode, *_), (combine, *_) = ops.loader.calls
+    assert decode.endswith("paged_decode_attn_turbo3") and ops.loader.programmatic == [combine]
+
+
+def test_decode_gemvs_launch_two_ctas_per_sm_programmatically(ops):
+    w, x, g = torch.zeros(24, 16, dtype=torch.bfloat16), torch.zeros(1, 16, dtype=torch.bfloat16), torch.ones(16)
+    y, s = ops.gemv_norm(x, None, g, 1e-6, w)
+    act, _ = ops.gemv_norm_swiglu(x, x, g, 1e-6, w)
+    out = ops.gemv_add(torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(5, 16, dtype=torch.bfloat16), torch.zeros(1, 5, dtype=torch.bfloat16))
+    assert s is x and y.shape == (1, 24) and act.shape == (1, 12) and out.shape == (1, 5)
+    calls = ops.loader.calls
+    assert [c[0] for c in calls] == ["gemv::gemv_norm_bf16", "gemv::gemv_norm_swiglu_bf16", "gemv::gemv_add_bf16"]
+    assert all(c[1] == (264,) and c[2] == (256,) for c in calls)
+    assert [c[3]["n"] for c in calls] == [24, 12, 5] and calls[0][3]["sum_out"] is None
+    assert calls[1][3]["sum_out"] is not None and calls[1][3]["residual"] is x
+    assert ops.loader.programmatic == [c[0] for c in calls]
+    assert not ops.gemv_fits(12) and ops.gemv_fits(16384) and not ops.gemv_fits(16392)
 
 
 def test_tensor_core_decode_waves_count_its_residency(ops):

@@ -44,6 +44,7 @@ inline EmulatedBlock emulated;
 inline EmulatedIndex threadIdx{0, 0, 0};
 inline EmulatedIndex blockIdx{0, 0, 0};
 inline EmulatedIndex blockDim{32, 1, 1};
+inline EmulatedIndex gridDim{1, 1, 1};  // set by the host library that runs a grid
 
 inline void emulated_yield() { swapcontext(&emulated.fibers[emulated.current], &emulated.scheduler); }
 

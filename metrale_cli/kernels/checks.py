@@ -107,6 +107,28 @@ def _check_silu(ops, _hd):
     return compare(ops.silu_and_mul(gu.cuda()), ref.silu_and_mul(gu), 1e-3, 8e-3)
 
 
+def _check_gemv(kind: str):
+    """A decode GEMV against the unfused kernels it replaces and an fp64 product: the prologue's
+    sum exact, outputs within fp32 summation error and bf16 rounding."""
+    def check(ops, _hd):
+        k, n = 1000, 99
+        w, x, r, g = _randn(2 * n, k, seed=6) * 0.1, _randn(1, k, seed=7), _randn(1, k, seed=8), _randn(k, seed=9)
+        w, x, r, g = _gpu(w, x, r, g)
+        if kind == "add":
+            w = w[:n]
+            got, want = ops.gemv_add(x, w, r[:, :n]), r[:, :n].double() + x.double() @ w.double().T
+            return compare(got, want, 1e-2, 8e-3)
+        normed, s = ops.add_rms_norm(x, r, g, 1e-6)
+        y = normed.double() @ w.double().T
+        if kind == "norm":
+            got, got_s = ops.gemv_norm(x, r, g, 1e-6, w)
+            return compare(got_s, s, 0, 0) or compare(got, y, 1e-2, 8e-3)
+        got, got_s = ops.gemv_norm_swiglu(x, r, g, 1e-6, w)
+        want = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
+        return compare(got_s, s, 0, 0) or compare(got, want, 2e-2, 2e-2)
+    return check
+
+
 def _check_write(dtype):
     def check(ops, hd):
         c = make_paged_case([40], 4, 2, hd, dtype)
@@ -174,10 +196,15 @@ def _check_rope_and_cache(dtype):
 
 def _numeric_checks() -> dict[str, Callable]:
     """{``module::function``: check(ops, head_dim) -> problem or None} for every kernel."""
-    from metrale_cli.kernels.table import ADD_RMS_NORM, RMS_NORM, ROPE, ROPE_AND_CACHE, SILU_AND_MUL, WHT, kv_kernels
+    from metrale_cli.kernels.table import (
+        ADD_RMS_NORM, GEMV_ADD, GEMV_NORM, GEMV_NORM_SWIGLU, RMS_NORM, ROPE, ROPE_AND_CACHE, SILU_AND_MUL, WHT,
+        kv_kernels,
+    )
 
     checks = {str(RMS_NORM[0]): _check_rms, str(ADD_RMS_NORM[0]): _check_add_rms,
-              str(ROPE[0]): _check_rope, str(SILU_AND_MUL[0]): _check_silu}
+              str(ROPE[0]): _check_rope, str(SILU_AND_MUL[0]): _check_silu,
+              str(GEMV_NORM[0]): _check_gemv("norm"), str(GEMV_NORM_SWIGLU[0]): _check_gemv("swiglu"),
+              str(GEMV_ADD[0]): _check_gemv("add")}
     checks.update({str(WHT[inv][0]): _check_wht(inv) for inv in (False, True)})
     checks.update({str(kernel[0]): _check_rope_and_cache(d) for d, kernel in ROPE_AND_CACHE.items()})
     for d in KvCacheDtype:

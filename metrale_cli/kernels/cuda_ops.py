@@ -20,7 +20,8 @@ from metrale_cli.kernels.ops import SidePool
 from metrale_cli.kernels.registry import module_for
 from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
 from metrale_cli.kernels.table import (
-    ADD_RMS_NORM, ATTN_THREADS, DECODE_CTAS_PER_SM, MAX_SPLITS, MIN_KEYS_PER_SPLIT, RMS_NORM, ROPE, ROPE_AND_CACHE,
+    ADD_RMS_NORM, ATTN_THREADS, DECODE_CTAS_PER_SM, GEMV_ADD, GEMV_CTAS_PER_SM, GEMV_MAX_K, GEMV_NORM,
+    GEMV_NORM_SWIGLU, GEMV_THREADS, MAX_SPLITS, MIN_KEYS_PER_SPLIT, RMS_NORM, ROPE, ROPE_AND_CACHE,
     ROPE_AND_CACHE_WARPS, SDPA_MIN_TOKENS, SILU_AND_MUL, TC_CTAS_PER_SM, TC_ROWS, WHT, WHT_ROWS_PER_CTA, KvKernels,
     _serves, decode_rows, dtype_of, kv_kernels, rows_per_cta,
 )
@@ -54,9 +55,11 @@ class CudaOps:
     def __init__(self, loader: KernelLoader | None = None):
         self.loader = loader or KernelLoader()
 
-    def _launch(self, kernel, grid, block, *args):
+    def _launch(self, kernel, grid, block, *args, pdl: bool = False):
+        """``pdl``: a kernel that waits on its predecessor in-kernel (pdl.cuh), launched so that
+        it may start during that predecessor's tail."""
         spec, sig = kernel
-        self.loader.launch(spec, sig, grid, block, *args)
+        self.loader.launch(spec, sig, grid, block, *args, pdl=pdl)
 
     def rms_norm(self, x, weight, eps):
         x2 = _ready(x.reshape(-1, x.shape[-1]))
@@ -76,6 +79,43 @@ class CudaOps:
                 x2.shape[1], eps,
             )
         return out.view(x.shape), total.view(x.shape)
+
+    def gemv_fits(self, k: int) -> bool:
+        return k % 8 == 0 and 0 < k <= GEMV_MAX_K
+
+    def gemv_norm(self, x, residual, norm_weight, eps, weight):
+        return self._gemv_norm(GEMV_NORM, weight.shape[0], x, residual, norm_weight, eps, weight)
+
+    def gemv_norm_swiglu(self, x, residual, norm_weight, eps, gate_up):
+        return self._gemv_norm(GEMV_NORM_SWIGLU, gate_up.shape[0] // 2, x, residual, norm_weight, eps, gate_up)
+
+    def _gemv_norm(self, kernel, n, x, residual, norm_weight, eps, weight):
+        k = self._gemv_shape(x, weight)
+        x = _ready(x)
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+        s = x if residual is None else torch.empty_like(x)
+        residual = None if residual is None else _ready(residual)
+        self._launch(kernel, self._gemv_grid(x.device), (GEMV_THREADS,), weight, x, residual, _ready(norm_weight),
+                     None if residual is None else s, out, n, k, eps, pdl=True)
+        return out, s
+
+    def gemv_add(self, x, weight, residual):
+        k = self._gemv_shape(x, weight)
+        out = torch.empty(1, weight.shape[0], dtype=residual.dtype, device=residual.device)
+        self._launch(GEMV_ADD, self._gemv_grid(x.device), (GEMV_THREADS,), weight, _ready(x), _ready(residual), out,
+                     weight.shape[0], k, pdl=True)
+        return out
+
+    def _gemv_shape(self, x, weight) -> int:
+        k = weight.shape[1]
+        if x.shape != (1, k) or not self.gemv_fits(k):
+            raise MetraleError(f"the decode GEMVs take one row of a multiple of 8 up to {GEMV_MAX_K} elements "
+                               f"matching the weight's {k} columns, not {tuple(x.shape)}")
+        return k
+
+    @staticmethod
+    def _gemv_grid(device) -> tuple[int]:
+        return (_sm_count(device.index) * GEMV_CTAS_PER_SM,)
 
     def rope(self, q, k, positions, cos, sin):
         q, k = _ready(q), _ready(k)
@@ -135,11 +175,11 @@ class CudaOps:
         self._launch(
             kernel, (hk, batch, chunks * splits), (ATTN_THREADS,), q, k_pool.data, v_pool.data,
             _ready(block_tables), _ready(seq_lens), out, part_o, part_ml, k_pool.scale, v_pool.scale,
-            scale, hq, hk, head_dim, block_tables.shape[1], splits,
+            scale, hq, hk, head_dim, block_tables.shape[1], splits, pdl=kernel is kernels.decode_tc,
         )
         if splits > 1:
             self._launch(kernels.combine, (hq, batch), (128,), part_o, part_ml, _ready(seq_lens), out, hq,
-                         head_dim, splits)
+                         head_dim, splits, pdl=True)
         return out
 
     @staticmethod
@@ -222,7 +262,7 @@ class CudaOps:
             kernel, grid, (32 * ROPE_AND_CACHE_WARPS,), qs, ks, vs, out, k_pool.data, v_pool.data,
             _ready(slot_mapping), _ready(positions), _ready(cos), _ready(sin), q_norm, k_norm, k_pool.scale,
             v_pool.scale, k_pool.signs, v_pool.signs, channel, q_stride, k_stride, v_stride, hq, hk, head_dim,
-            rot_dim, eps,
+            rot_dim, eps, pdl=True,
         )
         return out
 

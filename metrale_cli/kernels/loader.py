@@ -7,10 +7,16 @@ one place a kernel is called: it checks every argument against the kernel's :cla
 (dtype, device, contiguity, 16-byte alignment) and types every scalar, so tensors travel as raw
 pointers (float8 included) and ints/floats as np.int32/np.float32. CuPy is imported lazily: it
 does not exist on CPU-only machines.
+
+``launch(..., pdl=True)`` launches with programmatic stream serialization (sm_90+, through
+cuda-bindings' ``cuLaunchKernelEx``): the kernel may start while the one before it finishes and
+must call ``pdl_wait()`` (kernels_cu/include/pdl.cuh) first. Without cuda-bindings or below sm_90
+the launch is an ordinary one, and the kernels' waits are no-ops.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -107,6 +113,40 @@ def device_identity(index: int) -> str:
     return f"{name} {device_arch(index)} driver {cp.cuda.runtime.driverGetVersion()}"
 
 
+@functools.lru_cache(maxsize=None)
+def _pdl_driver():
+    """cuda-bindings' driver module, or None where it is not installed (ordinary launches)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        log.info("cuda-bindings is not installed: kernels launch without programmatic dependent launch")
+        return None
+    return driver
+
+
+_CTYPES = {np.int32: ctypes.c_int32, np.float32: ctypes.c_float, np.uint64: ctypes.c_uint64}
+
+
+def _launch_pdl(driver, fn, grid, block, shared_mem: int, stream_ptr: int, typed: list) -> None:
+    """``fn`` (a CuPy function) with the programmatic-stream-serialization attribute."""
+    grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = shared_mem
+    config.hStream = driver.CUstream(stream_ptr)
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config.attrs = [attr]
+    config.numAttrs = 1
+    values = [_CTYPES[type(v)](v) for v in typed]
+    params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+    (err,) = driver.cuLaunchKernelEx(config, driver.CUfunction(fn.kernel.ptr), ctypes.addressof(params), 0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise MetraleError(f"kernel launch failed: {err.name}")
+
+
 @dataclass
 class KernelLoader:
     """Compiled modules and typed launches for one process; not thread-safe."""
@@ -161,15 +201,22 @@ class KernelLoader:
                 self._streams[ptr] = cp.cuda.ExternalStream(ptr, device.index)
         return self._streams[ptr]
 
-    def launch(self, spec: KernelSpec, sig: Signature, grid, block, *args, shared_mem: int = 0):
-        """Check ``args`` against ``sig`` and launch ``spec`` on torch's current stream."""
+    def launch(self, spec: KernelSpec, sig: Signature, grid, block, *args, shared_mem: int = 0,
+               pdl: bool = False):
+        """Check ``args`` against ``sig`` and launch ``spec`` on torch's current stream
+        (``pdl``: programmatically, where the GPU and cuda-bindings allow)."""
         device = _device_of(spec, args)
         params = zip(sig.params, args, strict=True)
         typed = [_typed(spec, name, kind, arg, device) for (name, kind), arg in params]
         cp = _cupy()
         fn = self.function(spec, device)
-        with cp.cuda.Device(device.index), self._stream(cp, device):
-            fn(tuple(grid), tuple(block), tuple(typed), shared_mem=shared_mem)
+        stream = self._stream(cp, device)
+        with cp.cuda.Device(device.index), stream:
+            driver = _pdl_driver() if pdl and int(device_arch(device.index)[3:]) >= 90 else None
+            if driver is not None:
+                _launch_pdl(driver, fn, grid, block, shared_mem, stream.ptr, typed)
+            else:
+                fn(tuple(grid), tuple(block), tuple(typed), shared_mem=shared_mem)
 
 
 def _device_of(spec: KernelSpec, args) -> torch.device:

@@ -157,6 +157,30 @@ class Ops(Protocol):
         :meth:`paged_decode`.
         """
 
+    def gemv_fits(self, k: int) -> bool:
+        """True when the fused decode GEMVs below serve an input row of ``k`` elements; the
+        layers then run batch-1 decode through them, else through the unfused sequence."""
+
+    def gemv_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+        weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row, RMSNorm fused into the projection after it: x, residual: (1, H) (residual
+        may be None), norm_weight: (H,), weight: (N, H) -> (``F.linear(rms_norm(s), weight)``:
+        (1, N), s) with s = x + residual rounded to x's dtype (x itself when residual is None)."""
+
+    def gemv_norm_swiglu(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+        gate_up: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`gemv_norm` with ``gate_up``: (2I, H) = [gate; up], followed by
+        :meth:`silu_and_mul` -> ((1, I), s)."""
+
+    def gemv_add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """One row, the residual add fused into the projection before it: x: (1, K),
+        weight: (N, K), residual: (1, N) -> residual + F.linear(x, weight), rounded once more to
+        the dtype as torch's add does; a new tensor."""
+
     def wht(self, x: torch.Tensor, signs: torch.Tensor, inverse: bool) -> torch.Tensor:
         """x: (N, D) bf16 rows (N = tokens * heads), rotated in place by R = S2·H·S1/√D (by Rᵀ
         when ``inverse``), computed in fp32 and rounded to bf16 once; returns x.

@@ -10,6 +10,7 @@ side (the layer rotates Q and the output, see ``layers/attention.py``).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from metrale_cli.kernels.ops import SidePool
 from metrale_cli.kv import formats
@@ -105,6 +106,20 @@ def paged_prefill(q, k_pool: SidePool, v_pool: SidePool, block_table, start_pos,
     return attention(q, k, v, scale, kpos <= qpos)
 
 
+def gemv_norm(x, residual, norm_weight, eps, weight):
+    s = x if residual is None else (x + residual).to(x.dtype)
+    return F.linear(rms_norm(s, norm_weight, eps), weight), s
+
+
+def gemv_norm_swiglu(x, residual, norm_weight, eps, gate_up):
+    y, s = gemv_norm(x, residual, norm_weight, eps, gate_up)
+    return silu_and_mul(y), s
+
+
+def gemv_add(x, weight, residual):
+    return residual + F.linear(x, weight)
+
+
 class TorchOps:
     """The pure-torch backend: runs on CPU or GPU."""
 
@@ -117,6 +132,14 @@ class TorchOps:
     rope_and_cache = staticmethod(rope_and_cache)
     paged_decode = staticmethod(paged_decode)
     paged_prefill = staticmethod(paged_prefill)
+    gemv_norm = staticmethod(gemv_norm)
+    gemv_norm_swiglu = staticmethod(gemv_norm_swiglu)
+    gemv_add = staticmethod(gemv_add)
+
+    @staticmethod
+    def gemv_fits(k: int) -> bool:
+        """Never: the torch backend runs the unfused sequence the fused GEMVs are checked against."""
+        return False
 
     @staticmethod
     def wht(x: torch.Tensor, signs: torch.Tensor, inverse: bool) -> torch.Tensor:

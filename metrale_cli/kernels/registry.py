@@ -138,6 +138,8 @@ MODULES: dict[str, KernelModule] = {
         KernelModule("rmsnorm", "rmsnorm.cu", (), ("rms_norm_bf16", "add_rms_norm_bf16")),
         KernelModule("rope", "rope.cu", (), ("rope_neox_bf16",)),
         KernelModule("activation", "activation.cu", (), ("silu_and_mul_bf16",)),
+        # Batch-1 decode GEMVs fused with the norm before them or the residual add after them.
+        KernelModule("gemv", "gemv.cu", (), ("gemv_norm_bf16", "gemv_norm_swiglu_bf16", "gemv_add_bf16")),
         KernelModule("wht_bf16", "wht_bf16.cu", (), ("wht_bf16_inplace", "wht_bf16_inplace_inv"),
                      EXACT, ALL_HEAD_DIMS),
         KernelModule(

@@ -59,6 +59,17 @@ ROPE = K("rope::rope_neox_bf16"), Signature.parse(
     "q: bf16*, k: bf16*, positions: i32*, cos: f32*, sin: f32*, hq: i32, hk: i32, head_dim: i32, rot_dim: i32"
 )
 SILU_AND_MUL = K("activation::silu_and_mul_bf16"), Signature.parse("gate_up: bf16*, out: bf16*, inter: i32")
+_GEMV_NORM = (
+    "w: bf16*, x: bf16*, residual: bf16*?, gamma: bf16*, sum_out: bf16*?, out: bf16*, n: i32, k: i32, eps: f32"
+)
+GEMV_NORM = K("gemv::gemv_norm_bf16"), Signature.parse(_GEMV_NORM)
+GEMV_NORM_SWIGLU = K("gemv::gemv_norm_swiglu_bf16"), Signature.parse(_GEMV_NORM)
+GEMV_ADD = K("gemv::gemv_add_bf16"), Signature.parse("w: bf16*, x: bf16*, residual: bf16*, out: bf16*, n: i32, k: i32")
+GEMV_THREADS = 256  # gemv.cu's CTA
+GEMV_CTAS_PER_SM = 2  # its __launch_bounds__ minimum; the grid is this many CTAs per SM
+GEMV_MAX_K = 16384  # its shared-memory row of x
+# Launched by every layer whatever its KV dtype.
+COMMON_KERNELS = tuple(k[0] for k in (RMS_NORM, ADD_RMS_NORM, ROPE, SILU_AND_MUL, GEMV_NORM, GEMV_NORM_SWIGLU, GEMV_ADD))
 _WHT_SIG = Signature.parse("x: bf16*, signs: f32*, rows: i32, head_dim: i32")
 WHT = {False: (WHT_KERNELS[0], _WHT_SIG), True: (WHT_KERNELS[1], _WHT_SIG)}  # by `inverse`
 
@@ -201,11 +212,11 @@ def decode_rows(head_dim: int, group: int) -> int:
 
 
 def layer_kernels(kv_dtype, head_dim: int) -> list[KernelSpec]:
-    """Every kernel ``CudaOps`` launches for a layer of this KV dtype (norms, RoPE, SwiGLU, the
+    """Every kernel ``CudaOps`` launches for a layer of this KV dtype (norms, RoPE, SwiGLU, the decode GEMVs, the
     dtype's write / decode / split combine / prefill, the WHT bookends of a rotated side, and the
     fused QK-norm + RoPE + write): the start-up check loads them all before any weight is read."""
     from metrale_cli.kernels.requirements import as_kv_dtype
 
-    specs = [RMS_NORM[0], ADD_RMS_NORM[0], ROPE[0], SILU_AND_MUL[0]]
+    specs = list(COMMON_KERNELS)
     d = as_kv_dtype(kv_dtype)
     return specs + kv_kernels(d, head_dim).specs() + [ROPE_AND_CACHE[d][0]]

@@ -57,15 +57,15 @@ Progress = Callable[[str, int, int], None]  # (kernel, index, total)
 
 
 def kernels_to_validate(dtype, head_dim: int) -> list[KernelSpec]:
-    """The dtype-independent kernels (norms, RoPE, SwiGLU), the dtype's required KV kernels
+    """The dtype-independent kernels (norms, RoPE, SwiGLU, decode GEMVs), the dtype's required KV kernels
     (KV_DTYPES.md), then the others the cuda backend's layers launch (split-decode combine,
     chunked prefill, the tensor-core decode)."""
-    from metrale_cli.kernels.table import ADD_RMS_NORM, RMS_NORM, ROPE, SILU_AND_MUL, layer_kernels
+    from metrale_cli.kernels.table import COMMON_KERNELS, layer_kernels
 
     if head_dim not in (64, 128, 256, 512):
         raise MetraleError(f"the attention kernels are built for head_dim 64, 128, 256 (and 512 where "
                            f"listed), not {head_dim}", hint="use --backend torch for such a model")
-    specs = [RMS_NORM[0], ADD_RMS_NORM[0], ROPE[0], SILU_AND_MUL[0]] + required_kernels(dtype, head_dim)
+    specs = list(COMMON_KERNELS) + required_kernels(dtype, head_dim)
     try:
         specs += layer_kernels(dtype, head_dim)
     except MetraleError:  # a required kernel does not serve head_dim: its row says so

@@ -2,7 +2,10 @@
 
 RMSNorm (fused with the residual add) -> fused q/k/v projection -> optional QK-norm -> RoPE ->
 KV-cache write (these three one launch once calibration has frozen) -> paged attention ->
-o_proj -> residual add + post-attention norm -> FFN component. WHT bookends: when the layer's K
+o_proj -> residual add + post-attention norm -> FFN component. Batch-1 decode on a backend
+whose fused GEMVs serve the model (``Ops.gemv_fits``) runs each projection as one launch with its
+neighbour: norm + q/k/v, o_proj + residual add, norm + gate/up + SwiGLU, down + residual add; the
+layer then hands on the running sum alone (``residual`` None). WHT bookends: when the layer's K
 side is stored rotated, Q is rotated the same way (and divided by the InnerQ channel scales)
 before attention, so scores are unchanged; when the V side is rotated, the attention output
 comes back in the rotated basis and is rotated back. Layers pass ``(hidden, residual)`` on, vLLM
@@ -94,6 +97,11 @@ class Qwen3AttentionLayer:
         self.innerq = innerq
         self.rope_cos, self.rope_sin = rope_cos, rope_sin
         self.scale = config.head_dim**-0.5
+        self.fused_decode = (
+            isinstance(ffn, DenseSwiGluFfn) and attn.qkv_bias is None and attn.o_bias is None
+            and all(t.dtype == torch.bfloat16 for t in (attn.qkv, attn.o, ffn.gate_up, ffn.down))
+            and all(ops.gemv_fits(k) for k in (config.hidden_size, config.q_size, ffn.down.shape[1]))
+        )
 
     # --- the layer protocol -------------------------------------------------------------
     def alloc_state(self) -> AttnLayerState:
@@ -133,6 +141,8 @@ class Qwen3AttentionLayer:
 
     # --- the body -------------------------------------------------------------------------
     def _forward(self, hidden, residual, ctx: ForwardContext):
+        if self.fused_decode and not ctx.is_prefill and hidden.shape[0] == 1:
+            return self._decode_one(hidden, residual, ctx)
         eps = self.cfg.rms_norm_eps
         if residual is None:
             residual = hidden
@@ -144,6 +154,17 @@ class Qwen3AttentionLayer:
         normed, residual = self.ops.add_rms_norm(attn_out, residual, self.post_attn_norm, eps)
         with phase(timing, "ffn"):
             return self.ffn(normed), residual
+
+    def _decode_one(self, hidden, residual, ctx: ForwardContext):
+        """One token through the fused GEMVs: returns (hidden + attention + FFN, None)."""
+        cfg, w, ops, eps = self.cfg, self.attn, self.ops, self.cfg.rms_norm_eps
+        qkv, stream = ops.gemv_norm(hidden, residual, self.input_norm, eps, w.qkv)
+        q, kp, vp = self._prepare(qkv, ctx)
+        out = ops.paged_decode(q, kp, vp, ctx.block_tables, ctx.seq_lens, self.scale)
+        out = restore_output(ops, out, vp)
+        stream = ops.gemv_add(out.reshape(1, cfg.q_size), w.o, stream)
+        act, _ = ops.gemv_norm_swiglu(stream, None, self.post_attn_norm, eps, self.ffn.gate_up)
+        return ops.gemv_add(act, self.ffn.down, stream), None
 
     def _attention(self, x: torch.Tensor, ctx: ForwardContext, timing) -> torch.Tensor:
         cfg, w, ops = self.cfg, self.attn, self.ops

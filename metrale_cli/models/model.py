@@ -56,6 +56,15 @@ class CausalLM:
         for layer in self.layers:
             step = layer.prefill if ctx.is_prefill else layer.decode_multi_seq
             hidden, residual = step(hidden, residual, ctx)
-        hidden, residual = hidden[logit_rows], residual[logit_rows]
-        normed, _ = self.ops.add_rms_norm(hidden, residual, self.final_norm, self.cfg.rms_norm_eps)
-        return F.linear(normed, self.lm_head).float()
+        return self._logits(hidden[logit_rows], None if residual is None else residual[logit_rows]).float()
+
+    def _logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """Final norm and LM head; ``residual`` None when the layers handed on the sum alone."""
+        eps = self.cfg.rms_norm_eps
+        if hidden.shape[0] == 1 and self.lm_head.dtype == torch.bfloat16 and self.ops.gemv_fits(hidden.shape[1]):
+            return self.ops.gemv_norm(hidden, residual, self.final_norm, eps, self.lm_head)[0]
+        if residual is None:
+            normed = self.ops.rms_norm(hidden, self.final_norm, eps)
+        else:
+            normed, _ = self.ops.add_rms_norm(hidden, residual, self.final_norm, eps)
+        return F.linear(normed, self.lm_head)

@@ -1,0 +1,184 @@
+// Decode GEMVs of one activation row (batch-1 decode): y = W·x, W (n, k) bf16 row-major, each
+// fused with the launch that would otherwise sit next to it on the decode path:
+//   gemv_norm_bf16         x = RMSNorm(x [+ residual]) in the prologue (q/k/v, LM head)
+//   gemv_norm_swiglu_bf16  the same prologue; rows i and inter+i of [gate; up] give silu(g)·u
+//   gemv_add_bf16          out = residual + y, the residual add of o_proj and down_proj
+// Batch-1 decode reads every weight once per token, so these kernels are written for bandwidth:
+// each warp streams whole rows with 16-byte loads (8 per lane in flight, the next batch loaded
+// while the current one is summed), and a CTA issues its first weight loads before its prologue
+// so the norm's reduction hides under them, and, launched programmatically (pdl.cuh), under the
+// tail of the kernel before. The grid is two CTAs per SM looping over rows.
+//
+// Rounding follows the unfused kernels exactly where it is defined by them: the prologue is
+// add_rms_norm_bf16's (same threads per element, same sums), and every product of a bf16 tensor
+// op is rounded to bf16 where torch would store it. Only the dot products' fp32 summation order
+// differs from cuBLAS's.
+#include "pdl.cuh"
+#include "reduce.cuh"
+#include "rms_row.cuh"
+
+#define GEMV_THREADS 256
+#define GEMV_WARPS (GEMV_THREADS / 32)
+#define GEMV_MAX_K 16384  // x is staged in shared memory as bf16: 32 KB
+
+typedef Words<4> Chunk;  // 8 bf16
+
+__device__ __forceinline__ Chunk load_weights(const bf16_t* p) {
+#ifdef METRALE_HOST_EMULATION
+    return *reinterpret_cast<const Chunk*>(p);
+#else
+    // Streamed once per token: read-only path, not kept in L1.
+    Chunk c;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(c.w[0]), "=r"(c.w[1]), "=r"(c.w[2]), "=r"(c.w[3])
+        : "l"(p));
+    return c;
+#endif
+}
+
+__device__ __forceinline__ float dot8(const Chunk& w, const Chunk& x, float acc) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc = __fmaf_rn(__uint_as_float(w.w[i] << 16), __uint_as_float(x.w[i] << 16), acc);
+        acc = __fmaf_rn(__uint_as_float(w.w[i] & 0xffff0000u), __uint_as_float(x.w[i] & 0xffff0000u), acc);
+    }
+    return acc;
+}
+
+// Stage the activation row in shared memory. With ``gamma`` it is add_rms_norm_bf16's output
+// (s = bf16(x + residual), written to sum_out by CTA 0; then bf16(gamma * bf16(s * r))): threads
+// below rmsnorm's block size cover the elements that thread covers there, so the sums match.
+template <bool NORM>
+__device__ void stage_x(Chunk* xs, const bf16_t* x, const bf16_t* residual, const bf16_t* gamma,
+                        bf16_t* sum_out, int k, float eps) {
+    const int threads = NORM && k < 2048 ? 128 : GEMV_THREADS;
+    const int t = threadIdx.x;
+    if (!NORM) {
+        for (int i = t * 8; i < k; i += threads * 8) xs[i / 8] = *reinterpret_cast<const Chunk*>(x + i);
+        __syncthreads();
+        return;
+    }
+    float ss = 0.0f;
+    if (t < threads) {
+        for (int i = t * 8; i < k; i += threads * 8) {
+            float a[8];
+            load_vec<8>(x + i, a);
+            if (residual != nullptr) {
+                float b[8];
+                load_vec<8>(residual + i, b);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) a[j] = round_bf16(a[j] + b[j]);
+                if (sum_out != nullptr && blockIdx.x == 0) store_vec<8>(sum_out + i, a);
+            }
+            ss = add_squares<8>(ss, a);
+            store_vec<8>(reinterpret_cast<bf16_t*>(xs + i / 8), a);
+        }
+    }
+    const float r = inv_rms(block_sum(ss), k, eps);  // block_sum's barrier orders xs too
+    if (t < threads) {
+        for (int i = t * 8; i < k; i += threads * 8) {
+            float a[8], g[8];
+            load_vec<8>(reinterpret_cast<const bf16_t*>(xs + i / 8), a);
+            load_vec<8>(gamma + i, g);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) a[j] = rms_scaled(a[j], g[j], r);
+            store_vec<8>(reinterpret_cast<bf16_t*>(xs + i / 8), a);
+        }
+    }
+    __syncthreads();
+}
+
+enum Epilogue { STORE, ADD, SWIGLU };
+
+// R rows per warp task (row t, or rows t and inter + t for SWIGLU), U chunks of each per lane
+// per batch; a task's batches walk the row in 512-byte warp-wide steps.
+template <bool NORM, Epilogue EPI, int R, int U>
+__device__ void gemv(const bf16_t* w, const bf16_t* x, const bf16_t* residual, const bf16_t* gamma,
+                     bf16_t* sum_out, bf16_t* out, int tasks, int k, float eps) {
+    __shared__ Chunk xs[GEMV_MAX_K / 8];
+    const int lane = threadIdx.x & 31;
+    const int warps = gridDim.x * GEMV_WARPS;
+    const int chunks = k / 8, batches = (chunks + 32 * U - 1) / (32 * U);
+    auto row = [&](int t, int r) -> long long { return EPI == SWIGLU ? t + (long long)r * tasks : (long long)t * R + r; };
+    auto load = [&](Chunk (&c)[R][U], int t, int b) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const bf16_t* p = w + row(t, r) * k;
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int ci = lane + 32 * (b * U + u);
+                if (ci < chunks) c[r][u] = load_weights(p + ci * 8);
+            }
+        }
+    };
+
+    int t = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), b = 0;
+    Chunk cur[R][U];
+    if (t < tasks) load(cur, t, 0);  // weights only: before the wait
+    pdl_launch_dependents();
+    pdl_wait();
+    stage_x<NORM>(xs, x, residual, gamma, sum_out, k, eps);
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+    while (t < tasks) {
+        int nt = t, nb = b + 1;
+        if (nb == batches) nb = 0, nt += warps;
+        Chunk nxt[R][U];
+        if (nt < tasks) load(nxt, nt, nb);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int ci = lane + 32 * (b * U + u);
+            if (ci < chunks) {
+                const Chunk xv = xs[ci];
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r] = dot8(cur[r][u], xv, acc[r]);
+            }
+        }
+        if (b == batches - 1) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+            if (lane == 0) {
+                if constexpr (EPI == STORE) {
+                    out[t] = f32_to_bf16(acc[0]);
+                } else if constexpr (EPI == ADD) {
+                    out[t] = f32_to_bf16(bf16_to_f32(residual[t]) + round_bf16(acc[0]));
+                } else {
+                    const float g = round_bf16(acc[0]), u = round_bf16(acc[1]);
+                    out[t] = f32_to_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int u = 0; u < U; ++u) cur[r][u] = nxt[r][u];
+        t = nt, b = nb;
+    }
+}
+
+// out (n,) = W (n, k) · RMSNorm(x [+ residual]) with weight gamma; sum_out (k,) receives
+// bf16(x + residual) when residual is given (it may be null otherwise). k % 8 == 0, k <= GEMV_MAX_K,
+// every pointer 16-byte aligned. grid: any (two CTAs per SM), block GEMV_THREADS.
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 2)
+    gemv_norm_bf16(const bf16_t* w, const bf16_t* x, const bf16_t* residual, const bf16_t* gamma,
+                   bf16_t* sum_out, bf16_t* out, int n, int k, float eps) {
+    gemv<true, STORE, 1, 8>(w, x, residual, gamma, sum_out, out, n, k, eps);
+}
+
+// out (inter,) = bf16(bf16(silu(g)) * u), g and u the bf16 rows i and inter + i of
+// W (2*inter, k) · RMSNorm(x [+ residual]): the gate/up projection and silu_and_mul_bf16 in one.
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 2)
+    gemv_norm_swiglu_bf16(const bf16_t* w, const bf16_t* x, const bf16_t* residual, const bf16_t* gamma,
+                          bf16_t* sum_out, bf16_t* out, int inter, int k, float eps) {
+    gemv<true, SWIGLU, 2, 4>(w, x, residual, gamma, sum_out, out, inter, k, eps);
+}
+
+// out (n,) = bf16(residual + bf16(W (n, k) · x)); out may alias residual (each element is read
+// and written by one thread).
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 2)
+    gemv_add_bf16(const bf16_t* w, const bf16_t* x, const bf16_t* residual, bf16_t* out, int n, int k) {
+    gemv<false, ADD, 1, 8>(w, x, residual, nullptr, nullptr, out, n, k, 0.0f);
+}

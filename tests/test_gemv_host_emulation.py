@@ -1,0 +1,106 @@
+"""gemv.cu's decode GEMVs emulated on the CPU against the torch references they replace.
+
+``kernels_cu/host/gemv_host.cpp`` runs each kernel over a grid of a few CTAs (so each warp walks
+several rows, and a row several batches of loads) on odd sizes: rows 1 / 7 / 99, a row of 8
+elements, rows shorter than a warp's first batch, rows whose last batch is partial, and both
+prologue block sizes (k below and above 2048). The prologue must be add_rms_norm_bf16's, bit for
+bit: its sum equals the reference's bytes, and the outputs are checked against fp64 products of
+the row that the (emulated) unfused norm kernel writes, up to fp32 summation error and the
+output's bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from host_build import build_host_library
+from metrale_cli.kernels import reference as ref
+
+_LIB: list[ctypes.CDLL] = []
+NORM, SWIGLU, ADD = 0, 1, 2
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory) -> ctypes.CDLL:
+    if not _LIB:
+        handle = build_host_library("gemv_host.cpp", tmp_path_factory.mktemp("gemv"))
+        handle.host_gemv.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 2 + [ctypes.c_float,
+                                                                                                    ctypes.c_int]
+        handle.host_norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_float]
+        _LIB.append(handle)
+    return _LIB[0]
+
+
+def _p(t):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def _randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _run(lib, kind, w, x, residual, gamma, n, ctas=3, eps=1e-6):
+    k = w.shape[1]
+    out = torch.full((1, n), float("nan"), dtype=torch.bfloat16)
+    s = torch.full_like(x, float("nan")) if residual is not None and kind != ADD else None
+    lib.host_gemv(kind, _p(w), _p(x), _p(residual), _p(gamma), _p(s), _p(out), n, k, eps, ctas)
+    return out, s
+
+
+def _close(got, want, bound):
+    """|got - want| <= bound + one bf16 ulp of want, elementwise (fp64 want)."""
+    err = (got.double() - want).abs()
+    assert bool((err <= bound + want.abs() * 2**-8).all()), f"max |err| {err.max().item():.3g}"
+
+
+def _unfused_norm(lib, x, residual, gamma, eps=1e-6):
+    """The row rms_norm_bf16 / add_rms_norm_bf16 write (emulated)."""
+    out, s = torch.empty_like(x), torch.empty_like(x)
+    lib.host_norm(_p(x), _p(residual), _p(gamma), _p(out), _p(s), x.shape[1], eps)
+    return out
+
+
+def _sum_bound(w, x):
+    """fp32 summation error of each row of w·x: k·2^-24 of sum |w| |x|."""
+    return (w.double().abs() @ x.double().abs()[0]) * w.shape[1] * 2**-24
+
+
+@pytest.mark.parametrize("n, k", [(1, 8), (7, 200), (99, 1000), (33, 2056), (5, 4096)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemv_norm_equals_the_reference(lib, n, k, with_residual):
+    w, x, gamma = _randn(n, k, seed=1) * 0.1, _randn(1, k, seed=2), _randn(k, seed=3)
+    residual = _randn(1, k, seed=4) if with_residual else None
+    got, s = _run(lib, NORM, w, x, residual, gamma, n)
+    want_y, want_s = ref.gemv_norm(x, residual, gamma, 1e-6, w)
+    if with_residual:
+        assert torch.equal(s, want_s)
+    xn = _unfused_norm(lib, x, residual, gamma)
+    _close(got, xn.double() @ w.double().T, _sum_bound(w, xn))
+
+
+@pytest.mark.parametrize("inter, k", [(1, 8), (7, 200), (99, 1000), (19, 2056)])
+def test_gemv_norm_swiglu_equals_the_reference(lib, inter, k):
+    w, x, gamma, residual = _randn(2 * inter, k, seed=5) * 0.1, _randn(1, k, seed=6), _randn(k, seed=7), _randn(1, k, seed=8)
+    got, s = _run(lib, SWIGLU, w, x, residual, gamma, inter)
+    want, want_s = ref.gemv_norm_swiglu(x, residual, gamma, 1e-6, w)
+    assert torch.equal(s, want_s)
+    xn = _unfused_norm(lib, x, residual, gamma)
+    gu = xn.double() @ w.double().T
+    err = _sum_bound(w, xn) + gu.abs() * 2**-8  # then g, u, silu(g) are rounded to bf16
+    g, u, eg, eu = gu[:, :inter], gu[:, inter:], err[:, :inter], err[:, inter:]
+    silu_g = torch.nn.functional.silu(g)
+    # silu' <= 1.1: each input's error moves the product by at most that much
+    _close(got, silu_g * u, 1.1 * eg * (u.abs() + eu) + eu * silu_g.abs() + (silu_g * u).abs() * 2**-8)
+
+
+@pytest.mark.parametrize("n, k", [(1, 8), (7, 200), (99, 1000), (33, 2056), (6, 3072)])
+def test_gemv_add_equals_the_reference(lib, n, k):
+    w, x, residual = _randn(n, k, seed=9) * 0.1, _randn(1, k, seed=10), _randn(1, n, seed=11) * 4
+    got, _ = _run(lib, ADD, w, x, residual, None, n)
+    y = x.double() @ w.double().T
+    # the projection is rounded to bf16 before the add, the sum once more
+    want = residual.double() + y
+    _close(got, want, _sum_bound(w, x) + y.abs() * 2**-8)
