@@ -22,6 +22,7 @@ from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
 from metrale_cli.kernels.table import (
     ADD_RMS_NORM, ATTN_THREADS, DECODE_CTAS_PER_SM, GEMV_ADD, GEMV_CTAS_PER_SM, GEMV_MAX_K, GEMV_NORM,
     GEMV_NORM_SWIGLU, GEMV_THREADS, MAX_SPLITS, MIN_KEYS_PER_SPLIT, RMS_NORM, ROPE, ROPE_AND_CACHE,
+    TC_PROGRAMMATIC,
     ROPE_AND_CACHE_WARPS, SDPA_MIN_TOKENS, SILU_AND_MUL, TC_CTAS_PER_SM, TC_ROWS, WHT, WHT_ROWS_PER_CTA, KvKernels,
     _serves, decode_rows, dtype_of, kv_kernels, rows_per_cta,
 )
@@ -161,10 +162,11 @@ class CudaOps:
         q, out = _ready(q), torch.empty_like(q)
         if not batch:
             return out
-        kernel, per_sm = kernels.decode, DECODE_CTAS_PER_SM
+        kernel, per_sm, programmatic = kernels.decode, DECODE_CTAS_PER_SM, False
         if tensor_cores and kernels.decode_tc is not None:
             kernel, chunks = kernels.decode_tc, math.ceil(hq // hk / TC_ROWS)
             per_sm = TC_CTAS_PER_SM[dtype_of(k_pool, v_pool)]
+            programmatic = dtype_of(k_pool, v_pool) in TC_PROGRAMMATIC
         else:
             chunks = math.ceil(hq // hk / decode_rows(head_dim, hq // hk))
         splits = self._splits(q.device, hk * batch * chunks, block_tables.shape[1], per_sm)
@@ -175,11 +177,11 @@ class CudaOps:
         self._launch(
             kernel, (hk, batch, chunks * splits), (ATTN_THREADS,), q, k_pool.data, v_pool.data,
             _ready(block_tables), _ready(seq_lens), out, part_o, part_ml, k_pool.scale, v_pool.scale,
-            scale, hq, hk, head_dim, block_tables.shape[1], splits, pdl=kernel is kernels.decode_tc,
+            scale, hq, hk, head_dim, block_tables.shape[1], splits, pdl=programmatic,
         )
         if splits > 1:
             self._launch(kernels.combine, (hq, batch), (128,), part_o, part_ml, _ready(seq_lens), out, hq,
-                         head_dim, splits, pdl=True)
+                         head_dim, splits, pdl=programmatic)
         return out
 
     @staticmethod
