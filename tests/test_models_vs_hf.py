@@ -136,3 +136,40 @@ def test_batch_equals_each_alone():
     alone = [ours(hf, raw).generate([p], params)[0][0].output_ids for p in prompts]
     batch = [s.output_ids for s in ours(hf, raw).generate(prompts, params)[0]]
     assert batch == alone
+
+
+class _FusedReferences(TorchOps):
+    """The torch references with the fused batch-1 GEMVs switched on: the layer and LM-head wiring
+    the cuda backend runs (CudaOps.gemv_fits), on the CPU, with counted calls."""
+
+    def __init__(self):
+        self.calls = {"gemv_norm": 0, "gemv_norm_swiglu": 0, "gemv_add": 0}
+
+    @staticmethod
+    def gemv_fits(k: int) -> bool:
+        return k % 8 == 0
+
+    def __getattribute__(self, name):
+        calls = object.__getattribute__(self, "calls")
+        if name in calls:
+            calls[name] += 1
+        return object.__getattribute__(self, name)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_fused_batch1_decode_equals_the_unfused_path(family):
+    """Norm + q/k/v, o_proj + residual, norm + gate/up + SwiGLU, down + residual and norm + LM
+    head, the layers handing on their sum alone: the same greedy tokens as the unfused sequence."""
+    hf, raw = make_hf(family)
+    with torch.no_grad():  # norm weights other than HF's ones, so that each norm is told apart
+        for name, weight in hf.named_parameters():
+            if "norm" in name:
+                weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+    ids, params = _ids(40, seed=3), SamplingParams(max_new_tokens=24, ignore_eos=True)
+    fused_ops = _FusedReferences()
+    fused = ours(hf, raw, ops=fused_ops).generate([ids], params)[0][0].output_ids
+    assert fused == ours(hf, raw).generate([ids], params)[0][0].output_ids
+    # the first token comes from the prefill; the pipelined loop launches one step past the last
+    layers, steps = raw["num_hidden_layers"], 24
+    assert fused_ops.calls == {"gemv_norm": (layers + 1) * steps + 1, "gemv_norm_swiglu": layers * steps,
+                               "gemv_add": 2 * layers * steps}
