@@ -22,8 +22,8 @@ from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
 from metrale_cli.kernels.table import (
     ADD_RMS_NORM, ATTN_THREADS, DECODE_CTAS_PER_SM, GEMV_ADD, GEMV_CTAS_PER_SM, GEMV_MAX_K, GEMV_NORM,
     GEMV_NORM_SWIGLU, GEMV_THREADS, MAX_SPLITS, MIN_KEYS_PER_SPLIT, RMS_NORM, ROPE, ROPE_AND_CACHE,
-    TC_PROGRAMMATIC,
-    ROPE_AND_CACHE_WARPS, SDPA_MIN_TOKENS, SILU_AND_MUL, TC_CTAS_PER_SM, TC_ROWS, WHT, WHT_ROWS_PER_CTA, KvKernels,
+    ROPE_AND_CACHE_WARPS, SDPA_MIN_TOKENS, SILU_AND_MUL, TC_CTAS_PER_SM, TC_PROGRAMMATIC, TC_ROWS, WHT,
+    WHT_ROWS_PER_CTA, KvKernels,
     _serves, decode_rows, dtype_of, kv_kernels, rows_per_cta,
 )
 

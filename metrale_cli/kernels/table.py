@@ -216,9 +216,10 @@ def decode_rows(head_dim: int, group: int) -> int:
 
 
 def layer_kernels(kv_dtype, head_dim: int) -> list[KernelSpec]:
-    """Every kernel ``CudaOps`` launches for a layer of this KV dtype (norms, RoPE, SwiGLU, the decode GEMVs, the
-    dtype's write / decode / split combine / prefill, the WHT bookends of a rotated side, and the
-    fused QK-norm + RoPE + write): the start-up check loads them all before any weight is read."""
+    """Every kernel ``CudaOps`` launches for a layer of this KV dtype (norms, RoPE, SwiGLU, the
+    decode GEMVs, the dtype's write / decode / split combine / prefill, the WHT bookends of a
+    rotated side, and the fused QK-norm + RoPE + write): the start-up check loads them all before
+    any weight is read."""
     from metrale_cli.kernels.requirements import as_kv_dtype
 
     specs = list(COMMON_KERNELS)
