@@ -25,9 +25,12 @@ class RecordingLoader:
     def __init__(self):
         self.calls = []
         self.programmatic = []  # the kernels launched with pdl=True
+        self.shared_mem = {}  # dynamic shared memory by kernel, where asked
 
-    def launch(self, spec, sig, grid, block, *args, pdl=False):
+    def launch(self, spec, sig, grid, block, *args, shared_mem=0, pdl=False):
         assert len(sig.params) == len(args)
+        if shared_mem:
+            self.shared_mem[str(spec)] = shared_mem
         if pdl:
             self.programmatic.append(str(spec))
         self.calls.append((str(spec), tuple(grid), tuple(block), dict(zip((n for n, _ in sig.params), args)),
@@ -165,7 +168,10 @@ def test_layer_kernels_cover_every_side(dtype):
     specs = table.layer_kernels(dtype, 128)
     names = [str(s) for s in specs]
     tc = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)  # + the tensor-core decode
-    assert len(names) == len(set(names)) == 12 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + tc
+    stack = dtype == KvCacheDtype.BF16  # + the whole-stack decode step
+    assert len(names) == len(set(names)) == 12 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + tc + stack
+    assert ("decode_stack::decode_stack_bf16" in names) == stack
+    assert "decode_stack::decode_stack_bf16" not in map(str, table.layer_kernels(dtype, 256))
     assert set(map(str, required_kernels(dtype, 128))) <= set(names)
     assert all(module_for(s) is not None for s in specs)
     assert names[:7] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
@@ -238,3 +244,41 @@ def test_tensor_core_decode_waves_count_its_residency(ops):
     """bf16's kernel keeps 4 CTAs per SM, fp8's 3: 128 CTAs take 4 and 3 splits for one wave."""
     assert ops._splits(CPU, 128, 2048, cuda_ops.TC_CTAS_PER_SM[KvCacheDtype.BF16]) == 4
     assert ops._splits(CPU, 128, 2048, cuda_ops.TC_CTAS_PER_SM[KvCacheDtype.FP8]) == 3
+
+
+@pytest.mark.parametrize("hq, hk, max_blocks, splits", [
+    (16, 8, 64, 16),  # Qwen3-0.6B: 8 items per split, 16 splits fill the 132 SMs
+    (32, 8, 64, 16),  # Qwen3-8B: a group of 4 still takes one CTA per KV head
+    (32, 2, 64, 32),  # a group of 16: two CTAs per KV head, 4 items per split: capped at MAX_SPLITS
+    (16, 8, 2, 1),  # a 32-token table: one split of at least 32 keys
+])
+def test_decode_stack_launch(ops, hq, hk, max_blocks, splits):
+    """One persistent launch per step: a CTA per SM, the ring's shared memory, the layer table's
+    pointers in order, and the split count filling the grid with attention items."""
+    from metrale_cli.kernels.checks import make_stack_case
+
+    c = make_stack_case(2, 256, hq, hk, 64, 384, context=20)
+    plan = cuda_ops._StackPlan(c["stack"])
+    tables = torch.zeros(1, max_blocks, dtype=torch.int32)
+    from metrale_cli.layers.context import ForwardContext
+
+    ctx = ForwardContext("decode", c["positions"], c["slot_mapping"], block_tables=tables, seq_lens=c["seq_lens"])
+    hidden = c["hidden"].clone()
+    assert ops.decode_stack(plan, hidden, ctx) is hidden
+    (name, grid, block, args, _), = ops.loader.calls
+    assert (name, grid, block) == ("decode_stack::decode_stack_bf16", (132,), (table.STACK_BLOCK,))
+    assert ops.loader.shared_mem == {name: table.STACK_SMEM_BYTES} and ops.loader.programmatic == [name]
+    assert args["num_splits"] == splits and args["num_layers"] == 2 and args["hq"] == hq
+    layer = c["stack"].layers[1]
+    assert args["layers"][1].tolist() == [t.data_ptr() for t in (
+        layer.qkv, layer.o, layer.gate_up, layer.down, layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
+        layer.k_pool.data, layer.v_pool.data)]
+    assert int(args["sync"].numel()) == 2 + hk * -(-hq // hk // 8) and not args["sync"].any()
+    with pytest.raises(MetraleError, match="one sequence"):
+        ops.decode_stack(plan, torch.zeros(2, 256, dtype=torch.bfloat16), ctx)
+
+
+def test_decode_stack_is_not_planned_off_a_gpu(ops):
+    from metrale_cli.kernels.checks import make_stack_case
+
+    assert ops.decode_stack_plan(make_stack_case(1, 256, 4, 2, 64, 384, context=3)["stack"]) is None

@@ -173,3 +173,47 @@ def test_fused_batch1_decode_equals_the_unfused_path(family):
     layers, steps = raw["num_hidden_layers"], 24
     assert fused_ops.calls == {"gemv_norm": (layers + 1) * steps + 1, "gemv_norm_swiglu": layers * steps,
                                "gemv_add": 2 * layers * steps}
+
+
+class _StackReferences(_FusedReferences):
+    """The fused references with a whole-stack decode step whose plan is the ``DecodeStack`` the
+    model hands over, run as :func:`decode_stack_reference` prescribes (counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls["decode_stack"] = 0
+        self.stacks = []
+
+    def decode_stack_plan(self, stack):
+        self.stacks.append(stack)
+        return stack
+
+    def decode_stack(self, plan, hidden, ctx):
+        from metrale_cli.kernels.ops import decode_stack_reference
+
+        return decode_stack_reference(self, plan, hidden, ctx)
+
+
+def test_whole_stack_decode_equals_the_layers_one_by_one():
+    """The model's whole-stack step (CudaOps.decode_stack's wiring, on the torch references): every
+    layer's weights, norms and pools handed over in order, one call per batch-1 step, and the same
+    greedy tokens as the layers' own fused path."""
+    hf, raw = make_hf("qwen3")
+    with torch.no_grad():
+        for name, weight in hf.named_parameters():
+            if "norm" in name:
+                weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+    ids, params = _ids(40, seed=3), SamplingParams(max_new_tokens=24, ignore_eos=True)
+    stack_ops = _StackReferences()
+    model = ours(hf, raw, ops=stack_ops)
+    got = model.generate([ids], params)[0][0].output_ids
+    assert got == ours(hf, raw, ops=_FusedReferences()).generate([ids], params)[0][0].output_ids
+    (stack,) = stack_ops.stacks
+    layers = raw["num_hidden_layers"]
+    assert len(stack.layers) == layers and stack.num_heads == raw["num_attention_heads"]
+    for part, layer in zip(stack.layers, model.model.layers):
+        assert part.qkv is layer.attn.qkv and part.down is layer.ffn.down and part.k_norm is layer.attn.k_norm
+        assert part.k_pool is layer.kv.pools(layer.idx)[0] and part.post_norm is layer.post_attn_norm
+    assert stack_ops.calls["decode_stack"] == 24  # one per step (the pipelined loop runs one past the last)
+    # inside it, the per-layer calls of decode_stack_reference; outside, the LM head and the prefill
+    assert stack_ops.calls["gemv_add"] == 2 * layers * 24

@@ -84,7 +84,7 @@ class RecordingLoader:
     def __init__(self):
         self.launched = []
 
-    def launch(self, spec, sig, grid, block, *args, pdl=False):
+    def launch(self, spec, sig, grid, block, *args, shared_mem=0, pdl=False):
         self.launched.append(str(spec))
 
 

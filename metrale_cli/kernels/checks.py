@@ -194,10 +194,78 @@ def _check_rope_and_cache(dtype):
     return check
 
 
+def make_stack_case(layers: int, hidden: int, hq: int, hk: int, head_dim: int, inter: int, context: int,
+                    seed: int = 0) -> dict:
+    """CPU tensors for one batch-1 decode step of a random dense stack (``DecodeStack``) whose
+    bf16 cache holds ``context`` earlier tokens: ``stack``, ``hidden`` (1, hidden) and a decode
+    context (``block_tables``, ``seq_lens``, ``slot_mapping``, ``positions``) for the token at
+    position ``context``. Weights are scaled so activations stay O(1) through the layers."""
+    from metrale_cli.kernels.ops import DecodeStack, StackLayer
+
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    parts, d = [], head_dim
+    case = None
+    for i in range(layers):
+        case = make_paged_case([context + 1], hq, hk, d, KvCacheDtype.BF16, seed=seed + i)
+        parts.append(StackLayer(
+            randn((hq + 2 * hk) * d, hidden, scale=hidden**-0.5), randn(hidden, hq * d, scale=(hq * d) ** -0.5),
+            randn(2 * inter, hidden, scale=hidden**-0.5), randn(hidden, inter, scale=inter**-0.5),
+            1 + randn(hidden, scale=0.1), 1 + randn(hidden, scale=0.1), 1 + randn(d, scale=0.1),
+            1 + randn(d, scale=0.1), case["k_pool"], case["v_pool"],
+        ))
+    ang = torch.arange(context + 8)[:, None] * 0.01 ** (torch.arange(d // 2) / (d // 2))
+    table = case["block_tables"]
+    slot = table[0, context // 16] * 16 + context % 16
+    return dict(stack=DecodeStack(parts, hq, hk, d, 1e-6, d**-0.5, ang.cos(), ang.sin()),
+                hidden=randn(1, hidden), block_tables=table, seq_lens=case["seq_lens"],
+                slot_mapping=slot.reshape(1).to(torch.int32), positions=torch.tensor([context], dtype=torch.int32))
+
+
+def stack_to(stack, device):
+    """A copy of a ``DecodeStack`` with every tensor (pools included) on ``device``."""
+    from metrale_cli.kernels.ops import DecodeStack, StackLayer
+
+    def move(t):
+        return None if t is None else t.to(device).clone()
+
+    layers = [StackLayer(*(pool_to(getattr(x, f.name), device) if f.name.endswith("pool") else move(getattr(x, f.name))
+                           for f in dataclasses.fields(StackLayer))) for x in stack.layers]
+    return DecodeStack(layers, stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.eps, stack.scale,
+                       move(stack.cos), move(stack.sin))
+
+
+def _check_decode_stack(ops, hd):
+    """Two layers of a random stack against the torch reference of the same step on the CPU: the
+    running sum and each layer's new cache row within bf16 rounding."""
+    from metrale_cli.kernels.ops import decode_stack_reference
+    from metrale_cli.layers.context import ForwardContext
+
+    c = make_stack_case(2, 256, 4, 2, hd, 384, context=45, seed=11)
+    stack = stack_to(c["stack"], "cuda")
+    plan = ops.decode_stack_plan(stack)
+    if plan is None:
+        return None  # this GPU runs the layers one by one: the kernel is never launched here
+
+    def context(device):
+        t = [c[n].to(device) for n in ("positions", "slot_mapping", "block_tables", "seq_lens")]
+        return ForwardContext("decode", t[0], t[1], block_tables=t[2], seq_lens=t[3])
+
+    got = ops.decode_stack(plan, c["hidden"].cuda(), context("cuda"))
+    want = decode_stack_reference(ref.TorchOps, c["stack"], c["hidden"], context("cpu"))
+    slot = int(c["slot_mapping"][0])
+    rows = [(a.k_pool.data.view(-1, hd)[slot * 2:slot * 2 + 2], b.k_pool.data.view(-1, hd)[slot * 2:slot * 2 + 2])
+            for a, b in zip(stack.layers, c["stack"].layers)]
+    return compare(got, want, 3e-2, 3e-2) or next((e for a, b in rows if (e := compare(a, b, 3e-2, 3e-2))), None)
+
+
 def _numeric_checks() -> dict[str, Callable]:
     """{``module::function``: check(ops, head_dim) -> problem or None} for every kernel."""
     from metrale_cli.kernels.table import (
-        ADD_RMS_NORM, GEMV_ADD, GEMV_NORM, GEMV_NORM_SWIGLU, RMS_NORM, ROPE, ROPE_AND_CACHE, SILU_AND_MUL, WHT,
+        ADD_RMS_NORM, DECODE_STACK, GEMV_ADD, GEMV_NORM, GEMV_NORM_SWIGLU, RMS_NORM, ROPE, ROPE_AND_CACHE, SILU_AND_MUL, WHT,
         kv_kernels,
     )
 
@@ -206,6 +274,7 @@ def _numeric_checks() -> dict[str, Callable]:
               str(GEMV_NORM[0]): _check_gemv("norm"), str(GEMV_NORM_SWIGLU[0]): _check_gemv("swiglu"),
               str(GEMV_ADD[0]): _check_gemv("add")}
     checks.update({str(WHT[inv][0]): _check_wht(inv) for inv in (False, True)})
+    checks[str(DECODE_STACK[0])] = _check_decode_stack
     checks.update({str(kernel[0]): _check_rope_and_cache(d) for d, kernel in ROPE_AND_CACHE.items()})
     for d in KvCacheDtype:
         for hd in (64, 128, 256, 512):

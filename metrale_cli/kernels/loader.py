@@ -84,7 +84,7 @@ def pointer_dtypes() -> dict:
     import torch
 
     return {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "f32": torch.float32, "i32": torch.int32,
-            "u8": torch.uint8}
+            "i64": torch.int64, "u8": torch.uint8}
 
 
 def current_device() -> int:
@@ -210,6 +210,8 @@ class KernelLoader:
         typed = [_typed(spec, name, kind, arg, device) for (name, kind), arg in params]
         cp = _cupy()
         fn = self.function(spec, device)
+        if shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_mem:
+            fn.max_dynamic_shared_size_bytes = shared_mem  # an opt-in above the default 48 KB
         stream = self._stream(cp, device)
         with cp.cuda.Device(device.index), stream:
             driver = _pdl_driver() if pdl and int(device_arch(device.index)[3:]) >= 90 else None

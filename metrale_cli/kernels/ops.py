@@ -58,6 +58,55 @@ class SidePool:
         return self.data.shape[0]
 
 
+@dataclass
+class StackLayer:
+    """One layer's part of a whole-stack decode step (:meth:`Ops.decode_stack`): its weights,
+    norms (``q_norm`` / ``k_norm`` None without QK-norm) and KV pools."""
+
+    qkv: torch.Tensor  # (Hq*D + 2*Hk*D, hidden)
+    o: torch.Tensor  # (hidden, Hq*D)
+    gate_up: torch.Tensor  # (2I, hidden)
+    down: torch.Tensor  # (hidden, I)
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    k_pool: SidePool
+    v_pool: SidePool
+
+
+@dataclass
+class DecodeStack:
+    """A dense model's layers as one batch-1 decode step: pre-norm attention (fused q/k/v, QK-norm,
+    neox RoPE from ``cos`` / ``sin``) and a SwiGLU FFN, no biases, per layer."""
+
+    layers: list[StackLayer]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def decode_stack_reference(ops: Ops, stack: DecodeStack, hidden: torch.Tensor, ctx) -> torch.Tensor:
+    """What :meth:`Ops.decode_stack` computes, through ``ops``' single-layer calls (the fused
+    GEMVs, QK-norm + RoPE + cache write, paged decode): the layers' batch-1 decode path."""
+    h, eps, d = hidden, stack.eps, stack.head_dim
+    q_size, kv_size = stack.num_heads * d, stack.num_kv_heads * d
+    for layer in stack.layers:
+        qkv, _ = ops.gemv_norm(h, None, layer.input_norm, eps, layer.qkv)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = ops.rope_and_cache(q.view(1, -1, d), k.view(1, -1, d), v.view(1, -1, d), layer.k_pool, layer.v_pool,
+                               ctx.slot_mapping, ctx.positions, stack.cos, stack.sin, layer.q_norm, layer.k_norm, eps)
+        out = ops.paged_decode(q, layer.k_pool, layer.v_pool, ctx.block_tables, ctx.seq_lens, stack.scale)
+        h = ops.gemv_add(out.reshape(1, q_size), layer.o, h)
+        act, _ = ops.gemv_norm_swiglu(h, None, layer.post_norm, eps, layer.gate_up)
+        h = ops.gemv_add(act, layer.down, h)
+    return h
+
+
 class Ops(Protocol):
     name: str
 
@@ -180,6 +229,17 @@ class Ops(Protocol):
         """One row, the residual add fused into the projection before it: x: (1, K),
         weight: (N, K), residual: (1, N) -> residual + F.linear(x, weight), rounded once more to
         the dtype as torch's add does; a new tensor."""
+
+    def decode_stack_plan(self, stack: DecodeStack) -> object | None:
+        """What :meth:`decode_stack` needs to run ``stack`` (buffers, launch tables), built once
+        per model; None where this backend has no whole-stack step for it (the layers then run
+        one by one)."""
+
+    def decode_stack(self, plan: object, hidden: torch.Tensor, ctx) -> torch.Tensor:
+        """One decode token through every layer of a planned stack: hidden (1, hidden) (the
+        token's embedding; may be overwritten) -> the running sum after the last layer, as
+        :func:`decode_stack_reference` computes it (the attention's fp32 sums may differ in
+        order). ``ctx``: a one-sequence decode context; the new token's K / V are written."""
 
     def wht(self, x: torch.Tensor, signs: torch.Tensor, inverse: bool) -> torch.Tensor:
         """x: (N, D) bf16 rows (N = tokens * heads), rotated in place by R = S2·H·S1/√D (by Rᵀ

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.ops import SidePool
 from metrale_cli.kv import formats
 from metrale_cli.kv.wht import wht_inplace
@@ -140,6 +141,15 @@ class TorchOps:
     def gemv_fits(k: int) -> bool:
         """Never: the torch backend runs the unfused sequence the fused GEMVs are checked against."""
         return False
+
+    @staticmethod
+    def decode_stack_plan(stack) -> None:
+        """None: the torch backend runs the layers one by one."""
+        return None
+
+    @staticmethod
+    def decode_stack(plan, hidden, ctx):
+        raise MetraleError("the torch backend has no whole-stack decode step")
 
     @staticmethod
     def wht(x: torch.Tensor, signs: torch.Tensor, inverse: bool) -> torch.Tensor:

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 class Signature:
     """A kernel's parameters, e.g. ``Signature.parse("x: bf16*, out: bf16*, n: i32, eps: f32")``.
 
-    Pointer types end in ``*`` (``bf16*``, ``fp8*``, ``f32*``, ``i32*``, ``u8*`` for packed KV
-    pools); a trailing ``?``
+    Pointer types end in ``*`` (``bf16*``, ``fp8*``, ``f32*``, ``i32*``, ``i64*``, ``u8*`` for packed
+    KV pools); a trailing ``?``
     (``f32*?``) accepts None for an unused pointer. Scalars are ``i32`` or ``f32``.
     """
 
@@ -68,6 +68,20 @@ GEMV_ADD = K("gemv::gemv_add_bf16"), Signature.parse("w: bf16*, x: bf16*, residu
 GEMV_THREADS = 256  # gemv.cu's CTA
 GEMV_CTAS_PER_SM = 2  # its __launch_bounds__ minimum; the grid is this many CTAs per SM
 GEMV_MAX_K = 16384  # its shared-memory row of x
+DECODE_STACK = K("decode_stack::decode_stack_bf16"), Signature.parse(
+    "layers: i64*, num_layers: i32, h: bf16*, words: i64*, part_o: f32*, part_ml: f32*, sync: i32*, block_table: i32*, seq_lens: i32*, slot_mapping: i32*, positions: i32*, cos: f32*, sin: f32*, "
+    "hidden: i32, hq: i32, hk: i32, head_dim: i32, rot_dim: i32, inter: i32, num_splits: i32, eps: f32, scale: f32"
+)
+# decode_stack.cu's constants: its CTA, weight ring stage, widest GEMV row and shared memory
+STACK_BLOCK = 288  # eight consumer warps and the weight producer's
+STACK_STAGE_BYTES = 32768
+STACK_MAX_K = 12288
+STACK_MIN_ROWS = 4  # rows (gate/up pairs) per ring stage the planner asks of every projection
+STACK_MAX_LAYERS = 128
+STACK_MAX_OWN = 256  # rows of the hidden state one CTA owns
+STACK_SMEM_BYTES = (5 * STACK_STAGE_BYTES + 33280 + 8 * 128 * 2 + 128 * 2 + 8 * 128 * 2 + STACK_MAX_LAYERS * 4 * 8
+                    + STACK_MAX_OWN * 2 + 2 * 5 * 8 + 16)
+STACK_HEAD_DIMS = (64, 128)
 # Launched by every layer whatever its KV dtype.
 COMMON_KERNELS = tuple(k[0] for k in (RMS_NORM, ADD_RMS_NORM, ROPE, SILU_AND_MUL, GEMV_NORM, GEMV_NORM_SWIGLU, GEMV_ADD))
 _WHT_SIG = Signature.parse("x: bf16*, signs: f32*, rows: i32, head_dim: i32")
@@ -218,10 +232,11 @@ def decode_rows(head_dim: int, group: int) -> int:
 def layer_kernels(kv_dtype, head_dim: int) -> list[KernelSpec]:
     """Every kernel ``CudaOps`` launches for a layer of this KV dtype (norms, RoPE, SwiGLU, the
     decode GEMVs, the dtype's write / decode / split combine / prefill, the WHT bookends of a
-    rotated side, and the fused QK-norm + RoPE + write): the start-up check loads them all before
-    any weight is read."""
+    rotated side, the fused QK-norm + RoPE + write, and for a bf16 cache the whole-stack decode
+    step): the start-up check loads them all before any weight is read."""
     from metrale_cli.kernels.requirements import as_kv_dtype
 
     specs = list(COMMON_KERNELS)
     d = as_kv_dtype(kv_dtype)
-    return specs + kv_kernels(d, head_dim).specs() + [ROPE_AND_CACHE[d][0]]
+    stack = [DECODE_STACK[0]] if d == KvCacheDtype.BF16 and head_dim in STACK_HEAD_DIMS else []
+    return specs + kv_kernels(d, head_dim).specs() + stack + [ROPE_AND_CACHE[d][0]]

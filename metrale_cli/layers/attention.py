@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from metrale_cli.config import ModelConfig
-from metrale_cli.kernels.ops import Ops, SidePool
+from metrale_cli.kernels.ops import Ops, SidePool, StackLayer
 from metrale_cli.kv.fp8 import Fp8ScalePolicy
 from metrale_cli.kv.innerq import InnerQPolicy
 from metrale_cli.kv.paged import PagedKvCache
@@ -102,6 +102,18 @@ class Qwen3AttentionLayer:
             and all(t.dtype == torch.bfloat16 for t in (attn.qkv, attn.o, ffn.gate_up, ffn.down))
             and all(ops.gemv_fits(k) for k in (config.hidden_size, config.q_size, ffn.down.shape[1]))
         )
+
+    def stack_layer(self) -> StackLayer | None:
+        """This layer as part of a whole-stack decode step (``Ops.decode_stack``), or None where
+        its decode step is not the fused one (biases, a non-SwiGLU FFN, weights the fused GEMVs
+        do not take) or its KV cache is calibrated online."""
+        if not (self.fused_decode and self.fp8_scales.frozen[self.idx]
+                and (self.innerq is None or self.innerq.frozen[self.idx])):
+            return None
+        w = self.attn
+        kp, vp = self.kv.pools(self.idx)
+        return StackLayer(w.qkv, w.o, self.ffn.gate_up, self.ffn.down, self.input_norm, self.post_attn_norm,
+                          w.q_norm, w.k_norm, kp, vp)
 
     # --- the layer protocol -------------------------------------------------------------
     def alloc_state(self) -> AttnLayerState:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from metrale_cli.config import ModelConfig
-from metrale_cli.kernels.ops import Ops
+from metrale_cli.kernels.ops import DecodeStack, Ops
 from metrale_cli.kv.fp8 import Fp8ScalePolicy
 from metrale_cli.kv.innerq import InnerQPolicy
 from metrale_cli.kv.paged import PagedKvCache
@@ -26,6 +26,18 @@ class CausalLM:
         self.kv_cache = kv_cache
         self.fp8_scales = fp8_scales
         self.innerq = innerq
+        self.stack_plan = self._plan_stack()
+
+    def _plan_stack(self):
+        """The backend's whole-stack batch-1 decode step for these layers, or None (the layers
+        then run one by one): every layer must offer its part (``stack_layer``)."""
+        parts = [getattr(layer, "stack_layer", lambda: None)() for layer in self.layers]
+        if not parts or any(p is None for p in parts):
+            return None
+        first, cfg = self.layers[0], self.cfg
+        stack = DecodeStack(parts, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                            first.scale, first.rope_cos, first.rope_sin)
+        return self.ops.decode_stack_plan(stack)
 
     def decode_graph_unsupported(self) -> str | None:
         """The first layer's reason its decode step cannot be graph-captured, else None."""
@@ -53,6 +65,9 @@ class CausalLM:
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor) -> torch.Tensor:
         """tokens: (T,) -> float32 logits (len(logit_rows), vocab) of the selected rows."""
         hidden, residual = F.embedding(tokens, self.embed), None
+        if self.stack_plan is not None and not ctx.is_prefill and tokens.shape[0] == 1:
+            hidden = self.ops.decode_stack(self.stack_plan, hidden, ctx)
+            return self._logits(hidden[logit_rows], None).float()
         for layer in self.layers:
             step = layer.prefill if ctx.is_prefill else layer.decode_multi_seq
             hidden, residual = step(hidden, residual, ctx)

@@ -1,0 +1,287 @@
+// The tensor-core paged decode body: paged_decode_tc.cu's kernel and decode_stack.cu's attention
+// phase (see paged_decode_tc.cu for the scheme).
+#pragma once
+#include "mma.cuh"
+#include "paged_attention.cuh"
+
+#define TC_WARPS 4  // the standalone kernel's warps; decode_tc takes any count
+#define TC_THREADS (TC_WARPS * 32)
+#define TC_MAX_D 128
+#define TC_ROWS 8  // query heads per CTA
+
+// Cache elements per 16-byte load.
+template <bool FP8>
+struct TcElems {
+    static const int value = FP8 ? 16 : 8;
+};
+
+// Element t of lane c's share of a head vector (t < D / 4): the dim it stands for.
+template <bool FP8>
+__device__ __forceinline__ int tc_dim(int c, int t) {
+    constexpr int E = TcElems<FP8>::value;
+    return (4 * (t / E) + c) * E + t % E;
+}
+
+template <bool FP8>
+__device__ __forceinline__ void tc_mma(float* d, const unsigned* a, const unsigned* b) {
+    if constexpr (FP8) mma_f16_16816(d, a, b);
+    else mma_bf16_16816(d, a, b);
+}
+
+template <bool FP8>
+__device__ __forceinline__ unsigned tc_pack(float lo, float hi) {
+    if constexpr (FP8) return pack_f16x2(lo, hi);
+    else return pack_bf16x2(lo, hi);
+}
+
+// The two halves of a packed pair, as rounded.
+template <bool FP8>
+__device__ __forceinline__ void tc_unpack(unsigned v, float& lo, float& hi) {
+    if constexpr (FP8) unpack_f16x2(v, lo, hi);
+    else unpack_bf16x2(v, lo, hi);
+}
+
+struct TcWork {
+    const bf16_t* q;  // the CTA's first query head (global or shared memory)
+    const unsigned char* k_cache;
+    const unsigned char* v_cache;
+    const int* block_table;  // this sequence's row
+    long long head0;         // the CTA's first query head (b * Hq + ...)
+    int rows;                // its query heads: up to TC_ROWS
+    int num_kv_heads, kv_head, begin, end, num_splits, split;
+    float qk_scale, v_scale;
+    bf16_t* out;
+    float* part_o;  // null: write the final output
+    float* part_ml;
+    float* smem_o;   // [WARPS][TC_ROWS][TC_MAX_D]
+    float* smem_ml;  // [WARPS][TC_ROWS][2]
+};
+
+// The tile key of this lane's V word set v (0-3): keys 2c, 2c + 1, 8 + 2c, 9 + 2c.
+__device__ __forceinline__ int tc_v_key(int c, int v) { return 2 * c + (v & 1) + 8 * (v >> 1); }
+
+// The dim of O^T row 8r + g of output tile n: lane group g holds dims D/8 g .. D/8 g + D/8 of V,
+// tile n pairs dims 2n (row g) and 2n + 1 (row g + 8) of them.
+template <int D>
+__device__ __forceinline__ int tc_out_dim(int n, int r, int g) { return D / 8 * g + 2 * n + r; }
+
+// Run by all WARPS warps of the CTA (one CTA_SYNC inside).
+template <int D, bool FP8, int WARPS = TC_WARPS>
+__device__ void decode_tc(const TcWork& w) {
+    constexpr int E = TcElems<FP8>::value;
+    constexpr int BYTES = FP8 ? 1 : 2;  // per cache element
+    constexpr int NC = D / (4 * E);     // 16-byte chunks of a key row per lane
+    constexpr int KS = D / 16;          // MMA steps over head_dim (S^T) and output tiles (O^T)
+    // fp8: a warp's next tile is loaded before this one is scored (an fp8 tile is half a bf16 one's
+    // bytes: without it, too few are in flight). bf16 has no registers to spare for it.
+    constexpr bool PREFETCH = FP8;
+    constexpr int VW = D / 8 * BYTES / 4;  // V words per key of a lane: D / 8 dims
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+
+    // q as the B operand of S^T = K Q^T: head g, elements 4j, 4j + 1 (register 0) and 4j + 2,
+    // 4j + 3 (register 1) of this lane's share; zero past the CTA's heads.
+    const bool has = g < w.rows;
+    const bf16_t* qr = w.q + g * D;
+    float q_mul = w.qk_scale * LOG2E, q_scale = 1.0f;
+    if constexpr (FP8) {
+        float amax = 0.0f;
+        if (has) {
+#pragma unroll
+            for (int e = 0; e < D / 4; ++e) amax = fmaxf(amax, fabsf(bf16_to_f32(qr[tc_dim<FP8>(c, e)])));
+        }
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        // amax < 2^(x + 1); q * 2^-e stays below 2^15, inside f16's range.
+        const int x = (int)((__float_as_uint(amax) >> 23) & 0xffu) - 127;
+        const int e = max(0, x - 14);
+        q_scale = __uint_as_float((unsigned)(127 - e) << 23);
+        q_mul *= __uint_as_float((unsigned)(127 + e) << 23);
+    }
+    unsigned qb[KS][2];
+#pragma unroll
+    for (int j = 0; j < KS; ++j) {
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+            const int d = tc_dim<FP8>(c, 4 * j + 2 * hi);  // d + 1 is element 4j + 2 hi + 1
+            qb[j][hi] = tc_pack<FP8>(has ? bf16_to_f32(qr[d]) * q_scale : 0.0f,
+                                     has ? bf16_to_f32(qr[d + 1]) * q_scale : 0.0f);
+        }
+    }
+
+    // This lane's heads 2c + e (e = 0, 1): running max, sum (over its keys g, g + 8 only; the 8
+    // lanes of a head add up at the end) and O^T columns: o[n][e] and o[n][2 + e].
+    float m[2] = {METRALE_NEG_INF, METRALE_NEG_INF}, l[2] = {0.0f, 0.0f}, o[KS][4];
+#pragma unroll
+    for (int n = 0; n < KS; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+
+    // A tile's K and V as this lane loads them (a dead key's slot is still inside the block: its
+    // scores are masked, its V zeroed below).
+    auto load = [&](int tile, Words<4> (&k)[2][NC], Words<VW> (&v)[4]) {
+        const long long block = w.block_table[tile / ATTN_BLOCK];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // K: keys g, g + 8
+            const long long row = (block * ATTN_BLOCK + 8 * h + g) * w.num_kv_heads + w.kv_head;
+            const unsigned char* kp = w.k_cache + row * (D * BYTES) + c * 16;
+#pragma unroll
+            for (int i = 0; i < NC; ++i) k[h][i] = *reinterpret_cast<const Words<4>*>(kp + 64 * i);
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {  // V: keys tc_v_key(c, x), dims D/8 g .. D/8 g + D/8
+            const long long row = (block * ATTN_BLOCK + tc_v_key(c, x)) * w.num_kv_heads + w.kv_head;
+            v[x] = *reinterpret_cast<const Words<VW>*>(w.v_cache + row * (D * BYTES) + g * (VW * 4));
+        }
+    };
+    Words<4> kr[2][NC], kn[2][NC];
+    Words<VW> vr[4], vn[4];
+    if (PREFETCH && w.begin + 16 * warp < w.end) load(w.begin + 16 * warp, kr, vr);
+    for (int tile = w.begin + 16 * warp; tile < w.end; tile += 16 * WARPS) {
+        if constexpr (PREFETCH) {  // the warp's next tile is in flight while this one is scored
+            if (tile + 16 * WARPS < w.end) load(tile + 16 * WARPS, kn, vn);
+        } else {
+            load(tile, kr, vr);
+        }
+        // S^T (16 keys x 8 heads per query tile): K rows g, g + 8 are the A operand as loaded.
+        float st[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < KS; ++j) {
+            unsigned a[4];  // key g low pair, key g + 8 low pair, key g high pair, key g + 8 high
+            if constexpr (FP8) {
+                const unsigned x0 = kr[0][j / 4].w[j % 4], x1 = kr[1][j / 4].w[j % 4];
+                a[0] = e4m3x4_lo_to_f16x2(x0);
+                a[1] = e4m3x4_lo_to_f16x2(x1);
+                a[2] = e4m3x4_hi_to_f16x2(x0);
+                a[3] = e4m3x4_hi_to_f16x2(x1);
+            } else {
+                a[0] = kr[0][j / 2].w[(j % 2) * 2];
+                a[1] = kr[1][j / 2].w[(j % 2) * 2];
+                a[2] = kr[0][j / 2].w[(j % 2) * 2 + 1];
+                a[3] = kr[1][j / 2].w[(j % 2) * 2 + 1];
+            }
+            tc_mma<FP8>(st, a, qb[j]);
+        }
+        // Online softmax of heads 2c + e over keys g (st[e]) and g + 8 (st[2 + e]);
+        // P^T goes back to registers and, transposed, is the B operand of O^T += V^T P^T.
+        const bool live0 = tile + g < w.end, live1 = tile + 8 + g < w.end;
+        float corr[2], p0[2], p1[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float x0 = live0 ? st[e] * q_mul : METRALE_NEG_INF;
+            const float x1 = live1 ? st[2 + e] * q_mul : METRALE_NEG_INF;
+            float mx = fmaxf(x0, x1);
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+            const float n = fmaxf(m[e], mx);
+            corr[e] = n == METRALE_NEG_INF ? 1.0f : exp2f(m[e] - n);
+            m[e] = n;
+            p0[e] = x0 == METRALE_NEG_INF ? 0.0f : exp2f(x0 - n);
+            p1[e] = x1 == METRALE_NEG_INF ? 0.0f : exp2f(x1 - n);
+        }
+        const unsigned k0 = tc_pack<FP8>(p0[0], p0[1]), k1 = tc_pack<FP8>(p1[0], p1[1]);
+        float r0, r1, r2, r3;  // the probabilities as rounded: the sum is of what P V uses
+        tc_unpack<FP8>(k0, r0, r1);
+        tc_unpack<FP8>(k1, r2, r3);
+        l[0] = l[0] * corr[0] + r0 + r2;
+        l[1] = l[1] * corr[1] + r1 + r3;
+        const unsigned pb[2] = {movmatrix_trans(k0),   // P[head g][keys 2c, 2c + 1]
+                                movmatrix_trans(k1)};  // ... keys 8 + 2c, 9 + 2c
+        if (corr[0] != 1.0f || corr[1] != 1.0f) {  // most tiles keep the maxima
+#pragma unroll
+            for (int n = 0; n < KS; ++n) {
+                o[n][0] *= corr[0];
+                o[n][1] *= corr[1];
+                o[n][2] *= corr[0];
+                o[n][3] *= corr[1];
+            }
+        }
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {  // a dead key's V is zeroed: 0 x NaN would be NaN
+            if (tile + tc_v_key(c, v) >= w.end) {
+#pragma unroll
+                for (int x = 0; x < VW; ++x) vr[v].w[x] = 0u;
+            }
+        }
+        // V^T as the A operand of output tile n: rows g, g + 8 are dims tc_out_dim(n, 0 / 1, g),
+        // columns keys 2c, 2c + 1 (registers 0, 1) and 8 + 2c, 9 + 2c (2, 3): each register
+        // pairs one dim of two keys, byte-permuted from the two keys' words.
+#pragma unroll
+        for (int n = 0; n < KS; ++n) {
+            unsigned a[4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const Words<VW>& lo = vr[2 * h];     // key 8h + 2c
+                const Words<VW>& hi = vr[2 * h + 1];  // key 8h + 2c + 1
+                if constexpr (FP8) {  // bytes 2(n % 2), + 1 of word n / 2: the tile's two dims
+                    const int b = 2 * (n % 2);
+                    const unsigned x = __byte_perm(lo.w[n / 2], hi.w[n / 2],
+                                                   b | (b + 4) << 4 | (b + 1) << 8 | (b + 5) << 12);
+                    a[2 * h] = e4m3x4_lo_to_f16x2(x);      // dim 2n (row g)
+                    a[2 * h + 1] = e4m3x4_hi_to_f16x2(x);  // dim 2n + 1 (row g + 8)
+                } else {  // word n: the tile's two dims
+                    a[2 * h] = __byte_perm(lo.w[n], hi.w[n], 0x5410);
+                    a[2 * h + 1] = __byte_perm(lo.w[n], hi.w[n], 0x7632);
+                }
+            }
+            tc_mma<FP8>(o[n], a, pb);
+        }
+        if constexpr (PREFETCH) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                for (int i = 0; i < NC; ++i) kr[h][i] = kn[h][i];
+            }
+#pragma unroll
+            for (int x = 0; x < 4; ++x) vr[x] = vn[x];
+        }
+    }
+
+    // A head's sum over its 8 lanes; then the warps merge through shared memory.
+    float* so = w.smem_o + warp * TC_ROWS * TC_MAX_D;
+    float* sml = w.smem_ml + warp * TC_ROWS * 2;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        l[e] += __shfl_xor_sync(0xffffffffu, l[e], 4);
+        l[e] += __shfl_xor_sync(0xffffffffu, l[e], 8);
+        l[e] += __shfl_xor_sync(0xffffffffu, l[e], 16);
+        const int r = 2 * c + e;
+        if (r < w.rows) {
+#pragma unroll
+            for (int n = 0; n < KS; ++n) {
+                so[r * TC_MAX_D + tc_out_dim<D>(n, 0, g)] = o[n][e];
+                so[r * TC_MAX_D + tc_out_dim<D>(n, 1, g)] = o[n][2 + e];
+            }
+            if (g == 0) {
+                sml[r * 2] = m[e];
+                sml[r * 2 + 1] = l[e];
+            }
+        }
+    }
+    CTA_SYNC();
+    for (int idx = threadIdx.x; idx < w.rows * D; idx += WARPS * 32) {
+        const int r = idx / D, d = idx % D;
+        float big = METRALE_NEG_INF;
+#pragma unroll
+        for (int v = 0; v < WARPS; ++v) big = fmaxf(big, w.smem_ml[(v * TC_ROWS + r) * 2]);
+        float sum = 0.0f, val = 0.0f;
+        if (big != METRALE_NEG_INF) {
+#pragma unroll
+            for (int v = 0; v < WARPS; ++v) {
+                const float f = exp2f(w.smem_ml[(v * TC_ROWS + r) * 2] - big);  // 0 for an idle warp
+                sum += w.smem_ml[(v * TC_ROWS + r) * 2 + 1] * f;
+                val += w.smem_o[(v * TC_ROWS + r) * TC_MAX_D + d] * f;
+            }
+        }
+        val *= w.v_scale;
+        const long long head = w.head0 + r;
+        if (w.part_o == nullptr) {
+            w.out[head * D + d] = f32_to_bf16(sum > 0.0f ? val / sum : 0.0f);
+        } else {
+            const long long part = head * w.num_splits + w.split;
+            w.part_o[part * D + d] = val;
+            if (d == 0) {
+                w.part_ml[part * 2] = big;
+                w.part_ml[part * 2 + 1] = sum;
+            }
+        }
+    }
+}

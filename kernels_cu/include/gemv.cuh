@@ -1,0 +1,91 @@
+// The pieces of the batch-1 decode GEMVs shared by gemv.cu and decode_stack.cu: 16-byte weight
+// chunks, their dot products with the activation row, and the row's staging in shared memory
+// (with add_rms_norm_bf16's arithmetic when normalized).
+#pragma once
+#include "reduce.cuh"
+#include "rms_row.cuh"
+
+#define GEMV_THREADS 256
+#define GEMV_WARPS (GEMV_THREADS / 32)
+#define GEMV_MAX_K 16384  // x is staged in shared memory as bf16: 32 KB
+
+typedef Words<4> Chunk;  // 8 bf16
+
+__device__ __forceinline__ Chunk load_weights(const bf16_t* p) {
+#ifdef METRALE_HOST_EMULATION
+    return *reinterpret_cast<const Chunk*>(p);
+#else
+    // Streamed once per token: read-only path, not kept in L1.
+    Chunk c;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(c.w[0]), "=r"(c.w[1]), "=r"(c.w[2]), "=r"(c.w[3])
+        : "l"(p));
+    return c;
+#endif
+}
+
+__device__ __forceinline__ float dot8(const Chunk& w, const Chunk& x, float acc) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc = __fmaf_rn(__uint_as_float(w.w[i] << 16), __uint_as_float(x.w[i] << 16), acc);
+        acc = __fmaf_rn(__uint_as_float(w.w[i] & 0xffff0000u), __uint_as_float(x.w[i] & 0xffff0000u), acc);
+    }
+    return acc;
+}
+
+// A bf16 row in global memory as stage_row's source.
+struct BfRow {
+    const bf16_t* p;
+    __device__ void operator()(int i, float* a) const { load_vec<8>(p + i, a); }  // elements i .. i + 7
+    __device__ Chunk chunk(int i) const { return *reinterpret_cast<const Chunk*>(p + i); }
+};
+
+// Stage the activation row (read through `src`, see BfRow) in shared memory. With ``gamma`` it is
+// add_rms_norm_bf16's output (s = bf16(x + residual), written to sum_out by CTA 0; then
+// bf16(gamma * bf16(s * r))): threads below rmsnorm's block size cover the elements that thread
+// covers there, so the sums match. Run by GEMV_THREADS threads.
+template <bool NORM, class Src>
+__device__ void stage_row(Chunk* xs, const Src& src, const bf16_t* residual, const bf16_t* gamma,
+                          bf16_t* sum_out, int k, float eps) {
+    const int threads = NORM && k < 2048 ? 128 : GEMV_THREADS;
+    const int t = threadIdx.x;
+    if (!NORM) {
+        for (int i = t * 8; i < k; i += threads * 8) xs[i / 8] = src.chunk(i);
+        CTA_SYNC();
+        return;
+    }
+    float ss = 0.0f;
+    if (t < threads) {
+        for (int i = t * 8; i < k; i += threads * 8) {
+            float a[8];
+            src(i, a);
+            if (residual != nullptr) {
+                float b[8];
+                load_vec<8>(residual + i, b);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) a[j] = round_bf16(a[j] + b[j]);
+                if (sum_out != nullptr && blockIdx.x == 0) store_vec<8>(sum_out + i, a);
+            }
+            ss = add_squares<8>(ss, a);
+            store_vec<8>(reinterpret_cast<bf16_t*>(xs + i / 8), a);
+        }
+    }
+    const float r = inv_rms(block_sum(ss), k, eps);  // block_sum's barrier orders xs too
+    if (t < threads) {
+        for (int i = t * 8; i < k; i += threads * 8) {
+            float a[8], g[8];
+            load_vec<8>(reinterpret_cast<const bf16_t*>(xs + i / 8), a);
+            load_vec<8>(gamma + i, g);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) a[j] = rms_scaled(a[j], g[j], r);
+            store_vec<8>(reinterpret_cast<bf16_t*>(xs + i / 8), a);
+        }
+    }
+    CTA_SYNC();
+}
+
+template <bool NORM>
+__device__ void stage_x(Chunk* xs, const bf16_t* x, const bf16_t* residual, const bf16_t* gamma,
+                        bf16_t* sum_out, int k, float eps) {
+    stage_row<NORM>(xs, BfRow{x}, residual, gamma, sum_out, k, eps);
+}
