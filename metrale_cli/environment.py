@@ -17,6 +17,10 @@ ENV_LEVERS: dict[str, str] = {
     "TURBO_INNERQ_STRENGTH": "InnerQ strength α in s = (mean/rms)^α (default 0.5)",
     "METRALE_PREFILL_HOST_TIMING": "1 = accumulate host microseconds per prefill phase "
     "(projections, to attention call, attention call, FFN); bench prints them",
+    "METRALE_DECODE_STACK": "1 = run batch-1 decode of small dense bf16 models with a bf16 cache "
+    "(at least four weight rows per 32 KB) as one persistent kernel for all layers "
+    "(kernels_cu/decode_stack.cu) instead of launches per layer; experimental: it needs every SM "
+    "to itself and, on an H200, ties the launches (docs/performance.md)",
 }
 
 
@@ -45,6 +49,11 @@ def _number(name: str, kind: type, default):
 def innerq_env() -> tuple[int, float]:
     """(calibration tokens, strength) from TURBO_INNERQ / TURBO_INNERQ_STRENGTH."""
     return _number("TURBO_INNERQ", int, 0), _number("TURBO_INNERQ_STRENGTH", float, 0.5)
+
+
+def decode_stack() -> bool:
+    """METRALE_DECODE_STACK=1: batch-1 decode through the whole-stack kernel where it serves."""
+    return _number("METRALE_DECODE_STACK", int, 0) == 1
 
 
 def prefill_host_timing() -> bool:

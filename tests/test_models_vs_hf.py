@@ -206,6 +206,7 @@ def test_whole_stack_decode_equals_the_layers_one_by_one():
     ids, params = _ids(40, seed=3), SamplingParams(max_new_tokens=24, ignore_eos=True)
     stack_ops = _StackReferences()
     model = ours(hf, raw, ops=stack_ops)
+    assert model.model.stack_plan is None and model.model.plan_decode_stack()  # planned on request only
     got = model.generate([ids], params)[0][0].output_ids
     assert got == ours(hf, raw, ops=_FusedReferences()).generate([ids], params)[0][0].output_ids
     (stack,) = stack_ops.stacks

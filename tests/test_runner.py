@@ -1,5 +1,5 @@
-"""Runner levers: METRALE_PREFILL_HOST_TIMING (per-phase host time of prefill, off by default)
-and the decode mode line (CUDA graphs, or eager and why)."""
+"""Runner levers: METRALE_PREFILL_HOST_TIMING (per-phase host time of prefill, off by default),
+METRALE_DECODE_STACK and the decode mode line (CUDA graphs, or eager and why)."""
 
 from __future__ import annotations
 
@@ -54,3 +54,18 @@ def test_decode_mode_says_why_it_is_eager():
     assert not runner.engine.graphs.capture and "decode: eager (no GPU)" in runner.messages
     assert runner.model.decode_graph_unsupported() == (
         "layer 0: the torch backend's attention reads context lengths on the host")
+
+
+def test_decode_stack_lever(monkeypatch):
+    """METRALE_DECODE_STACK=1 asks for the whole-stack step; a backend without one (torch) says so
+    and the layers run one by one. Unset, nothing is planned and nothing is said."""
+    monkeypatch.delenv("METRALE_DECODE_STACK", raising=False)
+    runner = _runner()
+    assert runner.model.stack_plan is None and not any("DECODE_STACK" in m for m in runner.messages)
+    monkeypatch.setenv("METRALE_DECODE_STACK", "1")
+    runner = _runner()
+    assert runner.model.stack_plan is None
+    assert any(m.startswith("METRALE_DECODE_STACK: the whole-stack kernel does not serve") for m in runner.messages)
+    monkeypatch.setenv("METRALE_DECODE_STACK", "on")
+    with pytest.raises(MetraleError, match="is not an integer"):
+        _runner()

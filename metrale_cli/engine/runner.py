@@ -14,7 +14,7 @@ import torch
 from metrale_cli.config import ModelConfig, model_config_from_hf
 from metrale_cli.engine.cuda_graphs import DecodeGraphs
 from metrale_cli.engine.generate import Engine
-from metrale_cli.environment import prefill_host_timing
+from metrale_cli.environment import decode_stack, prefill_host_timing
 from metrale_cli.layers.host_timing import HostTiming
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.ops import Ops
@@ -135,7 +135,8 @@ def check_kv_support(kv_dtype: KvCacheDtype, head_dim: int, backend: str, device
 
     for d in every:
         validate_required_kv_kernels(d, head_dim, load)
-    specs = dict.fromkeys(spec for d in every for spec in layer_kernels(d, head_dim))
+    stack = decode_stack()
+    specs = dict.fromkeys(spec for d in every for spec in layer_kernels(d, head_dim, stack))
     problems = {str(spec): why for spec in specs if (why := load(spec))}
     if problems:
         raise MetraleError(
@@ -191,6 +192,12 @@ def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, 
     model = build_model(cfg, tensors, make_ops(backend, loader), kv_dtype, blocks, max_seq_len,
                         opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq(), dtypes=dtypes)
     check_graph_mode(opts.cuda_graph_mode)
+    stack = None
+    if decode_stack():
+        stack = ("batch-1 decode: one persistent kernel for all layers (METRALE_DECODE_STACK)"
+                 if model.plan_decode_stack() else
+                 "METRALE_DECODE_STACK: the whole-stack kernel does not serve this model or GPU "
+                 "(--debug logs why); its layers run one by one")
     capture, decode_mode = False, "decode: eager (--cuda-graph-mode disabled)"
     if device.type != "cuda":
         decode_mode = "decode: eager (no GPU)"
@@ -212,6 +219,8 @@ def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, 
         runner.messages.append(f"compiled {len(cold)} kernel module(s) in "
                                f"{sum(e.seconds for e in cold):.1f} s (cached for the next start)")
     runner.messages.append(decode_mode)
+    if stack:
+        runner.messages.append(stack)
     return runner
 
 

@@ -229,14 +229,15 @@ def decode_rows(head_dim: int, group: int) -> int:
 
 
 
-def layer_kernels(kv_dtype, head_dim: int) -> list[KernelSpec]:
+def layer_kernels(kv_dtype, head_dim: int, stack: bool = False) -> list[KernelSpec]:
     """Every kernel ``CudaOps`` launches for a layer of this KV dtype (norms, RoPE, SwiGLU, the
     decode GEMVs, the dtype's write / decode / split combine / prefill, the WHT bookends of a
-    rotated side, the fused QK-norm + RoPE + write, and for a bf16 cache the whole-stack decode
-    step): the start-up check loads them all before any weight is read."""
+    rotated side, the fused QK-norm + RoPE + write, and with ``stack`` (METRALE_DECODE_STACK) for a
+    bf16 cache the whole-stack decode step): the start-up check loads them all before any weight
+    is read."""
     from metrale_cli.kernels.requirements import as_kv_dtype
 
     specs = list(COMMON_KERNELS)
     d = as_kv_dtype(kv_dtype)
-    stack = [DECODE_STACK[0]] if d == KvCacheDtype.BF16 and head_dim in STACK_HEAD_DIMS else []
-    return specs + kv_kernels(d, head_dim).specs() + stack + [ROPE_AND_CACHE[d][0]]
+    whole = [DECODE_STACK[0]] if stack and d == KvCacheDtype.BF16 and head_dim in STACK_HEAD_DIMS else []
+    return specs + kv_kernels(d, head_dim).specs() + whole + [ROPE_AND_CACHE[d][0]]

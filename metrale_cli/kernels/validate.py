@@ -59,7 +59,8 @@ Progress = Callable[[str, int, int], None]  # (kernel, index, total)
 def kernels_to_validate(dtype, head_dim: int) -> list[KernelSpec]:
     """The dtype-independent kernels (norms, RoPE, SwiGLU, decode GEMVs), the dtype's required KV kernels
     (KV_DTYPES.md), then the others the cuda backend's layers launch (split-decode combine,
-    chunked prefill, the tensor-core decode)."""
+    chunked prefill, the tensor-core decode, the whole-stack step under METRALE_DECODE_STACK)."""
+    from metrale_cli.environment import decode_stack
     from metrale_cli.kernels.table import COMMON_KERNELS, layer_kernels
 
     if head_dim not in (64, 128, 256, 512):
@@ -67,7 +68,7 @@ def kernels_to_validate(dtype, head_dim: int) -> list[KernelSpec]:
                            f"listed), not {head_dim}", hint="use --backend torch for such a model")
     specs = list(COMMON_KERNELS) + required_kernels(dtype, head_dim)
     try:
-        specs += layer_kernels(dtype, head_dim)
+        specs += layer_kernels(dtype, head_dim, decode_stack())
     except MetraleError:  # a required kernel does not serve head_dim: its row says so
         pass
     return list(dict.fromkeys(specs))

@@ -26,18 +26,20 @@ class CausalLM:
         self.kv_cache = kv_cache
         self.fp8_scales = fp8_scales
         self.innerq = innerq
-        self.stack_plan = self._plan_stack()
+        self.stack_plan = None  # the whole-stack batch-1 decode step, once planned
 
-    def _plan_stack(self):
-        """The backend's whole-stack batch-1 decode step for these layers, or None (the layers
-        then run one by one): every layer must offer its part (``stack_layer``)."""
+    def plan_decode_stack(self) -> bool:
+        """Run batch-1 decode through the backend's whole-stack step from now on, where it has one
+        for these layers (every layer must offer its part, ``stack_layer``); else the layers keep
+        running one by one. Returns whether it was planned."""
         parts = [getattr(layer, "stack_layer", lambda: None)() for layer in self.layers]
         if not parts or any(p is None for p in parts):
-            return None
+            return False
         first, cfg = self.layers[0], self.cfg
         stack = DecodeStack(parts, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                             first.scale, first.rope_cos, first.rope_sin)
-        return self.ops.decode_stack_plan(stack)
+        self.stack_plan = self.ops.decode_stack_plan(stack)
+        return self.stack_plan is not None
 
     def decode_graph_unsupported(self) -> str | None:
         """The first layer's reason its decode step cannot be graph-captured, else None."""
