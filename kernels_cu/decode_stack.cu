@@ -178,11 +178,14 @@ __device__ void ll_head(const Word* p, unsigned flag, bf16_t* row) {
     __syncwarp();
 }
 
-#ifdef STACK_TRACE  // a profiling build: each CTA's clock at every phase boundary
+// A profiling build (tools/decode_stack_profile.py): each CTA's clock at every phase boundary.
+#ifdef STACK_TRACE
+#define STACK_TRACE_CTAS 256
 #define STACK_TRACE_EVENTS 1024
-__device__ long long stack_trace[132 * STACK_TRACE_EVENTS];
-#define TRACE(e) \
-    if (threadIdx.x == 0 && (e) < STACK_TRACE_EVENTS) stack_trace[blockIdx.x * STACK_TRACE_EVENTS + (e)] = clock64()
+__device__ long long stack_trace[STACK_TRACE_CTAS * STACK_TRACE_EVENTS];
+#define TRACE(e)                                                                  \
+    if (threadIdx.x == 0 && blockIdx.x < STACK_TRACE_CTAS && (e) < STACK_TRACE_EVENTS) \
+    stack_trace[blockIdx.x * STACK_TRACE_EVENTS + (e)] = clock64()
 #else
 #define TRACE(e) ((void)(e))
 #endif

@@ -1,0 +1,109 @@
+"""Profile the whole-stack decode kernel (kernels_cu/decode_stack.cu) on random weights (GPU only).
+
+    python tools/decode_stack_profile.py                  # Qwen3-0.6B's shape, context 600
+    python tools/decode_stack_profile.py --poll 0 200 1000
+    python tools/decode_stack_profile.py --trace
+
+Times a step as 20 launches back to back. ``--poll`` compiles variants of the module with other
+back-offs between polls of flagged words (STACK_POLL_NS). ``--trace`` compiles the profiling
+build (STACK_TRACE): each CTA records its clock at every phase boundary, and the per-layer phase
+times are printed as means over CTAs (and the slowest CTA's).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+
+from metrale_cli.kernels import table
+from metrale_cli.kernels.checks import make_stack_case, stack_to
+from metrale_cli.kernels.cuda_ops import CudaOps
+from metrale_cli.kernels.registry import MODULES
+
+PHASES = ("stage q/k/v", "q/k/v GEMV", "attention", "stage o_proj", "o_proj GEMV", "stage gate/up",
+          "gate/up GEMV", "down")
+TRACE_CTAS, TRACE_EVENTS = 256, 1024  # STACK_TRACE_CTAS, STACK_TRACE_EVENTS
+
+
+def _launcher(args, defines):
+    """A function launching a build of the module with ``defines`` on one random stack, and that build."""
+    import cupy as cp
+
+    c = make_stack_case(args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim, args.inter,
+                        args.context, seed=1)
+    stack = stack_to(c["stack"], "cuda")
+    plan = CudaOps().decode_stack_plan(stack)
+    if plan is None:
+        raise SystemExit("the planner does not take this shape (the metrale.kernels log says why)")
+    module = MODULES["decode_stack"]
+    raw = cp.RawModule(code=module.path.read_text(), options=module.options() + tuple(defines), backend="nvrtc")
+    fn = raw.get_function("decode_stack_bf16")
+    fn.max_dynamic_shared_size_bytes = table.STACK_SMEM_BYTES
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tables = c["block_tables"].cuda()
+    splits = max(1, min(table.MAX_SPLITS, sms // plan.items_per_split,
+                        tables.shape[1] * 16 // table.MIN_KEYS_PER_SPLIT))
+    tensors = [plan.table, len(stack.layers), c["hidden"].cuda(), plan.words, plan.part_o, plan.part_ml, plan.sync,
+               tables[0].contiguous(), *(c[n].cuda() for n in ("seq_lens", "slot_mapping", "positions")),
+               plan.cos, plan.sin]
+    params = [np.uint64(t.data_ptr()) if isinstance(t, torch.Tensor) else np.int32(t) for t in tensors]
+    params += [np.int32(x) for x in (plan.hidden, args.heads, args.kv_heads, args.head_dim, plan.rot_dim,
+                                     plan.inter, splits)]
+    params += [np.float32(1e-6), np.float32(args.head_dim**-0.5)]
+
+    def launch(times: int = 1, _alive=(tensors, plan)) -> None:  # the buffers live as long as it
+        for _ in range(times):
+            fn((sms,), (table.STACK_BLOCK,), tuple(params), shared_mem=table.STACK_SMEM_BYTES)
+
+    return launch, raw, sms
+
+
+def step_us(args, defines) -> float:
+    import cupy as cp
+
+    launch, _, _ = _launcher(args, defines)
+    launch(3)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    launch(20)
+    end.record()
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / 20 * 1000
+
+
+def trace(args) -> None:
+    import cupy as cp
+
+    launch, raw, sms = _launcher(args, ("-DSTACK_TRACE",))
+    launch(1)
+    cp.cuda.runtime.deviceSynchronize()
+    clock_hz = cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrClockRate, 0) * 1e3
+    clocks = cp.ndarray((TRACE_CTAS, TRACE_EVENTS), dtype=cp.int64, memptr=raw.get_global("stack_trace")).get()[:sms]
+    events = clocks[:, : 1 + len(PHASES) * args.layers].astype(np.float64)
+    per = (np.diff(events, axis=1) / clock_hz * 1e6).reshape(sms, args.layers, len(PHASES))
+    inner = per[:, 1:-1] if args.layers > 2 else per  # the first and last layers start and end the launch
+    print(f"traced launch: {((events[:, -1] - events[:, 0]) / clock_hz * 1e6).mean():.1f} us (mean over CTAs)")
+    for i, name in enumerate(PHASES):
+        by_cta = inner[:, :, i].mean(axis=1)
+        print(f"  {name:14s} {by_cta.mean():6.2f} us a layer, slowest CTA {by_cta.max():6.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in (("layers", 28), ("hidden", 1024), ("heads", 16), ("kv-heads", 8), ("head-dim", 128),
+                          ("inter", 3072), ("context", 600)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--poll", type=int, nargs="*", help="back-offs in ns (STACK_POLL_NS) to time")
+    parser.add_argument("--trace", action="store_true", help="per-phase clock trace of one launch")
+    args = parser.parse_args()
+    print(f"{step_us(args, ()):.1f} us a step (the module as built)")
+    for ns in args.poll or ():
+        print(f"{step_us(args, (f'-DSTACK_POLL_NS={ns}',)):.1f} us a step, {ns} ns back-off")
+    if args.trace:
+        trace(args)
+
+
+if __name__ == "__main__":
+    main()
