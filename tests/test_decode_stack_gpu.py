@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metrale_cli.kernels import cuda_ops, table
+from metrale_cli.kernels import table
 from metrale_cli.kernels.checks import compare, make_stack_case, stack_to
+from metrale_cli.kernels.decode_stack import StackPlan
 from metrale_cli.kernels.ops import decode_stack_reference
 from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.layers.context import ForwardContext
@@ -64,7 +65,7 @@ def test_stack_equals_the_layer_path(ops, case):
     plan = ops.decode_stack_plan(mine)
     if table.STACK_STAGE_BYTES // (2 * max(hidden, hq * d, inter)) < table.STACK_MIN_ROWS:
         assert plan is None
-        plan = cuda_ops._StackPlan(mine)
+        plan = StackPlan(mine)
     assert plan is not None
     got = ops.decode_stack(plan, c["hidden"].cuda(), _ctx(c, "cuda"))
     want = decode_stack_reference(ops, theirs, c["hidden"].cuda(), _ctx(c, "cuda"))

@@ -258,9 +258,10 @@ def test_decode_stack_launch(ops, hq, hk, max_blocks, splits):
     """One persistent launch per step: a CTA per SM, the ring's shared memory, the layer table's
     pointers in order, and the split count filling the grid with attention items."""
     from metrale_cli.kernels.checks import make_stack_case
+    from metrale_cli.kernels.decode_stack import StackPlan
 
     c = make_stack_case(2, 256, hq, hk, 64, 384, context=20)
-    plan = cuda_ops._StackPlan(c["stack"])
+    plan = StackPlan(c["stack"])
     tables = torch.zeros(1, max_blocks, dtype=torch.int32)
     from metrale_cli.layers.context import ForwardContext
 

@@ -43,8 +43,7 @@ def _launcher(args, defines):
     fn.max_dynamic_shared_size_bytes = table.STACK_SMEM_BYTES
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tables = c["block_tables"].cuda()
-    splits = max(1, min(table.MAX_SPLITS, sms // plan.items_per_split,
-                        tables.shape[1] * 16 // table.MIN_KEYS_PER_SPLIT))
+    splits = plan.splits(sms, tables.shape[1])
     tensors = [plan.table, len(stack.layers), c["hidden"].cuda(), plan.words, plan.part_o, plan.part_ml, plan.sync,
                tables[0].contiguous(), *(c[n].cuda() for n in ("seq_lens", "slot_mapping", "positions")),
                plan.cos, plan.sin]

@@ -16,15 +16,15 @@ import math
 import torch
 
 from metrale_cli.errors import MetraleError
-from metrale_cli.kernels.loader import KernelLoader, device_arch
+from metrale_cli.kernels.decode_stack import StackPlan, stack_unserved
+from metrale_cli.kernels.loader import KernelLoader
 from metrale_cli.kernels.ops import DecodeStack, SidePool
 from metrale_cli.kernels.registry import module_for
 from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
 from metrale_cli.kernels.table import (
     ADD_RMS_NORM, ATTN_THREADS, DECODE_CTAS_PER_SM, DECODE_STACK, GEMV_ADD, GEMV_CTAS_PER_SM, GEMV_MAX_K, GEMV_NORM,
     GEMV_NORM_SWIGLU, GEMV_THREADS, MAX_SPLITS, MIN_KEYS_PER_SPLIT, RMS_NORM, ROPE, ROPE_AND_CACHE,
-    ROPE_AND_CACHE_WARPS, SDPA_MIN_TOKENS, SILU_AND_MUL, STACK_HEAD_DIMS, STACK_MAX_K, STACK_MAX_LAYERS,
-    STACK_MAX_OWN, STACK_MIN_ROWS, STACK_SMEM_BYTES, STACK_STAGE_BYTES, STACK_BLOCK, TC_CTAS_PER_SM,
+    ROPE_AND_CACHE_WARPS, SDPA_MIN_TOKENS, SILU_AND_MUL, STACK_BLOCK, STACK_SMEM_BYTES, TC_CTAS_PER_SM,
     TC_PROGRAMMATIC, TC_ROWS, WHT, WHT_ROWS_PER_CTA, KvKernels,
     _serves, decode_rows, dtype_of, kv_kernels, rows_per_cta,
 )
@@ -123,30 +123,28 @@ class CudaOps:
     def _gemv_grid(device) -> tuple[int]:
         return (_sm_count(device.index) * GEMV_CTAS_PER_SM,)
 
-    def decode_stack_plan(self, stack: DecodeStack) -> _StackPlan | None:
-        """The persistent whole-stack step (decode_stack.cu) where it serves ``stack``: an sm_90+
-        GPU with the shared memory it takes, bf16 weights and bf16 K / V pools (no rotation),
-        head_dim 64 or 128, every GEMV input row a multiple of 8 up to STACK_MAX_K and a
-        gate/up row pair within one ring stage; else None."""
-        why = _stack_unserved(stack)
+    def decode_stack_plan(self, stack: DecodeStack) -> StackPlan | None:
+        """decode_stack.cu's buffers for ``stack`` where that kernel serves it (``stack_unserved``),
+        else None (logged with the reason)."""
+        why = stack_unserved(stack)
         if why:
             log.info("whole-stack decode not used: %s", why)
             return None
-        return _StackPlan(stack)
+        return StackPlan(stack)
 
-    def decode_stack(self, plan: _StackPlan, hidden, ctx):
-        stack, d = plan.stack, plan.stack.head_dim
+    def decode_stack(self, plan: StackPlan, hidden, ctx):
+        stack = plan.stack
         if hidden.shape != (1, plan.hidden) or ctx.block_tables is None or ctx.block_tables.shape[0] != 1:
             raise MetraleError(f"the whole-stack decode step takes one sequence's (1, {plan.hidden}) row, "
                                f"not {tuple(hidden.shape)}")
         hidden, table = _ready(hidden), _ready(ctx.block_tables[0])
         sms = _sm_count(hidden.device.index)
-        splits = max(1, min(MAX_SPLITS, sms // plan.items_per_split, table.shape[0] * 16 // MIN_KEYS_PER_SPLIT))
         self._launch(
             DECODE_STACK, (sms,), (STACK_BLOCK,), plan.table, len(stack.layers), hidden, plan.words, plan.part_o,
             plan.part_ml, plan.sync, table, _ready(ctx.seq_lens), _ready(ctx.slot_mapping),
-            _ready(ctx.positions), plan.cos, plan.sin, plan.hidden, stack.num_heads, stack.num_kv_heads, d,
-            plan.rot_dim, plan.inter, splits, stack.eps, stack.scale, shared_mem=STACK_SMEM_BYTES, pdl=True,
+            _ready(ctx.positions), plan.cos, plan.sin, plan.hidden, stack.num_heads, stack.num_kv_heads,
+            stack.head_dim, plan.rot_dim, plan.inter, plan.splits(sms, table.shape[0]), stack.eps, stack.scale,
+            shared_mem=STACK_SMEM_BYTES, pdl=True,
         )
         return hidden
 
@@ -311,85 +309,6 @@ class CudaOps:
                 and x.data_ptr() % 16 == 0):
             return x.as_strided(((tokens - 1) * stride + heads * d,), (1,)), stride
         return _ready(x), heads * d
-
-
-_STACK_FIELDS = ("qkv", "o", "gate_up", "down", "input_norm", "post_norm", "q_norm", "k_norm")
-
-
-def _stack_unserved(stack: DecodeStack) -> str | None:
-    """Why decode_stack.cu cannot run ``stack``, or None when it can."""
-    if not 0 < len(stack.layers) <= STACK_MAX_LAYERS:
-        return f"{len(stack.layers)} layers"
-    first = stack.layers[0]
-    device = first.qkv.device
-    if device.type != "cuda":
-        return "not on a GPU"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if int(device_arch(index)[3:]) < 90:
-        return "it needs sm_90 (bulk asynchronous copies)"
-    props = torch.cuda.get_device_properties(index)
-    if props.shared_memory_per_block_optin < STACK_SMEM_BYTES:
-        return f"it needs {STACK_SMEM_BYTES} bytes of shared memory per CTA"
-    d, hq, hk = stack.head_dim, stack.num_heads, stack.num_kv_heads
-    if d not in STACK_HEAD_DIMS or hk == 0 or hq % hk:
-        return f"head_dim {d} with {hq} / {hk} heads"
-    hidden, q_size, inter = first.qkv.shape[1], hq * d, first.down.shape[1]
-    if any(k % 8 or not 0 < k <= STACK_MAX_K for k in (hidden, q_size, inter)):
-        return f"GEMV rows of {hidden}, {q_size}, {inter} elements"
-    # A warp reads one row of a ring stage: with fewer than STACK_MIN_ROWS rows per stage most warps
-    # idle and the GEMV falls behind the weight stream (Qwen3-8B's down projection, one 24 KB row
-    # a stage: 100 MB in 55 us, 1.8 TB/s, on an H200; 145 us a layer against about 120 through the
-    # layers' own launches), so wider models keep those.
-    rows = min(STACK_STAGE_BYTES // (2 * k) for k in (hidden, q_size, inter))
-    if rows < STACK_MIN_ROWS:
-        return f"{rows} weight rows per ring stage (rows of {hidden}, {q_size}, {inter} elements)"
-    if stack.cos.shape[-1] * 2 > d:
-        return "rot_dim > head_dim"
-    if -(-hidden // props.multi_processor_count) > STACK_MAX_OWN:
-        return f"{hidden} hidden rows over {props.multi_processor_count} SMs"
-    want = {"qkv": (q_size + 2 * hk * d, hidden), "o": (hidden, q_size), "gate_up": (2 * inter, hidden),
-            "down": (hidden, inter), "input_norm": (hidden,), "post_norm": (hidden,), "q_norm": (d,), "k_norm": (d,)}
-    for i, layer in enumerate(stack.layers):
-        for name in _STACK_FIELDS:
-            t = getattr(layer, name)
-            if t is None and name in ("q_norm", "k_norm"):
-                continue
-            if t.dtype != torch.bfloat16 or tuple(t.shape) != want[name] or t.device != device:
-                return f"layer {i}: {name} is {t.dtype} {tuple(t.shape)}"
-        for pool in (layer.k_pool, layer.v_pool):
-            if pool.data.dtype != torch.bfloat16 or pool.rotated or pool.channel_scale is not None \
-                    or (pool.num_kv_heads, pool.head_dim) != (hk, d):
-                return f"layer {i}: its KV cache is not a plain bf16 one"
-    return None
-
-
-class _StackPlan:
-    """decode_stack.cu's inputs that live as long as the model: the layer pointer table (its
-    tensors are kept alive by ``stack``) and the step's scratch buffers."""
-
-    def __init__(self, stack: DecodeStack):
-        self.stack = stack
-        first, d = stack.layers[0], stack.head_dim
-        device = first.qkv.device
-        self.hidden, self.inter = first.qkv.shape[1], first.down.shape[1]
-        self.rot_dim = stack.cos.shape[-1] * 2
-        hq, hk = stack.num_heads, stack.num_kv_heads
-        chunks = math.ceil(hq // hk / TC_ROWS)
-        self.items_per_split = hk * chunks
-        rows, self._aligned = [], []  # copies of misaligned weights live here
-        for layer in stack.layers:
-            tensors = [None if getattr(layer, n) is None else _ready(getattr(layer, n)) for n in _STACK_FIELDS]
-            self._aligned += [t for t in tensors if t is not None]
-            rows.append([0 if t is None else t.data_ptr() for t in tensors]
-                        + [layer.k_pool.data.data_ptr(), layer.v_pool.data.data_ptr()])
-        self.table = torch.tensor(rows, dtype=torch.int64, device=device)
-        # the flagged vectors a step hands between phases: q/k/v, attention, two running sums, SwiGLU
-        self.words = torch.zeros((hq + 2 * hk) * d + hq * d + 2 * self.hidden + self.inter, dtype=torch.int64,
-                                 device=device)
-        self.part_o = torch.empty(hq, MAX_SPLITS, d, dtype=torch.float32, device=device)
-        self.part_ml = torch.empty(hq, MAX_SPLITS, 2, dtype=torch.float32, device=device)
-        self.sync = torch.zeros(2 + hk * chunks, dtype=torch.int32, device=device)
-        self.cos, self.sin = _ready(stack.cos), _ready(stack.sin)
 
 
 def _norm_block(hidden: int) -> int:
