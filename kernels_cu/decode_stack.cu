@@ -26,7 +26,7 @@
 //   O     h_attn[rows] = h[rows] + W_o[rows] · attn
 //   GU    x = RMSNorm(h_attn), act[i] = silu(gate_i · x) · (up_i · x)
 //   DOWN  h[rows] = h_attn[rows] + W_down[rows] · act (the last layer writes the plain bf16 output)
-// A CTA owns the same rows of h in O and DOWN, so it reads its own residual words. The GEMVs round
+// A CTA owns the same rows of h in O and DOWN and keeps them in shared memory. The GEMVs round
 // exactly as gemv.cu's kernels (a warp per row, each lane summing its 16-byte chunks in order, the
 // same prologue), QK-norm / RoPE / the cache bytes exactly as rope_and_cache_bf16; attention
 // splits its context its own way (so its fp32 sums may differ in the last bits from
@@ -120,13 +120,6 @@ __device__ __forceinline__ void ll_store(Word* p, bf16_t v, unsigned flag) {
 }
 
 __device__ __forceinline__ bf16_t ll_value(Word w) { return (bf16_t)(w & 0xffffu); }
-
-// The value of a word this CTA wrote itself (no wait).
-__device__ __forceinline__ bf16_t ll_own(const Word* p) {
-    Word w;
-    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
-    return ll_value(w);
-}
 
 // Elements i .. i + 7 of a flagged vector, once all eight carry `flag`.
 __device__ __forceinline__ void ll_load8(const Word* p, unsigned flag, float* out) {
@@ -321,7 +314,7 @@ __device__ int gemv_phase(const StackArgs& a, const Schedule& sc, int j0, const 
 template <int D>
 __device__ void attention_phase(const StackArgs& a, const unsigned long long* layer, unsigned char* smem,
                                 unsigned flags) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
     const int group = a.hq / a.hk, chunks = (group + TC_ROWS - 1) / TC_ROWS;
     const int items = a.hk * chunks * a.num_splits;
     const int len = a.seq_lens[0], per_split = split_keys(len, a.num_splits);
@@ -418,7 +411,6 @@ __device__ void attention_phase(const StackArgs& a, const unsigned long long* la
         }
         CTA_SYNC();
     }
-    (void)lane;
 }
 
 // --- the step -----------------------------------------------------------------------------------
