@@ -24,6 +24,8 @@
 // scores), P rounded to f16; k_scale scales the scores and v_scale the output. A head's sum uses
 // its P as rounded, so the output is exactly a weighted mean of the V rows read.
 #include "decode_tc.cuh"
+#include "head_norm.cuh"
+#include "kv_write.cuh"
 #include "pdl.cuh"
 
 template <bool FP8>
@@ -82,3 +84,183 @@ __device__ void decode_tc_entry(const bf16_t* q, const void* k_cache, const void
 METRALE_TC_ENTRY(paged_decode_attn_tc, false, 4)
 METRALE_TC_ENTRY(paged_decode_attn_tc_fp8, true, 3)
 #undef METRALE_TC_ENTRY
+
+// --- paged_decode_rope_tc<suffix>: a decode step's attention in one launch (bf16 / fp8 cache) --
+// rope_and_cache_<dtype>, paged_decode_attn_tc<suffix> and paged_decode_combine<suffix> fused:
+// each CTA normalizes and rotates its query heads into shared memory (head_norm.cuh: the
+// arithmetic of rope_and_cache), the CTAs of the split that holds a sequence's last key also
+// write the new K / V to the cache (kv_write.cuh's element stores) before they read it (splits
+// are whole cache blocks: no other CTA reads that block), and with a split context the last split
+// of a (sequence, KV head, chunk) to finish (a counter each) reduces the partials exactly as
+// paged_decode_combine does. Output and cache bytes are those of the three launches.
+struct RopeDecodeArgs {
+    const bf16_t *q, *k, *v;
+    void *k_cache, *v_cache;
+    const int *slot_mapping, *positions;
+    const float *cos_table, *sin_table;
+    const bf16_t *q_norm, *k_norm;
+    const int *block_tables, *seq_lens;
+    bf16_t* out;
+    float *part_o, *part_ml;
+    unsigned* counters;
+    const float *k_scale, *v_scale;
+    float scale;
+    int q_stride, k_stride, v_stride, hq, hk, rot_dim, max_blocks, num_splits;
+    float eps;
+};
+
+// The kernel's shared memory (one copy for both head_dims).
+struct RopeDecodeShared {
+    float o[TC_WARPS * TC_ROWS * TC_MAX_D];  // decode_tc's warp partials
+    float ml[TC_WARPS * TC_ROWS * 2];
+    alignas(16) bf16_t q[TC_ROWS * TC_MAX_D];  // the CTA's query heads after norm + RoPE
+    alignas(16) bf16_t k[TC_MAX_D];  // the new key after norm + RoPE
+    float weight[TC_ROWS][32];  // the combine's split weights and totals
+    float total[TC_ROWS];
+    int is_last;
+};
+
+// The last split's CTA of (sequence, KV head, chunk): out = paged_decode_combine's reduction of
+// the `active` partials of its `rows` heads from head0 on (its warp 0's sums, per head).
+template <int D>
+__device__ void combine_rows(const RopeDecodeArgs& a, RopeDecodeShared& sh, long long head0, int rows, int active) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int r = warp; r < rows; r += TC_WARPS) {
+        const float* ml = a.part_ml + ((head0 + r) * a.num_splits + lane) * 2;
+        const float m = lane < active ? __ldcg(ml) : METRALE_NEG_INF;
+        float big = m;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
+        const float w = (lane < active && big != METRALE_NEG_INF) ? exp2f(m - big) : 0.0f;
+        const float l = warp_sum(lane < active ? __ldcg(ml + 1) * w : 0.0f);
+        sh.weight[r][lane] = w;
+        if (lane == 0) sh.total[r] = l;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < rows * D; idx += TC_THREADS) {
+        const int r = idx / D, d = idx % D;
+        const long long head = head0 + r;
+        const float* po = a.part_o + head * a.num_splits * D;
+        float val = 0.0f;
+#pragma unroll 8
+        for (int s = 0; s < active; ++s) val += __ldcg(po + s * D + d) * sh.weight[r][s];
+        a.out[head * D + d] = f32_to_bf16(sh.total[r] > 0.0f ? val / sh.total[r] : 0.0f);
+    }
+}
+
+// Whether this CTA is the last of its item's `active` splits to finish (its partials written).
+__device__ bool last_split(const RopeDecodeArgs& a, RopeDecodeShared& sh, int item, int active) {
+    __syncthreads();  // every thread's partials are written
+    if (threadIdx.x == 0) {
+        unsigned* counter = a.counters + item;
+        __threadfence();
+        const bool last = atomicAdd(counter, 1u) == (unsigned)active - 1;
+        if (last) atomicExch(counter, 0u);  // zero again for the next launch
+        __threadfence();
+        sh.is_last = last;
+    }
+    __syncthreads();
+    return sh.is_last;
+}
+
+// The cache's element store (kv_write.cuh).
+template <bool FP8>
+struct TcStore {
+    typedef store_bf16 type;
+};
+template <>
+struct TcStore<true> {
+    typedef store_fp8 type;
+};
+
+template <int D, bool FP8>
+__device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
+    typedef typename TcStore<FP8>::type Store;
+    const int warp = threadIdx.x >> 5;
+    const int b = blockIdx.y, kvh = blockIdx.x, chunk = blockIdx.z / a.num_splits, split = blockIdx.z % a.num_splits;
+    const int len = a.seq_lens[b], per_split = split_keys(len, a.num_splits), begin = split * per_split;
+    const int group = a.hq / a.hk, chunks = (group + TC_ROWS - 1) / TC_ROWS;
+    const int rows = min(TC_ROWS, group - chunk * TC_ROWS);
+    const int head = kvh * group + chunk * TC_ROWS;  // the CTA's first query head of the token
+    const long long head0 = (long long)b * a.hq + head;
+    const int half = a.rot_dim / 2, slot = a.slot_mapping[b];
+    const long long pos = a.positions[b];
+    const float* cos_row = a.cos_table + pos * half;
+    const float* sin_row = a.sin_table + pos * half;
+    // The split holding the last key (split 0 of an empty context) writes the new K / V, as
+    // rope_and_cache writes every token whose slot is set.
+    const bool writes = slot >= 0 && split == (len > 0 ? (len - 1) / per_split : 0);
+    const bool idle = a.num_splits > 1 && begin >= len;  // the combine skips it
+    if (idle && len == 0 && split == 0) {  // an empty context: the combine writes zeros
+        for (int idx = threadIdx.x; idx < rows * D; idx += TC_THREADS) a.out[head0 * D + idx] = f32_to_bf16(0.0f);
+    }
+    if (idle && !writes) return;
+    for (int x = warp; x < rows + 2; x += TC_WARPS) {
+        if (x < rows) {
+            if (!idle) norm_rope<D>(a.q + b * a.q_stride + (head + x) * D, a.q_norm, a.eps, cos_row, sin_row, half,
+                                    sh.q + x * D);
+        } else if (writes && x == rows) {
+            norm_rope<D>(a.k + b * a.k_stride + kvh * D, a.k_norm, a.eps, cos_row, sin_row, half, sh.k);
+            store_elements<Store, D>(sh.k, a.k_cache, slot, kvh, a.hk, a.k_scale);
+        } else if (writes) {
+            store_elements<Store, D>(a.v + b * a.v_stride + kvh * D, a.v_cache, slot, kvh, a.hk, a.v_scale);
+        }
+    }
+    if (idle) return;
+    __syncthreads();  // q rows staged; the new K / V stored (visible to this CTA's loads)
+    const TcWork w{sh.q,
+                   static_cast<const unsigned char*>(a.k_cache),
+                   static_cast<const unsigned char*>(a.v_cache),
+                   a.block_tables + (long long)b * a.max_blocks,
+                   head0,
+                   rows,
+                   a.hk,
+                   kvh,
+                   begin,
+                   min(len, begin + per_split),
+                   a.num_splits,
+                   split,
+                   FP8 ? a.scale * *a.k_scale : a.scale,
+                   FP8 ? *a.v_scale : 1.0f,
+                   a.out,
+                   a.num_splits > 1 ? a.part_o : nullptr,
+                   a.part_ml,
+                   sh.o,
+                   sh.ml};
+    decode_tc<D, FP8>(w);
+    if (a.num_splits == 1) return;
+    const int active = active_splits(len, a.num_splits);
+    if (last_split(a, sh, (b * a.hk + kvh) * chunks + chunk, active)) combine_rows<D>(a, sh, head0, rows, active);
+}
+
+// q / k / v: Hq / Hk / Hk heads of head_dim bf16 per sequence, sequence b's at b * {q,k,v}_stride
+// (views of a fused q/k/v projection); k_cache / v_cache: the pools (NB, 16, Hk, D); slot_mapping,
+// positions: (B,) int32; cos / sin, q_norm / k_norm (or null): as for rope_and_cache_<dtype>; the
+// rest as for paged_decode_attn_tc<suffix>, plus counters: B * Hk * chunks zeroed words (each
+// launch leaves them zero).
+// The new key's cache block must be its sequence's alone (the block allocator's rule): the CTAs
+// of other splits and sequences never read it while it is written. grid = (Hk, B, chunks * num_splits), block = TC_THREADS; head_dim 64
+// or 128. Resident CTAs per SM as the unfused tensor-core decodes: bf16 4, fp8 3.
+#define METRALE_ROPE_TC_ENTRY(name, fp8, min_ctas)                                                   \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, min_ctas)                              \
+        name(const bf16_t* q, const bf16_t* k, const bf16_t* v, void* k_cache, void* v_cache,        \
+             const int* slot_mapping, const int* positions, const float* cos_table,                 \
+             const float* sin_table, const bf16_t* q_norm, const bf16_t* k_norm,                    \
+             const int* block_tables, const int* seq_lens, bf16_t* out, float* part_o,              \
+             float* part_ml, unsigned* counters, const float* k_scale, const float* v_scale,        \
+             float scale, int q_stride, int k_stride, int v_stride, int hq, int hk, int head_dim,   \
+             int rot_dim, int max_blocks, int num_splits, float eps) {                              \
+        pdl_wait();                                                                                 \
+        pdl_launch_dependents();                                                                    \
+        const RopeDecodeArgs a{q,        k,        v,          k_cache,  v_cache,  slot_mapping,    \
+                               positions, cos_table, sin_table, q_norm,  k_norm,   block_tables,    \
+                               seq_lens, out,      part_o,     part_ml,  counters, k_scale,         \
+                               v_scale,  scale,    q_stride,   k_stride, v_stride, hq,              \
+                               hk,       rot_dim,  max_blocks, num_splits, eps};                    \
+        __shared__ RopeDecodeShared sh;                                                             \
+        if (head_dim == 64) decode_rope_tc<64, fp8>(a, sh);                                         \
+        else if (head_dim == 128) decode_rope_tc<128, fp8>(a, sh);                                  \
+    }
+METRALE_ROPE_TC_ENTRY(paged_decode_rope_tc, false, 4)
+METRALE_ROPE_TC_ENTRY(paged_decode_rope_tc_fp8, true, 3)
+#undef METRALE_ROPE_TC_ENTRY

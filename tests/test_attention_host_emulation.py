@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from metrale_cli.kernels import reference as ref
-from metrale_cli.kernels.cuda_ops import TC_ROWS, decode_rows, rows_per_cta
+from metrale_cli.kernels.table import TC_ROWS, decode_rows, rows_per_cta
 from metrale_cli.kernels.checks import compare, make_paged_case
 from metrale_cli.kv.dtypes import KvCacheDtype, kv_pair
 from host_build import build_host_library

@@ -18,7 +18,7 @@ import torch
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import compile as kc
-from metrale_cli.kernels import cuda_ops, table
+from metrale_cli.kernels import cuda_decode, cuda_ops, table
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.kernels.registry import MODULES
@@ -143,7 +143,7 @@ def test_module_compiles_for_sm90_with_an_entry_per_dtype():
     result = kc.check_module(module)
     assert result.ok, result.log
     assert result.symbols == tuple(sorted(f"rope_and_cache_{d.value}" for d in KvCacheDtype))
-    assert sorted(str(spec) for spec, _ in cuda_ops.ROPE_AND_CACHE.values()) == [
+    assert sorted(str(spec) for spec, _ in table.ROPE_AND_CACHE.values()) == [
         f"rope_and_cache::{name}" for name in result.symbols]
 
 
@@ -169,7 +169,7 @@ def _ptr(t):
 def host_fused(lib, dtype, c, kp, vp, q_norm, k_norm):
     tokens, hq, d = c["q"].shape
     hk = c["k"].shape[1]
-    (qs, q_stride), (ks, k_stride), (vs, v_stride) = (cuda_ops.CudaOps._head_rows(c[x]) for x in "qkv")
+    (qs, q_stride), (ks, k_stride), (vs, v_stride) = (cuda_decode._head_rows(c[x]) for x in "qkv")
     assert qs.data_ptr() == c["qkv"].data_ptr()  # a view of the qkv row, not a copy
     out = torch.zeros(tokens, hq, d, dtype=torch.bfloat16)
     channel = kp.channel_scale if kp.rotated else None

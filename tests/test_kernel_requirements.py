@@ -89,9 +89,10 @@ def test_every_dtype_validates_clean_on_cpu(dtype):
     assert {r.symbol for r in report.rows} == {"exported"}
     rotated = any(is_wht_rotated(s) for s in kv_pair(dtype))
     # 7 dtype-independent + write, decode, split combine, prefill (+ the two WHT bookends)
-    # + the fused QK-norm / RoPE / write (+ bf16 / fp8's tensor-core decode)
+    # + the fused QK-norm / RoPE / write (+ bf16 / fp8's tensor-core decode and their decode
+    # attention in one launch)
     tc = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)
-    assert len(report.rows) == 12 + 2 * rotated + tc
+    assert len(report.rows) == 12 + 2 * rotated + 2 * tc
 
 
 @pytest.mark.parametrize("dtype", [d.value for d in KvCacheDtype] + ["fp8k4v"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from metrale_cli.errors import MetraleError
-from metrale_cli.kernels import cuda_ops, table
+from metrale_cli.kernels import cuda_decode, cuda_ops, table
 from metrale_cli.kernels.loader import KernelLoader
 from metrale_cli.kernels.registry import module_for
 from metrale_cli.kernels.requirements import required_kernels
@@ -39,8 +39,9 @@ class RecordingLoader:
 
 @pytest.fixture
 def ops(monkeypatch):
-    monkeypatch.setattr(cuda_ops, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(cuda_ops, "_ready", lambda t: t.contiguous())
+    for module in (cuda_ops, cuda_decode):
+        monkeypatch.setattr(module, "_sm_count", lambda index: 132)
+        monkeypatch.setattr(module, "_ready", lambda t: t.contiguous())
     return cuda_ops.CudaOps(RecordingLoader())
 
 
@@ -167,8 +168,9 @@ def test_unsupported_shapes_and_pairs_are_user_errors(ops):
 def test_layer_kernels_cover_every_side(dtype):
     specs = table.layer_kernels(dtype, 128)
     names = [str(s) for s in specs]
-    tc = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)  # + the tensor-core decode
-    assert len(names) == len(set(names)) == 12 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + tc
+    tc = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)  # + the tensor-core decode and its fused one
+    assert any(n.startswith("paged_decode_tc::paged_decode_rope_tc") for n in names) == tc
+    assert len(names) == len(set(names)) == 12 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + 2 * tc
     # the whole-stack step only where METRALE_DECODE_STACK asks, for a bf16 cache at head_dim 64 / 128
     stack = [str(s) for s in table.layer_kernels(dtype, 128, stack=True)]
     assert ("decode_stack::decode_stack_bf16" in stack) == (dtype == KvCacheDtype.BF16)
@@ -201,8 +203,8 @@ def test_packed_pools_travel_as_byte_pointers():
 
 
 @pytest.mark.parametrize("dtype, group, chunks, splits", [
-    ("bf16", 4, 1, 32),  # 8 CTAs: as many splits as allowed
-    ("fp8", 16, 2, 23),  # 16 query heads per KV head: two CTAs of 8; 16 x 23 = 93% of 3 x 132
+    ("bf16", 4, 1, 16),  # 8 CTAs: as many splits as allowed, 64 keys (a tile per warp) each
+    ("fp8", 16, 2, 16),  # 16 query heads per KV head: two CTAs of 8; still under a wave at 16 splits
 ])
 def test_tensor_core_decode_launch(ops, dtype, group, chunks, splits):
     kp, vp = pools(dtype)
@@ -244,8 +246,8 @@ def test_decode_gemvs_launch_two_ctas_per_sm_programmatically(ops):
 
 def test_tensor_core_decode_waves_count_its_residency(ops):
     """bf16's kernel keeps 4 CTAs per SM, fp8's 3: 128 CTAs take 4 and 3 splits for one wave."""
-    assert ops._splits(CPU, 128, 2048, cuda_ops.TC_CTAS_PER_SM[KvCacheDtype.BF16]) == 4
-    assert ops._splits(CPU, 128, 2048, cuda_ops.TC_CTAS_PER_SM[KvCacheDtype.FP8]) == 3
+    assert ops._splits(CPU, 128, 2048, table.TC_CTAS_PER_SM[KvCacheDtype.BF16]) == 4
+    assert ops._splits(CPU, 128, 2048, table.TC_CTAS_PER_SM[KvCacheDtype.FP8]) == 3
 
 
 @pytest.mark.parametrize("hq, hk, max_blocks, splits", [
@@ -285,3 +287,47 @@ def test_decode_stack_is_not_planned_off_a_gpu(ops):
     from metrale_cli.kernels.checks import make_stack_case
 
     assert ops.decode_stack_plan(make_stack_case(1, 256, 4, 2, 64, 384, context=3)["stack"]) is None
+
+
+@pytest.mark.parametrize("dtype, launches", [
+    ("bf16", ["paged_decode_tc::paged_decode_rope_tc"]),
+    ("fp8", ["paged_decode_tc::paged_decode_rope_tc_fp8"]),
+    ("turbo4", ["rope_and_cache::rope_and_cache_turbo4", "paged_decode_turbo4_128::paged_decode_attn_turbo4",
+                "paged_decode_turbo4_128::paged_decode_combine_turbo4"]),
+])
+def test_decode_attention_is_one_launch_for_a_bf16_or_fp8_cache(ops, dtype, launches):
+    """Qwen3-8B's shape at batch 1: one launch of the fused kernel over the grid and split count
+    of the tensor-core decode (programmatic for bf16 only, as TC_PROGRAMMATIC says), q / k / v as
+    views of the fused row, counters zeroed and kept; another dtype runs the launches it replaces."""
+    from metrale_cli.kernels.checks import rope_decode_args, rope_decode_case
+
+    c = rope_decode_case([999], 32, 8, 128)
+    c["block_tables"] = torch.zeros(1, 64, dtype=torch.int32)
+    kp, vp = pools(dtype)
+    out = ops.rope_cache_decode(*rope_decode_args(c, kp, vp, CPU))
+    assert out.shape == (1, 32, 128) and [call[0] for call in ops.loader.calls] == launches
+    if dtype == "turbo4":
+        return
+    (_, grid, block, args, kinds), = ops.loader.calls
+    # 8 CTAs, far from a wave at 3 or 4 per SM: as many splits as the table allows (a tile per warp)
+    assert grid == (8, 1, 16) and args["num_splits"] == 16 and args["k_scale"] is kp.scale
+    assert kinds["k_cache"] == f"{dtype}*" and ops.loader.programmatic == (launches if dtype == "bf16" else [])
+    assert block == (128,) and args["out"] is out
+    assert args["part_o"].shape == (1, 32, 16, 128) and args["counters"].dtype == torch.int32
+    assert not args["counters"].any() and args["counters"].numel() >= 8
+    assert args["q"].data_ptr() == c["q"].data_ptr() and args["q_stride"] == 32 * 128  # one token: its own width
+    assert args["k"].data_ptr() == c["q"].data_ptr() + 2 * 32 * 128 and args["rot_dim"] == 128
+    ops.rope_cache_decode(*rope_decode_args(c, kp, vp, CPU))
+    assert ops.loader.calls[1][3]["counters"] is args["counters"]  # one buffer per device: graphs replay on it
+
+
+def test_decode_attention_of_several_tokens_per_sequence_runs_unfused(ops):
+    """Two tokens of one sequence (speculative verify) are not a decode step: the launches it replaces."""
+    from metrale_cli.kernels.checks import rope_decode_args, rope_decode_case
+
+    c = rope_decode_case([40, 41], 16, 8, 64)
+    args = list(rope_decode_args(c, *pools("bf16", d=64), CPU))
+    args[12] = args[12][:1]  # one block table for two tokens
+    ops.rope_cache_decode(*args)
+    assert [call[0] for call in ops.loader.calls][:2] == ["rope_and_cache::rope_and_cache_bf16",
+                                                           "paged_decode_tc::paged_decode_attn_tc"]

@@ -97,6 +97,12 @@ inline float fabsf(float x) { return std::fabs(x); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline float fmaxf(float a, float b) { return std::fmax(a, b); }
+// Blocks run one after another: atomics are plain read-modify-writes, fences and L2 loads plain.
+inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p += v; return old; }
+inline unsigned atomicExch(unsigned* p, unsigned v) { const unsigned old = *p; *p = v; return old; }
+inline void __threadfence() {}
+template <class T>
+inline T __ldcg(const T* p) { return *p; }
 
 inline float e4m3_value(unsigned byte) {
     const int e = (byte >> 3) & 15, m = byte & 7;

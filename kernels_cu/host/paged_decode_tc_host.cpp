@@ -1,5 +1,5 @@
-// paged_decode_attn_tc / paged_decode_attn_tc_fp8 (paged_decode_tc.cu) and the split combine as a
-// host library, launched over their whole grids as CudaOps launches them, so tests can check the
+// paged_decode_attn_tc / paged_decode_attn_tc_fp8 (paged_decode_tc.cu) and the split combine, and
+// paged_decode_rope_tc<suffix> (the decode attention in one launch), as a host library, launched over their whole grids as CudaOps launches them, so tests can check the
 // tensor-core decode (fragment layouts, the permuted head_dim, movmatrix transposes, query chunks,
 // the online softmax and its warp merge) against the torch reference on a CPU:
 //   g++ -std=c++20 -O1 -ffp-contract=off -shared -fPIC -I../include paged_decode_tc_host.cpp -o tc.so
@@ -22,4 +22,26 @@ extern "C" void host_paged_decode_tc(const bf16_t* q, const void* k_cache, const
             paged_decode_attn_tc(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, k_scale, v_scale,
                                  scale, hq, hk, head_dim, max_blocks, num_splits);
     }, part_o, part_ml, seq_lens, out, hq, head_dim, num_splits);
+}
+
+// paged_decode_rope_tc / paged_decode_rope_tc_fp8 over its grid (hk, batch, chunks * num_splits); it
+// combines its splits itself.
+extern "C" void host_paged_decode_rope_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v, void* k_cache,
+                                          void* v_cache, const int* slot_mapping, const int* positions,
+                                          const float* cos_table, const float* sin_table, const bf16_t* q_norm,
+                                          const bf16_t* k_norm, const int* block_tables, const int* seq_lens,
+                                          bf16_t* out, float* part_o, float* part_ml, unsigned* counters,
+                                          const float* k_scale, const float* v_scale, float scale, int q_stride,
+                                          int k_stride, int v_stride, int hq, int hk, int head_dim, int rot_dim,
+                                          int max_blocks, int num_splits, float eps, int batch, int chunks,
+                                          int fp8) {
+    auto entry = fp8 ? paged_decode_rope_tc_fp8 : paged_decode_rope_tc;
+    for (int z = 0; z < chunks * num_splits; ++z)
+        for (int y = 0; y < batch; ++y)
+            for (int x = 0; x < hk; ++x)
+                run_block({(unsigned)x, (unsigned)y, (unsigned)z}, TC_THREADS, [&] {
+                    entry(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_table, sin_table, q_norm, k_norm,
+                          block_tables, seq_lens, out, part_o, part_ml, counters, k_scale, v_scale, scale, q_stride,
+                          k_stride, v_stride, hq, hk, head_dim, rot_dim, max_blocks, num_splits, eps);
+                });
 }

@@ -139,6 +139,16 @@ __device__ __forceinline__ u8_t pack_byte(const u8_t* codes, int j) {
     }
 }
 
+// An element side's store_vector (below): by one warp, no scratch.
+template <class W, int D>
+__device__ void store_elements(const bf16_t* src, void* pool, long long slot, int head, int hk, const float* scale) {
+    const int lane = threadIdx.x & 31;
+    const long long row = slot / KV_BLOCK * KV_BLOCK * hk + (int)(slot % KV_BLOCK) * hk + head;
+    typename W::Elem* dst = static_cast<typename W::Elem*>(pool) + row * D;
+    const float sc = scale == nullptr ? 1.0f : *scale;
+    for (int i = lane; i < D; i += 32) dst[i] = W::convert(src[i], sc);
+}
+
 // Store src (D bf16, original basis) at `slot` / `head` of `pool`. scale: the (1,) fp8 scale;
 // signs: (2, D) WHT signs of a rotated side; channel: (Hk, D) InnerQ scales or null.
 template <class W, int D>
@@ -149,9 +159,7 @@ __device__ void store_vector(const bf16_t* src, void* pool, long long slot, int 
     const long long block = slot / KV_BLOCK;
     const int row = (int)(slot % KV_BLOCK) * hk + head;
     if constexpr (!W::kPacked) {
-        typename W::Elem* dst = static_cast<typename W::Elem*>(pool) + (block * KV_BLOCK * hk + row) * D;
-        const float sc = scale == nullptr ? 1.0f : *scale;
-        for (int i = lane; i < D; i += 32) dst[i] = W::convert(src[i], sc);
+        store_elements<W, D>(src, pool, slot, head, hk, scale);
     } else {
         typedef PackedBlock<D, W::BITS, W::SB> Block;
         for (int i = lane; i < D; i += 32) s.y[i] = bf16_to_f32(src[i]);

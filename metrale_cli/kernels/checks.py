@@ -1,80 +1,26 @@
-"""The numeric checks behind ``validate-kernels`` on a GPU, and the paged-cache fixtures the kernel
-tests share: each kernel is run through :class:`~metrale_cli.kernels.cuda_ops.CudaOps` against
-its torch reference (run on the CPU: the references define the bytes) on small odd shapes: bytes
-equal for cache writes and the WHT, a tolerance for attention. Imports torch: ``validate.py``
-loads this module only when a check has to run.
+"""The numeric checks behind ``validate-kernels`` on a GPU: each kernel is run through
+:class:`~metrale_cli.kernels.cuda_ops.CudaOps` against its torch reference (run on the CPU: the
+references define the bytes) or the kernels it fuses, on small odd shapes: bytes equal for cache
+writes and the WHT, a tolerance for attention. Imports torch: ``validate.py`` loads this module
+only when a check has to run. The fixtures (``cases.py``) are re-exported for the tests.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import reference as ref
-from metrale_cli.kernels.ops import SidePool
-from metrale_cli.kernels.requirements import as_kv_dtype
-from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
+from metrale_cli.kernels.cases import (  # the fixtures the tests import from here too
+    _randn, compare, compare_bytes, make_paged_case, make_stack_case, pool_to, rope_decode_args,
+    rope_decode_case, stack_to,
+)
+from metrale_cli.kv.dtypes import KvCacheDtype
 
 
-FP8_SCALES = (0.02, 0.03)  # K, V: x / scale spans most of e4m3's range for randn data
 ATTENTION_TOL = (2e-2, 2e-2)  # fp32 online softmax (exp2) vs fp32 softmax, output rounded to bf16
-
-
-def compare(out: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> str | None:
-    """None when |out - want| <= atol + rtol·|want| everywhere, else the worst error."""
-    err = (out.float().cpu() - want.float().cpu()).abs()
-    bad = err > atol + rtol * want.float().cpu().abs()
-    if not bool(bad.any()):
-        return None
-    return f"max |err| {err.max().item():.3g} at {int(bad.sum())} of {err.numel()} elements"
-
-
-def compare_bytes(got: torch.Tensor, want: torch.Tensor) -> str | None:
-    """None when two pools' bytes are equal, else how many differ."""
-    a, b = got.cpu().contiguous().view(torch.uint8), want.cpu().contiguous().view(torch.uint8)
-    diff = int((a != b).sum())
-    return None if diff == 0 else f"{diff} of {a.numel()} bytes differ"
-
-
-def pool_to(pool: SidePool, device) -> SidePool:
-    """A copy of ``pool`` with every tensor on ``device``."""
-    move = {f.name: getattr(pool, f.name) for f in dataclasses.fields(pool)}
-    return SidePool(**{k: t.to(device).clone() if isinstance(t, torch.Tensor) else t for k, t in move.items()})
-
-
-def make_paged_case(seq_lens, hq: int, hk: int, head_dim: int, dtype: KvCacheDtype | str,
-                    spare_blocks: int = 3, seed: int = 0, innerq: bool = True) -> dict:
-    """CPU tensors: K / V pools of ``dtype`` filled through the reference write with randn
-    vectors, shuffled block tables, seq_lens; fp8 sides get the scales :data:`FP8_SCALES` and a
-    rotated K side random InnerQ scales in [0.5, 2] when ``innerq``."""
-    from metrale_cli.kv.formats import new_pool
-
-    g = torch.Generator().manual_seed(seed)
-    need = [(n + 15) // 16 for n in seq_lens]
-    width, total = max(need + [1]) + spare_blocks, sum(need) + spare_blocks
-    ids = torch.randperm(total, generator=g).to(torch.int32)
-    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    at = 0
-    for b, n in enumerate(need):
-        tables[b, :n] = ids[at : at + n]
-        at += n
-    pools = [new_pool(side, total, hk, head_dim, torch.device("cpu")) for side in kv_pair(as_kv_dtype(dtype))]
-    for pool, scale in zip(pools, FP8_SCALES):
-        if pool.side == SideType.FP8:
-            pool.scale.fill_(scale)
-    if innerq and pools[0].rotated:
-        pools[0].channel_scale = 0.5 + 1.5 * torch.rand(hk, head_dim, generator=g)
-    k, v = (torch.randn(total * 16, hk, head_dim, generator=g).to(torch.bfloat16) for _ in range(2))
-    ref.reshape_and_cache(k, v, pools[0], pools[1], torch.arange(total * 16, dtype=torch.int32))
-    return dict(k_pool=pools[0], v_pool=pools[1], block_tables=tables,
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
-
-
-def _randn(*shape, seed=1):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
 def _gpu(*tensors):
@@ -194,48 +140,18 @@ def _check_rope_and_cache(dtype):
     return check
 
 
-def make_stack_case(layers: int, hidden: int, hq: int, hk: int, head_dim: int, inter: int, context: int,
-                    seed: int = 0) -> dict:
-    """CPU tensors for one batch-1 decode step of a random dense stack (``DecodeStack``) whose
-    bf16 cache holds ``context`` earlier tokens: ``stack``, ``hidden`` (1, hidden) and a decode
-    context (``block_tables``, ``seq_lens``, ``slot_mapping``, ``positions``) for the token at
-    position ``context``. Weights are scaled so activations stay O(1) through the layers."""
-    from metrale_cli.kernels.ops import DecodeStack, StackLayer
-
-    g = torch.Generator().manual_seed(seed)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
-
-    parts, d = [], head_dim
-    case = None
-    for i in range(layers):
-        case = make_paged_case([context + 1], hq, hk, d, KvCacheDtype.BF16, seed=seed + i)
-        parts.append(StackLayer(
-            randn((hq + 2 * hk) * d, hidden, scale=hidden**-0.5), randn(hidden, hq * d, scale=(hq * d) ** -0.5),
-            randn(2 * inter, hidden, scale=hidden**-0.5), randn(hidden, inter, scale=inter**-0.5),
-            1 + randn(hidden, scale=0.1), 1 + randn(hidden, scale=0.1), 1 + randn(d, scale=0.1),
-            1 + randn(d, scale=0.1), case["k_pool"], case["v_pool"],
-        ))
-    ang = torch.arange(context + 8)[:, None] * 0.01 ** (torch.arange(d // 2) / (d // 2))
-    table = case["block_tables"]
-    slot = table[0, context // 16] * 16 + context % 16
-    return dict(stack=DecodeStack(parts, hq, hk, d, 1e-6, d**-0.5, ang.cos(), ang.sin()),
-                hidden=randn(1, hidden), block_tables=table, seq_lens=case["seq_lens"],
-                slot_mapping=slot.reshape(1).to(torch.int32), positions=torch.tensor([context], dtype=torch.int32))
-
-
-def stack_to(stack, device):
-    """A copy of a ``DecodeStack`` with every tensor (pools included) on ``device``."""
-    from metrale_cli.kernels.ops import DecodeStack, StackLayer
-
-    def move(t):
-        return None if t is None else t.to(device).clone()
-
-    layers = [StackLayer(*(pool_to(getattr(x, f.name), device) if f.name.endswith("pool") else move(getattr(x, f.name))
-                           for f in dataclasses.fields(StackLayer))) for x in stack.layers]
-    return DecodeStack(layers, stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.eps, stack.scale,
-                       move(stack.cos), move(stack.sin))
+def _check_rope_decode(dtype):
+    def check(ops, hd):
+        """The one-launch decode attention against the launches it replaces (rope_and_cache, the
+        tensor-core decode and its combine): output and cache bytes equal."""
+        c = rope_decode_case([1, 19, 599], 8, 2, hd, dtype, seed=7)
+        fused, unfused = ([pool_to(c["k_pool"], "cuda"), pool_to(c["v_pool"], "cuda")] for _ in range(2))
+        got = ops.rope_cache_decode(*rope_decode_args(c, *fused, "cuda"))
+        args = rope_decode_args(c, *unfused, "cuda")
+        want = ops.paged_decode(ops.rope_and_cache(*args[:12]), *args[3:5], *args[12:])
+        return (compare(got, want, 0, 0) or compare_bytes(fused[0].data, unfused[0].data)
+                or compare_bytes(fused[1].data, unfused[1].data))
+    return check
 
 
 def _check_decode_stack(ops, hd):
@@ -265,7 +181,7 @@ def _check_decode_stack(ops, hd):
 def _numeric_checks() -> dict[str, Callable]:
     """{``module::function``: check(ops, head_dim) -> problem or None} for every kernel."""
     from metrale_cli.kernels.table import (
-        ADD_RMS_NORM, DECODE_STACK, GEMV_ADD, GEMV_NORM, GEMV_NORM_SWIGLU, RMS_NORM, ROPE, ROPE_AND_CACHE,
+        ADD_RMS_NORM, DECODE_ROPE_TC, DECODE_STACK, GEMV_ADD, GEMV_NORM, GEMV_NORM_SWIGLU, RMS_NORM, ROPE, ROPE_AND_CACHE,
         SILU_AND_MUL, WHT, kv_kernels,
     )
 
@@ -275,6 +191,7 @@ def _numeric_checks() -> dict[str, Callable]:
               str(GEMV_ADD[0]): _check_gemv("add")}
     checks.update({str(WHT[inv][0]): _check_wht(inv) for inv in (False, True)})
     checks[str(DECODE_STACK[0])] = _check_decode_stack
+    checks.update({str(kernel[0]): _check_rope_decode(d) for d, kernel in DECODE_ROPE_TC.items()})
     checks.update({str(kernel[0]): _check_rope_and_cache(d) for d, kernel in ROPE_AND_CACHE.items()})
     for d in KvCacheDtype:
         for hd in (64, 128, 256, 512):

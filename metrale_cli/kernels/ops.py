@@ -189,6 +189,30 @@ class Ops(Protocol):
         V side is rotated (the layer rotates it back). Kernels only dequantize and attend.
         """
 
+    def rope_cache_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: SidePool,
+        v_pool: SidePool,
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """A decode step's attention, one token per sequence (q: (B, Hq, D), k / v: (B, Hk, D) as
+        for :meth:`rope_and_cache`): exactly ``paged_decode(rope_and_cache(q, k, v, ...), ...)``
+        -> (B, Hq, D), the new K / V written. For unrotated sides only (the caller rotates
+        neither q nor the output); the cuda backend runs it as one launch for the bf16 and fp8
+        caches."""
+
     def paged_prefill(
         self,
         q: torch.Tensor,

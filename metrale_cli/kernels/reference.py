@@ -70,6 +70,13 @@ def rope_and_cache(q, k, v, k_pool: SidePool, v_pool: SidePool, slot_mapping, po
     return q
 
 
+def rope_cache_decode(q, k, v, k_pool: SidePool, v_pool: SidePool, slot_mapping, positions, cos, sin, q_norm,
+                      k_norm, eps, block_tables, seq_lens, scale):
+    """A decode step's attention: :func:`rope_and_cache`, then :func:`paged_decode`."""
+    q = rope_and_cache(q, k, v, k_pool, v_pool, slot_mapping, positions, cos, sin, q_norm, k_norm, eps)
+    return paged_decode(q, k_pool, v_pool, block_tables, seq_lens, scale)
+
+
 def gather_context(pool: SidePool, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` cached positions of one sequence, dequantized: (length, Hk, D) fp32."""
     return formats.load(pool, block_table, length)
@@ -132,6 +139,7 @@ class TorchOps:
     reshape_and_cache = staticmethod(reshape_and_cache)
     rope_and_cache = staticmethod(rope_and_cache)
     paged_decode = staticmethod(paged_decode)
+    rope_cache_decode = staticmethod(rope_cache_decode)
     paged_prefill = staticmethod(paged_prefill)
     gemv_norm = staticmethod(gemv_norm)
     gemv_norm_swiglu = staticmethod(gemv_norm_swiglu)

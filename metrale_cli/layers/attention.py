@@ -107,8 +107,7 @@ class Qwen3AttentionLayer:
         """This layer as part of a whole-stack decode step (``Ops.decode_stack``), or None where
         its decode step is not the fused one (biases, a non-SwiGLU FFN, weights the fused GEMVs
         do not take) or its KV cache is calibrated online."""
-        if not (self.fused_decode and self.fp8_scales.frozen[self.idx]
-                and (self.innerq is None or self.innerq.frozen[self.idx])):
+        if not (self.fused_decode and self._frozen()):
             return None
         w = self.attn
         kp, vp = self.kv.pools(self.idx)
@@ -171,9 +170,7 @@ class Qwen3AttentionLayer:
         """One token through the fused GEMVs: returns (hidden + attention + FFN, None)."""
         cfg, w, ops, eps = self.cfg, self.attn, self.ops, self.cfg.rms_norm_eps
         qkv, stream = ops.gemv_norm(hidden, residual, self.input_norm, eps, w.qkv)
-        q, kp, vp = self._prepare(qkv, ctx)
-        out = ops.paged_decode(q, kp, vp, ctx.block_tables, ctx.seq_lens, self.scale)
-        out = restore_output(ops, out, vp)
+        out = self._decode_attention(qkv, ctx)
         stream = ops.gemv_add(out.reshape(1, cfg.q_size), w.o, stream)
         act, _ = ops.gemv_norm_swiglu(stream, None, self.post_attn_norm, eps, self.ffn.gate_up)
         return ops.gemv_add(act, self.ffn.down, stream), None
@@ -182,15 +179,40 @@ class Qwen3AttentionLayer:
         cfg, w, ops = self.cfg, self.attn, self.ops
         with phase(timing, "projections"):
             qkv = F.linear(x, w.qkv, w.qkv_bias)
-        with phase(timing, "to attention call"):
-            q, kp, vp = self._prepare(qkv, ctx)
-        with phase(timing, "attention call"):
-            if ctx.is_prefill:
-                out = ops.paged_prefill(q, kp, vp, ctx.block_table, ctx.start_pos, self.scale)
-            else:
-                out = ops.paged_decode(q, kp, vp, ctx.block_tables, ctx.seq_lens, self.scale)
-        out = restore_output(ops, out, vp)
+        if ctx.is_prefill:
+            with phase(timing, "to attention call"):
+                q, kp, vp = self._prepare(qkv, ctx)
+            with phase(timing, "attention call"):
+                out = restore_output(ops, ops.paged_prefill(q, kp, vp, ctx.block_table, ctx.start_pos, self.scale), vp)
+        else:
+            out = self._decode_attention(qkv, ctx)
         return F.linear(out.reshape(x.shape[0], cfg.q_size), w.o, w.o_bias)
+
+    def _decode_attention(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """One token per sequence: QK-norm, RoPE, the cache write and paged decode -> (B, Hq, D).
+        One backend call (one launch on the cuda backend's bf16 / fp8 cache) once calibration has
+        frozen and neither side is rotated; else :meth:`_prepare` and the decode."""
+        cfg, w, ops = self.cfg, self.attn, self.ops
+        kp, vp = self.kv.pools(self.idx)
+        if self._frozen() and not kp.rotated and not vp.rotated:
+            q, k, v = self._split(qkv)
+            return ops.rope_cache_decode(q, k, v, kp, vp, ctx.slot_mapping, ctx.positions, self.rope_cos,
+                                         self.rope_sin, w.q_norm, w.k_norm, cfg.rms_norm_eps, ctx.block_tables,
+                                         ctx.seq_lens, self.scale)
+        q, kp, vp = self._prepare(qkv, ctx)
+        return restore_output(ops, ops.paged_decode(q, kp, vp, ctx.block_tables, ctx.seq_lens, self.scale), vp)
+
+    def _frozen(self) -> bool:
+        """This layer's online calibration (fp8 scales, InnerQ) is done: nothing needs the roped K
+        on the host side any more."""
+        i = self.idx
+        return bool(self.fp8_scales.frozen[i]) and (self.innerq is None or bool(self.innerq.frozen[i]))
+
+    def _split(self, qkv: torch.Tensor):
+        """A fused projection's output -> q (T, Hq, D), k, v (T, Hk, D): views."""
+        cfg, tokens, d = self.cfg, qkv.shape[0], self.cfg.head_dim
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        return q.view(tokens, cfg.num_heads, d), k.view(tokens, cfg.num_kv_heads, d), v.view(tokens, cfg.num_kv_heads, d)
 
     def _prepare(self, qkv: torch.Tensor, ctx: ForwardContext):
         """Split, QK-norm, RoPE, calibrate, write the cache, rotate Q: (q, k_pool, v_pool).
@@ -199,12 +221,9 @@ class Qwen3AttentionLayer:
         rotated K on the host side, and QK-norm, RoPE and the cache write are one launch."""
         cfg, w, ops, i = self.cfg, self.attn, self.ops, self.idx
         tokens, d = qkv.shape[0], cfg.head_dim
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(tokens, cfg.num_heads, d)
-        k = k.view(tokens, cfg.num_kv_heads, d)
-        v = v.view(tokens, cfg.num_kv_heads, d)
+        q, k, v = self._split(qkv)
         kp, vp = self.kv.pools(i)
-        if self.fp8_scales.frozen[i] and (self.innerq is None or self.innerq.frozen[i]):
+        if self._frozen():
             q = ops.rope_and_cache(q, k, v, kp, vp, ctx.slot_mapping, ctx.positions, self.rope_cos,
                                    self.rope_sin, w.q_norm, w.k_norm, cfg.rms_norm_eps)
             return rotate_query(ops, q, kp), kp, vp

@@ -1,0 +1,101 @@
+"""paged_decode_rope_tc<suffix>, the bf16 / fp8 cache's decode attention in one launch, run on the
+CPU (``kernels_cu/host``, emulate.h), against the launches it replaces, run the same way:
+rope_and_cache_<dtype>, then paged_decode_attn_tc<suffix> and its split combine. Output and cache bytes are
+equal; the output is also within the attention tolerance of the torch reference.
+"""
+
+import ctypes
+import math
+
+import pytest
+import torch
+
+from metrale_cli.kernels import reference as ref
+from metrale_cli.kernels.checks import ATTENTION_TOL, compare, compare_bytes, pool_to, rope_decode_case
+from metrale_cli.kernels.table import TC_ROWS
+from metrale_cli.kv.dtypes import KvCacheDtype
+from host_build import build_host_library
+
+EPS = 1e-6
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rope_decode_host")
+    return (build_host_library("paged_decode_tc_host.cpp", out, name="attention_tc"),
+            build_host_library("rope_and_cache_host.cpp", out))
+
+
+def _ptr(t):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def _strides(c):
+    """q / k / v are views of one fused row per token: their token stride is its width."""
+    width = c["q"].stride(0)
+    assert c["k"].stride(0) == c["v"].stride(0) == width
+    return [width] * 3
+
+
+def fused(lib, c, kp, vp, splits, fp8):
+    batch, hq, d = c["q"].shape
+    hk = c["k"].shape[1]
+    out = torch.full((batch, hq, d), float("nan")).to(torch.bfloat16)
+    part_o = torch.full((batch, hq, splits, d), float("nan"))
+    part_ml = torch.full((batch, hq, splits, 2), float("nan"))
+    chunks = math.ceil(hq // hk / TC_ROWS)
+    counters = torch.zeros(batch * hk * chunks, dtype=torch.int32)
+    lib.host_paged_decode_rope_tc(
+        *(_ptr(t) for t in (c["q"], c["k"], c["v"], kp.data, vp.data, c["slot_mapping"], c["positions"], c["cos"],
+                            c["sin"], c["q_norm"], c["k_norm"], c["block_tables"], c["seq_lens"], out, part_o,
+                            part_ml, counters, kp.scale, vp.scale)),
+        ctypes.c_float(d**-0.5), *_strides(c), hq, hk, d, d, c["block_tables"].shape[1], splits, ctypes.c_float(EPS),
+        batch, chunks, int(fp8))
+    assert not counters.any()  # every launch leaves its counters zero
+    return out
+
+
+def unfused(tc, rc, c, kp, vp, splits, fp8):
+    batch, hq, d = c["q"].shape
+    hk = c["k"].shape[1]
+    q = torch.zeros(batch, hq, d, dtype=torch.bfloat16)
+    assert rc.host_rope_and_cache(
+        list(KvCacheDtype).index(KvCacheDtype.FP8 if fp8 else KvCacheDtype.BF16), batch, *(_ptr(t) for t in (c["q"], c["k"], c["v"], q, kp.data, vp.data, c["slot_mapping"], c["positions"],
+                                     c["cos"], c["sin"], c["q_norm"], c["k_norm"], kp.scale, vp.scale, None, None,
+                                     None)),
+        *_strides(c), hq, hk, d, d, ctypes.c_float(EPS)) == 0
+    out = torch.full((batch, hq, d), float("nan")).to(torch.bfloat16)
+    part_o = torch.full((batch, hq, splits, d), float("nan"))
+    part_ml = torch.full((batch, hq, splits, 2), float("nan"))
+    tc.host_paged_decode_tc(*(_ptr(t) for t in (q, kp.data, vp.data, c["block_tables"], c["seq_lens"], out, part_o,
+                                                 part_ml, kp.scale, vp.scale)),
+                            ctypes.c_float(d**-0.5), hq, hk, d, c["block_tables"].shape[1], splits, batch,
+                            math.ceil(hq // hk / TC_ROWS), int(fp8))
+    return out
+
+
+@pytest.mark.parametrize("splits", [1, 3, 32])
+@pytest.mark.parametrize("group", [1, 4, 12])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.FP8], ids=lambda d: d.value)
+def test_one_launch_equals_the_three(libs, dtype, head_dim, group, splits):
+    """A context of one key, a partial and a whole last tile, contexts over several splits, a
+    sequence whose slot is skipped (-1: its cache keeps the old key) and an empty one; a group of
+    12 takes two CTAs per KV head, which both write the new key."""
+    tc, rc = libs
+    hk = 2
+    c = rope_decode_case([1, 7, 16, 99, 300, 0], hk * group, hk, head_dim, dtype, seed=head_dim + group)
+    fp8 = dtype == KvCacheDtype.FP8
+    c["slot_mapping"][2] = -1
+    mine, theirs = ([pool_to(c["k_pool"], "cpu"), pool_to(c["v_pool"], "cpu")] for _ in range(2))
+    got = fused(tc, c, *mine, splits, fp8)
+    want = unfused(tc, rc, c, *theirs, splits, fp8)
+    assert torch.equal(got, want), compare(got, want, 0, 0)
+    assert compare_bytes(mine[0].data, theirs[0].data) is None
+    assert compare_bytes(mine[1].data, theirs[1].data) is None
+    assert torch.equal(got[5], torch.zeros_like(got[5]))
+    reference = [pool_to(c["k_pool"], "cpu"), pool_to(c["v_pool"], "cpu")]
+    expect = ref.rope_cache_decode(c["q"], c["k"], c["v"], *reference, c["slot_mapping"], c["positions"], c["cos"],
+                                   c["sin"], c["q_norm"], c["k_norm"], EPS, c["block_tables"], c["seq_lens"],
+                                   head_dim**-0.5)
+    assert compare(got, expect, *ATTENTION_TOL) is None, compare(got, expect, *ATTENTION_TOL)
