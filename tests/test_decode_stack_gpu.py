@@ -5,7 +5,8 @@ rope_and_cache and the tensor-core decode, launched one by one. The stack's GEMV
 QK-norm / RoPE / cache write round exactly as those kernels; its attention splits the context its
 own way, so its fp32 sums (and so the output of attention, in the last bf16 bit) may differ.
 Hence: layer 0's cache row is equal byte for byte (it depends on the GEMV only), the running sum
-after all layers within bf16 noise. Both are also held against the torch references on the CPU.
+after all layers within bf16 noise (two ulps of its largest element: a rounding flipped early
+carries through the residual adds). Both are also held against the torch references on the CPU.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def test_stack_equals_the_layer_path(ops, case):
     slot = int(c["slot_mapping"][0])
     for a, b in zip(_rows(mine, slot, 0), _rows(theirs, slot, 0)):
         assert torch.equal(a, b)
-    err = compare(got, want, 2e-2, 2e-2)
+    # The two paths split attention differently; a last-bit difference there can flip a rounding
+    # of the bf16 running sum, so allow two bf16 ulps of the sum's largest element on top.
+    err = compare(got, want, max(2e-2, want.float().abs().max().item() / 64), 2e-2)
     assert err is None, err
     for layer in range(layers):  # the new row only: every other slot is untouched
         assert compare(*(torch.cat(_rows(s, slot, layer)) for s in (mine, theirs)), 2e-2, 2e-2) is None
