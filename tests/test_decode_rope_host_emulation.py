@@ -59,10 +59,11 @@ def unfused(tc, rc, c, kp, vp, splits, fp8):
     batch, hq, d = c["q"].shape
     hk = c["k"].shape[1]
     q = torch.zeros(batch, hq, d, dtype=torch.bfloat16)
+    dtype = list(KvCacheDtype).index(KvCacheDtype.FP8 if fp8 else KvCacheDtype.BF16)  # the library's numbering
     assert rc.host_rope_and_cache(
-        list(KvCacheDtype).index(KvCacheDtype.FP8 if fp8 else KvCacheDtype.BF16), batch, *(_ptr(t) for t in (c["q"], c["k"], c["v"], q, kp.data, vp.data, c["slot_mapping"], c["positions"],
-                                     c["cos"], c["sin"], c["q_norm"], c["k_norm"], kp.scale, vp.scale, None, None,
-                                     None)),
+        dtype, batch, *(_ptr(t) for t in (c["q"], c["k"], c["v"], q, kp.data, vp.data, c["slot_mapping"],
+                                          c["positions"], c["cos"], c["sin"], c["q_norm"], c["k_norm"], kp.scale,
+                                          vp.scale, None, None, None)),
         *_strides(c), hq, hk, d, d, ctypes.c_float(EPS)) == 0
     out = torch.full((batch, hq, d), float("nan")).to(torch.bfloat16)
     part_o = torch.full((batch, hq, splits, d), float("nan"))

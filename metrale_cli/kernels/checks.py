@@ -181,7 +181,8 @@ def _check_decode_stack(ops, hd):
 def _numeric_checks() -> dict[str, Callable]:
     """{``module::function``: check(ops, head_dim) -> problem or None} for every kernel."""
     from metrale_cli.kernels.table import (
-        ADD_RMS_NORM, DECODE_ROPE_TC, DECODE_STACK, GEMV_ADD, GEMV_NORM, GEMV_NORM_SWIGLU, RMS_NORM, ROPE, ROPE_AND_CACHE,
+        ADD_RMS_NORM, DECODE_ROPE_TC, DECODE_STACK, GEMV_ADD, GEMV_NORM, GEMV_NORM_SWIGLU, RMS_NORM, ROPE,
+        ROPE_AND_CACHE,
         SILU_AND_MUL, WHT, kv_kernels,
     )
 

@@ -15,7 +15,8 @@ from metrale_cli.kernels.ops import SidePool
 from metrale_cli.kernels.registry import module_for
 from metrale_cli.kernels.table import (
     ATTN_THREADS, DECODE_CTAS_PER_SM, MAX_SPLITS, MIN_KEYS_PER_SPLIT, ROPE_AND_CACHE, ROPE_AND_CACHE_WARPS,
-    TC_CTAS_PER_SM, TC_MIN_KEYS_PER_SPLIT, TC_PROGRAMMATIC, TC_ROWS, KvKernels, _serves, decode_rows, dtype_of, kv_kernels,
+    TC_CTAS_PER_SM, TC_MIN_KEYS_PER_SPLIT, TC_PROGRAMMATIC, TC_ROWS, KvKernels, _serves, decode_rows, dtype_of,
+    kv_kernels,
 )
 
 
@@ -54,7 +55,8 @@ def _head_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 class CudaDecodeOps:
     """Decode attention on CuPy-launched kernels; needs the host class's ``_launch``."""
 
-    _counters: dict[int, torch.Tensor]  # per device: the fused decode's combine counters
+    def __init__(self):
+        self._counters: dict[int, torch.Tensor] = {}  # per device: the fused decode's combine counters
 
     def rope_and_cache(self, q, k, v, k_pool: SidePool, v_pool: SidePool, slot_mapping, positions, cos, sin,
                        q_norm, k_norm, eps):
@@ -145,12 +147,9 @@ class CudaDecodeOps:
     def _combine_counters(self, device: torch.device, count: int) -> torch.Tensor:
         """Zeroed int32 words, one per (sequence, KV head, chunk), that every fused launch leaves
         zero: kept per device and grown (never shrunk) so graphs replay on the same buffer."""
-        counters = getattr(self, "_counters", None)
-        if counters is None:
-            counters = self._counters = {}
-        have = counters.get(device.index)
+        have = self._counters.get(device.index)
         if have is None or have.numel() < count:
-            have = counters[device.index] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+            have = self._counters[device.index] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
         return have
 
     def _split_buffers(self, q: torch.Tensor, ctas: int, max_blocks: int, per_sm: int, min_keys: int):

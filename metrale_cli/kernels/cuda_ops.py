@@ -37,6 +37,7 @@ class CudaOps(CudaDecodeOps):
     name = "cuda"
 
     def __init__(self, loader: KernelLoader | None = None):
+        super().__init__()
         self.loader = loader or KernelLoader()
 
     def _launch(self, kernel, grid, block, *args, shared_mem: int = 0, pdl: bool = False):

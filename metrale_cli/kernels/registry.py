@@ -161,7 +161,8 @@ MODULES: dict[str, KernelModule] = {
         # Tensor-core decode of the bf16 / fp8 caches (head_dim 64 and 128, groups of up to 16),
         # and each one's whole decode attention in one launch (QK-norm, RoPE, write, combine).
         KernelModule("paged_decode_tc", "paged_decode_tc.cu", (),
-                     ("paged_decode_attn_tc", "paged_decode_attn_tc_fp8", "paged_decode_rope_tc", "paged_decode_rope_tc_fp8"),
+                     ("paged_decode_attn_tc", "paged_decode_attn_tc_fp8", "paged_decode_rope_tc",
+                      "paged_decode_rope_tc_fp8"),
                      head_dims=(64, 128)),
         KernelModule("prefill_paged", "prefill_paged.cu", (), ("attn_prefill_paged",), head_dims=_LEGACY_DIMS),
         KernelModule("prefill_paged_fp8", "prefill_paged.cu", _FP8, ("attn_prefill_paged_fp8",),

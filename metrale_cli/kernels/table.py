@@ -192,8 +192,8 @@ _DECODE_ROPE = (
     "num_splits: i32, eps: f32"
 )
 DECODE_ROPE_TC = {
-    KvCacheDtype.BF16: (KernelSpec("paged_decode_tc", "paged_decode_rope_tc"), Signature.parse(_DECODE_ROPE.format(p="bf16*"))),
-    KvCacheDtype.FP8: (KernelSpec("paged_decode_tc", "paged_decode_rope_tc_fp8"), Signature.parse(_DECODE_ROPE.format(p="fp8*"))),
+    d: (KernelSpec("paged_decode_tc", f"paged_decode_rope_tc{_sfx}"), Signature.parse(_DECODE_ROPE.format(p=f"{p}*")))
+    for d, _sfx, p in ((KvCacheDtype.BF16, "", "bf16"), (KvCacheDtype.FP8, "_fp8", "fp8"))
 }
 """A decode step's attention in one launch: rope_and_cache_<dtype>, the tensor-core decode and its combine
 fused (paged_decode_tc.cu), for one token per sequence."""

@@ -212,7 +212,8 @@ class Qwen3AttentionLayer:
         """A fused projection's output -> q (T, Hq, D), k, v (T, Hk, D): views."""
         cfg, tokens, d = self.cfg, qkv.shape[0], self.cfg.head_dim
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        return q.view(tokens, cfg.num_heads, d), k.view(tokens, cfg.num_kv_heads, d), v.view(tokens, cfg.num_kv_heads, d)
+        hk = cfg.num_kv_heads
+        return q.view(tokens, cfg.num_heads, d), k.view(tokens, hk, d), v.view(tokens, hk, d)
 
     def _prepare(self, qkv: torch.Tensor, ctx: ForwardContext):
         """Split, QK-norm, RoPE, calibrate, write the cache, rotate Q: (q, k_pool, v_pool).
