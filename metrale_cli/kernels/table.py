@@ -250,8 +250,9 @@ def decode_rows(head_dim: int, group: int) -> int:
 
 def layer_kernels(kv_dtype, head_dim: int, stack: bool = False) -> list[KernelSpec]:
     """Every kernel ``CudaOps`` launches for a layer of this KV dtype (norms, RoPE, SwiGLU, the
-    decode GEMVs, the dtype's write / decode / split combine / prefill, the WHT bookends of a
-    rotated side, the fused QK-norm + RoPE + write, and with ``stack`` (METRALE_DECODE_STACK) for a
+    decode GEMVs, the dtype's write / decode / split combine / prefill / tensor-core decode and
+    one-launch decode attention, the WHT bookends of a rotated side, the fused QK-norm + RoPE +
+    write, and with ``stack`` (METRALE_DECODE_STACK) for a
     bf16 cache the whole-stack decode step): the start-up check loads them all before any weight
     is read."""
     from metrale_cli.kernels.requirements import as_kv_dtype

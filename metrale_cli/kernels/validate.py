@@ -59,7 +59,8 @@ Progress = Callable[[str, int, int], None]  # (kernel, index, total)
 def kernels_to_validate(dtype, head_dim: int) -> list[KernelSpec]:
     """The dtype-independent kernels (norms, RoPE, SwiGLU, decode GEMVs), the dtype's required KV kernels
     (KV_DTYPES.md), then the others the cuda backend's layers launch (split-decode combine,
-    chunked prefill, the tensor-core decode, the whole-stack step under METRALE_DECODE_STACK)."""
+    chunked prefill, the tensor-core decode and the one-launch decode attention, the whole-stack
+    step under METRALE_DECODE_STACK)."""
     from metrale_cli.environment import decode_stack
     from metrale_cli.kernels.table import COMMON_KERNELS, layer_kernels
 
@@ -187,8 +188,9 @@ class _GpuChecker:
             return exc.message
 
 
-_CHECK_SOURCES = ("kernels/checks.py", "kernels/reference.py", "kernels/cuda_ops.py", "kernels/table.py",
-                  "kernels/sdpa_prefill.py", "kv/dtypes.py", "kv/formats.py", "kv/quant.py", "kv/wht.py")
+_CHECK_SOURCES = ("kernels/checks.py", "kernels/cases.py", "kernels/reference.py", "kernels/cuda_ops.py",
+                  "kernels/cuda_decode.py", "kernels/table.py", "kernels/sdpa_prefill.py", "kv/dtypes.py",
+                  "kv/formats.py", "kv/quant.py", "kv/wht.py")
 
 
 @functools.lru_cache(maxsize=None)
