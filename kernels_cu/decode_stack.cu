@@ -351,10 +351,10 @@ __device__ void attention_phase(const StackArgs& a, const unsigned long long* la
             } else if (writes && x == rows) {
                 ll_head<D>(a.qkv + q_size + (long long)kvh * D, flags + V_QKV, row);
                 norm_rope<D>(row, k_norm, a.eps, cos_row, sin_row, half, krow);
-                store_row<D>(krow, k_cache + ((long long)slot * a.hk + kvh) * D);
+                store_row<D>(krow, k_cache + kv_vector(slot, kvh, a.hk) * D);
             } else if (writes) {
                 ll_head<D>(a.qkv + q_size + kv_size + (long long)kvh * D, flags + V_QKV, row);
-                store_row<D>(row, v_cache + ((long long)slot * a.hk + kvh) * D);
+                store_row<D>(row, v_cache + kv_vector(slot, kvh, a.hk) * D);
             }
             __syncwarp();
         }
@@ -485,7 +485,7 @@ __device__ void decode_stack(const StackArgs& a) {
 // layer (the final norm and LM head follow: gemv_norm_bf16). layers: (num_layers, 10) int64
 // pointers per layer: W_qkv (q_size + 2 kv_size, hidden), W_o (hidden, q_size),
 // W_gate_up (2 inter, hidden), W_down (hidden, inter), input / post-attention norm (hidden,),
-// q_norm / k_norm (head_dim,) or 0, the bf16 K / V pools (NB, 16, hk, head_dim). words: the
+// q_norm / k_norm (head_dim,) or 0, the bf16 K / V pools (NB, hk, 16, head_dim). words: the
 // flagged vectors, 64-bit words: qkv (q_size + 2 kv_size), attn (q_size), h_attn (hidden),
 // act (inter), h_ffn (hidden), zero before the first launch. part_o / part_ml:
 // (hq, num_splits, head_dim) / (hq, num_splits, 2) fp32. sync: 2 + hk * ceil(group / 8) words,

@@ -37,7 +37,7 @@ __device__ void decode(const bf16_t* q, const void* k_cache, const void* v_cache
     attend_rows<D, RW>(q, rows, begin, end, kv, qk_scale, v_scale, o, smem);
 }
 
-// q: (B, Hq, D) bf16; caches: (NB, 16, Hk, D) bf16 / e4m3 or (NB, block_bytes) uint8 per side;
+// q: (B, Hq, D) bf16; caches: (NB, Hk, 16, D) bf16 / e4m3 or (NB, block_bytes) uint8 per side;
 // block_tables: (B, max_blocks) int32; seq_lens: (B,) int32; out: (B, Hq, D) bf16;
 // part_o: (B, Hq, num_splits, D) fp32 and part_ml: (B, Hq, num_splits, 2) fp32 when
 // num_splits > 1 (else unused); k_scale, v_scale: (1,) fp32 (read only by an fp8 side).
@@ -46,7 +46,7 @@ __device__ void decode(const bf16_t* q, const void* k_cache, const void* v_cache
 // takes several CTAs, which read the same K/V, mostly from L2), RowsPerCta above: few idle
 // rows, and registers left for the key pipeline. The host mirrors it (cuda_ops.decode_rows).
 
-// q: (B, Hq, D) bf16; caches: (NB, 16, Hk, D) bf16 / e4m3 or (NB, block_bytes) uint8 per side;
+// q: (B, Hq, D) bf16; caches: (NB, Hk, 16, D) bf16 / e4m3 or (NB, block_bytes) uint8 per side;
 // block_tables: (B, max_blocks) int32; seq_lens: (B,) int32; out: (B, Hq, D) bf16;
 // part_o: (B, Hq, num_splits, D) fp32 and part_ml: (B, Hq, num_splits, 2) fp32 when
 // num_splits > 1 (else unused); k_scale, v_scale: (1,) fp32 (read only by an fp8 side).

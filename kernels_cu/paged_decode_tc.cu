@@ -234,7 +234,7 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
 }
 
 // q / k / v: Hq / Hk / Hk heads of head_dim bf16 per sequence, sequence b's at b * {q,k,v}_stride
-// (views of a fused q/k/v projection); k_cache / v_cache: the pools (NB, 16, Hk, D); slot_mapping,
+// (views of a fused q/k/v projection); k_cache / v_cache: the pools (NB, Hk, 16, D); slot_mapping,
 // positions: (B,) int32; cos / sin, q_norm / k_norm (or null): as for rope_and_cache_<dtype>; the
 // rest as for paged_decode_attn_tc<suffix>, plus counters: B * Hk * chunks zeroed words (each
 // launch leaves them zero).

@@ -1,29 +1,30 @@
-// Paged KV-cache writes of the unrotated dtypes. bf16 / fp8 caches are (NB, 16, Hk, D): slot s
-// holds its Hk*D elements at s * Hk * D, so a token's row is copied (or quantized) as one
-// contiguous span. nvfp4 caches are packed uint8 blocks (kv_write.cuh). Compiled with
-// --fmad=false: the nvfp4 bytes are bit-exact (bf16 / fp8 only copy and divide).
+// Paged KV-cache writes of the unrotated dtypes. bf16 / fp8 caches are (NB, Hk, 16, D): a token's
+// Hk head vectors are copied (or quantized) to their kv_vector places, D elements each. nvfp4
+// caches are packed uint8 blocks (kv_write.cuh). Compiled with --fmad=false: the nvfp4 bytes are
+// bit-exact (bf16 / fp8 only copy and divide).
 #include "kv_write.cuh"
 
+// V elements at a time; V divides d, so a run of V never crosses from one head to the next.
 template <typename CacheT, int V>
-__device__ void store_span(const bf16_t* src, CacheT* dst, int n, float scale) {
-    for (int i = threadIdx.x * V; i < n; i += blockDim.x * V) {
+__device__ void store_heads(const bf16_t* src, CacheT* cache, long long slot, int hk, int d, float scale) {
+    for (int i = threadIdx.x * V; i < hk * d; i += blockDim.x * V) {
+        const int head = i / d;
         float f[V];
         load_vec<V>(src + i, f);
         if constexpr (sizeof(CacheT) == 1) {
 #pragma unroll
             for (int j = 0; j < V; ++j) f[j] = f[j] / scale;  // true division, as the reference
         }
-        store_vec<V>(dst + i, f);
+        store_vec<V>(cache + kv_vector(slot, head, hk) * d + (i - head * d), f);
     }
 }
 
 template <typename CacheT>
-__device__ void cache_token(const bf16_t* src, CacheT* cache, long long slot, int n, float scale) {
-    CacheT* dst = cache + slot * n;
-    if ((n & 7) == 0 && aligned16(src) && aligned16(dst)) {
-        store_span<CacheT, 8>(src, dst, n, scale);
+__device__ void cache_token(const bf16_t* src, CacheT* cache, long long slot, int hk, int d, float scale) {
+    if ((d & 7) == 0 && aligned16(src) && aligned16(cache)) {
+        store_heads<CacheT, 8>(src, cache, slot, hk, d, scale);
     } else {
-        store_span<CacheT, 1>(src, dst, n, scale);
+        store_heads<CacheT, 1>(src, cache, slot, hk, d, scale);
     }
 }
 
@@ -36,8 +37,8 @@ extern "C" __global__ void reshape_and_cache_flash(const bf16_t* k, const bf16_t
     const int slot = slot_mapping[t];
     if (slot < 0) return;
     const int n = num_kv_heads * head_dim;
-    cache_token<bf16_t>(k + t * n, k_cache, slot, n, 1.0f);
-    cache_token<bf16_t>(v + t * n, v_cache, slot, n, 1.0f);
+    cache_token<bf16_t>(k + t * n, k_cache, slot, num_kv_heads, head_dim, 1.0f);
+    cache_token<bf16_t>(v + t * n, v_cache, slot, num_kv_heads, head_dim, 1.0f);
 }
 
 // As above into e4m3 caches: stored = e4m3(x / scale), RNE, saturated to +-448.
@@ -51,8 +52,8 @@ extern "C" __global__ void reshape_and_cache_flash_fp8(const bf16_t* k, const bf
     const int slot = slot_mapping[t];
     if (slot < 0) return;
     const int n = num_kv_heads * head_dim;
-    cache_token<fp8_t>(k + t * n, k_cache, slot, n, *k_scale);
-    cache_token<fp8_t>(v + t * n, v_cache, slot, n, *v_scale);
+    cache_token<fp8_t>(k + t * n, k_cache, slot, num_kv_heads, head_dim, *k_scale);
+    cache_token<fp8_t>(v + t * n, v_cache, slot, num_kv_heads, head_dim, *v_scale);
 }
 
 // As above into packed nvfp4 pools: k_cache, v_cache: (NB, block_bytes) uint8

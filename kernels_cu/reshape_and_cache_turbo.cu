@@ -5,7 +5,7 @@
 #include "kv_write.cuh"
 
 // k, v: (T, Hk, D) bf16 in the original basis; slot_mapping: (T,) int32 (negative = skip);
-// k_cache / v_cache: the side pools (bf16 / e4m3 (NB, 16, Hk, D) or uint8 (NB, block_bytes));
+// k_cache / v_cache: the side pools (bf16 / e4m3 (NB, Hk, 16, D) or uint8 (NB, block_bytes));
 // k_scale, v_scale: (1,) fp32 (read by an fp8 side); k_signs, v_signs: (2, D) fp32 of a rotated
 // side, else null; channel_scale: (Hk, D) fp32 or null. grid = (T, Hk), block = 64.
 #define METRALE_WRITE_ENTRY(dtype, K, V)                                                          \

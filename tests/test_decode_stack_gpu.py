@@ -37,9 +37,8 @@ def _ctx(c, device) -> ForwardContext:
 
 
 def _rows(stack, slot: int, layer: int):
-    hk, d = stack.num_kv_heads, stack.head_dim
     part = stack.layers[layer]
-    return [p.data.view(-1, d)[slot * hk:(slot + 1) * hk].cpu() for p in (part.k_pool, part.v_pool)]
+    return [p.data[slot // 16, :, slot % 16].cpu() for p in (part.k_pool, part.v_pool)]
 
 
 # (layers, hidden, hq, hk, head_dim, inter, context): small odd shapes, a group of 16 (two CTAs
@@ -81,9 +80,9 @@ def test_stack_equals_the_layer_path(ops, case):
         assert compare(*(torch.cat(_rows(s, slot, layer)) for s in (mine, theirs)), 2e-2, 2e-2) is None
         for side in ("k_pool", "v_pool"):
             a, b = getattr(mine.layers[layer], side).data, getattr(c["stack"].layers[layer], side).data
-            a = a.cpu().view(-1, d).clone()
-            a[slot * hk:(slot + 1) * hk] = b.view(-1, d)[slot * hk:(slot + 1) * hk]
-            assert torch.equal(a, b.view(-1, d))
+            a = a.cpu().clone()
+            a[slot // 16, :, slot % 16] = b[slot // 16, :, slot % 16]
+            assert torch.equal(a, b)
     if context < 1000 and hidden <= 1024:  # and the torch references on the CPU (small stacks: the
         # 8B-wide one sums 4096-12288-long rows in another order, several bf16 ulps apart)
         cpu = decode_stack_reference(TorchOps, stack_to(c["stack"], "cpu"), c["hidden"], _ctx(c, "cpu"))

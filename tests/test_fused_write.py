@@ -24,7 +24,7 @@ from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.kernels.registry import MODULES
 from metrale_cli.kernels.checks import compare, pool_to
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
-from metrale_cli.kv.formats import new_pool, side_format
+from metrale_cli.kv.formats import new_pool, side_format, token_rows
 from test_kernels_cuda_ops import RecordingLoader
 from host_build import build_host_library
 
@@ -93,9 +93,10 @@ def vector_bytes(pool):
     fmt = side_format(pool.side)
     raw = pool.data.cpu().contiguous().view(torch.uint8).reshape(nb, -1)
     if not fmt.packed:
-        return raw.reshape(nb * 16, hk, -1)
+        return token_rows(raw.reshape(nb, hk, 16, -1))
     split = 16 * hk * fmt.data_bytes(d)
-    return torch.cat((raw[:, :split].reshape(nb * 16, hk, -1), raw[:, split:].reshape(nb * 16, hk, -1)), dim=-1)
+    return torch.cat((token_rows(raw[:, :split].reshape(nb, hk, 16, -1)),
+                      token_rows(raw[:, split:].reshape(nb, hk, 16, -1))), dim=-1)
 
 
 def assert_same_bytes(got, want, written_slots):

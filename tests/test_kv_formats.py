@@ -127,7 +127,7 @@ def test_pack_unpack_round_trip(bits):
 # --- pools ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("side", [S.NVFP4, S.TURBO3, S.TURBO8])
 def test_packed_block_layout(side):
-    """Slot 17 = block 1, offset 1: its vectors sit at [token][head] data, then [token][head][group] scales."""
+    """Slot 17 = block 1, offset 1: its vectors sit at [head][token] data, then [head][token][group] scales."""
     hk, d = 2, 64
     pool = formats.new_pool(side, 3, hk, d, torch.device("cpu"))
     fmt = formats.side_format(side)
@@ -137,9 +137,9 @@ def test_packed_block_layout(side):
     block = pool.data[1]
     db, sb = fmt.data_bytes(d), d // 16 * fmt.scale_bytes
     for h in range(hk):
-        at = (1 * hk + h) * db
+        at = (h * BLOCK_SIZE + 1) * db
         assert torch.equal(block[at : at + db], data[h])
-        at = BLOCK_SIZE * hk * db + (1 * hk + h) * sb
+        at = BLOCK_SIZE * hk * db + (h * BLOCK_SIZE + 1) * sb
         assert torch.equal(block[at : at + sb], scales[h])
     assert pool.data[0].sum() == 0 and pool.data[2].sum() == 0
     back = formats.load(pool, torch.tensor([0, 1], dtype=torch.int32), 18)[17]
@@ -151,7 +151,7 @@ def test_negative_slots_are_skipped_and_fp8_uses_the_scale():
     pool.scale.fill_(0.5)
     x = torch.full((2, 1, 16), 3.0, dtype=torch.bfloat16)
     formats.store(x, pool, torch.tensor([-1, 5], dtype=torch.int32))
-    assert pool.data[0, 5].float().tolist() == [[6.0] * 16]  # e4m3(3 / 0.5)
+    assert pool.data[0, :, 5].float().tolist() == [[6.0] * 16]  # e4m3(3 / 0.5)
     assert pool.data.float().abs().sum().item() == 6.0 * 16
 
 

@@ -26,7 +26,7 @@ void read_all(const void* pool, int slots, int hk, float* out) {
     for (int slot = 0; slot < slots; ++slot)
         for (int h = 0; h < hk; ++h)
             for (int lane = 0; lane < 32; ++lane) {
-                const auto raw = S<D>::load(pool, slot / KV_BLOCK, (slot % KV_BLOCK) * hk + h, hk, lane);
+                const auto raw = S<D>::load(pool, slot / KV_BLOCK, kv_row(slot % KV_BLOCK, h), hk, lane);
                 S<D>::decode(raw, lut, out + ((long long)slot * hk + h) * D + lane * (D / 32));
             }
 }

@@ -120,14 +120,14 @@ __device__ void decode_tc(const TcWork& w) {
         const long long block = w.block_table[tile / ATTN_BLOCK];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // K: keys g, g + 8
-            const long long row = (block * ATTN_BLOCK + 8 * h + g) * w.num_kv_heads + w.kv_head;
+            const long long row = block * ATTN_BLOCK * w.num_kv_heads + kv_row(8 * h + g, w.kv_head);
             const unsigned char* kp = w.k_cache + row * (D * BYTES) + c * 16;
 #pragma unroll
             for (int i = 0; i < NC; ++i) k[h][i] = *reinterpret_cast<const Words<4>*>(kp + 64 * i);
         }
 #pragma unroll
         for (int x = 0; x < 4; ++x) {  // V: keys tc_v_key(c, x), dims D/8 g .. D/8 g + D/8
-            const long long row = (block * ATTN_BLOCK + tc_v_key(c, x)) * w.num_kv_heads + w.kv_head;
+            const long long row = block * ATTN_BLOCK * w.num_kv_heads + kv_row(tc_v_key(c, x), w.kv_head);
             v[x] = *reinterpret_cast<const Words<VW>*>(w.v_cache + row * (D * BYTES) + g * (VW * 4));
         }
     };

@@ -5,7 +5,7 @@
 // A side type is a template `side_<name><D>` (bf16, fp8, nvfp4, turbo2/3/4/8) with:
 //   Raw                   the lane's undecoded bits, so a load can be in flight while the
 //                         previous key is being scored
-//   load(pool, block, row, num_kv_heads, lane) -> Raw    row = slot_in_block * Hk + kv_head
+//   load(pool, block, row, num_kv_heads, lane) -> Raw    row = kv_row(slot_in_block, kv_head)
 //   decode(raw, lut, f)   f[0 .. D/32) as fp32 values (times the per-tensor scale for fp8)
 //   kLevels, level(code)  the code -> value table copied to shared memory (0 = no table)
 //   kTensorScale          whether the (1,) per-tensor scale applies (fp8)
@@ -14,6 +14,16 @@
 
 #define KV_BLOCK 16
 #define KV_GROUP 16
+
+// A block's 16 x Hk vectors are ordered [head][token] (docs/kv-formats.md, "Pools"): one head's
+// 16 tokens lie together, so a decode CTA, which reads one KV head, streams whole spans of a block
+// instead of one vector in every Hk.
+__device__ __forceinline__ int kv_row(int token, int head) { return head * KV_BLOCK + token; }
+
+// The pool-wide vector index of (slot, head): the block's first vector plus kv_row.
+__device__ __forceinline__ long long kv_vector(long long slot, int head, int hk) {
+    return slot / KV_BLOCK * KV_BLOCK * hk + kv_row((int)(slot % KV_BLOCK), head);
+}
 
 typedef unsigned char u8_t;
 
@@ -47,8 +57,8 @@ __device__ __forceinline__ unsigned int f32_to_e4m3(float x) {
     return f32x2_to_e4m3x2(x, 0.0f) & 0xffu;
 }
 
-// Geometry of a packed block: 16 x Hk vectors of DATA bytes ([token][head]), then their group
-// scales ([token][head][group], SB bytes each).
+// Geometry of a packed block: 16 x Hk vectors of DATA bytes ([head][token]), then their group
+// scales ([head][token][group], SB bytes each). row: kv_row(token, head).
 template <int D, int BITS, int SB>
 struct PackedBlock {
     static constexpr int kDataBytes = D * BITS / 8;
@@ -82,7 +92,7 @@ __device__ __forceinline__ unsigned long long load_le(const u8_t* p) {
     }
 }
 
-// ---- element sides: (NB, 16, Hk, D) tensors ---------------------------------------------------
+// ---- element sides: (NB, Hk, 16, D) tensors ---------------------------------------------------
 template <int D, typename E, bool SCALED>
 struct ElementSide {
     static constexpr int EPL = D / 32;

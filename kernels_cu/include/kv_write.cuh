@@ -143,8 +143,7 @@ __device__ __forceinline__ u8_t pack_byte(const u8_t* codes, int j) {
 template <class W, int D>
 __device__ void store_elements(const bf16_t* src, void* pool, long long slot, int head, int hk, const float* scale) {
     const int lane = threadIdx.x & 31;
-    const long long row = slot / KV_BLOCK * KV_BLOCK * hk + (int)(slot % KV_BLOCK) * hk + head;
-    typename W::Elem* dst = static_cast<typename W::Elem*>(pool) + row * D;
+    typename W::Elem* dst = static_cast<typename W::Elem*>(pool) + kv_vector(slot, head, hk) * D;
     const float sc = scale == nullptr ? 1.0f : *scale;
     for (int i = lane; i < D; i += 32) dst[i] = W::convert(src[i], sc);
 }
@@ -157,7 +156,7 @@ __device__ void store_vector(const bf16_t* src, void* pool, long long slot, int 
                              WriteScratch& s) {
     const int lane = threadIdx.x & 31;
     const long long block = slot / KV_BLOCK;
-    const int row = (int)(slot % KV_BLOCK) * hk + head;
+    const int row = kv_row((int)(slot % KV_BLOCK), head);
     if constexpr (!W::kPacked) {
         store_elements<W, D>(src, pool, slot, head, hk, scale);
     } else {

@@ -126,7 +126,7 @@ struct KvRaw {
 template <int D>
 __device__ __forceinline__ KvRaw<D> load_key(const AttnKv& kv, int key, int lane) {
     const long long block = kv.block_table[key / ATTN_BLOCK];
-    const int row = (key % ATTN_BLOCK) * kv.num_kv_heads + kv.kv_head;
+    const int row = kv_row(key % ATTN_BLOCK, kv.kv_head);
     return KvRaw<D>{KSide<D>::load(kv.k_cache, block, row, kv.num_kv_heads, lane),
                     VSide<D>::load(kv.v_cache, block, row, kv.num_kv_heads, lane)};
 }

@@ -33,7 +33,7 @@ BLOCK_SIZE = 16
 class SidePool:
     """One layer's cache pool for one side (K or V).
 
-    ``data``: ``(NB, 16, Hk, D)`` bf16 / float8_e4m3fn for BF16 / FP8 sides, ``(NB, block_bytes)``
+    ``data``: ``(NB, Hk, 16, D)`` bf16 / float8_e4m3fn for BF16 / FP8 sides, ``(NB, block_bytes)``
     uint8 for packed sides (nvfp4, turbo2/3/4/8). ``scale``: ``(1,)`` fp32, the fp8 per-tensor
     scale (stored value = e4m3(x / scale)); 1.0 for the other sides. ``signs``: ``(2, D)`` fp32
     WHT signs (row 0 = S1, row 1 = S2) when the side is stored rotated (turbo), else None.

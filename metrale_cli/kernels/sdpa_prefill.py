@@ -87,8 +87,8 @@ def gather_context(pool: SidePool, block_table: torch.Tensor, length: int,
 
 
 def _rows(data: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """(NB, 16, Hk, D) pool, block ids -> its first ``length`` token rows (length, Hk, D)."""
-    return data.index_select(0, blocks).flatten(0, 1)[:length]
+    """(NB, Hk, 16, D) pool, block ids -> its first ``length`` token rows (length, Hk, D)."""
+    return formats.token_rows(data.index_select(0, blocks))[:length]
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

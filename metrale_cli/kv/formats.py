@@ -1,8 +1,9 @@
 """One table: KV side type -> how a pool of that side stores, writes and reads its elements.
 
-Element sides (bf16, fp8) keep ``(NB, 16, Hk, D)`` tensors of their element type. Packed sides
-keep ``(NB, block_bytes)`` uint8 blocks: the 16 × Hk vectors' data ordered ``[token][head]``,
-then their group scales ordered ``[token][head][group]`` (docs/kv-formats.md, "Pools").
+Element sides (bf16, fp8) keep ``(NB, Hk, 16, D)`` tensors of their element type. Packed sides
+keep ``(NB, block_bytes)`` uint8 blocks: the 16 × Hk vectors' data ordered ``[head][token]``,
+then their group scales ordered ``[head][token][group]`` (docs/kv-formats.md, "Pools"). Either
+way one KV head's 16 tokens of a block lie together: a decode reads one head's span at a time.
 :func:`store` and :func:`load` are the torch reference of every cache write and read.
 """
 
@@ -57,7 +58,7 @@ class SideFormat:
     def pool_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         if self.packed:
             return (num_blocks, self.block_bytes(num_kv_heads, head_dim))
-        return (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+        return (num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
 
 
 def _codebook(bits: int) -> tuple[Encoder, Decoder]:
@@ -83,12 +84,12 @@ def side_format(side: SideType) -> SideFormat:
 
 # --- the reference write / read ----------------------------------------------------------------
 def _regions(pool: SidePool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of a packed pool: data (NB, 16, Hk, data_bytes), scales (NB, 16, Hk, D/16 * sb)."""
+    """Views of a packed pool: data (NB, Hk, 16, data_bytes), scales (NB, Hk, 16, D/16 * sb)."""
     fmt, hk, d = side_format(pool.side), pool.num_kv_heads, pool.head_dim
     split = BLOCK_SIZE * hk * fmt.data_bytes(d)
     nb = pool.data.shape[0]
-    data = pool.data[:, :split].view(nb, BLOCK_SIZE, hk, -1)
-    scales = pool.data[:, split:].view(nb, BLOCK_SIZE, hk, -1)
+    data = pool.data[:, :split].view(nb, hk, BLOCK_SIZE, -1)
+    scales = pool.data[:, split:].view(nb, hk, BLOCK_SIZE, -1)
     return data, scales
 
 
@@ -112,9 +113,9 @@ def store(x: torch.Tensor, pool: SidePool, slot_mapping: torch.Tensor) -> None:
     fmt = side_format(pool.side)
     if pool.side == S.FP8:
         values = (x.float() / pool.scale.float()).clamp(-quant.FP8_MAX, quant.FP8_MAX)
-        pool.data[slots // BLOCK_SIZE, slots % BLOCK_SIZE] = values.to(torch.float8_e4m3fn)
+        pool.data[slots // BLOCK_SIZE, :, slots % BLOCK_SIZE] = values.to(torch.float8_e4m3fn)
     elif not fmt.packed:
-        pool.data[slots // BLOCK_SIZE, slots % BLOCK_SIZE] = x.to(fmt.element)
+        pool.data[slots // BLOCK_SIZE, :, slots % BLOCK_SIZE] = x.to(fmt.element)
     else:
         store_prepared(prepare(x, pool), pool, slots)
 
@@ -125,8 +126,8 @@ def store_prepared(values: torch.Tensor, pool: SidePool, slots: torch.Tensor) ->
     data, scales = fmt.encode(values.reshape(-1, pool.head_dim))
     data_view, scale_view = _regions(pool)
     blocks, offsets = slots // BLOCK_SIZE, slots % BLOCK_SIZE
-    data_view[blocks, offsets] = data.reshape(*values.shape[:2], -1)
-    scale_view[blocks, offsets] = scales.reshape(*values.shape[:2], -1)
+    data_view[blocks, :, offsets] = data.reshape(*values.shape[:2], -1)
+    scale_view[blocks, :, offsets] = scales.reshape(*values.shape[:2], -1)
 
 
 def load_slots(pool: SidePool, slots: torch.Tensor) -> torch.Tensor:
@@ -134,8 +135,8 @@ def load_slots(pool: SidePool, slots: torch.Tensor) -> torch.Tensor:
     fmt = side_format(pool.side)
     data_view, scale_view = _regions(pool)
     blocks, offsets = slots // BLOCK_SIZE, slots % BLOCK_SIZE
-    data = data_view[blocks, offsets].reshape(-1, data_view.shape[-1])
-    scales = scale_view[blocks, offsets].reshape(-1, scale_view.shape[-1])
+    data = data_view[blocks, :, offsets].reshape(-1, data_view.shape[-1])
+    scales = scale_view[blocks, :, offsets].reshape(-1, scale_view.shape[-1])
     return fmt.decode(data, scales, pool.head_dim).reshape(-1, pool.num_kv_heads, pool.head_dim)
 
 
@@ -148,12 +149,17 @@ def load(pool: SidePool, block_table: torch.Tensor, length: int) -> torch.Tensor
     if length == 0:
         return torch.zeros(0, hk, d, device=pool.data.device)
     if not fmt.packed:
-        flat = pool.data[ids].reshape(-1, hk, d)[:length].float()
+        flat = token_rows(pool.data[ids])[:length].float()
         return flat * pool.scale.float() if pool.side == S.FP8 else flat
     data_view, scale_view = _regions(pool)
-    data = data_view[ids].reshape(-1, data_view.shape[-1])
-    scales = scale_view[ids].reshape(-1, scale_view.shape[-1])
+    data = token_rows(data_view[ids]).reshape(-1, data_view.shape[-1])
+    scales = token_rows(scale_view[ids]).reshape(-1, scale_view.shape[-1])
     return fmt.decode(data, scales, d).reshape(-1, hk, d)[:length]
+
+
+def token_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """(n, Hk, 16, ...) blocks as stored -> (n * 16, Hk, ...) rows in token order (a copy)."""
+    return blocks.transpose(1, 2).flatten(0, 1)
 
 
 def new_pool(side: SideType, num_blocks: int, num_kv_heads: int, head_dim: int,
