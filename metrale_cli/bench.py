@@ -2,8 +2,9 @@
 
 Decode steps are timed as ``generate`` runs them (greedy sampling on the device, the host reading
 step t's tokens while the GPU runs step t + 1), with CUDA events on a GPU. The roofline of a decode step is the bytes it must read:
-every weight once plus each sequence's cached K/V, over the peak bandwidth (measured as a
-device-to-device copy unless given).
+every weight it uses whole once (the layers, the final norm, the LM head; an untied input
+embedding gives one row per token, left out) plus each sequence's cached K/V, over the peak
+bandwidth (measured as a device-to-device copy unless given).
 """
 
 from __future__ import annotations

@@ -53,6 +53,9 @@ def bench_hf(raw: dict, tensors: dict[str, torch.Tensor], opts, device: torch.de
     _time_hf(model, opts, device, seed=0)  # warm-up at the timed shapes
     runs = [_time_hf(model, opts, device, seed=r + 1) for r in range(opts.repetitions)]
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    if "lm_head.weight" in tensors:  # untied: the input embedding is gathered a row per token
+        embed = tensors["model.embed_tokens.weight"]
+        weight_bytes -= embed.numel() * embed.element_size()
     kv_bytes = 2 * raw["num_hidden_layers"] * raw["num_key_value_heads"] * raw.get(
         "head_dim", raw["hidden_size"] // raw["num_attention_heads"]) * 2
     step_bytes = weight_bytes + opts.batch * (opts.n_prompt + opts.n_gen // 2) * kv_bytes

@@ -70,6 +70,12 @@ class ModelConfig:
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
+    def decode_parameters(self) -> int:
+        """Parameters a decode step reads whole: every layer, the final norm and the LM head. An
+        untied input embedding is only gathered, a row per token, so its table is left out."""
+        untied_embed = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return self.num_parameters() - untied_embed
+
 
 def _require(raw: dict, key: str):
     if key not in raw or raw[key] is None:

@@ -3,15 +3,19 @@ METRALE_DECODE_STACK and the decode mode line (CUDA graphs, or eager and why).""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from metrale_cli.bench_presets import random_weights
+from metrale_cli.bench_presets import PRESETS, random_weights
+from metrale_cli.config import model_config_from_hf
 from metrale_cli.engine.runner import RunnerOptions, build_runner
 from metrale_cli.engine.sequence import Sequence
 from metrale_cli.errors import MetraleError
 from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.layers.host_timing import PHASES
+from metrale_cli.models.dense import expected_tensors
 
 TINY = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 300,
@@ -69,3 +73,17 @@ def test_decode_stack_lever(monkeypatch):
     monkeypatch.setenv("METRALE_DECODE_STACK", "on")
     with pytest.raises(MetraleError, match="is not an integer"):
         _runner()
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_decode_reads_every_weight_but_an_untied_embedding_table(preset):
+    """The roofline's weight bytes: every tensor of the checkpoint once, less the input embedding
+    table when the LM head has its own (a decode step gathers one row of it per token)."""
+    cfg = model_config_from_hf(PRESETS[preset])
+    shapes = expected_tensors(cfg)
+    total = sum(math.prod(s) for s in shapes.values())
+    untied = "lm_head.weight" in shapes
+    assert untied == (not cfg.tie_word_embeddings)
+    embed = math.prod(shapes["model.embed_tokens.weight"])
+    assert cfg.num_parameters() == total
+    assert cfg.decode_parameters() == total - (embed if untied else 0)

@@ -60,8 +60,9 @@ class CausalLM:
         return self.embed.dtype
 
     def weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads (the LM head once even when tied)."""
-        return self.cfg.num_parameters() * self.embed.element_size()
+        """Bytes of weights one decode step reads: the layers, the final norm and the LM head (once
+        even when tied); an untied embedding table is only gathered, a row per token."""
+        return self.cfg.decode_parameters() * self.embed.element_size()
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor) -> torch.Tensor:
