@@ -103,3 +103,29 @@ def test_stop_text_holds_back_a_possible_stop_prefix():
     assert [text.push(0), text.push(1)] == ["H", "ello"]
     assert text.push(2) == " "
     assert text.stopped and text.text == "Hello "
+
+
+def test_decode_advance_reference_takes_torch_argmax_and_moves_live_rows_on():
+    """The contract of Ops.decode_advance on its fixture: the first of three tied maxima, a NaN,
+    -0.0 before +0.0; a row not live keeps its position and gets slot -1; a new block; a position
+    one block past the table takes the table's last block; rows past the step are untouched."""
+    from metrale_cli.kernels import reference as ref
+    from metrale_cli.kernels.cases import decode_advance_case, step_to
+
+    logits, step = decode_advance_case()
+    before = step_to(step, "cpu")
+    ref.decode_advance(logits, step, 6)
+    t = step.tables
+    assert step.next_tokens[:6].tolist() == [17, 12345, 70] + logits[3:6].argmax(-1).tolist()
+    assert step.tokens.tolist() == step.next_tokens[:6].tolist() + [-7, -7]
+    assert step.positions.tolist() == [4, 21, 41, 9, 16, 48, 5, 5]
+    assert step.seq_lens.tolist() == [5, 22, 42, 10, 17, 49, 6, 6]
+    assert step.slots.tolist() == [t[0, 0] * 16 + 4, t[1, 1] * 16 + 5, t[2, 2] * 16 + 9, -1, t[4, 1] * 16,
+                                   t[5, 2] * 16, -9, -9]
+    assert torch.equal(step.next_tokens[6:], before.next_tokens[6:])
+    # tokens sampled already: next_tokens is taken as it is, the rows move on alike
+    sampled = step_to(before, "cpu")
+    ref.decode_advance(None, sampled, 6)
+    assert torch.equal(sampled.next_tokens, before.next_tokens)
+    assert sampled.tokens.tolist() == before.next_tokens[:6].tolist() + [-7, -7]
+    assert all(torch.equal(getattr(sampled, f), getattr(step, f)) for f in ("positions", "seq_lens", "slots"))

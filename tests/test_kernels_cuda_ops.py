@@ -170,7 +170,7 @@ def test_layer_kernels_cover_every_side(dtype):
     names = [str(s) for s in specs]
     tc = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)  # + the tensor-core decode and its fused one
     assert any(n.startswith("paged_decode_tc::paged_decode_rope_tc") for n in names) == tc
-    assert len(names) == len(set(names)) == 12 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + 2 * tc
+    assert len(names) == len(set(names)) == 13 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + 2 * tc
     # the whole-stack step only where METRALE_DECODE_STACK asks, for a bf16 cache at head_dim 64 / 128
     stack = [str(s) for s in table.layer_kernels(dtype, 128, stack=True)]
     assert ("decode_stack::decode_stack_bf16" in stack) == (dtype == KvCacheDtype.BF16)
@@ -178,9 +178,9 @@ def test_layer_kernels_cover_every_side(dtype):
     assert "decode_stack::decode_stack_bf16" not in map(str, table.layer_kernels(dtype, 256, stack=True))
     assert set(map(str, required_kernels(dtype, 128))) <= set(names)
     assert all(module_for(s) is not None for s in specs)
-    assert names[:7] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
+    assert names[:8] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
                          "activation::silu_and_mul_bf16", "gemv::gemv_norm_bf16", "gemv::gemv_norm_swiglu_bf16",
-                         "gemv::gemv_add_bf16"]
+                         "gemv::gemv_add_bf16", "decode_step::decode_advance"]
 
 
 def test_launch_checks_arguments_before_touching_cupy():

@@ -219,3 +219,23 @@ def test_validate_kernels_on_gpu(dtype, head_dim):
     assert report.on_gpu
     assert report.ok, [r for r in report.rows if not r.ok]
     assert {r.numeric for r in report.rows} == {"matches reference"}
+
+
+@pytest.mark.parametrize("rows,vocab", [(6, 20011), (1, 151936), (6, 5), (64, 151936), (3, 262144)])
+def test_decode_advance_equals_the_reference(ops, rows, vocab):
+    """Every buffer byte for byte after a greedy step and after a sampled one (the fixture's ties,
+    NaN and signed zeros in the first rows), three launches in a row: the counters come back to 0."""
+    import dataclasses
+
+    from metrale_cli.kernels.cases import decode_advance_case, step_to
+
+    logits, step = decode_advance_case(rows=max(rows, 6), vocab=max(vocab, 20011), seed=rows)
+    logits, step = logits[:rows, :vocab].contiguous(), step_to(step, "cpu")
+    for given in (logits, None, logits):
+        got = step_to(step, "cuda")
+        ops.decode_advance(None if given is None else given.cuda(), got, rows)
+        ref.decode_advance(given, step, rows)
+        for f in dataclasses.fields(step):
+            if f.name != "keys":
+                assert compare_bytes(getattr(got, f.name), getattr(step, f.name)) is None, f.name
+        assert not got.counters.any()

@@ -9,7 +9,8 @@ block 0.
 
 Between steps the buffers move on by themselves: :meth:`advance` writes the sampled tokens in
 as the next inputs and moves every live row's position, context length and cache slot on by
-one, on the device (a second small graph). The engine can so launch step t + 1 before it has
+one, on the device (``Ops.decode_advance``: one kernel on the cuda backend, captured as a second
+small graph). Greedy decoding takes its tokens in the same launch (:meth:`advance_greedy`). The engine can so launch step t + 1 before it has
 read step t's tokens on the host: the host work of a step (sampling launch, the token
 round-trip, stop checks, streaming) overlaps the GPU's work on the next one.
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from metrale_cli.kernels.ops import BLOCK_SIZE
+from metrale_cli.kernels.ops import StepBuffers
 from metrale_cli.layers.context import ForwardContext
 from metrale_cli.models.model import CausalLM
 
@@ -38,17 +39,15 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         b = max_batch
-        self.tokens = torch.zeros(b, dtype=torch.long, device=dev)
-        self.next_tokens = torch.zeros(b, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(b, dtype=torch.int32, device=dev)
-        self.slots = torch.full((b,), -1, dtype=torch.int32, device=dev)
-        self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(b, dtype=torch.int32, device=dev)
-        self.live = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.step = StepBuffers.zeros(b, max_blocks, dev)
+        s = self.step
+        self.tokens, self.next_tokens, self.positions, self.slots = s.tokens, s.next_tokens, s.positions, s.slots
+        self.tables, self.seq_lens, self.live = s.tables, s.seq_lens, s.live
         self.rows = torch.arange(b, device=dev)
         self._host = np.zeros((b, 4 + max_blocks), dtype=np.int64)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.advance_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.advance_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (bucket, greedy)
+        self.logits: torch.Tensor | None = None  # the last forward's (bucket, vocab) logits
         self.pool = None
 
     def bucket(self, n: int) -> int | None:
@@ -88,24 +87,34 @@ class DecodeGraphs:
         """One step over the buffers' first n rows -> (n, vocab) float32 logits."""
         b = self.bucket(n)
         if not self.graphed():
-            return self.model.forward(*self._args(b))[:n]
+            self.logits = self.model.forward(*self._args(b))
+            return self.logits[:n]
         if b not in self.graphs:
             self.graphs[b] = self._capture(b)
-        graph, logits = self.graphs[b]
+        graph, self.logits = self.graphs[b]
         graph.replay()
-        return logits[:n]
+        return self.logits[:n]
 
     def advance(self, n: int, next_tokens: torch.Tensor) -> None:
         """Make the sampled tokens (n,) the next step's inputs and move the live rows on by one
         position (context length, cache slot from the block table), all on the device."""
-        b = self.bucket(n)
         self.next_tokens[:n].copy_(next_tokens)
+        self._step(self.bucket(n), greedy=False)
+
+    def advance_greedy(self, n: int) -> torch.Tensor:
+        """:meth:`advance` with every row's greedy token of the last :meth:`forward`, taken on the
+        device in the same launch -> the first n rows' tokens (a view of ``next_tokens``, valid
+        until the next step's advance)."""
+        self._step(self.bucket(n), greedy=True)
+        return self.next_tokens[:n]
+
+    def _step(self, b: int, greedy: bool) -> None:
         if not self.graphed():
-            self._advance(b)
+            self._advance(b, greedy)
             return
-        if b not in self.advance_graphs:
-            self.advance_graphs[b] = self._capture_advance(b)
-        self.advance_graphs[b].replay()
+        if (b, greedy) not in self.advance_graphs:
+            self.advance_graphs[b, greedy] = self._capture_advance(b, greedy)
+        self.advance_graphs[b, greedy].replay()
 
     # --- internals ------------------------------------------------------------------------
     def _args(self, b: int):
@@ -113,16 +122,10 @@ class DecodeGraphs:
                              block_tables=self.tables[:b], seq_lens=self.seq_lens[:b])
         return self.tokens[:b], ctx, self.rows[:b]
 
-    def _advance(self, b: int) -> None:
-        live = self.live[:b]
-        self.tokens[:b].copy_(self.next_tokens[:b])
-        self.positions[:b] += live
-        self.seq_lens[:b] += live
-        pos = self.positions[:b]
-        # a row that just finished may point one block past its table: its slot is never used
-        index = torch.clamp(pos // BLOCK_SIZE, max=self.max_blocks - 1).long()
-        block = self.tables[:b].gather(1, index[:, None])[:, 0]
-        self.slots[:b].copy_(torch.where(live.bool(), block * BLOCK_SIZE + pos % BLOCK_SIZE, -1))
+    def _advance(self, b: int, greedy: bool) -> None:
+        """The bucket's b rows move on; ``greedy``: from the tokens of the last forward's logits
+        (b rows: a padding row's token is never used)."""
+        self.model.ops.decode_advance(self.logits if greedy else None, self.step, b)
 
     def _warm(self, fn) -> None:
         """Run once on a side stream (lazy kernel loads, allocator growth) before a capture."""
@@ -141,13 +144,14 @@ class DecodeGraphs:
         self.pool = graph.pool()
         return graph, logits
 
-    def _capture_advance(self, b: int) -> torch.cuda.CUDAGraph:
-        saved = [t.clone() for t in (self.tokens, self.positions, self.seq_lens, self.slots)]
-        self._warm(lambda: self._advance(b))
-        for buf, old in zip((self.tokens, self.positions, self.seq_lens, self.slots), saved):
+    def _capture_advance(self, b: int, greedy: bool) -> torch.cuda.CUDAGraph:
+        moved = (self.next_tokens, self.tokens, self.positions, self.seq_lens, self.slots)
+        saved = [t.clone() for t in moved]
+        self._warm(lambda: self._advance(b, greedy))
+        for buf, old in zip(moved, saved):
             buf.copy_(old)  # the warm-up moved the live rows on: undo it
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self._advance(b)
+            self._advance(b, greedy)
         self.pool = graph.pool()
         return graph

@@ -144,8 +144,12 @@ class Engine:
         if self._fed(n):
             if refill:
                 self.graphs.fill(*self._inputs(seqs), [s.block_table for s in seqs])
-            tokens = sampler(self.graphs.forward(n))
-            self.graphs.advance(n, tokens)
+            logits = self.graphs.forward(n)
+            if sampler.params.greedy:
+                tokens = self.graphs.advance_greedy(n)
+            else:
+                tokens = sampler(logits)
+                self.graphs.advance(n, tokens)
         else:
             tokens = sampler(self.decode(seqs))
         return InFlight(seqs, *self._to_host(tokens))

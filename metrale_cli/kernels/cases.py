@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from metrale_cli.kernels import reference as ref
-from metrale_cli.kernels.ops import SidePool
+from metrale_cli.kernels.ops import SidePool, StepBuffers
 from metrale_cli.kernels.requirements import as_kv_dtype
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
 
@@ -141,3 +141,31 @@ def stack_to(stack, device):
                            for f in dataclasses.fields(StackLayer))) for x in stack.layers]
     return DecodeStack(layers, stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.eps, stack.scale,
                        move(stack.cos), move(stack.sin))
+
+
+def decode_advance_case(rows: int = 6, vocab: int = 20011, max_blocks: int = 3, seed: int = 0):
+    """Logits (rows, vocab) fp32 and a :class:`StepBuffers` of ``rows + 2`` rows (two beyond the
+    step: never touched) for ``Ops.decode_advance``, on the CPU. Row 0's maximum is tied three
+    times (the first index must win), row 1 has a NaN, row 2 compares -0.0 with +0.0 at the top, row
+    3 is not live, row 4 moves onto a new block, row 5 one block past its table."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g)
+    logits[0, [17, 9000, vocab - 1]] = 50.0
+    logits[1, 12345] = float("nan")
+    logits[2] = -torch.rand(vocab, generator=g) - 1.0
+    logits[2, 777], logits[2, 70] = 0.0, -0.0
+    step = StepBuffers.zeros(rows + 2, max_blocks, "cpu")
+    step.tables.copy_(torch.randint(0, 1000, step.tables.shape, generator=g, dtype=torch.int32))
+    step.positions.copy_(torch.tensor([3, 20, 40, 9, 15, 47] + [5] * (rows - 4))[: rows + 2].int())
+    step.seq_lens.copy_(step.positions + 1)
+    step.live.fill_(1)
+    step.live[3] = 0
+    step.next_tokens.copy_(torch.randint(0, vocab, (rows + 2,), generator=g))
+    step.tokens.fill_(-7)
+    step.slots.fill_(-9)
+    return logits, step
+
+
+def step_to(step, device):
+    """A copy of a :class:`StepBuffers` on ``device``."""
+    return StepBuffers(**{f.name: getattr(step, f.name).to(device).clone() for f in dataclasses.fields(step)})

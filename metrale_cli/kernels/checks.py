@@ -7,6 +7,7 @@ only when a check has to run. The fixtures (``cases.py``) are re-exported for th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -14,8 +15,8 @@ import torch
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.cases import (  # the fixtures the tests import from here too
-    _randn, compare, compare_bytes, make_paged_case, make_stack_case, pool_to, rope_decode_args,
-    rope_decode_case, stack_to,
+    _randn, compare, compare_bytes, decode_advance_case, make_paged_case, make_stack_case, pool_to,
+    rope_decode_args, rope_decode_case, stack_to, step_to,
 )
 from metrale_cli.kv.dtypes import KvCacheDtype
 
@@ -51,6 +52,21 @@ def _check_rope(ops, hd):
 def _check_silu(ops, _hd):
     gu = _randn(7, 2 * 99) * 3
     return compare(ops.silu_and_mul(gu.cuda()), ref.silu_and_mul(gu), 1e-3, 8e-3)
+
+
+def _check_decode_advance(ops, _hd):
+    """Every buffer equal to the torch reference's after a greedy step (ties, a NaN, signed zeros,
+    a row not live, a new block, a table's end) and after a step of sampled tokens."""
+    logits, step = decode_advance_case()
+    rows = logits.shape[0]
+    for given in (logits, None):
+        got, want = step_to(step, "cuda"), step_to(step, "cpu")
+        ops.decode_advance(None if given is None else given.cuda(), got, rows)
+        ref.decode_advance(given, want, rows)
+        for f in dataclasses.fields(step):
+            if f.name != "keys" and (e := compare_bytes(getattr(got, f.name), getattr(want, f.name))):
+                return f"{f.name}: {e}"
+    return None
 
 
 def _check_gemv(kind: str):
@@ -181,15 +197,14 @@ def _check_decode_stack(ops, hd):
 def _numeric_checks() -> dict[str, Callable]:
     """{``module::function``: check(ops, head_dim) -> problem or None} for every kernel."""
     from metrale_cli.kernels.table import (
-        ADD_RMS_NORM, DECODE_ROPE_TC, DECODE_STACK, GEMV_ADD, GEMV_NORM, GEMV_NORM_SWIGLU, RMS_NORM, ROPE,
-        ROPE_AND_CACHE,
-        SILU_AND_MUL, WHT, kv_kernels,
+        ADD_RMS_NORM, DECODE_ADVANCE, DECODE_ROPE_TC, DECODE_STACK, GEMV_ADD, GEMV_NORM, GEMV_NORM_SWIGLU,
+        RMS_NORM, ROPE, ROPE_AND_CACHE, SILU_AND_MUL, WHT, kv_kernels,
     )
 
     checks = {str(RMS_NORM[0]): _check_rms, str(ADD_RMS_NORM[0]): _check_add_rms,
               str(ROPE[0]): _check_rope, str(SILU_AND_MUL[0]): _check_silu,
               str(GEMV_NORM[0]): _check_gemv("norm"), str(GEMV_NORM_SWIGLU[0]): _check_gemv("swiglu"),
-              str(GEMV_ADD[0]): _check_gemv("add")}
+              str(GEMV_ADD[0]): _check_gemv("add"), str(DECODE_ADVANCE[0]): _check_decode_advance}
     checks.update({str(WHT[inv][0]): _check_wht(inv) for inv in (False, True)})
     checks[str(DECODE_STACK[0])] = _check_decode_stack
     checks.update({str(kernel[0]): _check_rope_decode(d) for d, kernel in DECODE_ROPE_TC.items()})

@@ -18,12 +18,13 @@ from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.cuda_decode import CudaDecodeOps, _attention_kernels, _ready, _sm_count
 from metrale_cli.kernels.decode_stack import StackPlan, stack_unserved
 from metrale_cli.kernels.loader import KernelLoader
-from metrale_cli.kernels.ops import DecodeStack, SidePool
+from metrale_cli.kernels.ops import STEP_MAX_SLICES, DecodeStack, SidePool, StepBuffers
 from metrale_cli.kernels.registry import module_for
 from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
 from metrale_cli.kernels.table import (
-    ADD_RMS_NORM, ATTN_THREADS, DECODE_STACK, GEMV_ADD, GEMV_CTAS_PER_SM, GEMV_MAX_K, GEMV_NORM, GEMV_NORM_SWIGLU,
-    GEMV_THREADS, RMS_NORM, ROPE, SDPA_MIN_TOKENS, SILU_AND_MUL, STACK_BLOCK, STACK_SMEM_BYTES, WHT,
+    ADD_RMS_NORM, ATTN_THREADS, DECODE_ADVANCE, DECODE_STACK, GEMV_ADD, GEMV_CTAS_PER_SM, GEMV_MAX_K, GEMV_NORM,
+    GEMV_NORM_SWIGLU, GEMV_THREADS, RMS_NORM, ROPE, SDPA_MIN_TOKENS, SILU_AND_MUL, STACK_BLOCK, STACK_SMEM_BYTES,
+    STEP_SLICE, STEP_THREADS, WHT,
     WHT_ROWS_PER_CTA, _serves, dtype_of, kv_kernels, rows_per_cta,
 )
 
@@ -90,6 +91,20 @@ class CudaOps(CudaDecodeOps):
         self._launch(GEMV_ADD, self._gemv_grid(x.device), (GEMV_THREADS,), weight, _ready(x), _ready(residual), out,
                      weight.shape[0], k, pdl=True)
         return out
+
+    def decode_advance(self, logits, step: StepBuffers, rows: int) -> None:
+        slices, vocab = 1, 0
+        if logits is not None:
+            if logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[0] != rows \
+                    or not logits.is_contiguous():
+                raise MetraleError(f"decode_advance takes contiguous ({rows}, vocab) float32 logits, "
+                                   f"not {tuple(logits.shape)} {logits.dtype}")
+            vocab = logits.shape[1]
+            slices = min(STEP_MAX_SLICES, math.ceil(vocab / STEP_SLICE))
+        if rows:
+            self._launch(DECODE_ADVANCE, (slices, rows), (STEP_THREADS,), logits, vocab, step.next_tokens,
+                         step.tokens, step.positions, step.seq_lens, step.slots, step.live, step.tables,
+                         step.tables.shape[1], step.keys, step.counters)
 
     def _gemv_shape(self, x, weight) -> int:
         k = weight.shape[1]

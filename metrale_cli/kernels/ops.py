@@ -27,6 +27,7 @@ import torch
 from metrale_cli.kv.dtypes import SideType
 
 BLOCK_SIZE = 16
+STEP_MAX_SLICES = 32  # decode_step.cu: CTAs per row of logits, at most
 
 
 @dataclass
@@ -105,6 +106,32 @@ def decode_stack_reference(ops: Ops, stack: DecodeStack, hidden: torch.Tensor, c
         act, _ = ops.gemv_norm_swiglu(h, None, layer.post_norm, eps, layer.gate_up)
         h = ops.gemv_add(act, layer.down, h)
     return h
+
+
+@dataclass
+class StepBuffers:
+    """The static inputs of a decode step, a row per sequence (``engine/cuda_graphs.py``), and
+    :meth:`Ops.decode_advance`'s scratch. All on one device; B rows, MB blocks per table."""
+
+    next_tokens: torch.Tensor  # (B,) int64: the tokens sampled last, the next step's inputs
+    tokens: torch.Tensor  # (B,) int64: this step's input tokens
+    positions: torch.Tensor  # (B,) int32
+    seq_lens: torch.Tensor  # (B,) int32: context lengths, the new token included
+    slots: torch.Tensor  # (B,) int32: the new token's cache slot, -1 for no write
+    live: torch.Tensor  # (B,) int32: 1 for a running sequence, 0 for padding or a finished row
+    tables: torch.Tensor  # (B, MB) int32 block tables
+    keys: torch.Tensor  # (B, STEP_MAX_SLICES) int64 scratch of the CUDA kernel
+    counters: torch.Tensor  # (B,) int32 zeros, left zero by every launch
+
+    @classmethod
+    def zeros(cls, rows: int, max_blocks: int, device) -> StepBuffers:
+        """Padding rows: not live, slot -1, context length 1, block 0."""
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(torch.zeros(rows, dtype=torch.long, device=device), torch.zeros(rows, dtype=torch.long, device=device),
+                   torch.zeros(rows, **i32), torch.ones(rows, **i32), torch.full((rows,), -1, **i32),
+                   torch.zeros(rows, **i32), torch.zeros(rows, max_blocks, **i32),
+                   torch.zeros(rows, STEP_MAX_SLICES, dtype=torch.long, device=device), torch.zeros(rows, **i32))
+
 
 
 class Ops(Protocol):
@@ -253,6 +280,14 @@ class Ops(Protocol):
         """One row, the residual add fused into the projection before it: x: (1, K),
         weight: (N, K), residual: (1, N) -> residual + F.linear(x, weight), rounded once more to
         the dtype as torch's add does; a new tensor."""
+
+    def decode_advance(self, logits: torch.Tensor | None, step: StepBuffers, rows: int) -> None:
+        """The end of a decode step over the first ``rows`` rows of ``step``. With ``logits``
+        (rows, vocab) fp32, ``next_tokens`` receives each row's greedy token, torch.argmax's (the
+        first index of the largest value; NaN counts as the largest). Then every row takes
+        ``next_tokens`` as its input token, and a live row moves on one position: position and
+        context length + 1, slot the new position's place in its block table (the block index
+        clamped to the table); a row not live keeps its position and gets slot -1."""
 
     def decode_stack_plan(self, stack: DecodeStack) -> object | None:
         """What :meth:`decode_stack` needs to run ``stack`` (buffers, launch tables), built once

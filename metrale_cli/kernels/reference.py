@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from metrale_cli.errors import MetraleError
-from metrale_cli.kernels.ops import SidePool
+from metrale_cli.kernels.ops import BLOCK_SIZE, SidePool, StepBuffers
 from metrale_cli.kv import formats
 from metrale_cli.kv.wht import wht_inplace
 
@@ -128,6 +128,20 @@ def gemv_add(x, weight, residual):
     return residual + F.linear(x, weight)
 
 
+def decode_advance(logits, step: StepBuffers, rows: int) -> None:
+    nxt, tokens, pos, lens, slots, live, tables = (
+        t[:rows] for t in (step.next_tokens, step.tokens, step.positions, step.seq_lens, step.slots, step.live,
+                           step.tables))
+    if logits is not None:
+        nxt.copy_(logits[:rows].argmax(dim=-1))
+    tokens.copy_(nxt)
+    pos += live
+    lens += live
+    index = torch.clamp(pos // BLOCK_SIZE, max=tables.shape[1] - 1).long()
+    block = tables.gather(1, index[:, None])[:, 0]
+    slots.copy_(torch.where(live.bool(), block * BLOCK_SIZE + pos % BLOCK_SIZE, -1))
+
+
 class TorchOps:
     """The pure-torch backend: runs on CPU or GPU."""
 
@@ -144,6 +158,7 @@ class TorchOps:
     gemv_norm = staticmethod(gemv_norm)
     gemv_norm_swiglu = staticmethod(gemv_norm_swiglu)
     gemv_add = staticmethod(gemv_add)
+    decode_advance = staticmethod(decode_advance)
 
     @staticmethod
     def gemv_fits(k: int) -> bool:
