@@ -41,15 +41,16 @@ def ours(hf, raw: dict, kv=KvCacheDtype.BF16, dtype=torch.bfloat16, chunk=512, b
     return Engine(model, 512, prefill_chunk=chunk, max_batch=max_batch)
 
 
-def teacher_forced(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """Logits of every position of ``ids`` in one prefill: (len(ids), vocab) float32."""
+def teacher_forced(engine: Engine, ids: list[int], gather: bool = True) -> torch.Tensor:
+    """Logits of every position of ``ids`` in one prefill: (len(ids), vocab) float32; the rows
+    picked by index, or (``gather`` False) every row as the forward returns them all."""
     seq = Sequence(0, list(ids), 1)
     engine.model.kv_cache.ensure_capacity(seq.block_table, len(ids))
     n, dev = len(ids), engine.device
     ctx = ForwardContext("prefill", torch.arange(n, dtype=torch.int32, device=dev),
                          engine._int32(engine._slots(seq.block_table, range(n), 0)), 0,
                          engine._int32(seq.block_table))
-    logits = engine.model.forward(torch.tensor(ids, device=dev), ctx, torch.arange(n, device=dev))
+    logits = engine.model.forward(torch.tensor(ids, device=dev), ctx, torch.arange(n, device=dev) if gather else None)
     engine.model.kv_cache.release(seq.block_table)
     return logits.cpu()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_oracle import make_hf, ours
+from hf_oracle import make_hf, ours, teacher_forced
 from metrale_cli.engine.sampler import Sampler, SamplingParams
 from metrale_cli.engine.sequence import StopText
 from metrale_cli.errors import MetraleError
@@ -129,3 +129,12 @@ def test_decode_advance_reference_takes_torch_argmax_and_moves_live_rows_on():
     assert torch.equal(sampled.next_tokens, before.next_tokens)
     assert sampled.tokens.tolist() == before.next_tokens[:6].tolist() + [-7, -7]
     assert all(torch.equal(getattr(sampled, f), getattr(step, f)) for f in ("positions", "seq_lens", "slots"))
+
+
+def test_every_rows_logits_without_a_gather_equal_the_gathered_ones():
+    """forward(..., None), as a decode step calls it, returns every row's logits unchanged."""
+    hf, raw = make_hf("qwen3", head_dim=32)
+    engine = ours(hf, raw, dtype=torch.float32)
+    ids = _ids(21, 3)
+    picked, whole = teacher_forced(engine, ids), teacher_forced(engine, ids, gather=False)
+    assert whole.shape == (21, raw["vocab_size"]) and torch.equal(picked, whole)

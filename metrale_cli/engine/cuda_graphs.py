@@ -43,7 +43,6 @@ class DecodeGraphs:
         s = self.step
         self.tokens, self.next_tokens, self.positions, self.slots = s.tokens, s.next_tokens, s.positions, s.slots
         self.tables, self.seq_lens, self.live = s.tables, s.seq_lens, s.live
-        self.rows = torch.arange(b, device=dev)
         self._host = np.zeros((b, 4 + max_blocks), dtype=np.int64)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.advance_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (bucket, greedy)
@@ -120,7 +119,7 @@ class DecodeGraphs:
     def _args(self, b: int):
         ctx = ForwardContext("decode", self.positions[:b], self.slots[:b],
                              block_tables=self.tables[:b], seq_lens=self.seq_lens[:b])
-        return self.tokens[:b], ctx, self.rows[:b]
+        return self.tokens[:b], ctx, None  # every row's logits
 
     def _advance(self, b: int, greedy: bool) -> None:
         """The bucket's b rows move on; ``greedy``: from the tokens of the last forward's logits

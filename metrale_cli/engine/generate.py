@@ -128,7 +128,7 @@ class Engine:
             seq_lens=self._int32([s.length for s in seqs]),
         )
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.model.forward(ids, ctx, torch.arange(len(seqs), device=self.device))
+        return self.model.forward(ids, ctx, None)  # every sequence's logits
 
     def _fed(self, batch: int) -> bool:
         """Whether a step of this batch runs from the static buffers (then the next step's inputs

@@ -65,16 +65,18 @@ class CausalLM:
         return self.cfg.decode_parameters() * self.embed.element_size()
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor) -> torch.Tensor:
-        """tokens: (T,) -> float32 logits (len(logit_rows), vocab) of the selected rows."""
+    def forward(self, tokens: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """tokens: (T,) -> float32 logits (len(logit_rows), vocab) of the selected rows; every
+        row's (T, vocab) when ``logit_rows`` is None (a decode step: no gather launched)."""
+        pick = (lambda x: x) if logit_rows is None else (lambda x: x[logit_rows])
         hidden, residual = F.embedding(tokens, self.embed), None
         if self.stack_plan is not None and not ctx.is_prefill and tokens.shape[0] == 1:
             hidden = self.ops.decode_stack(self.stack_plan, hidden, ctx)
-            return self._logits(hidden[logit_rows], None).float()
+            return self._logits(pick(hidden), None).float()
         for layer in self.layers:
             step = layer.prefill if ctx.is_prefill else layer.decode_multi_seq
             hidden, residual = step(hidden, residual, ctx)
-        return self._logits(hidden[logit_rows], None if residual is None else residual[logit_rows]).float()
+        return self._logits(pick(hidden), None if residual is None else pick(residual)).float()
 
     def _logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """Final norm and LM head; ``residual`` None when the layers handed on the sum alone."""
