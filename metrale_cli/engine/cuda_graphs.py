@@ -10,9 +10,10 @@ block 0.
 Between steps the buffers move on by themselves: :meth:`advance` writes the sampled tokens in
 as the next inputs and moves every live row's position, context length and cache slot on by
 one, on the device (``Ops.decode_advance``: one kernel on the cuda backend, captured as a second
-small graph). Greedy decoding takes its tokens in the same launch (:meth:`advance_greedy`). The engine can so launch step t + 1 before it has
-read step t's tokens on the host: the host work of a step (sampling launch, the token
-round-trip, stop checks, streaming) overlaps the GPU's work on the next one.
+small graph). Greedy decoding takes its tokens in the same launch (:meth:`advance_greedy`). The
+engine can so launch step t + 1 before it has read step t's tokens on the host: the host work of
+a step (sampling launch, the token round-trip, stop checks, streaming) overlaps the GPU's work on
+the next one.
 
 Without ``capture`` (a backend whose attention cannot be captured, ``--cuda-graph-mode
 disabled``, or the CPU) the same buffers drive an eager forward, so every backend runs the one
@@ -36,7 +37,6 @@ class DecodeGraphs:
         dev = model.device
         self.model = model
         self.capture = capture and dev.type == "cuda"
-        self.max_blocks = max_blocks
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         b = max_batch
         self.step = StepBuffers.zeros(b, max_blocks, dev)

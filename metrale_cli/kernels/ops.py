@@ -126,12 +126,11 @@ class StepBuffers:
     @classmethod
     def zeros(cls, rows: int, max_blocks: int, device) -> StepBuffers:
         """Padding rows: not live, slot -1, context length 1, block 0."""
-        i32 = dict(dtype=torch.int32, device=device)
-        return cls(torch.zeros(rows, dtype=torch.long, device=device), torch.zeros(rows, dtype=torch.long, device=device),
-                   torch.zeros(rows, **i32), torch.ones(rows, **i32), torch.full((rows,), -1, **i32),
-                   torch.zeros(rows, **i32), torch.zeros(rows, max_blocks, **i32),
-                   torch.zeros(rows, STEP_MAX_SLICES, dtype=torch.long, device=device), torch.zeros(rows, **i32))
-
+        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.long, device=device)
+        return cls(torch.zeros(rows, **i64), torch.zeros(rows, **i64), torch.zeros(rows, **i32),
+                   torch.ones(rows, **i32), torch.full((rows,), -1, **i32), torch.zeros(rows, **i32),
+                   torch.zeros(rows, max_blocks, **i32), torch.zeros(rows, STEP_MAX_SLICES, **i64),
+                   torch.zeros(rows, **i32))
 
 
 class Ops(Protocol):
