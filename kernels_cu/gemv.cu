@@ -42,10 +42,11 @@ __device__ void gemv(const bf16_t* w, const bf16_t* x, const bf16_t* residual, c
 
     int t = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), b = 0;
     Chunk cur[R][U];
-    if (t < tasks) load(cur, t, 0);  // weights only: before the wait
-    pdl_launch_dependents();
+    if (t < tasks) load(cur, t, 0);  // weights (and the norm's) only: before the wait
+    const EarlyGamma early = early_gamma<NORM>(gamma, k);
     pdl_wait();
-    stage_x<NORM>(xs, x, residual, gamma, sum_out, k, eps);
+    pdl_launch_dependents();
+    stage_x<NORM>(xs, x, residual, gamma, sum_out, k, eps, &early);
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;

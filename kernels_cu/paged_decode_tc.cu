@@ -109,6 +109,8 @@ struct RopeDecodeArgs {
     float eps;
 };
 
+#define TC_STAGED_BLOCKS 64
+
 // The kernel's shared memory (one copy for both head_dims).
 struct RopeDecodeShared {
     float o[TC_WARPS * TC_ROWS * TC_MAX_D];  // decode_tc's warp partials
@@ -118,6 +120,12 @@ struct RopeDecodeShared {
     float weight[TC_ROWS][32];  // the combine's split weights and totals
     float total[TC_ROWS];
     int is_last;
+    // Loaded before the PDL wait: the position's cos and sin halves, the QK-norm weights and the
+    // split's block-table entries (when the split has at most TC_STAGED_BLOCKS blocks).
+    float cos_sin[TC_MAX_D];
+    alignas(16) bf16_t q_norm[TC_MAX_D];
+    alignas(16) bf16_t k_norm[TC_MAX_D];
+    int blocks[TC_STAGED_BLOCKS];
 };
 
 // The last split's CTA of (sequence, KV head, chunk): out = paged_decode_combine's reduction of
@@ -178,29 +186,60 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
     typedef typename TcStore<FP8>::type Store;
     const int warp = threadIdx.x >> 5;
     const int b = blockIdx.y, kvh = blockIdx.x, chunk = blockIdx.z / a.num_splits, split = blockIdx.z % a.num_splits;
-    const int len = a.seq_lens[b], per_split = split_keys(len, a.num_splits), begin = split * per_split;
+    // Before the wait, what does not come from the launch just before (pdl.cuh): the step's
+    // inputs (through L2: an earlier launch wrote them), the constants, and the earlier keys'
+    // cache blocks, pulled into L2. The new key's K / V come after the wait.
+    const int len = __ldcg(a.seq_lens + b), per_split = split_keys(len, a.num_splits), begin = split * per_split;
+    const int end = min(len, begin + per_split);
     const int group = a.hq / a.hk, chunks = (group + TC_ROWS - 1) / TC_ROWS;
     const int rows = min(TC_ROWS, group - chunk * TC_ROWS);
     const int head = kvh * group + chunk * TC_ROWS;  // the CTA's first query head of the token
     const long long head0 = (long long)b * a.hq + head;
-    const int half = a.rot_dim / 2, slot = a.slot_mapping[b];
-    const long long pos = a.positions[b];
-    const float* cos_row = a.cos_table + pos * half;
-    const float* sin_row = a.sin_table + pos * half;
+    const int half = a.rot_dim / 2, slot = __ldcg(a.slot_mapping + b);
     // The split holding the last key (split 0 of an empty context) writes the new K / V, as
     // rope_and_cache writes every token whose slot is set.
     const bool writes = slot >= 0 && split == (len > 0 ? (len - 1) / per_split : 0);
     const bool idle = a.num_splits > 1 && begin >= len;  // the combine skips it
+    const int* table = a.block_tables + (long long)b * a.max_blocks;
+    const bool staged = (end - begin + ATTN_BLOCK - 1) / ATTN_BLOCK <= TC_STAGED_BLOCKS;
+    if (!idle || writes) {
+        const long long pos = __ldcg(a.positions + b);
+        for (int i = threadIdx.x; i < half; i += TC_THREADS) {
+            sh.cos_sin[i] = a.cos_table[pos * half + i];
+            sh.cos_sin[half + i] = a.sin_table[pos * half + i];
+        }
+        for (int i = threadIdx.x; i < D; i += TC_THREADS) {
+            if (a.q_norm != nullptr) sh.q_norm[i] = a.q_norm[i];
+            if (a.k_norm != nullptr) sh.k_norm[i] = a.k_norm[i];
+        }
+        if (staged) {
+            for (int i = threadIdx.x; begin + i * ATTN_BLOCK < end; i += TC_THREADS) {
+                sh.blocks[i] = __ldcg(table + begin / ATTN_BLOCK + i);
+            }
+        }
+        const int tile = begin + 16 * warp;  // this warp's first tile (decode_tc)
+        if ((threadIdx.x & 31) < 2 && tile < end) {
+            const long long block = __ldcg(table + tile / ATTN_BLOCK);
+            const unsigned char* cache = static_cast<const unsigned char*>((threadIdx.x & 1) ? a.v_cache : a.k_cache);
+            pdl_prefetch_l2(cache + (block * a.hk + kvh) * (ATTN_BLOCK * D * (FP8 ? 1 : 2)), ATTN_BLOCK * D * (FP8 ? 1 : 2));
+        }
+    }
+    __syncthreads();
+    pdl_wait();
+    pdl_launch_dependents();
     if (idle && len == 0 && split == 0) {  // an empty context: the combine writes zeros
         for (int idx = threadIdx.x; idx < rows * D; idx += TC_THREADS) a.out[head0 * D + idx] = f32_to_bf16(0.0f);
     }
     if (idle && !writes) return;
+    const float *cos_row = sh.cos_sin, *sin_row = sh.cos_sin + half;
+    const bf16_t* q_norm = a.q_norm == nullptr ? nullptr : sh.q_norm;
+    const bf16_t* k_norm = a.k_norm == nullptr ? nullptr : sh.k_norm;
     for (int x = warp; x < rows + 2; x += TC_WARPS) {
         if (x < rows) {
-            if (!idle) norm_rope<D>(a.q + b * a.q_stride + (head + x) * D, a.q_norm, a.eps, cos_row, sin_row, half,
+            if (!idle) norm_rope<D>(a.q + b * a.q_stride + (head + x) * D, q_norm, a.eps, cos_row, sin_row, half,
                                     sh.q + x * D);
         } else if (writes && x == rows) {
-            norm_rope<D>(a.k + b * a.k_stride + kvh * D, a.k_norm, a.eps, cos_row, sin_row, half, sh.k);
+            norm_rope<D>(a.k + b * a.k_stride + kvh * D, k_norm, a.eps, cos_row, sin_row, half, sh.k);
             store_elements<Store, D>(sh.k, a.k_cache, slot, kvh, a.hk, a.k_scale);
         } else if (writes) {
             store_elements<Store, D>(a.v + b * a.v_stride + kvh * D, a.v_cache, slot, kvh, a.hk, a.v_scale);
@@ -211,13 +250,13 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
     const TcWork w{sh.q,
                    static_cast<const unsigned char*>(a.k_cache),
                    static_cast<const unsigned char*>(a.v_cache),
-                   a.block_tables + (long long)b * a.max_blocks,
+                   staged ? sh.blocks - begin / ATTN_BLOCK : table,  // indexed by tile / ATTN_BLOCK
                    head0,
                    rows,
                    a.hk,
                    kvh,
                    begin,
-                   min(len, begin + per_split),
+                   end,
                    a.num_splits,
                    split,
                    FP8 ? a.scale * *a.k_scale : a.scale,
@@ -250,8 +289,6 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
              float* part_ml, unsigned* counters, const float* k_scale, const float* v_scale,        \
              float scale, int q_stride, int k_stride, int v_stride, int hq, int hk, int head_dim,   \
              int rot_dim, int max_blocks, int num_splits, float eps) {                              \
-        pdl_wait();                                                                                 \
-        pdl_launch_dependents();                                                                    \
         const RopeDecodeArgs a{q,        k,        v,          k_cache,  v_cache,  slot_mapping,    \
                                positions, cos_table, sin_table, q_norm,  k_norm,   block_tables,    \
                                seq_lens, out,      part_o,     part_ml,  counters, k_scale,         \

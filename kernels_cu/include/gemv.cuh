@@ -40,45 +40,105 @@ struct BfRow {
     __device__ Chunk chunk(int i) const { return *reinterpret_cast<const Chunk*>(p + i); }
 };
 
+// The threads that stage a row of k elements: with the norm, add_rms_norm_bf16's block size.
+template <bool NORM>
+__device__ __forceinline__ int stage_threads(int k) {
+    return NORM && k < 2048 ? 128 : GEMV_THREADS;
+}
+
+// A thread's first STAGE_EARLY chunks of the norm's weight, loaded before the PDL wait (a
+// constant): the prologue after the wait then reads only the activation.
+#define STAGE_EARLY 2
+struct EarlyGamma {
+    Chunk c[STAGE_EARLY];
+};
+
+template <bool NORM>
+__device__ __forceinline__ EarlyGamma early_gamma(const bf16_t* gamma, int k) {
+    EarlyGamma g;
+    const int threads = stage_threads<NORM>(k), t = threadIdx.x;
+#pragma unroll
+    for (int e = 0; e < STAGE_EARLY; ++e) {
+        const int i = (t + e * threads) * 8;
+        if (NORM && t < threads && i < k) g.c[e] = *reinterpret_cast<const Chunk*>(gamma + i);
+    }
+    return g;
+}
+
 // Stage the activation row (read through `src`, see BfRow) in shared memory. With ``gamma`` it is
 // add_rms_norm_bf16's output (s = bf16(x + residual), written to sum_out by CTA 0; then
 // bf16(gamma * bf16(s * r))): threads below rmsnorm's block size cover the elements that thread
-// covers there, so the sums match. Run by GEMV_THREADS threads.
+// covers there, so the sums match. A thread's first STAGE_EARLY chunks are loaded together, and
+// their weights come from ``early`` where given. Run by GEMV_THREADS threads.
 template <bool NORM, class Src>
 __device__ void stage_row(Chunk* xs, const Src& src, const bf16_t* residual, const bf16_t* gamma,
-                          bf16_t* sum_out, int k, float eps) {
-    const int threads = NORM && k < 2048 ? 128 : GEMV_THREADS;
+                          bf16_t* sum_out, int k, float eps, const EarlyGamma* early = nullptr) {
+    const int threads = stage_threads<NORM>(k);
     const int t = threadIdx.x;
     if (!NORM) {
         for (int i = t * 8; i < k; i += threads * 8) xs[i / 8] = src.chunk(i);
         CTA_SYNC();
         return;
     }
+    // Chunk e of this thread: elements (t + e * threads) * 8 .. + 7, summed in that order.
+    auto sum_chunk = [&](int i, float* a, const float* b) {
+        if (residual != nullptr) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) a[j] = round_bf16(a[j] + b[j]);
+            if (sum_out != nullptr && blockIdx.x == 0) store_vec<8>(sum_out + i, a);
+        }
+        store_vec<8>(reinterpret_cast<bf16_t*>(xs + i / 8), a);
+    };
     float ss = 0.0f;
     if (t < threads) {
-        for (int i = t * 8; i < k; i += threads * 8) {
-            float a[8];
-            src(i, a);
-            if (residual != nullptr) {
-                float b[8];
-                load_vec<8>(residual + i, b);
+        float a[STAGE_EARLY][8], b[STAGE_EARLY][8];
 #pragma unroll
-                for (int j = 0; j < 8; ++j) a[j] = round_bf16(a[j] + b[j]);
-                if (sum_out != nullptr && blockIdx.x == 0) store_vec<8>(sum_out + i, a);
+        for (int e = 0; e < STAGE_EARLY; ++e) {
+            const int i = (t + e * threads) * 8;
+            if (i < k) {
+                src(i, a[e]);
+                if (residual != nullptr) load_vec<8>(residual + i, b[e]);
             }
-            ss = add_squares<8>(ss, a);
-            store_vec<8>(reinterpret_cast<bf16_t*>(xs + i / 8), a);
+        }
+#pragma unroll
+        for (int e = 0; e < STAGE_EARLY; ++e) {
+            const int i = (t + e * threads) * 8;
+            if (i < k) {
+                sum_chunk(i, a[e], b[e]);
+                ss = add_squares<8>(ss, a[e]);
+            }
+        }
+        for (int i = (t + STAGE_EARLY * threads) * 8; i < k; i += threads * 8) {
+            float x[8], y[8];
+            src(i, x);
+            if (residual != nullptr) load_vec<8>(residual + i, y);
+            sum_chunk(i, x, y);
+            ss = add_squares<8>(ss, x);
         }
     }
     const float r = inv_rms(block_sum(ss), k, eps);  // block_sum's barrier orders xs too
     if (t < threads) {
-        for (int i = t * 8; i < k; i += threads * 8) {
-            float a[8], g[8];
+        auto scale_chunk = [&](int i, const float* g) {
+            float a[8];
             load_vec<8>(reinterpret_cast<const bf16_t*>(xs + i / 8), a);
-            load_vec<8>(gamma + i, g);
 #pragma unroll
             for (int j = 0; j < 8; ++j) a[j] = rms_scaled(a[j], g[j], r);
             store_vec<8>(reinterpret_cast<bf16_t*>(xs + i / 8), a);
+        };
+#pragma unroll
+        for (int e = 0; e < STAGE_EARLY; ++e) {
+            const int i = (t + e * threads) * 8;
+            if (i < k) {
+                float g[8];
+                if (early != nullptr) load_vec<8>(reinterpret_cast<const bf16_t*>(&early->c[e]), g);
+                else load_vec<8>(gamma + i, g);
+                scale_chunk(i, g);
+            }
+        }
+        for (int i = (t + STAGE_EARLY * threads) * 8; i < k; i += threads * 8) {
+            float g[8];
+            load_vec<8>(gamma + i, g);
+            scale_chunk(i, g);
         }
     }
     CTA_SYNC();
@@ -86,6 +146,6 @@ __device__ void stage_row(Chunk* xs, const Src& src, const bf16_t* residual, con
 
 template <bool NORM>
 __device__ void stage_x(Chunk* xs, const bf16_t* x, const bf16_t* residual, const bf16_t* gamma,
-                        bf16_t* sum_out, int k, float eps) {
-    stage_row<NORM>(xs, BfRow{x}, residual, gamma, sum_out, k, eps);
+                        bf16_t* sum_out, int k, float eps, const EarlyGamma* early = nullptr) {
+    stage_row<NORM>(xs, BfRow{x}, residual, gamma, sum_out, k, eps, early);
 }

@@ -1,11 +1,15 @@
 // Programmatic dependent launch (sm_90+): a kernel launched with the programmatic-serialization
 // attribute may start while the kernel before it in the stream still runs. Such a kernel calls
-// pdl_wait() before it touches any memory an earlier kernel writes or reads (only constant data,
-// such as weights, may be read before it), in every CTA: the wait returns once the previous grid
-// has completed and its writes are visible, and a grid that waited completes only after its own
-// predecessor did, so the order holds down the whole chain. pdl_launch_dependents() lets the next
-// such kernel be scheduled onto SMs this grid's finished CTAs free. Both are no-ops in a normal
-// launch, below sm_90 and in the host emulation.
+// pdl_wait() in every CTA before it touches memory the kernel just before it writes or reads:
+// the wait returns once the previous grid has completed and its writes are visible, and a grid
+// that waited completes only after its own predecessor did, so the order holds down the whole
+// chain. pdl_launch_dependents() lets the next such kernel be scheduled onto SMs this grid's
+// finished CTAs free; every kernel calls it after its wait. So when a kernel starts, the kernel
+// before it has passed its wait, and every launch before that one has completed: before its own
+// wait a kernel may read constants (weights, tables) and what launches two or more back wrote
+// (a decode step's inputs, the cache's earlier keys), the latter through L2 (__ldcg), since L1
+// is not kept coherent with writes from other kernels. Both are no-ops in a normal launch,
+// below sm_90 and in the host emulation, as is pdl_prefetch_l2.
 #pragma once
 
 __device__ __forceinline__ void pdl_wait() {
@@ -17,5 +21,15 @@ __device__ __forceinline__ void pdl_wait() {
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+// Pull bytes (a multiple of 16) at p (16-byte aligned) into L2, without waiting: for data a
+// kernel will read after its wait.
+__device__ __forceinline__ void pdl_prefetch_l2(const void* p, unsigned bytes) {
+#if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#else
+    (void)p, (void)bytes;
 #endif
 }
