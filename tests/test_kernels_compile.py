@@ -5,13 +5,14 @@ all of them runs in parallel processes); the cache behaviour itself is checked i
 folder.
 """
 
+import re
 import shutil
 
 import pytest
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import compile as kc
-from metrale_cli.kernels.registry import KV_BUILD, MODULES, KernelSpec, all_kernels, module_for
+from metrale_cli.kernels.registry import KERNELS_DIR, KV_BUILD, MODULES, KernelSpec, all_kernels, module_for
 from metrale_cli.kv.dtypes import KvCacheDtype, kv_pair
 
 
@@ -102,3 +103,42 @@ def test_registry_walk():
     with pytest.raises(MetraleError):
         KernelSpec.parse("rope_neox_bf16")
     assert set(KV_BUILD) == set(KvCacheDtype) - {KvCacheDtype.BF16, KvCacheDtype.FP8}
+
+
+def _top_level_blocks(source: str) -> list[str]:
+    """The text of each top-level brace block (function bodies, also inside macros) of a CUDA
+    source with its comments removed."""
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", "", source, flags=re.S)
+    blocks, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "{":
+            if depth == 0:
+                start = i
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                blocks.append(text[start:i + 1])
+    assert depth == 0, "unbalanced braces"
+    return blocks
+
+
+def _triggers_before_waits(source: str) -> int:
+    """Function bodies of ``source`` that trigger their dependents before any PDL wait."""
+    early = 0
+    for block in _top_level_blocks(source):
+        trigger, wait = block.find("pdl_launch_dependents()"), block.find("pdl_wait()")
+        early += trigger >= 0 and (wait < 0 or trigger < wait)
+    return early
+
+
+def test_every_programmatic_kernel_triggers_after_its_wait():
+    # pdl.cuh's rule: work before a kernel's wait may read what launches two or more back wrote,
+    # which holds only if no kernel lets its dependent start before its own wait.
+    sources = [p for p in sorted(KERNELS_DIR.rglob("*.cu*")) if p.name != "pdl.cuh"]
+    users = [p for p in sources if "pdl_launch_dependents()" in p.read_text()]
+    assert {p.name for p in users} >= {"gemv.cu", "paged_decode_tc.cu", "rope_and_cache.cu", "decode_stack.cu"}
+    assert [p.name for p in users if _triggers_before_waits(p.read_text())] == []
+    assert _triggers_before_waits("void f() { pdl_launch_dependents(); pdl_wait(); }") == 1
+    assert _triggers_before_waits("void f() { pdl_wait(); /* pdl_launch_dependents(); */ }\n"
+                                  "void g() { if (x) { pdl_launch_dependents(); } }") == 1
