@@ -10,7 +10,7 @@
 #include "numeric.cuh"
 
 #define STEP_THREADS 256
-#define STEP_MAX_SLICES 32
+#define STEP_MAX_SLICES 128
 #define STEP_BLOCK 16  // tokens per cache block (kernels/ops.BLOCK_SIZE)
 
 // Larger key = larger value, then smaller index.
@@ -76,10 +76,14 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
         is_last = last;
     }
     __syncthreads();
-    if (!is_last || t != 0) return;
+    if (!is_last || t >= 32) return;
+    // The row's last CTA: warp 0 reduces the slices' keys (lane l reads keys l, l + 32, ...).
     const volatile unsigned long long* row_keys = keys + (long long)r * STEP_MAX_SLICES;
     best = 0;
-    for (int s = 0; s < slices; ++s) best = max_key(best, row_keys[s]);
+    for (int s = t; s < slices; s += 32) best = max_key(best, row_keys[s]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) best = max_key(best, __shfl_xor_sync(0xffffffffu, best, o));
+    if (t != 0) return;
     const long long token = (long long)(0xffffffffu - (unsigned)(best & 0xffffffffu));
     next_tokens[r] = token;
     advance_row(r, token, tokens, positions, seq_lens, slots, live, tables, max_blocks);

@@ -1,6 +1,7 @@
 // Decode GEMVs of one activation row (batch-1 decode): y = W·x, W (n, k) bf16 row-major, each
 // fused with the launch that would otherwise sit next to it on the decode path:
-//   gemv_norm_bf16         x = RMSNorm(x [+ residual]) in the prologue (q/k/v, LM head)
+//   gemv_norm_bf16         x = RMSNorm(x [+ residual]) in the prologue (q/k/v)
+//   gemv_norm_logits_bf16  the same, its bf16 outputs stored as fp32 (the LM head's logits)
 //   gemv_norm_swiglu_bf16  the same prologue; rows i and inter+i of [gate; up] give silu(g)·u
 //   gemv_add_bf16          out = residual + y, the residual add of o_proj and down_proj
 // Batch-1 decode reads every weight once per token, so these kernels are written for bandwidth:
@@ -20,9 +21,10 @@ enum Epilogue { STORE, ADD, SWIGLU };
 
 // R rows per warp task (row t, or rows t and inter + t for SWIGLU), U chunks of each per lane
 // per batch; a task's batches walk the row in 512-byte warp-wide steps.
-template <bool NORM, Epilogue EPI, int R, int U>
+// Out: bf16_t, or float for STORE (each output the bf16 value, widened).
+template <bool NORM, Epilogue EPI, int R, int U, class Out>
 __device__ void gemv(const bf16_t* w, const bf16_t* x, const bf16_t* residual, const bf16_t* gamma,
-                     bf16_t* sum_out, bf16_t* out, int tasks, int k, float eps) {
+                     bf16_t* sum_out, Out* out, int tasks, int k, float eps) {
     __shared__ Chunk xs[GEMV_MAX_K / 8];
     const int lane = threadIdx.x & 31;
     const int warps = gridDim.x * GEMV_WARPS;
@@ -68,7 +70,9 @@ __device__ void gemv(const bf16_t* w, const bf16_t* x, const bf16_t* residual, c
 #pragma unroll
             for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
             if (lane == 0) {
-                if constexpr (EPI == STORE) {
+                if constexpr (EPI == STORE && sizeof(Out) == 4) {
+                    out[t] = round_bf16(acc[0]);
+                } else if constexpr (EPI == STORE) {
                     out[t] = f32_to_bf16(acc[0]);
                 } else if constexpr (EPI == ADD) {
                     out[t] = f32_to_bf16(bf16_to_f32(residual[t]) + round_bf16(acc[0]));
@@ -94,6 +98,14 @@ __device__ void gemv(const bf16_t* w, const bf16_t* x, const bf16_t* residual, c
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 2)
     gemv_norm_bf16(const bf16_t* w, const bf16_t* x, const bf16_t* residual, const bf16_t* gamma,
                    bf16_t* sum_out, bf16_t* out, int n, int k, float eps) {
+    gemv<true, STORE, 1, 8>(w, x, residual, gamma, sum_out, out, n, k, eps);
+}
+
+// gemv_norm_bf16 with out (n,) fp32: each logit the bf16 value gemv_norm_bf16 stores, widened, as
+// torch's .float() of the LM head's bf16 output (no copy launched after it).
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 2)
+    gemv_norm_logits_bf16(const bf16_t* w, const bf16_t* x, const bf16_t* residual, const bf16_t* gamma,
+                          bf16_t* sum_out, float* out, int n, int k, float eps) {
     gemv<true, STORE, 1, 8>(w, x, residual, gamma, sum_out, out, n, k, eps);
 }
 

@@ -20,7 +20,7 @@ from host_build import build_host_library
 from metrale_cli.kernels import reference as ref
 
 _LIB: list[ctypes.CDLL] = []
-NORM, SWIGLU, ADD = 0, 1, 2
+NORM, SWIGLU, ADD, LOGITS = 0, 1, 2, 3
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def _randn(*shape, seed):
 
 def _run(lib, kind, w, x, residual, gamma, n, ctas=3, eps=1e-6):
     k = w.shape[1]
-    out = torch.full((1, n), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((1, n), float("nan"), dtype=torch.float32 if kind == LOGITS else torch.bfloat16)
     s = torch.full_like(x, float("nan")) if residual is not None and kind != ADD else None
     lib.host_gemv(kind, _p(w), _p(x), _p(residual), _p(gamma), _p(s), _p(out), n, k, eps, ctas)
     return out, s
@@ -79,6 +79,19 @@ def test_gemv_norm_equals_the_reference(lib, n, k, with_residual):
         assert torch.equal(s, want_s)
     xn = _unfused_norm(lib, x, residual, gamma)
     _close(got, xn.double() @ w.double().T, _sum_bound(w, xn))
+
+
+@pytest.mark.parametrize("n, k", [(1, 8), (99, 1000), (33, 2056)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemv_norm_logits_are_the_bf16_outputs_widened(lib, n, k, with_residual):
+    """The LM head's fp32 logits: exactly gemv_norm_bf16's outputs (and running sum), as float."""
+    w, x, gamma = _randn(n, k, seed=11) * 0.1, _randn(1, k, seed=12), _randn(k, seed=13)
+    residual = _randn(1, k, seed=14) if with_residual else None
+    got, s = _run(lib, LOGITS, w, x, residual, gamma, n)
+    want, want_s = _run(lib, NORM, w, x, residual, gamma, n)
+    assert got.dtype == torch.float32 and torch.equal(got, want.float())
+    if with_residual:
+        assert torch.equal(s, want_s)
 
 
 @pytest.mark.parametrize("inter, k", [(1, 8), (7, 200), (99, 1000), (19, 2056)])

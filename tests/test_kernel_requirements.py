@@ -88,11 +88,11 @@ def test_every_dtype_validates_clean_on_cpu(dtype):
     assert {r.numeric for r in report.rows} == {SKIPPED}
     assert {r.symbol for r in report.rows} == {"exported"}
     rotated = any(is_wht_rotated(s) for s in kv_pair(dtype))
-    # 8 dtype-independent + write, decode, split combine, prefill (+ the two WHT bookends)
+    # 9 dtype-independent + write, decode, split combine, prefill (+ the two WHT bookends)
     # + the fused QK-norm / RoPE / write (+ bf16 / fp8's tensor-core decode and their decode
     # attention in one launch)
     tc = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)
-    assert len(report.rows) == 13 + 2 * rotated + 2 * tc
+    assert len(report.rows) == 14 + 2 * rotated + 2 * tc
 
 
 @pytest.mark.parametrize("dtype", [d.value for d in KvCacheDtype] + ["fp8k4v"])
@@ -133,7 +133,7 @@ def test_a_kernel_missing_from_the_build_fails_with_the_full_list(monkeypatch):
     assert "not in this build" in info.value.hint
     progress = []
     report = validate_kernels("turbo3", 128, progress=lambda k, i, n: progress.append((i, n)), on_gpu=False)
-    assert not report.ok and progress == [(i, 15) for i in range(15)]
+    assert not report.ok and progress == [(i, 16) for i in range(16)]
     missing = [r.kernel for r in report.rows if not r.ok]
     assert all(r.compiled.startswith("missing") for r in report.rows if not r.ok)
     assert "paged_decode_turbo3_128::paged_decode_attn_turbo3" not in missing and len(missing) == 4

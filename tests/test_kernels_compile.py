@@ -91,11 +91,11 @@ def test_symbol_reader_rejects_non_elf():
 
 def test_registry_walk():
     names = [str(k) for k in all_kernels()]
-    # 4 core + 3 decode GEMVs + the decode step's end + 2 WHT + 3 + 13 writes + 16 fused
+    # 4 core + 4 decode GEMVs + the decode step's end + 2 WHT + 3 + 13 writes + 16 fused
     # rope_and_cache + bf16/fp8 (3 each) + 2 tensor-core decodes and their fused ones + the
     # whole-stack decode + 14 dtypes x (prefill + decode pairs)
     decode_modules = sum(b.decode + b.decode_128 for b in KV_BUILD.values())
-    assert len(names) == len(set(names)) == 4 + 3 + 1 + 2 + 16 + 16 + 6 + 4 + 1 + len(KV_BUILD) + 2 * decode_modules == 113
+    assert len(names) == len(set(names)) == 4 + 4 + 1 + 2 + 16 + 16 + 6 + 4 + 1 + len(KV_BUILD) + 2 * decode_modules == 114
     for spec in all_kernels():
         assert module_for(spec).path.is_file()
     assert module_for(KernelSpec("paged_decode", "paged_decode_attn_fp8")) is None

@@ -170,7 +170,7 @@ def test_layer_kernels_cover_every_side(dtype):
     names = [str(s) for s in specs]
     tc = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)  # + the tensor-core decode and its fused one
     assert any(n.startswith("paged_decode_tc::paged_decode_rope_tc") for n in names) == tc
-    assert len(names) == len(set(names)) == 13 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + 2 * tc
+    assert len(names) == len(set(names)) == 14 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + 2 * tc
     # the whole-stack step only where METRALE_DECODE_STACK asks, for a bf16 cache at head_dim 64 / 128
     stack = [str(s) for s in table.layer_kernels(dtype, 128, stack=True)]
     assert ("decode_stack::decode_stack_bf16" in stack) == (dtype == KvCacheDtype.BF16)
@@ -178,9 +178,9 @@ def test_layer_kernels_cover_every_side(dtype):
     assert "decode_stack::decode_stack_bf16" not in map(str, table.layer_kernels(dtype, 256, stack=True))
     assert set(map(str, required_kernels(dtype, 128))) <= set(names)
     assert all(module_for(s) is not None for s in specs)
-    assert names[:8] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
-                         "activation::silu_and_mul_bf16", "gemv::gemv_norm_bf16", "gemv::gemv_norm_swiglu_bf16",
-                         "gemv::gemv_add_bf16", "decode_step::decode_advance"]
+    assert names[:9] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
+                         "activation::silu_and_mul_bf16", "gemv::gemv_norm_bf16", "gemv::gemv_norm_logits_bf16",
+                         "gemv::gemv_norm_swiglu_bf16", "gemv::gemv_add_bf16", "decode_step::decode_advance"]
 
 
 def test_launch_checks_arguments_before_touching_cupy():
@@ -331,3 +331,27 @@ def test_decode_attention_of_several_tokens_per_sequence_runs_unfused(ops):
     ops.rope_cache_decode(*args)
     assert [call[0] for call in ops.loader.calls][:2] == ["rope_and_cache::rope_and_cache_bf16",
                                                            "paged_decode_tc::paged_decode_attn_tc"]
+
+
+def test_the_lm_head_gemv_writes_fp32_logits_and_a_bf16_sum(ops):
+    """gemv_norm_logits_bf16's launch: the logits an fp32 tensor, the running sum bf16 like x."""
+    x, r, g, w = (torch.randn(*shape).to(torch.bfloat16) for shape in ((1, 64), (1, 64), (64,), (40, 64)))
+    logits = ops.gemv_norm_logits(x, r, g, 1e-6, w)
+    name, _, _, args, types = ops.loader.calls[-1]
+    assert name == "gemv::gemv_norm_logits_bf16" and logits.dtype == torch.float32 and logits.shape == (1, 40)
+    assert args["out"] is logits and types["out"] == "f32*"
+    assert args["sum_out"].dtype == torch.bfloat16 and types["sum_out"] == "bf16*?"
+    for name, kind in types.items():  # every tensor's dtype is the one its signature names
+        if kind.endswith("*") or kind.endswith("*?"):
+            want = {"bf16": torch.bfloat16, "f32": torch.float32}[kind.rstrip("?").rstrip("*")]
+            assert args[name] is None or args[name].dtype == want, name
+
+
+def test_decode_advance_takes_2048_logits_a_cta(ops):
+    """Qwen3's 151,936-token vocabulary over 75 CTAs a row; a larger one is capped at 128."""
+    from metrale_cli.kernels.ops import StepBuffers
+
+    for vocab, slices in ((151936, 75), (262144, 128), (300000, 128), (1000, 1)):
+        step = StepBuffers.zeros(2, 4, CPU)
+        ops.decode_advance(torch.zeros(2, vocab), step, 2)
+        assert ops.loader.calls[-1][1] == (slices, 2)

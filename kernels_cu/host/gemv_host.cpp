@@ -18,7 +18,8 @@ extern "C" void host_norm(const bf16_t* x, const bf16_t* residual, const bf16_t*
     });
 }
 
-// kind 0: gemv_norm_bf16, 1: gemv_norm_swiglu_bf16 (n = inter), 2: gemv_add_bf16.
+// kind 0: gemv_norm_bf16, 1: gemv_norm_swiglu_bf16 (n = inter), 2: gemv_add_bf16, 3:
+// gemv_norm_logits_bf16 (out is then n floats).
 extern "C" void host_gemv(int kind, const bf16_t* w, const bf16_t* x, const bf16_t* residual, const bf16_t* gamma,
                           bf16_t* sum_out, bf16_t* out, int n, int k, float eps, int ctas) {
     gridDim = {(unsigned)ctas, 1, 1};
@@ -26,6 +27,8 @@ extern "C" void host_gemv(int kind, const bf16_t* w, const bf16_t* x, const bf16
         run_block({(unsigned)b, 0, 0}, GEMV_THREADS, [&] {
             if (kind == 0)
                 gemv_norm_bf16(w, x, residual, gamma, sum_out, out, n, k, eps);
+            else if (kind == 3)
+                gemv_norm_logits_bf16(w, x, residual, gamma, sum_out, reinterpret_cast<float*>(out), n, k, eps);
             else if (kind == 1)
                 gemv_norm_swiglu_bf16(w, x, residual, gamma, sum_out, out, n, k, eps);
             else

@@ -85,6 +85,9 @@ def _check_gemv(kind: str):
         if kind == "norm":
             got, got_s = ops.gemv_norm(x, r, g, 1e-6, w)
             return compare(got_s, s, 0, 0) or compare(got, y, 1e-2, 8e-3)
+        if kind == "logits":  # the bf16 outputs of gemv_norm, widened
+            got, (want, _) = ops.gemv_norm_logits(x, r, g, 1e-6, w), ops.gemv_norm(x, r, g, 1e-6, w)
+            return compare_bytes(got, want.float())
         got, got_s = ops.gemv_norm_swiglu(x, r, g, 1e-6, w)
         want = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
         return compare(got_s, s, 0, 0) or compare(got, want, 2e-2, 2e-2)
@@ -197,13 +200,14 @@ def _check_decode_stack(ops, hd):
 def _numeric_checks() -> dict[str, Callable]:
     """{``module::function``: check(ops, head_dim) -> problem or None} for every kernel."""
     from metrale_cli.kernels.table import (
-        ADD_RMS_NORM, DECODE_ADVANCE, DECODE_ROPE_TC, DECODE_STACK, GEMV_ADD, GEMV_NORM, GEMV_NORM_SWIGLU,
-        RMS_NORM, ROPE, ROPE_AND_CACHE, SILU_AND_MUL, WHT, kv_kernels,
+        ADD_RMS_NORM, DECODE_ADVANCE, DECODE_ROPE_TC, DECODE_STACK, GEMV_ADD, GEMV_NORM, GEMV_NORM_LOGITS,
+        GEMV_NORM_SWIGLU, RMS_NORM, ROPE, ROPE_AND_CACHE, SILU_AND_MUL, WHT, kv_kernels,
     )
 
     checks = {str(RMS_NORM[0]): _check_rms, str(ADD_RMS_NORM[0]): _check_add_rms,
               str(ROPE[0]): _check_rope, str(SILU_AND_MUL[0]): _check_silu,
               str(GEMV_NORM[0]): _check_gemv("norm"), str(GEMV_NORM_SWIGLU[0]): _check_gemv("swiglu"),
+              str(GEMV_NORM_LOGITS[0]): _check_gemv("logits"),
               str(GEMV_ADD[0]): _check_gemv("add"), str(DECODE_ADVANCE[0]): _check_decode_advance}
     checks.update({str(WHT[inv][0]): _check_wht(inv) for inv in (False, True)})
     checks[str(DECODE_STACK[0])] = _check_decode_stack

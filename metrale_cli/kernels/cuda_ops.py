@@ -23,9 +23,8 @@ from metrale_cli.kernels.registry import module_for
 from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
 from metrale_cli.kernels.table import (
     ADD_RMS_NORM, ATTN_THREADS, DECODE_ADVANCE, DECODE_STACK, GEMV_ADD, GEMV_CTAS_PER_SM, GEMV_MAX_K, GEMV_NORM,
-    GEMV_NORM_SWIGLU, GEMV_THREADS, RMS_NORM, ROPE, SDPA_MIN_TOKENS, SILU_AND_MUL, STACK_BLOCK, STACK_SMEM_BYTES,
-    STEP_SLICE, STEP_THREADS, WHT,
-    WHT_ROWS_PER_CTA, _serves, dtype_of, kv_kernels, rows_per_cta,
+    GEMV_NORM_LOGITS, GEMV_NORM_SWIGLU, GEMV_THREADS, RMS_NORM, ROPE, SDPA_MIN_TOKENS, SILU_AND_MUL, STACK_BLOCK,
+    STACK_SMEM_BYTES, STEP_SLICE, STEP_THREADS, WHT, WHT_ROWS_PER_CTA, _serves, dtype_of, kv_kernels, rows_per_cta,
 )
 
 
@@ -72,13 +71,17 @@ class CudaOps(CudaDecodeOps):
     def gemv_norm(self, x, residual, norm_weight, eps, weight):
         return self._gemv_norm(GEMV_NORM, weight.shape[0], x, residual, norm_weight, eps, weight)
 
+    def gemv_norm_logits(self, x, residual, norm_weight, eps, weight):
+        return self._gemv_norm(GEMV_NORM_LOGITS, weight.shape[0], x, residual, norm_weight, eps, weight,
+                               torch.float32)[0]
+
     def gemv_norm_swiglu(self, x, residual, norm_weight, eps, gate_up):
         return self._gemv_norm(GEMV_NORM_SWIGLU, gate_up.shape[0] // 2, x, residual, norm_weight, eps, gate_up)
 
-    def _gemv_norm(self, kernel, n, x, residual, norm_weight, eps, weight):
+    def _gemv_norm(self, kernel, n, x, residual, norm_weight, eps, weight, out_dtype=None):
         k = self._gemv_shape(x, weight)
         x = _ready(x)
-        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
         s = x if residual is None else torch.empty_like(x)
         residual = None if residual is None else _ready(residual)
         self._launch(kernel, self._gemv_grid(x.device), (GEMV_THREADS,), weight, x, residual, _ready(norm_weight),

@@ -27,7 +27,7 @@ import torch
 from metrale_cli.kv.dtypes import SideType
 
 BLOCK_SIZE = 16
-STEP_MAX_SLICES = 32  # decode_step.cu: CTAs per row of logits, at most
+STEP_MAX_SLICES = 128  # decode_step.cu: CTAs per row of logits, at most
 
 
 @dataclass
@@ -267,6 +267,13 @@ class Ops(Protocol):
         """One row, RMSNorm fused into the projection after it: x, residual: (1, H) (residual
         may be None), norm_weight: (H,), weight: (N, H) -> (``F.linear(rms_norm(s), weight)``:
         (1, N), s) with s = x + residual rounded to x's dtype (x itself when residual is None)."""
+
+    def gemv_norm_logits(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+        weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """The LM head of one row: ``gemv_norm(...)[0].float()`` -> (1, N) float32, with no copy
+        launched for the widening on the cuda backend."""
 
     def gemv_norm_swiglu(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -119,6 +119,10 @@ def gemv_norm(x, residual, norm_weight, eps, weight):
     return F.linear(rms_norm(s, norm_weight, eps), weight), s
 
 
+def gemv_norm_logits(x, residual, norm_weight, eps, weight):
+    return gemv_norm(x, residual, norm_weight, eps, weight)[0].float()
+
+
 def gemv_norm_swiglu(x, residual, norm_weight, eps, gate_up):
     y, s = gemv_norm(x, residual, norm_weight, eps, gate_up)
     return silu_and_mul(y), s
@@ -156,6 +160,7 @@ class TorchOps:
     rope_cache_decode = staticmethod(rope_cache_decode)
     paged_prefill = staticmethod(paged_prefill)
     gemv_norm = staticmethod(gemv_norm)
+    gemv_norm_logits = staticmethod(gemv_norm_logits)
     gemv_norm_swiglu = staticmethod(gemv_norm_swiglu)
     gemv_add = staticmethod(gemv_add)
     decode_advance = staticmethod(decode_advance)

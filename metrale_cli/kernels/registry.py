@@ -139,7 +139,8 @@ MODULES: dict[str, KernelModule] = {
         KernelModule("rope", "rope.cu", (), ("rope_neox_bf16",)),
         KernelModule("activation", "activation.cu", (), ("silu_and_mul_bf16",)),
         # Batch-1 decode GEMVs fused with the norm before them or the residual add after them.
-        KernelModule("gemv", "gemv.cu", (), ("gemv_norm_bf16", "gemv_norm_swiglu_bf16", "gemv_add_bf16")),
+        KernelModule("gemv", "gemv.cu", (), ("gemv_norm_bf16", "gemv_norm_logits_bf16", "gemv_norm_swiglu_bf16",
+                                             "gemv_add_bf16")),
         # The end of a decode step: greedy tokens and the next step's inputs, on the device.
         KernelModule("decode_step", "decode_step.cu", (), ("decode_advance",)),
         # Batch-1 decode of a whole dense bf16 stack (bf16 KV cache) in one persistent launch.

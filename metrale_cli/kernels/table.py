@@ -64,13 +64,18 @@ _GEMV_NORM = (
 )
 GEMV_NORM = K("gemv::gemv_norm_bf16"), Signature.parse(_GEMV_NORM)
 GEMV_NORM_SWIGLU = K("gemv::gemv_norm_swiglu_bf16"), Signature.parse(_GEMV_NORM)
+GEMV_NORM_LOGITS = K("gemv::gemv_norm_logits_bf16"), Signature.parse(
+    "w: bf16*, x: bf16*, residual: bf16*?, gamma: bf16*, sum_out: bf16*?, out: f32*, n: i32, k: i32, eps: f32"
+)
 GEMV_ADD = K("gemv::gemv_add_bf16"), Signature.parse("w: bf16*, x: bf16*, residual: bf16*, out: bf16*, n: i32, k: i32")
 DECODE_ADVANCE = K("decode_step::decode_advance"), Signature.parse(
     "logits: f32*?, vocab: i32, next_tokens: i64*, tokens: i64*, positions: i32*, seq_lens: i32*, slots: i32*, "
     "live: i32*, tables: i32*, max_blocks: i32, keys: i64*, counters: i32*"
 )
 STEP_THREADS = 256  # decode_step.cu's CTA
-STEP_SLICE = 8192  # logits per CTA of decode_advance (up to STEP_MAX_SLICES CTAs per row)
+# Logits per CTA of decode_advance (up to STEP_MAX_SLICES CTAs per row): 75 CTAs for Qwen3's
+# 151,936-token vocabulary.
+STEP_SLICE = 2048
 GEMV_THREADS = 256  # gemv.cu's CTA
 GEMV_CTAS_PER_SM = 2  # its __launch_bounds__ minimum; the grid is this many CTAs per SM
 GEMV_MAX_K = 16384  # its shared-memory row of x
@@ -89,8 +94,8 @@ STACK_SMEM_BYTES = (5 * STACK_STAGE_BYTES + 33280 + 8 * 128 * 2 + 128 * 2 + 8 * 
                     + STACK_MAX_OWN * 2 + 2 * 5 * 8 + 16)
 STACK_HEAD_DIMS = (64, 128)
 # Launched by every layer (decode_advance: by every decode step) whatever the KV dtype.
-COMMON_KERNELS = tuple(k[0] for k in (RMS_NORM, ADD_RMS_NORM, ROPE, SILU_AND_MUL, GEMV_NORM, GEMV_NORM_SWIGLU, GEMV_ADD,
-                                      DECODE_ADVANCE))
+COMMON_KERNELS = tuple(k[0] for k in (RMS_NORM, ADD_RMS_NORM, ROPE, SILU_AND_MUL, GEMV_NORM, GEMV_NORM_LOGITS,
+                                      GEMV_NORM_SWIGLU, GEMV_ADD, DECODE_ADVANCE))
 _WHT_SIG = Signature.parse("x: bf16*, signs: f32*, rows: i32, head_dim: i32")
 WHT = {False: (WHT_KERNELS[0], _WHT_SIG), True: (WHT_KERNELS[1], _WHT_SIG)}  # by `inverse`
 

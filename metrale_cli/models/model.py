@@ -79,10 +79,11 @@ class CausalLM:
         return self._logits(pick(hidden), None if residual is None else pick(residual)).float()
 
     def _logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """Final norm and LM head; ``residual`` None when the layers handed on the sum alone."""
+        """Final norm and LM head; ``residual`` None when the layers handed on the sum alone. Float32
+        logits from the batch-1 GEMV, the weight's dtype otherwise (``forward`` widens them)."""
         eps = self.cfg.rms_norm_eps
         if hidden.shape[0] == 1 and self.lm_head.dtype == torch.bfloat16 and self.ops.gemv_fits(hidden.shape[1]):
-            return self.ops.gemv_norm(hidden, residual, self.final_norm, eps, self.lm_head)[0]
+            return self.ops.gemv_norm_logits(hidden, residual, self.final_norm, eps, self.lm_head)
         if residual is None:
             normed = self.ops.rms_norm(hidden, self.final_norm, eps)
         else:
