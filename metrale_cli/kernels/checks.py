@@ -80,14 +80,14 @@ def _check_gemv(kind: str):
             w = w[:n]
             got, want = ops.gemv_add(x, w, r[:, :n]), r[:, :n].double() + x.double() @ w.double().T
             return compare(got, want, 1e-2, 8e-3)
+        if kind == "logits":  # the bf16 outputs of gemv_norm, widened
+            got, (want, _) = ops.gemv_norm_logits(x, r, g, 1e-6, w), ops.gemv_norm(x, r, g, 1e-6, w)
+            return compare_bytes(got, want.float())
         normed, s = ops.add_rms_norm(x, r, g, 1e-6)
         y = normed.double() @ w.double().T
         if kind == "norm":
             got, got_s = ops.gemv_norm(x, r, g, 1e-6, w)
             return compare(got_s, s, 0, 0) or compare(got, y, 1e-2, 8e-3)
-        if kind == "logits":  # the bf16 outputs of gemv_norm, widened
-            got, (want, _) = ops.gemv_norm_logits(x, r, g, 1e-6, w), ops.gemv_norm(x, r, g, 1e-6, w)
-            return compare_bytes(got, want.float())
         got, got_s = ops.gemv_norm_swiglu(x, r, g, 1e-6, w)
         want = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
         return compare(got_s, s, 0, 0) or compare(got, want, 2e-2, 2e-2)
