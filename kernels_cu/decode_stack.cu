@@ -112,6 +112,33 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
         : "memory");
 }
 
+// The weight stream's pace. A bulk copy of a whole stage (32 KB) from every SM at once fills the
+// memory system's queues: while they drain, every hand-off's trip through L2 waits behind them
+// (an H200, 132 CTAs handing a vector round, tools/handoff_latency.py: 1.5 us a hop alone, 8 us
+// under a stream of 4 x 32 KB copies per SM, 1.7 us under 4 x 4 KB). So a stage is copied in
+// pieces of STACK_PIECE_BYTES, each after a STACK_PACE_NS sleep, which caps the stream's rate
+// (Qwen3-0.6B's shape: 803 us a step in whole stages, 747 in 4 KB pieces 100 ns apart, 766 at
+// 200 ns; 0 copies whole stages).
+#ifndef STACK_PIECE_BYTES
+#define STACK_PIECE_BYTES 4096
+#endif
+#ifndef STACK_PACE_NS
+#define STACK_PACE_NS 100
+#endif
+
+__device__ __forceinline__ void stream_copy(unsigned char* dst, const bf16_t* src, unsigned bytes,
+                                            unsigned long long* bar) {
+#if STACK_PIECE_BYTES
+    const unsigned char* s = reinterpret_cast<const unsigned char*>(src);
+    for (unsigned o = 0; o < bytes; o += STACK_PIECE_BYTES) {
+        if (STACK_PACE_NS) __nanosleep(STACK_PACE_NS);
+        bulk_copy(dst + o, s + o, min((unsigned)STACK_PIECE_BYTES, bytes - o), bar);
+    }
+#else
+    bulk_copy(dst, src, bytes, bar);
+#endif
+}
+
 // --- flagged words ------------------------------------------------------------------------------
 typedef unsigned long long Word;  // flag << 32 | bf16 value
 
@@ -243,8 +270,8 @@ __device__ void issue(const StackArgs& a, const Schedule& sc, int j, const bf16_
     const int stage = j % STACK_STAGES;
     unsigned char* dst = ring + stage * STACK_STAGE_BYTES;
     mbar_expect(bars + stage, x.pair ? 2 * bytes : bytes);
-    bulk_copy(dst, w + (long long)t * x.k, bytes, bars + stage);
-    if (x.pair) bulk_copy(dst + bytes, w + ((long long)a.inter + t) * x.k, bytes, bars + stage);
+    stream_copy(dst, w + (long long)t * x.k, bytes, bars + stage);
+    if (x.pair) stream_copy(dst + bytes, w + ((long long)a.inter + t) * x.k, bytes, bars + stage);
 }
 
 // The producer warp's lane 0: the whole weight stream of the launch, a stage refilled as soon

@@ -3,10 +3,11 @@
     python tools/decode_stack_profile.py                  # Qwen3-0.6B's shape, context 600
     python tools/decode_stack_profile.py --poll 0 200 1000
     python tools/decode_stack_profile.py --trace
+    python tools/decode_stack_profile.py --variant "STACK_PIECE_BYTES=0" --trace
 
 Times a step as 20 launches back to back. ``--poll`` compiles variants of the module with other
 back-offs between polls of flagged words (STACK_POLL_NS). ``--trace`` compiles the profiling
-build (STACK_TRACE): each CTA records its clock at every phase boundary, and the per-layer phase
+build (STACK_TRACE, with the last ``--variant``'s defines): each CTA records its clock at every phase boundary, and the per-layer phase
 times are printed as means over CTAs (and the slowest CTA's).
 """
 
@@ -72,10 +73,10 @@ def step_us(args, defines) -> float:
     return cp.cuda.get_elapsed_time(start, end) / 20 * 1000
 
 
-def trace(args) -> None:
+def trace(args, defines=()) -> None:
     import cupy as cp
 
-    launch, raw, sms = _launcher(args, ("-DSTACK_TRACE",))
+    launch, raw, sms = _launcher(args, ("-DSTACK_TRACE", *defines))
     launch(1)
     cp.cuda.runtime.deviceSynchronize()
     clock_hz = cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrClockRate, 0) * 1e3
@@ -95,13 +96,19 @@ def main() -> None:
                           ("inter", 3072), ("context", 600)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--poll", type=int, nargs="*", help="back-offs in ns (STACK_POLL_NS) to time")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="a build to time, as space-separated NAME=VALUE defines (repeatable), e.g. "
+                             "'STACK_PIECE_BYTES=4096 STACK_PACE_NS=200'")
     parser.add_argument("--trace", action="store_true", help="per-phase clock trace of one launch")
     args = parser.parse_args()
     print(f"{step_us(args, ()):.1f} us a step (the module as built)")
     for ns in args.poll or ():
         print(f"{step_us(args, (f'-DSTACK_POLL_NS={ns}',)):.1f} us a step, {ns} ns back-off")
-    if args.trace:
-        trace(args)
+    for variant in args.variant:
+        defines = tuple(f"-D{d}" for d in variant.split())
+        print(f"{step_us(args, defines):.1f} us a step, {variant}", flush=True)
+    if args.trace:  # the last variant's build, if any
+        trace(args, tuple(f"-D{d}" for d in args.variant[-1].split()) if args.variant else ())
 
 
 if __name__ == "__main__":
