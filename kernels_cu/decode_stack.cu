@@ -298,18 +298,22 @@ __device__ int gemv_phase(const StackArgs& a, const Schedule& sc, int j0, const 
     for (int c = 0; c < x.chunks; ++c) {
         const int j = j0 + c;
         const int stage = j % STACK_STAGES;
+#ifndef STACK_TIMING_NO_WEIGHT_WAIT  // timing only (wrong output): the phase without its weight waits
         mbar_wait(bars + stage, (unsigned)((j / STACK_STAGES) & 1));
+#endif
         const int t = x.t0 + c * x.per, cnt = min(x.per, x.t1 - t);
         const Chunk* ws = reinterpret_cast<const Chunk*>(ring + stage * STACK_STAGE_BYTES);
         for (int i = warp; i < cnt; i += STACK_WARPS) {
             const Chunk* row = ws + (long long)i * chunks8;
             float acc = 0.0f, acc_up = 0.0f;
+#ifndef STACK_TIMING_NO_DOT  // timing only (wrong output): the phase without its dot products
 #pragma unroll 4
             for (int ci = lane; ci < chunks8; ci += 32) {
                 const Chunk xv = xs[ci];
                 acc = dot8(row[ci], xv, acc);
                 if constexpr (P == GATE_UP) acc_up = dot8(row[(long long)cnt * chunks8 + ci], xv, acc_up);
             }
+#endif
             acc = warp_sum(acc);
             if constexpr (P == GATE_UP) acc_up = warp_sum(acc_up);
             if (lane == 0) {

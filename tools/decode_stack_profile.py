@@ -7,7 +7,7 @@
 
 Times a step as 20 launches back to back. ``--poll`` compiles variants of the module with other
 back-offs between polls of flagged words (STACK_POLL_NS). ``--trace`` compiles the profiling
-build (STACK_TRACE, with the last ``--variant``'s defines): each CTA records its clock at every phase boundary, and the per-layer phase
+build (STACK_TRACE, with each ``--variant``'s defines): each CTA records its clock at every phase boundary, and the per-layer phase
 times are printed as means over CTAs (and the slowest CTA's).
 """
 
@@ -107,8 +107,10 @@ def main() -> None:
     for variant in args.variant:
         defines = tuple(f"-D{d}" for d in variant.split())
         print(f"{step_us(args, defines):.1f} us a step, {variant}", flush=True)
-    if args.trace:  # the last variant's build, if any
-        trace(args, tuple(f"-D{d}" for d in args.variant[-1].split()) if args.variant else ())
+    if args.trace:  # each variant's build, or the module as built
+        for variant in args.variant or [""]:
+            print(f"trace: {variant or 'the module as built'}")
+            trace(args, tuple(f"-D{d}" for d in variant.split()))
 
 
 if __name__ == "__main__":
