@@ -23,8 +23,10 @@ def test_handoff_latency_kernels_compile(proto, stream):
 
 
 @pytest.mark.parametrize("defines", [(("STACK_PIECE_BYTES", "0"),),
-                                     (("STACK_PIECE_BYTES", "8192"), ("STACK_PACE_NS", "0"))])
-def test_the_whole_stack_kernel_compiles_with_other_weight_stream_paces(defines):
+                                     (("STACK_PIECE_BYTES", "8192"), ("STACK_PACE_NS", "0")),
+                                     (("STACK_TIMING_NO_WEIGHT_WAIT", "1"),),
+                                     (("STACK_TIMING_NO_DOT", "1"),)])
+def test_the_whole_stack_kernel_variants_compile(defines):
     base = MODULES["decode_stack"]
     module = dataclasses.replace(base, defines=base.defines + defines)
     cubin, log = kc.compile_cubin(module)
