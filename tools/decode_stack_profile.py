@@ -5,10 +5,11 @@
     python tools/decode_stack_profile.py --trace
     python tools/decode_stack_profile.py --variant "STACK_PIECE_BYTES=0" --trace
 
-Times a step as 20 launches back to back. ``--poll`` compiles variants of the module with other
-back-offs between polls of flagged words (STACK_POLL_NS). ``--trace`` compiles the profiling
-build (STACK_TRACE, with each ``--variant``'s defines): each CTA records its clock at every phase boundary, and the per-layer phase
-times are printed as means over CTAs (and the slowest CTA's).
+Times a step as 20 launches back to back. ``--variant`` compiles and times the module with other
+defines; ``--poll`` is short for variants with other back-offs between polls of flagged words
+(STACK_POLL_NS). ``--trace`` compiles the profiling build (STACK_TRACE) of each variant: each CTA
+records its clock at every phase boundary, and the per-layer phase times are printed as means
+over CTAs (and the slowest CTA's).
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ def trace(args, defines=()) -> None:
         print(f"  {name:14s} {by_cta.mean():6.2f} us a layer, slowest CTA {by_cta.max():6.2f}")
 
 
+def _defines(variant: str) -> tuple[str, ...]:
+    """'A=1 B=2' -> ('-DA=1', '-DB=2')."""
+    return tuple(f"-D{d}" for d in variant.split())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("layers", 28), ("hidden", 1024), ("heads", 16), ("kv-heads", 8), ("head-dim", 128),
@@ -101,16 +107,14 @@ def main() -> None:
                              "'STACK_PIECE_BYTES=4096 STACK_PACE_NS=200'")
     parser.add_argument("--trace", action="store_true", help="per-phase clock trace of one launch")
     args = parser.parse_args()
+    variants = [f"STACK_POLL_NS={ns}" for ns in args.poll or ()] + args.variant
     print(f"{step_us(args, ()):.1f} us a step (the module as built)")
-    for ns in args.poll or ():
-        print(f"{step_us(args, (f'-DSTACK_POLL_NS={ns}',)):.1f} us a step, {ns} ns back-off")
-    for variant in args.variant:
-        defines = tuple(f"-D{d}" for d in variant.split())
-        print(f"{step_us(args, defines):.1f} us a step, {variant}", flush=True)
+    for variant in variants:
+        print(f"{step_us(args, _defines(variant)):.1f} us a step, {variant}", flush=True)
     if args.trace:  # each variant's build, or the module as built
-        for variant in args.variant or [""]:
+        for variant in variants or [""]:
             print(f"trace: {variant or 'the module as built'}")
-            trace(args, tuple(f"-D{d}" for d in variant.split()))
+            trace(args, _defines(variant))
 
 
 if __name__ == "__main__":
