@@ -40,6 +40,7 @@
 #define STACK_THREADS (STACK_WARPS * 32)
 #define CTA_SYNC() asm volatile("bar.sync 1, %0;" ::"n"(STACK_THREADS) : "memory")
 #define CTA_WARPS STACK_WARPS
+#include "bulk_copy.cuh"
 #include "decode_tc.cuh"
 #include "gemv.cuh"
 #include "head_norm.cuh"
@@ -75,42 +76,6 @@ static_assert(STACK_WARPS * TC_ROWS * (TC_MAX_D + 2) * 4 <= STACK_SCRATCH_BYTES,
 #define STACK_MBAR (STACK_OWN + STACK_MAX_OWN * 2)  // a full-barrier per stage
 #define STACK_EMPTY (STACK_MBAR + STACK_STAGES * 8)  // an empty-barrier per stage
 #define STACK_SMEM_BYTES (STACK_EMPTY + STACK_STAGES * 8 + 16)
-
-// --- bulk copies into the ring ------------------------------------------------------------------
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-    asm volatile(
-        "{\n .reg .pred done;\n"
-        "wait: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        " @!done bra wait;\n}" ::"r"(smem_addr(bar)),
-        "r"(parity)
-        : "memory");
-}
-
-// bytes (a multiple of 16) from global src to shared dst, counted on bar.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-            smem_addr(dst)),
-        "l"(src), "r"(bytes), "r"(smem_addr(bar))
-        : "memory");
-}
 
 // The weight stream's pace. A bulk copy of a whole stage (32 KB) from every SM at once fills the
 // memory system's queues: while they drain, every hand-off's trip through L2 waits behind them

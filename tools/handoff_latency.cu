@@ -29,15 +29,11 @@
 #define HOP_STAGES 4
 #define HOP_STAGE_BYTES 32768
 
-typedef unsigned short bf16_t;
+#include "bulk_copy.cuh"  // kernels_cu/include
+#include "numeric.cuh"
+
 typedef unsigned long long Word;
 
-__device__ __forceinline__ float bf(bf16_t v) { return __uint_as_float((unsigned)v << 16); }
-__device__ __forceinline__ bf16_t to_bf(float f) {
-    const unsigned u = __float_as_uint(f);
-    return (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(HOP_THREADS) : "memory"); }
 
 __device__ float block_sum(float v, float* red) {
@@ -50,16 +46,6 @@ __device__ float block_sum(float v, float* red) {
     return s;
 }
 
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-    unsigned ok = 0;
-    while (!ok) {
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(ok)
-                     : "r"(smem_addr(bar)), "r"(parity)
-                     : "memory");
-    }
-}
-
 // The producer lane: chunks of `stream` into the stages until *done, then drains. Returns the
 // number of chunks copied.
 __device__ long long stream_until(const volatile int* done, const char* stream, long long stream_bytes, int chunk,
@@ -70,12 +56,8 @@ __device__ long long stream_until(const volatile int* done, const char* stream, 
         const int s = (int)(j % HOP_STAGES);
         if (j >= HOP_STAGES) mbar_wait(bars + s, (unsigned)((j / HOP_STAGES - 1) & 1));
         const long long c = (j * gridDim.x + blockIdx.x) % chunks;
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bars + s)), "r"(chunk)
-                     : "memory");
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                         smem_addr(ring + s * HOP_STAGE_BYTES)),
-                     "l"(stream + c * chunk), "r"(chunk), "r"(smem_addr(bars + s))
-                     : "memory");
+        mbar_expect(bars + s, chunk);
+        bulk_copy(ring + s * HOP_STAGE_BYTES, stream + c * chunk, chunk, bars + s);
     }
     for (long long k = j > HOP_STAGES ? j - HOP_STAGES : 0; k < j; ++k) {
         mbar_wait(bars + k % HOP_STAGES, (unsigned)((k / HOP_STAGES) & 1));
@@ -96,7 +78,7 @@ extern "C" __global__ void __launch_bounds__(HOP_THREADS + 32, 1)
     extern __shared__ __align__(128) unsigned char ring[];
     if (threadIdx.x == 0) done = 0;
     if (HOP_STREAM && threadIdx.x == HOP_THREADS) {
-        for (int s = 0; s < HOP_STAGES; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bars + s)));
+        for (int s = 0; s < HOP_STAGES; ++s) mbar_init(bars + s, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -123,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(HOP_THREADS + 32, 1)
                 if ((unsigned)(x >> 32) == flag) break;
                 if (HOP_POLL_NS) __nanosleep(HOP_POLL_NS);
             }
-            s += bf((bf16_t)x) + (HOP_PROTO == 1 ? bf((bf16_t)(x >> 16)) : 0.0f);
+            s += bf16_to_f32((bf16_t)x) + (HOP_PROTO == 1 ? bf16_to_f32((bf16_t)(x >> 16)) : 0.0f);
         }
 #else
         (void)flag;
@@ -141,7 +123,7 @@ extern "C" __global__ void __launch_bounds__(HOP_THREADS + 32, 1)
         for (int i = threadIdx.x; i < n; i += HOP_THREADS) {
             unsigned short x;
             asm volatile("ld.relaxed.gpu.global.u16 %0, [%1];" : "=h"(x) : "l"(p + i) : "memory");
-            s += bf(x);
+            s += bf16_to_f32(x);
         }
 #endif
         s = block_sum(s, red);
@@ -149,20 +131,20 @@ extern "C" __global__ void __launch_bounds__(HOP_THREADS + 32, 1)
         const float v = s * 1e-3f + threadIdx.x, f = v - floorf(v);
 #if HOP_PROTO == 0
         if (threadIdx.x < HOP_PER) {
-            const Word x = (Word)(flag + 1) << 32 | to_bf(f);
+            const Word x = (Word)(flag + 1) << 32 | f32_to_bf16(f);
             asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(words + (long long)next * n + t0 + threadIdx.x), "l"(x)
                          : "memory");
         }
 #elif HOP_PROTO == 1
         if (threadIdx.x < HOP_PER / 2) {
-            const Word x = (Word)(flag + 1) << 32 | to_bf(f) | (unsigned)to_bf(1.0f - f) << 16;
+            const Word x = (Word)(flag + 1) << 32 | f32_to_bf16(f) | (unsigned)f32_to_bf16(1.0f - f) << 16;
             asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(words + (long long)next * n + t0 / 2 + threadIdx.x),
                          "l"(x)
                          : "memory");
         }
 #else
         if (threadIdx.x < 32) {
-            if (threadIdx.x < HOP_PER) plain[(long long)next * n + t0 + threadIdx.x] = to_bf(f);
+            if (threadIdx.x < HOP_PER) plain[(long long)next * n + t0 + threadIdx.x] = f32_to_bf16(f);
             __syncwarp();
             if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
         }
@@ -188,13 +170,13 @@ extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(HOP_THREA
     for (int it = 0; it < iters; ++it) {
         const int buf = it & 1, next = buf ^ 1;
         float s = 0.0f;
-        for (int i = threadIdx.x; i < 1024; i += HOP_THREADS) s += bf(vec[buf][i]);
+        for (int i = threadIdx.x; i < 1024; i += HOP_THREADS) s += bf16_to_f32(vec[buf][i]);
         s = block_sum(s, red);
         acc += s;
         if (threadIdx.x < 128) {  // 16 x 16 bytes to each of the 8 peers
             const int peer = threadIdx.x >> 4, part = threadIdx.x & 15;
             const float v = s * 1e-3f + part;
-            const unsigned x = to_bf(v - floorf(v)), w = x | x << 16;
+            const unsigned x = f32_to_bf16(v - floorf(v)), w = x | x << 16;
             unsigned remote;
             asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
                          : "=r"(remote)

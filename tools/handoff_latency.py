@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from metrale_cli.kernels.registry import INCLUDE_DIR
+
 SOURCE = Path(__file__).with_name("handoff_latency.cu")
 PROTOCOLS = {0: "flagged words, 1 bf16 each", 1: "flagged words, 2 bf16 each", 2: "counter + plain vector"}
 BLOCK, STAGES, STAGE_BYTES = 256 + 32, 4, 32768
@@ -35,7 +37,8 @@ def main() -> None:
     stream = cp.zeros(2 << 30, dtype=cp.uint8)  # beyond L2, so the stream reaches HBM
 
     def build(proto: int, streaming: bool):
-        options = ("-std=c++17", "-arch=sm_90", f"-DHOP_PROTO={proto}", f"-DHOP_STREAM={int(streaming)}")
+        options = ("-std=c++17", "-arch=sm_90", f"-I{INCLUDE_DIR}", f"-DHOP_PROTO={proto}",
+                   f"-DHOP_STREAM={int(streaming)}")
         return cp.RawModule(code=source, options=options, backend="nvrtc")
 
     def per_hop(launch) -> float:
