@@ -40,9 +40,6 @@ class DecodeGraphs:
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         b = max_batch
         self.step = StepBuffers.zeros(b, max_blocks, dev)
-        s = self.step
-        self.tokens, self.next_tokens, self.positions, self.slots = s.tokens, s.next_tokens, s.positions, s.slots
-        self.tables, self.seq_lens, self.live = s.tables, s.seq_lens, s.live
         self._host = np.zeros((b, 4 + max_blocks), dtype=np.int64)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.advance_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (bucket, greedy)
@@ -75,12 +72,12 @@ class DecodeGraphs:
         for i, table in enumerate(block_tables):
             host[i, 4 : 4 + len(table)] = table
         staged = torch.from_numpy(host).to(self.model.device, non_blocking=False)
-        self.tokens[:b].copy_(staged[:, 0])
-        self.positions[:b].copy_(staged[:, 1])
-        self.slots[:b].copy_(staged[:, 2])
-        self.live[:b].copy_(staged[:, 3])
-        self.seq_lens[:b].copy_(staged[:, 1] + 1)
-        self.tables[:b].copy_(staged[:, 4:])
+        self.step.tokens[:b].copy_(staged[:, 0])
+        self.step.positions[:b].copy_(staged[:, 1])
+        self.step.slots[:b].copy_(staged[:, 2])
+        self.step.live[:b].copy_(staged[:, 3])
+        self.step.seq_lens[:b].copy_(staged[:, 1] + 1)
+        self.step.tables[:b].copy_(staged[:, 4:])
 
     def forward(self, n: int) -> torch.Tensor:
         """One step over the buffers' first n rows -> (n, vocab) float32 logits."""
@@ -97,7 +94,7 @@ class DecodeGraphs:
     def advance(self, n: int, next_tokens: torch.Tensor) -> None:
         """Make the sampled tokens (n,) the next step's inputs and move the live rows on by one
         position (context length, cache slot from the block table), all on the device."""
-        self.next_tokens[:n].copy_(next_tokens)
+        self.step.next_tokens[:n].copy_(next_tokens)
         self._step(self.bucket(n), greedy=False)
 
     def advance_greedy(self, n: int) -> torch.Tensor:
@@ -105,7 +102,7 @@ class DecodeGraphs:
         device in the same launch -> the first n rows' tokens (a view of ``next_tokens``, valid
         until the next step's advance)."""
         self._step(self.bucket(n), greedy=True)
-        return self.next_tokens[:n]
+        return self.step.next_tokens[:n]
 
     def _step(self, b: int, greedy: bool) -> None:
         if not self.graphed():
@@ -117,9 +114,9 @@ class DecodeGraphs:
 
     # --- internals ------------------------------------------------------------------------
     def _args(self, b: int):
-        ctx = ForwardContext("decode", self.positions[:b], self.slots[:b],
-                             block_tables=self.tables[:b], seq_lens=self.seq_lens[:b])
-        return self.tokens[:b], ctx, None  # every row's logits
+        ctx = ForwardContext("decode", self.step.positions[:b], self.step.slots[:b],
+                             block_tables=self.step.tables[:b], seq_lens=self.step.seq_lens[:b])
+        return self.step.tokens[:b], ctx, None  # every row's logits
 
     def _advance(self, b: int, greedy: bool) -> None:
         """The bucket's b rows move on; ``greedy``: from the tokens of the last forward's logits
@@ -144,7 +141,7 @@ class DecodeGraphs:
         return graph, logits
 
     def _capture_advance(self, b: int, greedy: bool) -> torch.cuda.CUDAGraph:
-        moved = (self.next_tokens, self.tokens, self.positions, self.seq_lens, self.slots)
+        moved = (self.step.next_tokens, self.step.tokens, self.step.positions, self.step.seq_lens, self.step.slots)
         saved = [t.clone() for t in moved]
         self._warm(lambda: self._advance(b, greedy))
         for buf, old in zip(moved, saved):
