@@ -10,7 +10,7 @@ import typer
 
 from metrale_cli.environment import levers_help
 from metrale_cli.errors import MetraleError
-from metrale_cli.kv.dtypes import parse_kv_cache_dtype, valid_names
+from metrale_cli.kv.dtypes import KvCacheDtype, parse_kv_cache_dtype, valid_names
 from metrale_cli.output import Output
 
 app = typer.Typer(
@@ -25,9 +25,19 @@ app = typer.Typer(
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", "-m", help="HF folder, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")]
 BackendOpt = Annotated[str, typer.Option(help="auto | cuda | torch (auto = cuda when a GPU is present)")]
-KvOpt = Annotated[str, typer.Option(
-    "--kv-cache-dtype", help="KV-cache dtype: " + ", ".join(valid_names()),
-    callback=lambda v: (parse_kv_cache_dtype(v), v)[1] if v is not None else v)]
+ALL = "all"
+
+
+def _kv_or_all(value: str) -> KvCacheDtype | str:
+    """validate-kernels' --kv-cache-dtype: a dtype, or ``all`` (every one of the 16)."""
+    return ALL if value.strip().lower() == ALL else parse_kv_cache_dtype(value)
+
+
+# --kv-cache-dtype is parsed once, here: the commands get a KvCacheDtype (or "auto", resolved by
+# the model's config); a bad value is one error line listing the valid ones (KV_DTYPES.md).
+KvOpt = Annotated[KvCacheDtype, typer.Option(
+    "--kv-cache-dtype", parser=parse_kv_cache_dtype, metavar="DTYPE",
+    help="KV-cache dtype: " + ", ".join(valid_names()))]
 DtypeOpt = Annotated[str, typer.Option(help="weights/activations dtype: bf16 | fp16 | fp32")]
 MaxSeqOpt = Annotated[Optional[int], typer.Option(help="context length of the KV pool (default: model's, at most 8192)")]
 GpuMemOpt = Annotated[float, typer.Option(help="fraction of GPU memory for weights + KV pool")]
@@ -107,14 +117,14 @@ def generate(
             out.error("no prompt given", "pass a prompt argument or pipe one on stdin")
             raise typer.Exit(1)
         prompts = [sys.stdin.read()]
-    opts = RunnerOptions(model=model, backend=backend, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
+    opts = RunnerOptions(backend=backend, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                          max_seq_len=max_seq_len, max_num_seqs=len(prompts),
                          gpu_memory_utilization=gpu_memory_utilization,
                          fp8_kv_calibration_tokens=fp8_kv_calibration_tokens, prefill_chunk=prefill_chunk,
                          cuda_graph_mode=cuda_graph_mode, kv_high_precision_layers=kv_high_precision_layers,
                          innerq_calibration_tokens=innerq_calibration_tokens)
     _run(out, debug, lambda: run_generate(
-        out, opts, prompts,
+        out, model, opts, prompts,
         SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                        seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos),
         chat=not no_chat_template, system=system, verbose=verbose))
@@ -122,8 +132,9 @@ def generate(
 
 @app.command("validate-kernels")
 def validate_kernels(
-    kv_cache_dtype: Annotated[str, typer.Option(
-        "--kv-cache-dtype", help="one of: " + ", ".join(valid_names()) + "; or all (every dtype)")],
+    kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(
+        "--kv-cache-dtype", parser=_kv_or_all, metavar="DTYPE",
+        help="one of: " + ", ".join(valid_names()) + "; or all (every dtype)")],
     head_dim: Annotated[int, typer.Option(help="attention head_dim the kernels must serve")] = 128,
     recheck: Annotated[bool, typer.Option(
         "--recheck", help="run every numeric check again, even those this GPU passed for the same sources")] = False,
@@ -158,8 +169,9 @@ def bench(
     n_gen: Annotated[int, typer.Option("--n-gen", "-n", help="generated tokens (tg test)")] = 128,
     batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
     repetitions: Annotated[int, typer.Option("--repetitions", "-r")] = 3,
-    kv_cache_dtype: Annotated[Optional[list[str]], typer.Option(
-        "--kv-cache-dtype", help="repeatable: one row set per dtype")] = None,
+    kv_cache_dtype: Annotated[Optional[list[KvCacheDtype]], typer.Option(
+        "--kv-cache-dtype", parser=parse_kv_cache_dtype, metavar="DTYPE",
+        help="repeatable: one row set per dtype (" + ", ".join(valid_names()) + ")")] = None,
     backend: BackendOpt = "auto",
     dtype: DtypeOpt = "bf16",
     peak_bandwidth: Annotated[Optional[float], typer.Option(
@@ -196,7 +208,7 @@ def bench(
     """
     out = Output(json_mode=json_out)
     if kv_quality:
-        from metrale_cli.kv_quality import QualityOptions, run_quality_cmd
+        from metrale_cli.commands.kv_quality import QualityOptions, run_quality_cmd
 
         qopts = QualityOptions(model=model, corpus=corpus, window=window,
                                kv_cache_dtypes=tuple(kv_cache_dtype or ()), backend=backend, dtype=dtype,
@@ -204,7 +216,7 @@ def bench(
                                innerq_calibration_tokens=innerq_calibration_tokens)
         _run(out, debug, run_quality_cmd, out, qopts)
         return
-    from metrale_cli.bench import BenchOptions, run_bench_cmd
+    from metrale_cli.commands.bench import BenchOptions, run_bench_cmd
 
     opts = BenchOptions(model=model, preset=preset, n_prompt=n_prompt, n_gen=n_gen, batch=batch,
                         repetitions=repetitions, kv_cache_dtypes=tuple(kv_cache_dtype or ("auto",)),

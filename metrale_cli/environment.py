@@ -15,17 +15,12 @@ ENV_LEVERS: dict[str, str] = {
     "TURBO_INNERQ": "InnerQ calibration tokens for a rotated (turbo) K side, as "
     "--innerq-calibration-tokens (0 = off, the default)",
     "TURBO_INNERQ_STRENGTH": "InnerQ strength α in s = (mean/rms)^α (default 0.5)",
-    "METRALE_PREFILL_HOST_TIMING": "1 = accumulate host microseconds per prefill phase "
-    "(projections, to attention call, attention call, FFN); bench prints them",
-    "METRALE_DECODE_STACK": "1 = run batch-1 decode of small dense bf16 models with a bf16 cache "
-    "(at least four weight rows per 32 KB) as one persistent kernel for all layers "
-    "(kernels_cu/decode_stack.cu) instead of launches per layer; experimental: it needs every SM "
-    "to itself and, on an H200, ties the launches (docs/performance.md)",
 }
 
 
 def cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("METRALE_CACHE_DIR", "~/.cache/metrale")).expanduser()
+    """``$METRALE_CACHE_DIR``, else ``~/.cache/metrale``: converted GGUF weights, kernel checks."""
+    return pathlib.Path(os.environ.get("METRALE_CACHE_DIR") or "~/.cache/metrale").expanduser()
 
 
 def levers_help() -> str:
@@ -49,13 +44,3 @@ def _number(name: str, kind: type, default):
 def innerq_env() -> tuple[int, float]:
     """(calibration tokens, strength) from TURBO_INNERQ / TURBO_INNERQ_STRENGTH."""
     return _number("TURBO_INNERQ", int, 0), _number("TURBO_INNERQ_STRENGTH", float, 0.5)
-
-
-def decode_stack() -> bool:
-    """METRALE_DECODE_STACK=1: batch-1 decode through the whole-stack kernel where it serves."""
-    return _number("METRALE_DECODE_STACK", int, 0) == 1
-
-
-def prefill_host_timing() -> bool:
-    """METRALE_PREFILL_HOST_TIMING=1: time the host phases of prefill."""
-    return _number("METRALE_PREFILL_HOST_TIMING", int, 0) == 1

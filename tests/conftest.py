@@ -1,4 +1,5 @@
-"""Shared pytest setup: the ``gpu`` marker, skipped with a reason where CUDA is unavailable."""
+"""Shared pytest setup: the ``gpu`` marker, skipped with a reason where CUDA is unavailable, and the
+one ``ops`` fixture of the GPU tests (the cuda backend)."""
 
 import importlib.util
 
@@ -26,3 +27,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ops():
+    """The cuda backend (``CudaOps``) the GPU tests launch through; one per test session."""
+    from metrale_cli.kernels.cuda_ops import CudaOps
+
+    return CudaOps()

@@ -7,13 +7,13 @@ import contextlib
 import torch
 import transformers as T
 
-from metrale_cli.config import model_config_from_hf
+from metrale_cli.config import ModelConfig
 from metrale_cli.engine.generate import Engine
 from metrale_cli.engine.sequence import Sequence
 from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.layers.context import ForwardContext
-from metrale_cli.models import build_model
+from metrale_cli.models import build_model, model_config
 
 CONFIGS = {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -33,11 +33,16 @@ def as_dtype(hf, dtype):
     return clone.to(dtype)
 
 
+def planned(raw: dict, kv=KvCacheDtype.BF16) -> ModelConfig:
+    """The family's config of ``raw`` with every layer's KV cache in ``kv``."""
+    cfg = model_config(raw)
+    return cfg.planned((kv,) * cfg.num_layers)
+
+
 def ours(hf, raw: dict, kv=KvCacheDtype.BF16, dtype=torch.bfloat16, chunk=512, blocks=64,
          calibration=0, ops=None, max_batch=8) -> Engine:
     tensors = {k: v.detach().to(dtype).clone() for k, v in hf.state_dict().items()}
-    model = build_model(model_config_from_hf(raw), tensors, ops or TorchOps(), kv, blocks, 512,
-                        calibration, torch.device("cpu"))
+    model = build_model(planned(raw, kv), tensors, ops or TorchOps(), blocks, 512, calibration, torch.device("cpu"))
     return Engine(model, 512, prefill_chunk=chunk, max_batch=max_batch)
 
 
@@ -49,9 +54,9 @@ def teacher_forced(engine: Engine, ids: list[int], gather: bool = True) -> torch
     n, dev = len(ids), engine.device
     ctx = ForwardContext("prefill", torch.arange(n, dtype=torch.int32, device=dev),
                          engine._int32(engine._slots(seq.block_table, range(n), 0)), 0,
-                         engine._int32(seq.block_table))
+                         engine._int32(seq.block_table), states=[engine.model.alloc_states()])
     logits = engine.model.forward(torch.tensor(ids, device=dev), ctx, torch.arange(n, device=dev) if gather else None)
-    engine.model.kv_cache.release(seq.block_table)
+    engine.release(seq)
     return logits.cpu()
 
 

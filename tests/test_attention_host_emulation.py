@@ -16,11 +16,12 @@ import torch
 
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.table import TC_ROWS, decode_rows, rows_per_cta
-from metrale_cli.kernels.checks import compare, make_paged_case
+from metrale_cli.kernels.cases import compare, make_paged_case
+from metrale_cli.kernels.tolerances import bounds
 from metrale_cli.kv.dtypes import KvCacheDtype, kv_pair
 from host_build import build_host_library
 
-ATOL, RTOL = 2e-2, 2e-2
+ATOL, RTOL = bounds("attention")
 DTYPES = [KvCacheDtype.BF16, KvCacheDtype.FP8, KvCacheDtype.NVFP4, KvCacheDtype.TURBO4, KvCacheDtype.TURBO3,
           KvCacheDtype.TURBO8, KvCacheDtype.FP8K_TURBO2V, KvCacheDtype.BF16K_TURBO3V]
 _LIBS: dict[KvCacheDtype, ctypes.CDLL] = {}
@@ -63,11 +64,11 @@ def test_decode_equals_the_reference(build_dir, dtype, head_dim, group, splits):
     part_o = torch.full((6, hk * group, splits, head_dim), float("nan"))
     part_ml = torch.full((6, hk * group, splits, 2), float("nan"))
     chunks = math.ceil(group / decode_rows(head_dim, group))
-    kp, vp, tables, lens = c["k_pool"], c["v_pool"], c["block_tables"], c["seq_lens"]
+    kp, vp, tables, lens = c["kv"].k, c["kv"].v, c["block_tables"], c["seq_lens"]
     lib.host_paged_decode(_ptr(q), _ptr(kp.data), _ptr(vp.data), _ptr(tables), _ptr(lens), _ptr(out), _ptr(part_o),
                           _ptr(part_ml), _ptr(kp.scale), _ptr(vp.scale), head_dim**-0.5, hk * group, hk, head_dim,
                           tables.shape[1], splits, 6, chunks)
-    want = ref.paged_decode(q, kp, vp, tables, lens, head_dim**-0.5)
+    want = ref.paged_decode(q, c["kv"], tables, lens, head_dim**-0.5)
     assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
     assert torch.equal(out[5], torch.zeros_like(out[5]))  # an empty context decodes to zero
 
@@ -81,11 +82,11 @@ def test_prefill_equals_the_reference(build_dir, dtype, head_dim, group, tokens,
     c = make_paged_case([start + tokens], hk * group, hk, head_dim, dtype, seed=tokens)
     q = _q(tokens, hk * group, head_dim, seed=4)
     out = torch.full_like(q, float("nan"))
-    kp, vp, table = c["k_pool"], c["v_pool"], c["block_tables"][0].contiguous()
+    kp, vp, table = c["kv"].k, c["kv"].v, c["block_tables"][0].contiguous()
     rows = math.ceil(tokens * group / rows_per_cta(head_dim))
     lib.host_paged_prefill(_ptr(q), _ptr(kp.data), _ptr(vp.data), _ptr(table), _ptr(out), _ptr(kp.scale),
                            _ptr(vp.scale), head_dim**-0.5, tokens, start, hk * group, hk, head_dim, rows)
-    want = ref.paged_prefill(q, kp, vp, table, start, head_dim**-0.5)
+    want = ref.paged_prefill(q, c["kv"], table, start, head_dim**-0.5)
     assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
 
 
@@ -116,11 +117,11 @@ def test_tensor_core_decode_equals_the_reference(build_dir, dtype, head_dim, gro
     out = torch.full_like(q, float("nan"))
     part_o = torch.full((len(lens), hk * group, splits, head_dim), float("nan"))
     part_ml = torch.full((len(lens), hk * group, splits, 2), float("nan"))
-    kp, vp, tables, seq = c["k_pool"], c["v_pool"], c["block_tables"], c["seq_lens"]
+    kp, vp, tables, seq = c["kv"].k, c["kv"].v, c["block_tables"], c["seq_lens"]
     lib.host_paged_decode_tc(_ptr(q), _ptr(kp.data), _ptr(vp.data), _ptr(tables), _ptr(seq), _ptr(out),
                              _ptr(part_o), _ptr(part_ml), _ptr(kp.scale), _ptr(vp.scale), head_dim**-0.5,
                              hk * group, hk, head_dim, tables.shape[1], splits, len(lens),
                              math.ceil(group / TC_ROWS), int(dtype == KvCacheDtype.FP8))
-    want = ref.paged_decode(q, kp, vp, tables, seq, head_dim**-0.5)
+    want = ref.paged_decode(q, c["kv"], tables, seq, head_dim**-0.5)
     assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
     assert torch.equal(out[5], torch.zeros_like(out[5]))

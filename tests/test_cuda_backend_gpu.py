@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from hf_oracle import check_logprobs_close, teacher_forced
-from metrale_cli.bench_presets import PRESETS, random_weights
-from metrale_cli.engine.runner import RunnerOptions, build_runner
+from metrale_cli.commands.bench_presets import PRESETS, random_weights
+from metrale_cli.engine.runner import RunnerOptions, open_runner
+from metrale_cli.engine.source import ModelSource
 from metrale_cli.engine.sampler import SamplingParams
 from metrale_cli.kv.dtypes import KvCacheDtype
 
@@ -35,10 +36,10 @@ def weights():
 
 
 def _runner(weights, backend: str, kv: KvCacheDtype, graphs: str = "full", promote: bool = True):
-    opts = RunnerOptions(backend=backend, max_seq_len=256, max_num_seqs=4, reserve_all_memory=False,
-                         prefill_chunk=37, fp8_kv_calibration_tokens=64, cuda_graph_mode=graphs,
-                         kv_promote_minimum=promote, innerq_calibration_tokens=64)
-    return build_runner(PRESETS["qwen3-0.6b"], dict(weights), None, opts, backend, kv, "qwen3-0.6b")
+    opts = RunnerOptions(backend=backend, kv_cache_dtype=kv, max_seq_len=256, max_num_seqs=4,
+                         reserve_all_memory=False, prefill_chunk=37, fp8_kv_calibration_tokens=64,
+                         cuda_graph_mode=graphs, kv_promote_minimum=promote, innerq_calibration_tokens=64)
+    return open_runner(opts, ModelSource.loaded(PRESETS["qwen3-0.6b"], weights, None, "qwen3-0.6b"))
 
 
 @pytest.mark.parametrize("kv", list(KvCacheDtype))

@@ -9,25 +9,23 @@ import pytest
 import torch
 
 from metrale_cli.kernels import reference as ref
-from metrale_cli.kernels.checks import (
-    ATTENTION_TOL, compare, compare_bytes, pool_to, rope_decode_args, rope_decode_case,
-)
+from metrale_cli.kernels.cases import compare, compare_bytes, kv_to, rope_decode_args, rope_decode_case
+from metrale_cli.kernels.tolerances import bounds
 
 pytestmark = pytest.mark.gpu
+ATTENTION_TOL = bounds("attention")
 
 
-@pytest.fixture(scope="module")
-def ops():
-    from metrale_cli.kernels.cuda_ops import CudaOps
-
-    return CudaOps()
+def _attention(ops, c):
+    return ops.paged_attention(c["kv"].dtype, c["kv"].head_dim)
 
 
 def _both(ops, c):
-    mine, theirs = ([pool_to(c["k_pool"], "cuda"), pool_to(c["v_pool"], "cuda")] for _ in range(2))
-    got = ops.rope_cache_decode(*rope_decode_args(c, *mine, "cuda"))
-    args = rope_decode_args(c, *theirs, "cuda")
-    want = ops.paged_decode(ops.rope_and_cache(*args[:12]), *args[3:5], *args[12:])
+    attention = _attention(ops, c)
+    mine, theirs = kv_to(c["kv"], "cuda"), kv_to(c["kv"], "cuda")
+    got = attention.rope_cache_decode(*rope_decode_args(c, mine, "cuda"))
+    args = rope_decode_args(c, theirs, "cuda")
+    want = attention.paged_decode(attention.rope_and_cache(*args[:11]), *args[3:4], *args[11:])
     return got, want, mine, theirs
 
 
@@ -41,11 +39,10 @@ def test_one_launch_equals_the_three(ops, dtype, lens, hq, hk, head_dim):
     c = rope_decode_case(lens, hq, hk, head_dim, dtype, seed=len(lens) + hq + head_dim)
     got, want, mine, theirs = _both(ops, c)
     assert torch.equal(got, want), compare(got, want, 0, 0)
-    assert compare_bytes(mine[0].data, theirs[0].data) is None
-    assert compare_bytes(mine[1].data, theirs[1].data) is None
+    assert compare_bytes(mine.k.data, theirs.k.data) is None
+    assert compare_bytes(mine.v.data, theirs.v.data) is None
     if sum(lens) <= 5000:
-        cpu = [pool_to(c["k_pool"], "cpu"), pool_to(c["v_pool"], "cpu")]
-        expect = ref.rope_cache_decode(*rope_decode_args(c, *cpu, "cpu"))
+        expect = ref.rope_cache_decode(*rope_decode_args(c, kv_to(c["kv"], "cpu"), "cpu"))
         assert compare(got, expect, *ATTENTION_TOL) is None, compare(got, expect, *ATTENTION_TOL)
 
 
@@ -55,22 +52,22 @@ def test_graph_replays_keep_the_counters_zero(ops, dtype):
     output equals the unfused launches' on the same inputs (the table holds blocks for all of them:
     the new key's block is the sequence's own, as the block allocator guarantees)."""
     c = rope_decode_case([310], 32, 8, 128, dtype, seed=3)
-    kp, vp = pool_to(c["k_pool"], "cuda"), pool_to(c["v_pool"], "cuda")
-    args = list(rope_decode_args(c, kp, vp, "cuda"))
-    ops.rope_cache_decode(*args)  # the counters exist before the capture
+    attention, kv = _attention(ops, c), kv_to(c["kv"], "cuda")
+    args = list(rope_decode_args(c, kv, "cuda"))
+    attention.rope_cache_decode(*args)  # the counters exist before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops.rope_cache_decode(*args)
+        out = attention.rope_cache_decode(*args)
     table = c["block_tables"][0]
     for step in range(10):
         n = 301 + step
-        args[13].fill_(n)  # seq_lens
-        args[6].fill_(n - 1)  # positions
-        args[5].fill_(int(table[(n - 1) // 16]) * 16 + (n - 1) % 16)  # slot_mapping
+        args[12].fill_(n)  # seq_lens
+        args[5].fill_(n - 1)  # positions
+        args[4].fill_(int(table[(n - 1) // 16]) * 16 + (n - 1) % 16)  # slot_mapping
         args[0].copy_(torch.randn_like(args[0]))
         graph.replay()
-        theirs = [pool_to(kp, "cuda"), pool_to(vp, "cuda")]
-        want = ops.paged_decode(ops.rope_and_cache(*args[:3], *theirs, *args[5:12]), *theirs, *args[12:])
+        theirs = kv_to(kv, "cuda")
+        want = attention.paged_decode(attention.rope_and_cache(*args[:3], theirs, *args[4:11]), theirs, *args[11:])
         torch.cuda.synchronize()
         assert torch.equal(out, want), (step, compare(out, want, 0, 0))
     assert not ops._counters[torch.cuda.current_device()].any()

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from metrale_cli.kernels import reference as ref
-from metrale_cli.kernels.checks import ATTENTION_TOL, compare, compare_bytes, pool_to, rope_decode_case
+from metrale_cli.kernels.cases import compare, compare_bytes, kv_to, rope_decode_case
+from metrale_cli.kernels.tolerances import bounds
 from metrale_cli.kernels.table import TC_ROWS
 from metrale_cli.kv.dtypes import KvCacheDtype
 from host_build import build_host_library
@@ -88,15 +89,14 @@ def test_one_launch_equals_the_three(libs, dtype, head_dim, group, splits):
     c = rope_decode_case([1, 7, 16, 99, 300, 0], hk * group, hk, head_dim, dtype, seed=head_dim + group)
     fp8 = dtype == KvCacheDtype.FP8
     c["slot_mapping"][2] = -1
-    mine, theirs = ([pool_to(c["k_pool"], "cpu"), pool_to(c["v_pool"], "cpu")] for _ in range(2))
-    got = fused(tc, c, *mine, splits, fp8)
-    want = unfused(tc, rc, c, *theirs, splits, fp8)
+    mine, theirs = kv_to(c["kv"], "cpu"), kv_to(c["kv"], "cpu")
+    got = fused(tc, c, mine.k, mine.v, splits, fp8)
+    want = unfused(tc, rc, c, theirs.k, theirs.v, splits, fp8)
     assert torch.equal(got, want), compare(got, want, 0, 0)
-    assert compare_bytes(mine[0].data, theirs[0].data) is None
-    assert compare_bytes(mine[1].data, theirs[1].data) is None
+    assert compare_bytes(mine.k.data, theirs.k.data) is None
+    assert compare_bytes(mine.v.data, theirs.v.data) is None
     assert torch.equal(got[5], torch.zeros_like(got[5]))
-    reference = [pool_to(c["k_pool"], "cpu"), pool_to(c["v_pool"], "cpu")]
-    expect = ref.rope_cache_decode(c["q"], c["k"], c["v"], *reference, c["slot_mapping"], c["positions"], c["cos"],
-                                   c["sin"], c["q_norm"], c["k_norm"], EPS, c["block_tables"], c["seq_lens"],
-                                   head_dim**-0.5)
-    assert compare(got, expect, *ATTENTION_TOL) is None, compare(got, expect, *ATTENTION_TOL)
+    expect = ref.rope_cache_decode(c["q"], c["k"], c["v"], kv_to(c["kv"], "cpu"), c["slot_mapping"], c["positions"],
+                                   c["cos"], c["sin"], c["q_norm"], c["k_norm"], EPS, c["block_tables"],
+                                   c["seq_lens"], head_dim**-0.5)
+    assert compare(got, expect, *bounds("attention")) is None, compare(got, expect, *bounds("attention"))

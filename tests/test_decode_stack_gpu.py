@@ -1,4 +1,4 @@
-"""The whole-stack decode step (decode_stack.cu) against the layers' own batch-1 path (GPU only).
+"""The whole-stack decode tool (tools/decode_stack/) against the layers' own batch-1 path (GPU only).
 
 The reference is :func:`decode_stack_reference` through ``CudaOps``: the fused GEMVs,
 rope_and_cache and the tensor-core decode, launched one by one. The stack's GEMVs and its
@@ -14,21 +14,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metrale_cli.kernels import table
-from metrale_cli.kernels.checks import compare, make_stack_case, stack_to
-from metrale_cli.kernels.decode_stack import StackPlan
-from metrale_cli.kernels.ops import decode_stack_reference
+from metrale_cli.kernels.cases import compare
 from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.layers.context import ForwardContext
+from tools.decode_stack import stack as tool
+from tools.decode_stack.stack import StackPlan, decode_stack_reference, make_stack_case, stack_to
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def ops():
-    from metrale_cli.kernels.cuda_ops import CudaOps
-
-    return CudaOps()
+def kernels():
+    return tool.loader()
 
 
 def _ctx(c, device) -> ForwardContext:
@@ -38,7 +35,7 @@ def _ctx(c, device) -> ForwardContext:
 
 def _rows(stack, slot: int, layer: int):
     part = stack.layers[layer]
-    return [p.data[slot // 16, :, slot % 16].cpu() for p in (part.k_pool, part.v_pool)]
+    return [p.data[slot // 16, :, slot % 16].cpu() for p in (part.kv.k, part.kv.v)]
 
 
 # (layers, hidden, hq, hk, head_dim, inter, context): small odd shapes, a group of 16 (two CTAs
@@ -58,16 +55,16 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"L{c[0]}-h{c[1]}-q{c[2]}k{c[3]}-d{c[4]}-i{c[5]}-ctx{c[6]}" for c in CASES])
-def test_stack_equals_the_layer_path(ops, case):
+def test_stack_equals_the_layer_path(ops, kernels, case):
     layers, hidden, hq, hk, d, inter, context = case
     c = make_stack_case(layers, hidden, hq, hk, d, inter, context, seed=sum(case))
     mine, theirs = stack_to(c["stack"], "cuda"), stack_to(c["stack"], "cuda")
-    plan = ops.decode_stack_plan(mine)
-    if table.STACK_STAGE_BYTES // (2 * max(hidden, hq * d, inter)) < table.STACK_MIN_ROWS:
+    plan = tool.plan(mine)
+    if tool.STACK_STAGE_BYTES // (2 * max(hidden, hq * d, inter)) < tool.STACK_MIN_ROWS:
         assert plan is None
         plan = StackPlan(mine)
     assert plan is not None
-    got = ops.decode_stack(plan, c["hidden"].cuda(), _ctx(c, "cuda"))
+    got = tool.decode_stack(kernels, plan, c["hidden"].cuda(), _ctx(c, "cuda"))
     want = decode_stack_reference(ops, theirs, c["hidden"].cuda(), _ctx(c, "cuda"))
     slot = int(c["slot_mapping"][0])
     for a, b in zip(_rows(mine, slot, 0), _rows(theirs, slot, 0)):
@@ -78,8 +75,8 @@ def test_stack_equals_the_layer_path(ops, case):
     assert err is None, err
     for layer in range(layers):  # the new row only: every other slot is untouched
         assert compare(*(torch.cat(_rows(s, slot, layer)) for s in (mine, theirs)), 2e-2, 2e-2) is None
-        for side in ("k_pool", "v_pool"):
-            a, b = getattr(mine.layers[layer], side).data, getattr(c["stack"].layers[layer], side).data
+        for side in ("k", "v"):
+            a, b = getattr(mine.layers[layer].kv, side).data, getattr(c["stack"].layers[layer].kv, side).data
             a = a.cpu().clone()
             a[slot // 16, :, slot % 16] = b[slot // 16, :, slot % 16]
             assert torch.equal(a, b)
@@ -90,13 +87,13 @@ def test_stack_equals_the_layer_path(ops, case):
         assert err is None, err
 
 
-def test_steps_in_a_graph_replay_with_moving_inputs(ops):
+def test_steps_in_a_graph_replay_with_moving_inputs(ops, kernels):
     """Ten steps of one sequence through a captured graph (static inputs rewritten between
     replays): each step equals the layer path's, so the launch generation and combine counters
     move on correctly."""
     c = make_stack_case(2, 512, 8, 2, 128, 1024, 70, seed=5)  # the table covers positions up to 70
     mine, theirs = stack_to(c["stack"], "cuda"), stack_to(c["stack"], "cuda")
-    plan = ops.decode_stack_plan(mine)
+    plan = tool.plan(mine)
     ctx = _ctx(c, "cuda")
     hidden = torch.empty(1, 512, dtype=torch.bfloat16, device="cuda")
     x = c["hidden"].cuda()
@@ -105,11 +102,11 @@ def test_steps_in_a_graph_replay_with_moving_inputs(ops):
     ctx.seq_lens.fill_(60)
     table = ctx.block_tables[0]
     ctx.slot_mapping.fill_(int(table[59 // 16]) * 16 + 59 % 16)
-    ops.decode_stack(plan, hidden, ctx)
+    tool.decode_stack(kernels, plan, hidden, ctx)
     decode_stack_reference(ops, theirs, x.clone(), ctx)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops.decode_stack(plan, hidden, ctx)
+        out = tool.decode_stack(kernels, plan, hidden, ctx)
     for step in range(10):
         pos = 60 + step
         ctx.positions.fill_(pos)
@@ -125,40 +122,43 @@ def test_steps_in_a_graph_replay_with_moving_inputs(ops):
     assert sync[0] == 11 and not sync[2:].any()
 
 
-def test_unserved_stacks_are_not_planned(ops):
+def test_unserved_stacks_are_not_planned():
     c = make_stack_case(1, 256, 4, 2, 64, 384, 10)
     stack = stack_to(c["stack"], "cuda")
     stack.layers[0].o = stack.layers[0].o.float()
-    assert ops.decode_stack_plan(stack) is None
+    assert tool.plan(stack) is None
     stack = stack_to(c["stack"], "cuda")
     stack.head_dim, stack.num_heads = 256, 1  # not a tensor-core head_dim
-    assert ops.decode_stack_plan(stack) is None
+    assert tool.plan(stack) is None
 
 
-def test_generation_through_the_stack_matches_the_layers(monkeypatch):
-    """A random Qwen3-0.6B-shape model generating 32 tokens under METRALE_DECODE_STACK=1 (CUDA
-    graphs, pipelined decode) against the per-layer launches: the greedy rule of two bf16 paths
-    (the stack's attention sums its splits in another order), each side's tokens checked against
-    teacher-forced logits of its own sequence."""
-    from hf_oracle import check_logprobs_close, teacher_forced
-    from metrale_cli.bench_presets import PRESETS, random_weights
-    from metrale_cli.engine.runner import RunnerOptions, build_runner
-    from metrale_cli.engine.sampler import SamplingParams
-    from metrale_cli.kv.dtypes import KvCacheDtype
+def test_a_models_decode_step_through_the_stack_equals_its_layers(ops, kernels):
+    """A random Qwen3-0.6B-shape model: one decode step through the tool's kernel (the stack from
+    stack_of) against the same step through the model's own launches, from the same cache."""
+    from metrale_cli.commands.bench_presets import PRESETS, random_weights
+    from metrale_cli.engine.runner import RunnerOptions, open_runner
+    from metrale_cli.engine.sequence import Sequence
+    from metrale_cli.engine.source import ModelSource
 
     torch.manual_seed(0)
-    weights = random_weights(PRESETS["qwen3-0.6b"], torch.device("cuda"), torch.bfloat16)
-    prompt = torch.randint(0, 151936, (100,), generator=torch.Generator().manual_seed(1)).tolist()
-    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    opts = RunnerOptions(backend="cuda", max_seq_len=256, max_num_seqs=1, reserve_all_memory=False)
-    results = {}
-    for lever in ("0", "1"):
-        monkeypatch.setenv("METRALE_DECODE_STACK", lever)
-        runner = build_runner(PRESETS["qwen3-0.6b"], dict(weights), None, opts, "cuda", KvCacheDtype.BF16,
-                              "qwen3-0.6b")
-        assert (runner.model.stack_plan is not None) == (lever == "1")
-        ids = runner.engine.generate([prompt], params)[0][0].output_ids
-        results[lever] = ids, teacher_forced(runner.engine, prompt + ids)[len(prompt) - 1 : -1]
-    (layer_ids, layer_logits), (stack_ids, stack_logits) = results["0"], results["1"]
-    assert len(stack_ids) == 32
-    check_logprobs_close(stack_ids, stack_logits, layer_ids, layer_logits)
+    raw = PRESETS["qwen3-0.6b"]
+    weights = random_weights(raw, torch.device("cuda"), torch.bfloat16)
+    runner = open_runner(RunnerOptions(backend="cuda", max_seq_len=256, reserve_all_memory=False),
+                         ModelSource.loaded(raw, weights))
+    model, engine = runner.model, runner.engine
+    seq = Sequence(0, torch.randint(0, 151936, (100,), generator=torch.Generator().manual_seed(1)).tolist(), 2)
+    seq.output_ids.append(int(engine.prefill(seq).argmax()))
+    engine.model.kv_cache.ensure_capacity(seq.block_table, 101)
+    n, table = 101, seq.block_table
+    ctx = ForwardContext("decode", torch.tensor([n - 1], dtype=torch.int32, device="cuda"),
+                         torch.tensor([table[(n - 1) // 16] * 16 + (n - 1) % 16], dtype=torch.int32, device="cuda"),
+                         block_tables=torch.tensor([table], dtype=torch.int32, device="cuda"),
+                         seq_lens=torch.tensor([n], dtype=torch.int32, device="cuda"), states=[seq.states])
+    token = torch.tensor([seq.output_ids[-1]], device="cuda")
+    plan = tool.plan(tool.stack_of(model))
+    assert plan is not None
+    h = tool.decode_stack(kernels, plan, torch.nn.functional.embedding(token, model.embed), ctx)
+    got = model.ops.gemv_norm_logits(h, None, model.final_norm, model.cfg.rms_norm_eps, model.lm_head)
+    want = model.forward(token, ctx, None)
+    # the kernel's attention sums its splits in another order: bf16 noise on the logits, same argmax
+    assert compare(got, want, 5e-2, 5e-2) is None and int(got.argmax()) == int(want.argmax())

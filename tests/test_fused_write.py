@@ -18,27 +18,30 @@ import torch
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import compile as kc
-from metrale_cli.kernels import cuda_decode, cuda_ops, table
+from metrale_cli.kernels import cuda_attention, cuda_ops
 from metrale_cli.kernels import reference as ref
+from metrale_cli.kernels.cases import compare, kv_to
+from metrale_cli.kernels.kv_kernels import kv_kernels, layer_kernels
 from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.kernels.registry import MODULES
-from metrale_cli.kernels.checks import compare, pool_to
+from metrale_cli.kernels.tolerances import bounds
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
-from metrale_cli.kv.formats import new_pool, side_format, token_rows
+from metrale_cli.kv.formats import new_layer_kv, side_format, token_rows
 from test_kernels_cuda_ops import RecordingLoader
 from host_build import build_host_library
 
 CPU = torch.device("cpu")
 DTYPES = list(KvCacheDtype)  # the host library's dtype numbering
 EPS = 1e-6
-NORM_TOL = (1e-2, 8e-3)  # q vs the torch reference with QK-norm: <= 1 bf16 ulp (fp32 sum order, 1/sqrt vs rsqrt)
+NORM_TOL = bounds("norm")  # q vs the torch reference with QK-norm
 
 
 # --- cases shared with test_fused_write_gpu.py --------------------------------------------------
 def make_case(dtype, head_dim=128, hq=8, hk=2, tokens=7, rot_dim=None, seed=0, blocks=None):
     """CPU tensors: q / k / v as strided views of one fused qkv projection output, RoPE tables
     (rot_dim < head_dim: partial rotary), QK-norm weights, slots (one token skipped when there
-    are several), and zeroed pools (fp8 scales set, random InnerQ scales on a rotated K side)."""
+    are several), and a zeroed layer cache ``kv`` (fp8 scales set, random InnerQ scales on a rotated
+    K side)."""
     g = torch.Generator().manual_seed(seed)
     blocks = blocks or tokens // 16 + 2
     qkv = (torch.randn(tokens, (hq + 2 * hk) * head_dim, generator=g) * 3).to(torch.bfloat16)
@@ -48,7 +51,8 @@ def make_case(dtype, head_dim=128, hq=8, hk=2, tokens=7, rot_dim=None, seed=0, b
     slots = torch.randperm(blocks * 16, generator=g)[:tokens].to(torch.int32)
     if tokens > 1:
         slots[tokens // 2] = -1  # a prefix-cache skip
-    pools = [new_pool(side, blocks, hk, head_dim, CPU) for side in kv_pair(KvCacheDtype(dtype))]
+    kv = new_layer_kv(KvCacheDtype(dtype), blocks, hk, head_dim, CPU)
+    pools = [kv.k, kv.v]
     for pool, scale in zip(pools, (0.02, 0.03)):
         if pool.side == SideType.FP8:
             pool.scale.fill_(scale)
@@ -57,18 +61,18 @@ def make_case(dtype, head_dim=128, hq=8, hk=2, tokens=7, rot_dim=None, seed=0, b
     return dict(
         qkv=qkv, q=q.view(tokens, hq, head_dim), k=k.view(tokens, hk, head_dim), v=v.view(tokens, hk, head_dim),
         positions=torch.randint(0, 4096, (tokens,), generator=g, dtype=torch.int32),
-        cos=ang.cos(), sin=ang.sin(), slots=slots, k_pool=pools[0], v_pool=pools[1],
+        cos=ang.cos(), sin=ang.sin(), slots=slots, kv=kv,
         q_norm=(1 + 0.3 * torch.randn(head_dim, generator=g)).to(torch.bfloat16),
         k_norm=(1 + 0.3 * torch.randn(head_dim, generator=g)).to(torch.bfloat16),
     )
 
 
-def clone_pools(c, device="cpu"):
-    """Copies of the case's (zeroed) K and V pools, on ``device``."""
-    return [pool_to(c["k_pool"], device), pool_to(c["v_pool"], device)]
+def clone_kv(c, device="cpu"):
+    """A copy of the case's (zeroed) layer cache, on ``device``."""
+    return kv_to(c["kv"], device)
 
 
-def unfused(ops, c, kp, vp, q_norm, k_norm):
+def unfused(ops, c, kv, q_norm, k_norm):
     """What Qwen3AttentionLayer._prepare runs without the fused op: (q after norm + RoPE, k written)."""
     q, k, v = c["q"], c["k"], c["v"]
     tokens, d = q.shape[0], q.shape[2]
@@ -78,13 +82,14 @@ def unfused(ops, c, kp, vp, q_norm, k_norm):
         k = ops.rms_norm(k.reshape(-1, d), k_norm, EPS).view(tokens, -1, d)
     # clones: RoPE runs in place, and a one-token view of qkv is already contiguous
     q, k = ops.rope(q.contiguous().clone(), k.contiguous().clone(), c["positions"], c["cos"], c["sin"])
-    ops.reshape_and_cache(k, v.contiguous(), kp, vp, c["slots"])
+    ops.paged_attention(kv.dtype, kv.head_dim).reshape_and_cache(k, v.contiguous(), kv, c["slots"])
     return q, k
 
 
-def fused(ops, c, kp, vp, q_norm, k_norm):
-    return ops.rope_and_cache(c["q"], c["k"], c["v"], kp, vp, c["slots"], c["positions"], c["cos"], c["sin"],
-                              q_norm, k_norm, EPS)
+def fused(ops, c, kv, q_norm, k_norm):
+    attention = ops.paged_attention(kv.dtype, kv.head_dim)
+    return attention.rope_and_cache(c["q"], c["k"], c["v"], kv, c["slots"], c["positions"], c["cos"], c["sin"],
+                                    q_norm, k_norm, EPS)
 
 
 def vector_bytes(pool):
@@ -126,14 +131,14 @@ def test_torch_rope_and_cache_is_the_unfused_sequence(dtype, head_dim, rot_dim, 
     q_norm = c["q_norm"] if "q" in norms else None
     k_norm = c["k_norm"] if "k" in norms else None
     before = c["qkv"].clone()
-    mine, theirs = clone_pools(c), clone_pools(c)
-    q = fused(TorchOps, c, *mine, q_norm, k_norm)
-    want, _ = unfused(TorchOps, c, *theirs, q_norm, k_norm)
+    mine, theirs = clone_kv(c), clone_kv(c)
+    q = fused(TorchOps, c, mine, q_norm, k_norm)
+    want, _ = unfused(TorchOps, c, theirs, q_norm, k_norm)
     assert q.shape == c["q"].shape and q.is_contiguous() and torch.equal(q, want)
     assert not torch.equal(q, c["q"])  # normalized and rotated
     written = c["slots"][c["slots"] >= 0]
-    assert_same_bytes(mine[0], theirs[0], written)
-    assert_same_bytes(mine[1], theirs[1], written)
+    assert_same_bytes(mine.k, theirs.k, written)
+    assert_same_bytes(mine.v, theirs.v, written)
     assert torch.equal(c["qkv"], before)  # inputs untouched
 
 
@@ -144,7 +149,7 @@ def test_module_compiles_for_sm90_with_an_entry_per_dtype():
     result = kc.check_module(module)
     assert result.ok, result.log
     assert result.symbols == tuple(sorted(f"rope_and_cache_{d.value}" for d in KvCacheDtype))
-    assert sorted(str(spec) for spec, _ in table.ROPE_AND_CACHE.values()) == [
+    assert sorted(str(kv_kernels(d, 128).rope_write[0]) for d in KvCacheDtype) == [
         f"rope_and_cache::{name}" for name in result.symbols]
 
 
@@ -170,7 +175,7 @@ def _ptr(t):
 def host_fused(lib, dtype, c, kp, vp, q_norm, k_norm):
     tokens, hq, d = c["q"].shape
     hk = c["k"].shape[1]
-    (qs, q_stride), (ks, k_stride), (vs, v_stride) = (cuda_decode._head_rows(c[x]) for x in "qkv")
+    (qs, q_stride), (ks, k_stride), (vs, v_stride) = (cuda_attention._head_rows(c[x]) for x in "qkv")
     assert qs.data_ptr() == c["qkv"].data_ptr()  # a view of the qkv row, not a copy
     out = torch.zeros(tokens, hq, d, dtype=torch.bfloat16)
     channel = kp.channel_scale if kp.rotated else None
@@ -188,7 +193,7 @@ def host_rms_norm(lib, x, w):
     return out
 
 
-def host_unfused(lib, c, kp, vp, q_norm, k_norm):
+def host_unfused(lib, c, kv, q_norm, k_norm):
     """rms_norm_bf16 on the q / k heads as rows, rope_neox_bf16, then the write (its bytes are the
     codecs', test_kernels_host_emulation.py): CudaOps' unfused launches, emulated."""
     q, k = c["q"].contiguous(), c["k"].contiguous()
@@ -200,7 +205,7 @@ def host_unfused(lib, c, kp, vp, q_norm, k_norm):
         k = host_rms_norm(lib, k, k_norm)
     lib.host_rope(_ptr(q), _ptr(k), _ptr(c["positions"]), _ptr(c["cos"]), _ptr(c["sin"]), tokens, hq, hk, d,
                   c["cos"].shape[1] * 2)
-    ref.reshape_and_cache(k, c["v"], kp, vp, c["slots"])
+    ref.reshape_and_cache(k, c["v"], kv, c["slots"])
     return q, k
 
 
@@ -237,15 +242,16 @@ def test_host_fused_kernel_equals_the_unfused_kernels(host, dtype, head_dim, rot
     c["qkv"][0, :head_dim] = 0.0  # an all-zero query head: the norm divides by sqrt(eps)
     c["k"][1, -1, 16:32] = 0.0  # an all-zero group
     q_norm, k_norm = (c["q_norm"], c["k_norm"]) if norm else (None, None)
-    fused_pools, unfused_pools, ref_pools = clone_pools(c), clone_pools(c), clone_pools(c)
+    fused_kv, unfused_kv, ref_kv = clone_kv(c), clone_kv(c), clone_kv(c)
+    fused_pools, unfused_pools, ref_pools = ([kv.k, kv.v] for kv in (fused_kv, unfused_kv, ref_kv))
     got = host_fused(host, dtype, c, *fused_pools, q_norm, k_norm)
-    want, k_kernel = host_unfused(host, c, *unfused_pools, q_norm, k_norm)
+    want, k_kernel = host_unfused(host, c, unfused_kv, q_norm, k_norm)
     assert torch.equal(got, want)
     written = c["slots"][c["slots"] >= 0]
     assert_same_bytes(fused_pools[0], unfused_pools[0], written)
     assert_same_bytes(fused_pools[1], unfused_pools[1], written)
 
-    q_ref = ref.rope_and_cache(c["q"], c["k"], c["v"], *ref_pools, c["slots"], c["positions"], c["cos"], c["sin"],
+    q_ref = ref.rope_and_cache(c["q"], c["k"], c["v"], ref_kv, c["slots"], c["positions"], c["cos"], c["sin"],
                                q_norm, k_norm, EPS)
     assert_same_bytes(fused_pools[1], ref_pools[1], written)  # V: no norm, no RoPE
     if not norm:  # RoPE alone rounds exactly as the reference
@@ -262,7 +268,7 @@ def test_host_fused_kernel_equals_the_unfused_kernels(host, dtype, head_dim, rot
 def test_cuda_ops_launch_takes_views_without_copies(dtype):
     ops = cuda_ops.CudaOps(RecordingLoader())
     c = make_case(dtype, 128, hq=7, hk=3, tokens=5)
-    out = fused(ops, c, c["k_pool"], c["v_pool"], c["q_norm"], c["k_norm"])
+    out = fused(ops, c, c["kv"], c["q_norm"], c["k_norm"])
     (name, grid, block, args, kinds), = ops.loader.calls
     assert name == f"rope_and_cache::rope_and_cache_{dtype}"
     assert grid == (5, 3 + 4) and block == (64,)  # 3 KV heads + ceil(7 query heads / 2 warps)
@@ -273,24 +279,25 @@ def test_cuda_ops_launch_takes_views_without_copies(dtype):
         assert args[x].numel() == 4 * width + (7 if x == "q" else 3) * 128
     assert args["q_out"] is out and out.shape == (5, 7, 128) and out.is_contiguous()
     assert (args["hq"], args["hk"], args["head_dim"], args["rot_dim"]) == (7, 3, 128, 128)
-    rotated = c["k_pool"].rotated
+    rotated = c["kv"].k.rotated
     assert (args["channel_scale"] is not None) == rotated and (args["k_signs"] is not None) == rotated
     assert kinds["k_cache"] == {"bf16": "bf16*", "fp8": "fp8*"}.get(kv_pair(KvCacheDtype(dtype))[0].value, "u8*")
-    assert args["k_cache"] is c["k_pool"].data and args["v_scale"] is c["v_pool"].scale
+    assert args["k_cache"] is c["kv"].k.data and args["v_scale"] is c["kv"].v.scale
 
 
 def test_cuda_ops_copies_only_what_it_cannot_stride_over():
     ops = cuda_ops.CudaOps(RecordingLoader())
     c = make_case("fp8", 64, hq=4, hk=2, tokens=3)
     q = c["q"].transpose(0, 1).contiguous().transpose(0, 1)  # heads not contiguous within a token
-    ops.rope_and_cache(q, c["k"], c["v"], c["k_pool"], c["v_pool"], c["slots"], c["positions"], c["cos"],
-                       c["sin"], None, None, EPS)
+    attention = ops.paged_attention(KvCacheDtype.FP8, 64)
+    attention.rope_and_cache(q, c["k"], c["v"], c["kv"], c["slots"], c["positions"], c["cos"], c["sin"], None, None,
+                             EPS)
     args = ops.loader.calls[0][3]
     assert args["q"].shape == (3, 4, 64) and args["q_stride"] == 4 * 64 and torch.equal(args["q"], q)
     assert args["q_norm"] is None and args["k_norm"] is None
     one = make_case("fp8", 64, hq=4, hk=2, tokens=1)  # one token: the view is contiguous already
-    ops.rope_and_cache(one["q"], one["k"], one["v"], one["k_pool"], one["v_pool"], one["slots"], one["positions"],
-                       one["cos"], one["sin"], None, None, EPS)
+    attention.rope_and_cache(one["q"], one["k"], one["v"], one["kv"], one["slots"], one["positions"], one["cos"],
+                             one["sin"], None, None, EPS)
     args = ops.loader.calls[1][3]
     assert args["k"].data_ptr() == one["qkv"].data_ptr() + 2 * 4 * 64 and args["k_stride"] == 2 * 64
 
@@ -299,20 +306,20 @@ def test_cuda_ops_refuses_shapes_the_kernels_do_not_serve():
     ops = cuda_ops.CudaOps(RecordingLoader())
     c = make_case("bf16", 96, hq=4, hk=2, tokens=3)
     with pytest.raises(MetraleError, match="head_dim 96"):
-        fused(ops, c, c["k_pool"], c["v_pool"], None, None)
+        fused(ops, c, c["kv"], None, None)
     c = make_case("bf16", 64, hq=4, hk=2, tokens=3)
     c["cos"], c["sin"] = torch.zeros(8, 64), torch.zeros(8, 64)  # rot_dim 128 > head_dim 64
-    with pytest.raises(MetraleError, match="rot_dim 128"):
-        fused(ops, c, c["k_pool"], c["v_pool"], None, None)
+    with pytest.raises(MetraleError, match="rotates 128 dims of a 64-wide head"):
+        fused(ops, c, c["kv"], None, None)
     empty = make_case("bf16", 64, hq=4, hk=2, tokens=1)
     for x in "qkv":
         empty[x] = empty[x][:0]
     empty["slots"], empty["positions"] = empty["slots"][:0], empty["positions"][:0]
-    assert fused(ops, empty, empty["k_pool"], empty["v_pool"], None, None).shape == (0, 4, 64)
+    assert fused(ops, empty, empty["kv"], None, None).shape == (0, 4, 64)
     assert ops.loader.calls == []
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.value)
 def test_layer_kernels_include_the_fused_write(dtype):
-    names = [str(s) for s in table.layer_kernels(dtype, 128)]
+    names = [str(s) for s in layer_kernels(dtype, 128)]
     assert names[-1] == f"rope_and_cache::rope_and_cache_{dtype.value}" and len(set(names)) == len(names)

@@ -13,17 +13,16 @@ the build serves, and match the torch reference (run on the CPU: it defines the 
 import pytest
 import torch
 
-from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import reference as ref
-from metrale_cli.kernels.cuda_ops import kv_kernels
-from metrale_cli.kernels.checks import compare, compare_bytes, pool_to
+from metrale_cli.kernels.cases import compare, compare_bytes, kv_to
+from metrale_cli.kernels.kv_kernels import served_head_dims
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType
 from test_fused_write import (
     EPS,
     NORM_TOL,
     assert_k_matches_reference_where_inputs_agree,
     assert_same_bytes,
-    clone_pools,
+    clone_kv,
     fused,
     make_case,
     unfused,
@@ -31,28 +30,8 @@ from test_fused_write import (
 
 pytestmark = pytest.mark.gpu
 
-
-def served(dtype):
-    """The head dims at which this build serves ``dtype`` (the _128-only dtypes stop at 256)."""
-    out = []
-    for d in (64, 128, 256, 512):
-        try:
-            kv_kernels(dtype, d)
-        except MetraleError:
-            continue
-        out.append(d)
-    return out
-
-
-CASES = [(dtype, d) for dtype in KvCacheDtype for d in served(dtype)]
+CASES = [(dtype, d) for dtype in KvCacheDtype for d in served_head_dims(dtype)]
 VARIANTS = [("qk-norm", 2), ("qk-norm", 1), ("none", 2)]  # (QK-norm, head_dim / rot_dim)
-
-
-@pytest.fixture(scope="module")
-def ops():
-    from metrale_cli.kernels.cuda_ops import CudaOps
-
-    return CudaOps()
 
 
 def to_gpu(c):
@@ -77,27 +56,27 @@ def test_fused_equals_the_unfused_kernels_and_the_reference(ops, dtype, head_dim
     q_norm, k_norm = (c["q_norm"], c["k_norm"]) if norm == "qk-norm" else (None, None)
     g = to_gpu(c)
     gq_norm, gk_norm = (g["q_norm"], g["k_norm"]) if q_norm is not None else (None, None)
-    mine, theirs = clone_pools(c, "cuda"), clone_pools(c, "cuda")
+    mine, theirs = clone_kv(c, "cuda"), clone_kv(c, "cuda")
 
-    got = fused(ops, g, *mine, gq_norm, gk_norm)
-    want, k_kernel = unfused(ops, g, *theirs, gq_norm, gk_norm)
+    got = fused(ops, g, mine, gq_norm, gk_norm)
+    want, k_kernel = unfused(ops, g, theirs, gq_norm, gk_norm)
     assert got.is_contiguous() and torch.equal(got, want)
     written = c["slots"][c["slots"] >= 0]
-    assert_same_bytes(mine[0], theirs[0], written)
-    assert_same_bytes(mine[1], theirs[1], written)
+    assert_same_bytes(mine.k, theirs.k, written)
+    assert_same_bytes(mine.v, theirs.v, written)
     assert torch.equal(g["qkv"].cpu(), c["qkv"])  # inputs untouched
 
-    ref_pools = clone_pools(c)
-    q_ref = ref.rope_and_cache(c["q"], c["k"], c["v"], *ref_pools, c["slots"], c["positions"], c["cos"], c["sin"],
+    ref_kv = clone_kv(c)
+    q_ref = ref.rope_and_cache(c["q"], c["k"], c["v"], ref_kv, c["slots"], c["positions"], c["cos"], c["sin"],
                                q_norm, k_norm, EPS)
-    assert compare_bytes(mine[1].data, ref_pools[1].data) is None
+    assert compare_bytes(mine.v.data, ref_kv.v.data) is None
     if q_norm is None:
         assert torch.equal(got.cpu(), q_ref)
-        assert compare_bytes(mine[0].data, ref_pools[0].data) is None
+        assert compare_bytes(mine.k.data, ref_kv.k.data) is None
     else:
         assert compare(got, q_ref, *NORM_TOL) is None
         k_ref = ref.rope(c["q"], ref.rms_norm(c["k"], k_norm, EPS), c["positions"], c["cos"], c["sin"])[1]
-        assert_k_matches_reference_where_inputs_agree(mine[0], ref_pools[0], k_kernel.cpu(), k_ref, c["slots"])
+        assert_k_matches_reference_where_inputs_agree(mine.k, ref_kv.k, k_kernel.cpu(), k_ref, c["slots"])
 
 
 @pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.FP8, KvCacheDtype.NVFP4, KvCacheDtype.TURBO4,
@@ -108,28 +87,28 @@ def test_launch_inside_a_cuda_graph_replays(ops, dtype):
     unfused kernels run eagerly on the same inputs and the same cache."""
     c = make_case(dtype, 128, hq=8, hk=2, tokens=3, rot_dim=64, seed=5)
     g = to_gpu(c)
-    pools = clone_pools(c, "cuda")
+    kv = clone_kv(c, "cuda")
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fused(ops, g, *pools, g["q_norm"], g["k_norm"])  # warm-up: compiles and loads outside capture
+        fused(ops, g, kv, g["q_norm"], g["k_norm"])  # warm-up: compiles and loads outside capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused(ops, g, *pools, g["q_norm"], g["k_norm"])
+        out = fused(ops, g, kv, g["q_norm"], g["k_norm"])
     for seed in (10, 11):
         new = make_case(dtype, 128, hq=8, hk=2, tokens=3, rot_dim=64, seed=seed)
         for key in ("qkv", "positions", "slots"):
             g[key].copy_(new[key])
-        for pool in pools:
+        for pool in (kv.k, kv.v):
             if pool.side == SideType.FP8:
                 pool.scale.mul_(1.5)
-        before = [pool_to(p, "cuda") for p in pools]
+        before = kv_to(kv, "cuda")
         graph.replay()
-        want, _ = unfused(ops, g, *before, g["q_norm"], g["k_norm"])
+        want, _ = unfused(ops, g, before, g["q_norm"], g["k_norm"])
         torch.cuda.synchronize()
         assert torch.equal(out, want)
         written = new["slots"][new["slots"] >= 0]
-        assert_same_bytes(pools[0], before[0], written)
-        assert_same_bytes(pools[1], before[1], written)
+        assert_same_bytes(kv.k, before.k, written)
+        assert_same_bytes(kv.v, before.v, written)

@@ -18,13 +18,6 @@ SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)
           (24576, 4096), (4096, 12288), (98, 1000), (2, 8), (77, 16384)]
 
 
-@pytest.fixture(scope="module")
-def ops():
-    from metrale_cli.kernels.cuda_ops import CudaOps
-
-    return CudaOps()
-
-
 def _randn(*shape, scale=1.0, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)

@@ -14,10 +14,10 @@ from helpers_checkpoints import hf_state_dict, llama_cpp_permute, make_hf_checkp
 from metrale_cli.checkpoint import (default_model_path, gguf_cache_path, gguf_io, load_checkpoint, read_config,
                                     read_tokenizer)
 from metrale_cli.checkpoint import gguf_config
-from metrale_cli.config import model_config_from_hf
+from metrale_cli.models import model_config
 from metrale_cli.layers.rope import inv_freq_and_scaling
 from metrale_cli.errors import MetraleError
-from metrale_cli.tokenizer import Tokenizer
+from metrale_cli.checkpoint.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")
 
@@ -69,8 +69,8 @@ def test_llama3_rope_freqs_give_the_frequencies_of_the_hf_config(tmp_path):
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     folder = make_hf_checkpoint(tmp_path, "llama", rope_parameters=rope)
-    gguf_rope = model_config_from_hf(read_config(str(write_gguf(folder, tmp_path / "l3.gguf")))).rope
-    hf_rope = model_config_from_hf(read_config(str(folder))).rope
+    gguf_rope = model_config(read_config(str(write_gguf(folder, tmp_path / "l3.gguf")))).layers[0].attention.rope
+    hf_rope = model_config(read_config(str(folder))).layers[0].attention.rope
     assert gguf_rope.rope_type == "default" and hf_rope.rope_type == "llama3"
     assert len(set(gguf_rope.freq_factors)) == 4  # 1, 8 and two smoothed in between
     got, want = inv_freq_and_scaling(gguf_rope, 16, 256)[0], inv_freq_and_scaling(hf_rope, 16, 256)[0]

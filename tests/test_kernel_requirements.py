@@ -9,25 +9,21 @@ from typer.testing import CliRunner
 
 from metrale_cli.cli import app
 from metrale_cli.errors import MetraleError
+from metrale_cli.kernels.kv_kernels import required_kernels
 from metrale_cli.kernels.registry import module_for
-from metrale_cli.kernels.requirements import (
-    REQUIREMENTS,
-    missing_kernels,
-    required_kernels,
-    validate_required_kv_kernels,
-)
+from metrale_cli.kernels.requirements import missing_kernels, validate_required_kv_kernels
 from metrale_cli.kernels.validate import SKIPPED, validate_kernels
-from metrale_cli.kv.dtypes import KvCacheDtype, is_wht_rotated, kv_pair
+from metrale_cli.kv.dtypes import KV_DTYPES, KvCacheDtype, concrete, is_wht_rotated, kv_pair
 
 WHT = ["wht_bf16::wht_bf16_inplace", "wht_bf16::wht_bf16_inplace_inv"]
 
 
 def names(dtype, head_dim):
-    return [str(k) for k in required_kernels(dtype, head_dim)]
+    return [str(k) for k in required_kernels(concrete(dtype), head_dim)]
 
 
 def test_every_dtype_has_a_row():
-    assert set(REQUIREMENTS) == set(KvCacheDtype)
+    assert set(KV_DTYPES) == set(KvCacheDtype)
     for d in KvCacheDtype:
         assert len(names(d, 128)) >= 2
 
@@ -101,7 +97,7 @@ def test_validate_kernels_command_exits_0_on_cpu(dtype):
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["ok"] and report["missing"] == [] and not report["on_gpu"]
-    assert str(required_kernels(dtype, 128)[1]) in [k["kernel"] for k in report["kernels"]]
+    assert names(dtype, 128)[1] in [k["kernel"] for k in report["kernels"]]
 
 
 def test_a_head_dim_a_module_is_not_built_for_is_named_in_one_message():
@@ -112,8 +108,9 @@ def test_a_head_dim_a_module_is_not_built_for_is_named_in_one_message():
         "paged_decode_turbo2_128::paged_decode_attn_turbo2 (turbo2 is experimental)"
     )
     assert "built for head_dim 64/128/256 only" in info.value.hint
-    report = validate_kernels("turbo2", 512, on_gpu=False)
-    assert [r.kernel for r in report.rows if not r.ok] == ["paged_decode_turbo2_128::paged_decode_attn_turbo2"]
+    report = validate_kernels("turbo2", 512, on_gpu=False)  # the table names the split combine too
+    assert [r.kernel for r in report.rows if not r.ok] == ["paged_decode_turbo2_128::paged_decode_attn_turbo2",
+                                                          "paged_decode_turbo2_128::paged_decode_combine_turbo2"]
     assert validate_kernels("turbo4", 512, on_gpu=False).ok
 
 
@@ -141,7 +138,7 @@ def test_a_kernel_missing_from_the_build_fails_with_the_full_list(monkeypatch):
 
 def test_auto_is_not_a_concrete_dtype():
     with pytest.raises(MetraleError):
-        required_kernels("auto", 128)
+        validate_required_kv_kernels("auto", 128)
 
 
 def _gpu_checker(tmp_path, head_dim=128, recheck=False, gpu="H200 sm_90 driver 13000"):
@@ -155,7 +152,7 @@ def _gpu_checker(tmp_path, head_dim=128, recheck=False, gpu="H200 sm_90 driver 1
             return object()
 
     store = validate.VerdictStore(tmp_path / "verified", gpu, "sm_90")
-    return validate._GpuChecker(head_dim, recheck, loader=Loader(), verdicts=store, device=0)
+    return validate._GpuChecker(head_dim, recheck, {}, loader=Loader(), verdicts=store, device=0)
 
 
 def test_a_numeric_check_that_raises_fails_its_row_not_the_table(monkeypatch, tmp_path):
@@ -199,7 +196,7 @@ def test_validate_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, metrale_cli.kernels.validate, metrale_cli.kernels.table, metrale_cli.kernels.loader, "
-            "metrale_cli.commands.validate; print('torch' in sys.modules)")
+    code = ("import sys, metrale_cli.kernels.validate, metrale_cli.kernels.kv_kernels, metrale_cli.kernels.loader, "
+            "metrale_cli.commands.validate, metrale_cli.cli; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -12,8 +12,9 @@ import pytest
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import compile as kc
-from metrale_cli.kernels.registry import KERNELS_DIR, KV_BUILD, MODULES, KernelSpec, all_kernels, module_for
-from metrale_cli.kv.dtypes import KvCacheDtype, kv_pair
+from metrale_cli.kernels.kv_kernels import every_kernel
+from metrale_cli.kernels.registry import KERNELS_DIR, MODULES, KernelSpec, all_kernels, module_for
+from metrale_cli.kv.dtypes import KV_DTYPES, KvCacheDtype, kv_pair
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,9 @@ def test_warm_check_is_served_from_the_disk_cache(tmp_path, monkeypatch):
 def test_side_defines_select_the_variant_names():
     plain, fp8 = MODULES["paged_decode"], MODULES["paged_decode_fp8"]
     assert plain.path == fp8.path  # one body, many modules
-    assert not plain.defines and ("K_SIDE", "fp8") in fp8.defines and ("KV_SUFFIX", "_fp8") in fp8.defines
+    assert dict(plain.defines) == {"K_SIDE": "bf16", "V_SIDE": "bf16", "KV_SUFFIX": "", "ATTN_MAX_D": "256",
+                                   "ATTN_MIN_CTAS": "1"}  # paged_attention.cuh's defaults, spelled out
+    assert ("K_SIDE", "fp8") in fp8.defines and ("KV_SUFFIX", "_fp8") in fp8.defines
     assert kc.source_digest(plain) != kc.source_digest(fp8)
     pair = dict(MODULES["paged_decode_fp8k_turbo4v_128"].defines)
     assert pair == {"K_SIDE": "fp8", "V_SIDE": "turbo4", "KV_SUFFIX": "_fp8k_turbo4v", "ATTN_MAX_D": "256",
@@ -54,9 +57,9 @@ def test_every_attention_module_is_one_of_two_sources():
     sources = {m.source for n, m in MODULES.items() if n.startswith(("paged_decode", "prefill_paged"))}
     assert sources == {"paged_decode.cu", "prefill_paged.cu", "paged_decode_tc.cu"}  # + the tensor-core decode
     assert [n for n, m in MODULES.items() if m.source == "paged_decode_tc.cu"] == ["paged_decode_tc"]
-    for d in KV_BUILD:
+    for d in KvCacheDtype:
         k, v = (s.value for s in kv_pair(d))
-        defines = dict(MODULES[f"prefill_paged_{d.value}"].defines)
+        defines = dict(MODULES[f"prefill_paged{d.suffix}"].defines)
         assert (defines["K_SIDE"], defines["V_SIDE"]) == (k, v)
 
 
@@ -84,6 +87,16 @@ def test_nvcc_fallback_gives_the_same_symbols():
         "reshape_and_cache_flash", "reshape_and_cache_flash_fp8", "reshape_and_cache_flash_nvfp4")
 
 
+def test_an_in_process_compile_leaves_the_interpreter_s_shared_bytes_alone(tmp_path, monkeypatch):
+    """NVRTC writes its log and cubin into the buffers it is given. A one-byte log (an empty log,
+    its NUL) into ``b" " * 1`` wrote into CPython's shared one-byte object: every b" " of the
+    process became b"\\x00" (a GGUF cache header padded with spaces then read back as corrupt)."""
+    monkeypatch.setenv("METRALE_CACHE_DIR", str(tmp_path))
+    cubin, log = kc.compile_cubin(MODULES["rope"], compiler="nvrtc")
+    assert cubin is not None and log == ""
+    assert bytes([32]) == b"\x20" and (b" " * 1).decode() == " "
+
+
 def test_symbol_reader_rejects_non_elf():
     with pytest.raises(ValueError):
         kc.function_symbols(b"not an elf image at all, certainly")
@@ -92,17 +105,40 @@ def test_symbol_reader_rejects_non_elf():
 def test_registry_walk():
     names = [str(k) for k in all_kernels()]
     # 4 core + 4 decode GEMVs + the decode step's end + 2 WHT + 3 + 13 writes + 16 fused
-    # rope_and_cache + bf16/fp8 (3 each) + 2 tensor-core decodes and their fused ones + the
-    # whole-stack decode + 14 dtypes x (prefill + decode pairs)
-    decode_modules = sum(b.decode + b.decode_128 for b in KV_BUILD.values())
-    assert len(names) == len(set(names)) == 4 + 4 + 1 + 2 + 16 + 16 + 6 + 4 + 1 + len(KV_BUILD) + 2 * decode_modules == 114
+    # rope_and_cache + 2 tensor-core decodes and their fused ones + 16 dtypes x (a prefill and a
+    # (decode, combine) pair per decode module)
+    decode_modules = sum(len(row.decode) for row in KV_DTYPES.values())
+    assert len(names) == len(set(names)) == 4 + 4 + 1 + 2 + 16 + 16 + 4 + 16 + 2 * decode_modules == 113
+    assert set(every_kernel()) == set(all_kernels())  # every registered kernel is launched by some dtype
     for spec in all_kernels():
         assert module_for(spec).path.is_file()
     assert module_for(KernelSpec("paged_decode", "paged_decode_attn_fp8")) is None
     assert str(KernelSpec.parse("rope::rope_neox_bf16")) == "rope::rope_neox_bf16"
     with pytest.raises(MetraleError):
         KernelSpec.parse("rope_neox_bf16")
-    assert set(KV_BUILD) == set(KvCacheDtype) - {KvCacheDtype.BF16, KvCacheDtype.FP8}
+
+
+@pytest.mark.parametrize("source, macro", [("rope_and_cache.cu", "METRALE_ROPE_CACHE_ENTRY"),
+                                           ("reshape_and_cache_turbo.cu", "METRALE_WRITE_ENTRY")])
+def test_cuda_entry_lists_equal_the_dtype_table(source, macro):
+    """The entry points a templated source instantiates (dtype, K side, V side) are the table's
+    rows, side for side: a wrong pair would compile and export, and write the wrong bytes."""
+    text = (KERNELS_DIR / source).read_text()
+    entries = re.findall(rf"^{macro}\((\w+), (\w+), (\w+)\)$", text, flags=re.M)
+    want = [(d.value, *(s.value for s in kv_pair(d))) for d in KvCacheDtype
+            if macro != "METRALE_WRITE_ENTRY" or d.row.write.module == "reshape_and_cache_turbo"]
+    assert sorted(entries) == sorted(want)
+
+
+def test_tensor_core_entries_equal_the_dtype_table():
+    """paged_decode_tc.cu's entries: one per dtype with a tensor-core row, fp8 flag and
+    __launch_bounds__ minimum as the row says (the host sizes its splits by that minimum)."""
+    text = (KERNELS_DIR / "paged_decode_tc.cu").read_text()
+    for macro, name in (("METRALE_TC_ENTRY", "paged_decode_attn_tc"), ("METRALE_ROPE_TC_ENTRY", "paged_decode_rope_tc")):
+        entries = re.findall(rf"^{macro}\((\w+), (\w+), (\d+)\)$", text, flags=re.M)
+        want = [(f"{name}{d.suffix}", str(d == KvCacheDtype.FP8).lower(), str(row.tensor_core.ctas_per_sm))
+                for d, row in KV_DTYPES.items() if row.tensor_core is not None]
+        assert entries == want
 
 
 def _top_level_blocks(source: str) -> list[str]:
@@ -135,7 +171,8 @@ def _triggers_before_waits(source: str) -> int:
 def test_every_programmatic_kernel_triggers_after_its_wait():
     # pdl.cuh's rule: work before a kernel's wait may read what launches two or more back wrote,
     # which holds only if no kernel lets its dependent start before its own wait.
-    sources = [p for p in sorted(KERNELS_DIR.rglob("*.cu*")) if p.name != "pdl.cuh"]
+    tools = KERNELS_DIR.parent / "tools"
+    sources = [p for p in sorted([*KERNELS_DIR.rglob("*.cu*"), *tools.rglob("*.cu")]) if p.name != "pdl.cuh"]
     users = [p for p in sources if "pdl_launch_dependents()" in p.read_text()]
     assert {p.name for p in users} >= {"gemv.cu", "paged_decode_tc.cu", "rope_and_cache.cu", "decode_stack.cu"}
     assert [p.name for p in users if _triggers_before_waits(p.read_text())] == []

@@ -1,4 +1,4 @@
-"""CudaOps without a GPU: which kernel each pool pair launches, with which grid and arguments.
+"""CudaOps without a GPU: which kernel each KV dtype launches, with which grid and arguments.
 
 A recording loader stands in for CuPy, so kernel choice, grids, split counts and signatures
 (checked against the registry's head dims and the KV_DTYPES.md table) are tested on the CPU.
@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from metrale_cli.errors import MetraleError
-from metrale_cli.kernels import cuda_decode, cuda_ops, table
+from metrale_cli.kernels import cuda_attention, cuda_launch, cuda_ops
+from metrale_cli.kernels.cuda_attention import decode_splits
+from metrale_cli.kernels.kv_kernels import layer_kernels, required_kernels
 from metrale_cli.kernels.loader import KernelLoader
 from metrale_cli.kernels.registry import module_for
-from metrale_cli.kernels.requirements import required_kernels
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType, is_wht_rotated, kv_pair
-from metrale_cli.kv.formats import new_pool
+from metrale_cli.kv.formats import new_layer_kv
 
 CPU = torch.device("cpu")
 
@@ -39,14 +40,19 @@ class RecordingLoader:
 
 @pytest.fixture
 def ops(monkeypatch):
-    for module in (cuda_ops, cuda_decode):
-        monkeypatch.setattr(module, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(cuda_launch, "_sm_count", lambda index: 132)
+    for module in (cuda_ops, cuda_attention):
         monkeypatch.setattr(module, "_ready", lambda t: t.contiguous())
     return cuda_ops.CudaOps(RecordingLoader())
 
 
-def pools(dtype, blocks=64, hk=8, d=128):
-    return [new_pool(side, blocks, hk, d, CPU) for side in kv_pair(KvCacheDtype(dtype))]
+def cache(dtype, blocks=64, hk=8, d=128):
+    """A CPU layer cache of ``dtype``."""
+    return new_layer_kv(KvCacheDtype(dtype), blocks, hk, d, CPU)
+
+
+def attention(ops, dtype, d=128):
+    return ops.paged_attention(KvCacheDtype(dtype), d)
 
 
 @pytest.mark.parametrize("ctas, max_blocks, splits", [
@@ -57,24 +63,25 @@ def pools(dtype, blocks=64, hk=8, d=128):
     (1024, 67, 3),  # 1 split: 2.59 waves (86% of the last); 2: 5.17 (86%); 3: 7.76 (97%)
 ])
 def test_decode_splits_fill_whole_waves(ops, ctas, max_blocks, splits):
-    assert ops._splits(CPU, ctas, max_blocks) == splits
+    assert decode_splits(CPU, ctas, max_blocks) == splits
 
 
 def test_fp8_decode_splits_and_prefill_rows(ops):
-    kp, vp = pools("fp8")
+    kv = cache("fp8")
     q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
     tables, lens = torch.zeros(1, 64, dtype=torch.int32), torch.tensor([999], dtype=torch.int32)
-    ops.paged_decode(q, kp, vp, tables, lens, 0.1, tensor_cores=False)
+    attention(ops, "fp8").paged_decode(q, kv, tables, lens, 0.1, tensor_cores=False)
     (decode, d_grid, _, d_args, _), (combine, c_grid, _, _, _) = ops.loader.calls
     assert decode == "paged_decode_fp8::paged_decode_attn_fp8" and combine.endswith("paged_decode_combine_fp8")
     # 8 KV heads x 1 sequence x 1 head chunk = 8 CTAs: 32 splits (the cap; 64 blocks * 16 keys
     # would allow 32 splits of 32 keys, and no count makes a wave of 3 x 132 resident CTAs).
     assert d_grid == (8, 1, 32) and d_args["num_splits"] == 32 and c_grid == (32, 1)
     assert d_args["part_o"].shape == (1, 32, 32, 128)
-    assert d_args["k_scale"] is kp.scale and d_args["k_cache"] is kp.data
+    assert d_args["k_scale"] is kv.k.scale and d_args["k_cache"] is kv.k.data
     ops.loader.calls.clear()
-    kp, vp = pools("fp8", d=256)
-    ops.paged_prefill(torch.zeros(19, 32, 256, dtype=torch.bfloat16), kp, vp, tables[0], 5, 0.1, use_kernel=True)
+    kv = cache("fp8", d=256)
+    attention(ops, "fp8", 256).paged_prefill(torch.zeros(19, 32, 256, dtype=torch.bfloat16), kv, tables[0], 5, 0.1,
+                                             use_kernel=True)
     (name, grid, block, args, _), = ops.loader.calls
     assert name == "prefill_paged_fp8::attn_prefill_paged_fp8"
     assert grid == (8, 19 * 4 // 4) and block == (128,) and args["start_pos"] == 5  # 4 rows per CTA at d=256
@@ -91,11 +98,12 @@ def test_fp8_decode_splits_and_prefill_rows(ops):
     ("bf16k_turbo3v", 256, "paged_decode_bf16k_turbo3v::paged_decode_attn_bf16k_turbo3v",
      "prefill_paged_bf16k_turbo3v::attn_prefill_paged_bf16k_turbo3v_64"),
 ])
-def test_pool_sides_pick_the_table_kernels(ops, dtype, head_dim, decode, prefill):
-    kp, vp = pools(dtype, d=head_dim)
+def test_each_dtype_launches_its_table_kernels(ops, dtype, head_dim, decode, prefill):
+    kv, attn = cache(dtype, d=head_dim), attention(ops, dtype, head_dim)
+    kp, vp = kv.k, kv.v
     q = torch.zeros(2, 16, head_dim, dtype=torch.bfloat16)
-    ops.paged_decode(q, kp, vp, torch.zeros(2, 3, dtype=torch.int32), torch.tensor([5, 40], dtype=torch.int32), 0.1)
-    ops.paged_prefill(q, kp, vp, torch.zeros(3, dtype=torch.int32), 0, 0.1)
+    attn.paged_decode(q, kv, torch.zeros(2, 3, dtype=torch.int32), torch.tensor([5, 40], dtype=torch.int32), 0.1)
+    attn.paged_prefill(q, kv, torch.zeros(3, dtype=torch.int32), 0, 0.1)
     names = [c[0] for c in ops.loader.calls]
     assert names[0] == decode and names[-1] == prefill
     _, grid, _, args, kinds = ops.loader.calls[0]
@@ -103,14 +111,15 @@ def test_pool_sides_pick_the_table_kernels(ops, dtype, head_dim, decode, prefill
     want = {SideType.BF16: "bf16*", SideType.FP8: "fp8*"}
     assert kinds["k_cache"] == want.get(kp.side, "u8*") and kinds["v_cache"] == want.get(vp.side, "u8*")
     assert args["v_cache"].dtype == torch.uint8
-    assert decode in [str(k) for k in required_kernels(dtype, head_dim)]
+    assert decode in [str(k) for k in required_kernels(KvCacheDtype(dtype), head_dim)]
 
 
 def test_turbo_write_passes_signs_and_innerq_scales_per_head(ops):
-    kp, vp = pools("turbo4k_turbo8v", hk=4)
+    kv = cache("turbo4k_turbo8v", hk=4)
+    kp, vp = kv.k, kv.v
     kp.channel_scale = torch.full((4, 128), 1.5)
     k = torch.zeros(7, 4, 128, dtype=torch.bfloat16)
-    ops.reshape_and_cache(k, k.clone(), kp, vp, torch.arange(7, dtype=torch.int32))
+    attention(ops, "turbo4k_turbo8v").reshape_and_cache(k, k.clone(), kv, torch.arange(7, dtype=torch.int32))
     (name, grid, block, args, kinds), = ops.loader.calls
     assert name == "reshape_and_cache_turbo::reshape_and_cache_flash_turbo4k_turbo8v"
     assert grid == (7, 4) and block == (64,)
@@ -126,12 +135,12 @@ def test_turbo_write_passes_signs_and_innerq_scales_per_head(ops):
     ("fp8k_turbo2v", "reshape_and_cache_turbo::reshape_and_cache_flash_fp8k_turbo2v", (7, 2), (64,), 12),
 ])
 def test_write_kernels_and_grids(ops, dtype, name, grid, block, params):
-    kp, vp = pools(dtype, hk=2, d=64)
+    kv = cache(dtype, hk=2, d=64)
     k = torch.zeros(7, 2, 64, dtype=torch.bfloat16)
-    ops.reshape_and_cache(k, k, kp, vp, torch.arange(7, dtype=torch.int32))
+    attention(ops, dtype, 64).reshape_and_cache(k, k, kv, torch.arange(7, dtype=torch.int32))
     (got, g, b, args, _), = ops.loader.calls
     assert (got, g, b, len(args)) == (name, grid, block, params)
-    assert args["v_cache"] is vp.data
+    assert args["v_cache"] is kv.v.data
 
 
 def test_wht_rows_grid_and_direction(ops):
@@ -146,36 +155,29 @@ def test_wht_rows_grid_and_direction(ops):
         ops.wht(torch.zeros(2, 96, dtype=torch.bfloat16), torch.ones(2, 96), False)
 
 
-def test_unsupported_shapes_and_pairs_are_user_errors(ops):
-    kp, vp = pools("bf16", d=96)
+def test_unsupported_shapes_and_caches_are_user_errors(ops):
     with pytest.raises(MetraleError, match="head_dim 96"):
-        ops.paged_decode(torch.zeros(1, 16, 96, dtype=torch.bfloat16), kp, vp,
-                         torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1)
-    kp, vp = pools("turbo2", d=512)
+        ops.paged_attention(KvCacheDtype.BF16, 96)
     with pytest.raises(MetraleError, match="paged_decode_turbo2_128::paged_decode_attn_turbo2"):
-        ops.paged_prefill(torch.zeros(1, 8, 512, dtype=torch.bfloat16), kp, vp, torch.zeros(4, dtype=torch.int32), 0, 0.1)
-    k_side, v_side = pools("turbo2")[0], pools("bf16")[0]
-    with pytest.raises(MetraleError, match="K as turbo2 and V as bf16"):
-        ops.reshape_and_cache(torch.zeros(1, 8, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 128, dtype=torch.bfloat16),
-                              k_side, v_side, torch.zeros(1, dtype=torch.int32))
-    kp, vp = pools("turbo3")
+        ops.paged_attention(KvCacheDtype.TURBO2, 512)
+    with pytest.raises(MetraleError, match="a bf16 cache of head_dim 128 was given to the turbo2 attention"):
+        attention(ops, "turbo2").reshape_and_cache(torch.zeros(1, 8, 128, dtype=torch.bfloat16),
+                                                   torch.zeros(1, 8, 128, dtype=torch.bfloat16), cache("bf16"),
+                                                   torch.zeros(1, dtype=torch.int32))
     with pytest.raises(MetraleError, match="cannot share"):
-        ops.paged_decode(torch.zeros(1, 12, 128, dtype=torch.bfloat16), kp, vp,
-                         torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1)
+        attention(ops, "turbo3").paged_decode(torch.zeros(1, 12, 128, dtype=torch.bfloat16), cache("turbo3"),
+                                              torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                                              0.1)
+    assert ops.paged_attention(KvCacheDtype.FP8, 64) is ops.paged_attention(KvCacheDtype.FP8, 64)  # resolved once
 
 
 @pytest.mark.parametrize("dtype", list(KvCacheDtype))
 def test_layer_kernels_cover_every_side(dtype):
-    specs = table.layer_kernels(dtype, 128)
+    specs = layer_kernels(dtype, 128)
     names = [str(s) for s in specs]
     tc = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)  # + the tensor-core decode and its fused one
     assert any(n.startswith("paged_decode_tc::paged_decode_rope_tc") for n in names) == tc
     assert len(names) == len(set(names)) == 14 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + 2 * tc
-    # the whole-stack step only where METRALE_DECODE_STACK asks, for a bf16 cache at head_dim 64 / 128
-    stack = [str(s) for s in table.layer_kernels(dtype, 128, stack=True)]
-    assert ("decode_stack::decode_stack_bf16" in stack) == (dtype == KvCacheDtype.BF16)
-    assert len(stack) == len(names) + (dtype == KvCacheDtype.BF16)
-    assert "decode_stack::decode_stack_bf16" not in map(str, table.layer_kernels(dtype, 256, stack=True))
     assert set(map(str, required_kernels(dtype, 128))) <= set(names)
     assert all(module_for(s) is not None for s in specs)
     assert names[:9] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
@@ -207,23 +209,22 @@ def test_packed_pools_travel_as_byte_pointers():
     ("fp8", 16, 2, 16),  # 16 query heads per KV head: two CTAs of 8; still under a wave at 16 splits
 ])
 def test_tensor_core_decode_launch(ops, dtype, group, chunks, splits):
-    kp, vp = pools(dtype)
     q = torch.zeros(1, 8 * group, 128, dtype=torch.bfloat16)
     tables, lens = torch.zeros(1, 64, dtype=torch.int32), torch.tensor([999], dtype=torch.int32)
-    ops.paged_decode(q, kp, vp, tables, lens, 0.1)
+    attention(ops, dtype).paged_decode(q, cache(dtype), tables, lens, 0.1)
     (decode, grid, block, args, _), (combine, c_grid, _, _, _) = ops.loader.calls
     assert decode == f"paged_decode_tc::paged_decode_attn_tc{'' if dtype == 'bf16' else '_fp8'}"
     assert grid == (8, 1, chunks * splits) and block == (128,) and args["num_splits"] == splits
     assert combine.endswith("paged_decode_combine" + ("" if dtype == "bf16" else "_fp8")) and c_grid == (8 * group, 1)
-    # both wait in-kernel (pdl.cuh); fp8's launch normally (TC_PROGRAMMATIC)
+    # both wait in-kernel (pdl.cuh); fp8's launch normally (its row's tensor_core.programmatic)
     assert ops.loader.programmatic == ([decode, combine] if dtype == "bf16" else [])
 
 
 def test_only_kernels_that_wait_in_kernel_launch_programmatically(ops):
     """The CUDA-core decode does not call pdl_wait: it must never be launched programmatically."""
-    kp, vp = pools("turbo3")
     q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
-    ops.paged_decode(q, kp, vp, torch.zeros(1, 64, dtype=torch.int32), torch.tensor([999], dtype=torch.int32), 0.1)
+    attention(ops, "turbo3").paged_decode(q, cache("turbo3"), torch.zeros(1, 64, dtype=torch.int32),
+                                          torch.tensor([999], dtype=torch.int32), 0.1)
     (decode, *_), (combine, *_) = ops.loader.calls
     assert decode.endswith("paged_decode_attn_turbo3") and combine.endswith("combine_turbo3")
     assert ops.loader.programmatic == []
@@ -246,47 +247,8 @@ def test_decode_gemvs_launch_two_ctas_per_sm_programmatically(ops):
 
 def test_tensor_core_decode_waves_count_its_residency(ops):
     """bf16's kernel keeps 4 CTAs per SM, fp8's 3: 128 CTAs take 4 and 3 splits for one wave."""
-    assert ops._splits(CPU, 128, 2048, table.TC_CTAS_PER_SM[KvCacheDtype.BF16]) == 4
-    assert ops._splits(CPU, 128, 2048, table.TC_CTAS_PER_SM[KvCacheDtype.FP8]) == 3
-
-
-@pytest.mark.parametrize("hq, hk, max_blocks, splits", [
-    (16, 8, 64, 16),  # Qwen3-0.6B: 8 items per split, 16 splits fill the 132 SMs
-    (32, 8, 64, 16),  # Qwen3-8B: a group of 4 still takes one CTA per KV head
-    (32, 2, 64, 32),  # a group of 16: two CTAs per KV head, 4 items per split: capped at MAX_SPLITS
-    (16, 8, 2, 1),  # a 32-token table: one split of at least 32 keys
-])
-def test_decode_stack_launch(ops, hq, hk, max_blocks, splits):
-    """One persistent launch per step: a CTA per SM, the ring's shared memory, the layer table's
-    pointers in order, and the split count filling the grid with attention items."""
-    from metrale_cli.kernels.checks import make_stack_case
-    from metrale_cli.kernels.decode_stack import StackPlan
-
-    c = make_stack_case(2, 256, hq, hk, 64, 384, context=20)
-    plan = StackPlan(c["stack"])
-    tables = torch.zeros(1, max_blocks, dtype=torch.int32)
-    from metrale_cli.layers.context import ForwardContext
-
-    ctx = ForwardContext("decode", c["positions"], c["slot_mapping"], block_tables=tables, seq_lens=c["seq_lens"])
-    hidden = c["hidden"].clone()
-    assert ops.decode_stack(plan, hidden, ctx) is hidden
-    (name, grid, block, args, _), = ops.loader.calls
-    assert (name, grid, block) == ("decode_stack::decode_stack_bf16", (132,), (table.STACK_BLOCK,))
-    assert ops.loader.shared_mem == {name: table.STACK_SMEM_BYTES} and ops.loader.programmatic == [name]
-    assert args["num_splits"] == splits and args["num_layers"] == 2 and args["hq"] == hq
-    layer = c["stack"].layers[1]
-    assert args["layers"][1].tolist() == [t.data_ptr() for t in (
-        layer.qkv, layer.o, layer.gate_up, layer.down, layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm,
-        layer.k_pool.data, layer.v_pool.data)]
-    assert int(args["sync"].numel()) == 2 + hk * -(-hq // hk // 8) and not args["sync"].any()
-    with pytest.raises(MetraleError, match="one sequence"):
-        ops.decode_stack(plan, torch.zeros(2, 256, dtype=torch.bfloat16), ctx)
-
-
-def test_decode_stack_is_not_planned_off_a_gpu(ops):
-    from metrale_cli.kernels.checks import make_stack_case
-
-    assert ops.decode_stack_plan(make_stack_case(1, 256, 4, 2, 64, 384, context=3)["stack"]) is None
+    assert decode_splits(CPU, 128, 2048, KvCacheDtype.BF16.row.tensor_core.ctas_per_sm) == 4
+    assert decode_splits(CPU, 128, 2048, KvCacheDtype.FP8.row.tensor_core.ctas_per_sm) == 3
 
 
 @pytest.mark.parametrize("dtype, launches", [
@@ -297,38 +259,39 @@ def test_decode_stack_is_not_planned_off_a_gpu(ops):
 ])
 def test_decode_attention_is_one_launch_for_a_bf16_or_fp8_cache(ops, dtype, launches):
     """Qwen3-8B's shape at batch 1: one launch of the fused kernel over the grid and split count
-    of the tensor-core decode (programmatic for bf16 only, as TC_PROGRAMMATIC says), q / k / v as
+    of the tensor-core decode (programmatic for bf16 only, as its row says), q / k / v as
     views of the fused row, counters zeroed and kept; another dtype runs the launches it replaces."""
-    from metrale_cli.kernels.checks import rope_decode_args, rope_decode_case
+    from metrale_cli.kernels.cases import rope_decode_args, rope_decode_case
 
     c = rope_decode_case([999], 32, 8, 128)
     c["block_tables"] = torch.zeros(1, 64, dtype=torch.int32)
-    kp, vp = pools(dtype)
-    out = ops.rope_cache_decode(*rope_decode_args(c, kp, vp, CPU))
+    kv = cache(dtype)
+    attn = attention(ops, dtype)
+    out = attn.rope_cache_decode(*rope_decode_args(c, kv, CPU))
     assert out.shape == (1, 32, 128) and [call[0] for call in ops.loader.calls] == launches
     if dtype == "turbo4":
         return
     (_, grid, block, args, kinds), = ops.loader.calls
     # 8 CTAs, far from a wave at 3 or 4 per SM: as many splits as the table allows (a tile per warp)
-    assert grid == (8, 1, 16) and args["num_splits"] == 16 and args["k_scale"] is kp.scale
+    assert grid == (8, 1, 16) and args["num_splits"] == 16 and args["k_scale"] is kv.k.scale
     assert kinds["k_cache"] == f"{dtype}*" and ops.loader.programmatic == (launches if dtype == "bf16" else [])
     assert block == (128,) and args["out"] is out
     assert args["part_o"].shape == (1, 32, 16, 128) and args["counters"].dtype == torch.int32
     assert not args["counters"].any() and args["counters"].numel() >= 8
     assert args["q"].data_ptr() == c["q"].data_ptr() and args["q_stride"] == 32 * 128  # one token: its own width
     assert args["k"].data_ptr() == c["q"].data_ptr() + 2 * 32 * 128 and args["rot_dim"] == 128
-    ops.rope_cache_decode(*rope_decode_args(c, kp, vp, CPU))
+    attn.rope_cache_decode(*rope_decode_args(c, kv, CPU))
     assert ops.loader.calls[1][3]["counters"] is args["counters"]  # one buffer per device: graphs replay on it
 
 
 def test_decode_attention_of_several_tokens_per_sequence_runs_unfused(ops):
     """Two tokens of one sequence (speculative verify) are not a decode step: the launches it replaces."""
-    from metrale_cli.kernels.checks import rope_decode_args, rope_decode_case
+    from metrale_cli.kernels.cases import rope_decode_args, rope_decode_case
 
     c = rope_decode_case([40, 41], 16, 8, 64)
-    args = list(rope_decode_args(c, *pools("bf16", d=64), CPU))
-    args[12] = args[12][:1]  # one block table for two tokens
-    ops.rope_cache_decode(*args)
+    args = list(rope_decode_args(c, cache("bf16", d=64), CPU))
+    args[11] = args[11][:1]  # one block table for two tokens
+    attention(ops, "bf16", 64).rope_cache_decode(*args)
     assert [call[0] for call in ops.loader.calls][:2] == ["rope_and_cache::rope_and_cache_bf16",
                                                            "paged_decode_tc::paged_decode_attn_tc"]
 

@@ -1,7 +1,7 @@
 """CUDA kernels vs their torch references on odd shapes (needs an H200 or another sm_90 GPU).
 
 The references of the KV kernels run on the CPU (they define the bytes); the kernels on the GPU.
-Tolerances (|got - want| <= atol + rtol·|want|), one row per reason:
+Tolerances (|got - want| <= atol + rtol·|want|) are the rows of ``kernels/tolerances.py``.
 """
 
 import math
@@ -9,34 +9,22 @@ import math
 import pytest
 import torch
 
-from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import reference as ref
-from metrale_cli.kernels.cuda_ops import kv_kernels
-from metrale_cli.kernels.checks import compare, compare_bytes, make_paged_case, pool_to
+from metrale_cli.kernels.cases import compare, compare_bytes, kv_to, make_paged_case
+from metrale_cli.kernels.kv_kernels import kv_kernels, served_head_dims
+from metrale_cli.kernels.tolerances import bounds
 from metrale_cli.kernels.validate import validate_kernels
 from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.kv.wht import wht_signs
 
 pytestmark = pytest.mark.gpu
 
-TOLERANCE = {
-    # kernel family: (atol, rtol, why)
-    "store": (0.0, 0.0, "cache writes reproduce the torch codecs' bytes by contract (docs/kv-formats.md)"),
-    "wht": (0.0, 0.0, "the same fp32 butterflies in the same order, one bf16 rounding"),
-    "rope": (0.0, 0.0, "same bf16 rounding steps as the reference"),
-    "norm": (1e-2, 8e-3, "<= 1 bf16 ulp: fp32 reduction order and rsqrt differ"),
-    "silu": (1e-3, 8e-3, "<= 1 bf16 ulp: expf vs torch's exp"),
-    "attention": (2e-2, 2e-2, "K/V dequantize to the very values the reference reads (same fp32 products); "
-                  "fp32 online softmax (exp2) vs fp32 softmax, output rounded to bf16"),
-    "round trip": (5e-2, 2e-2, "R^T(R x) = x up to two bf16 roundings of rotated values"),
-}
 TOKENS = (1, 7, 19, 99, 989)
 DTYPES = list(KvCacheDtype)
 
 
 def close(got, want, family):
-    atol, rtol, _ = TOLERANCE[family]
-    problem = compare(got, want, atol, rtol)
+    problem = compare(got, want, *bounds(family))
     assert problem is None, f"{family}: {problem}"
 
 
@@ -45,30 +33,16 @@ def randn(*shape, scale=1.0, seed=0, device="cuda"):
     return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16).to(device)
 
 
-def served(dtype, head_dims=(64, 128, 256, 512)):
-    """(dtype, head_dim) pairs this build serves (the _128-only dtypes stop at 256)."""
-    out = []
-    for d in head_dims:
-        try:
-            kv_kernels(dtype, d)
-        except MetraleError:
-            continue
-        out.append((dtype, d))
-    return out
+KV_CASES = [(dtype, d) for dtype in DTYPES for d in served_head_dims(dtype)]
 
 
-KV_CASES = [case for dtype in DTYPES for case in served(dtype)]
+def gpu(case):
+    return kv_to(case["kv"], "cuda")
 
 
-@pytest.fixture(scope="module")
-def ops():
-    from metrale_cli.kernels.cuda_ops import CudaOps
-
-    return CudaOps()
-
-
-def gpu_pools(case):
-    return pool_to(case["k_pool"], "cuda"), pool_to(case["v_pool"], "cuda")
+def attention(ops, case):
+    kv = case["kv"]
+    return ops.paged_attention(kv.dtype, kv.head_dim)
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
@@ -110,13 +84,13 @@ def test_reshape_and_cache_is_bit_exact(ops, tokens, dtype, head_dim):
     v = randn(tokens, 2, head_dim, scale=5, seed=1, device="cpu")
     k[0, 0, :3] = torch.tensor([1e4, -1e4, 0.0])  # saturates fp8 and group scales
     v[-1, 1, 16:32] = 0.0  # an all-zero group
-    slots = torch.randperm(c["k_pool"].num_blocks * 16)[:tokens].to(torch.int32)
+    slots = torch.randperm(c["kv"].k.num_blocks * 16)[:tokens].to(torch.int32)
     slots[tokens // 2] = -1
-    mine = gpu_pools(c)
-    ops.reshape_and_cache(k.cuda(), v.cuda(), *mine, slots.cuda())
-    ref.reshape_and_cache(k, v, c["k_pool"], c["v_pool"], slots)
-    assert compare_bytes(mine[0].data, c["k_pool"].data) is None
-    assert compare_bytes(mine[1].data, c["v_pool"].data) is None
+    mine = gpu(c)
+    attention(ops, c).reshape_and_cache(k.cuda(), v.cuda(), mine, slots.cuda())
+    ref.reshape_and_cache(k, v, c["kv"], slots)
+    assert compare_bytes(mine.k.data, c["kv"].k.data) is None
+    assert compare_bytes(mine.v.data, c["kv"].v.data) is None
 
 
 ATTN = [(dtype, d, group) for dtype, d in KV_CASES for group in (1, 4, 8)]
@@ -138,9 +112,9 @@ def test_paged_decode(ops, dtype, head_dim, group, tensor_cores):
     hk = 2
     c = make_paged_case(lens, hk * group, hk, head_dim, dtype, seed=head_dim + group)
     q = randn(len(lens), hk * group, head_dim, seed=3, device="cpu")
-    got = ops.paged_decode(q.cuda(), *gpu_pools(c), c["block_tables"].cuda(), c["seq_lens"].cuda(), head_dim**-0.5,
-                           tensor_cores=tensor_cores)
-    want = ref.paged_decode(q, c["k_pool"], c["v_pool"], c["block_tables"], c["seq_lens"], head_dim**-0.5)
+    got = attention(ops, c).paged_decode(q.cuda(), gpu(c), c["block_tables"].cuda(), c["seq_lens"].cuda(),
+                                         head_dim**-0.5, tensor_cores=tensor_cores)
+    want = ref.paged_decode(q, c["kv"], c["block_tables"], c["seq_lens"], head_dim**-0.5)
     close(got, want, "attention")
 
 
@@ -151,8 +125,8 @@ def test_paged_prefill(ops, dtype, head_dim, group, tokens, start):
     c = make_paged_case([start + tokens], hk * group, hk, head_dim, dtype, seed=tokens)
     q = randn(tokens, hk * group, head_dim, seed=4, device="cpu")
     table = c["block_tables"][0]
-    got = ops.paged_prefill(q.cuda(), *gpu_pools(c), table.cuda(), start, head_dim**-0.5, use_kernel=True)
-    close(got, ref.paged_prefill(q, c["k_pool"], c["v_pool"], table, start, head_dim**-0.5), "attention")
+    got = attention(ops, c).paged_prefill(q.cuda(), gpu(c), table.cuda(), start, head_dim**-0.5, use_kernel=True)
+    close(got, ref.paged_prefill(q, c["kv"], table, start, head_dim**-0.5), "attention")
 
 
 @pytest.mark.parametrize("rows", [n * 4 for n in TOKENS])
@@ -172,7 +146,7 @@ def test_wht_is_bit_exact_and_round_trips(ops, rows, head_dim):
 @pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.NVFP4, KvCacheDtype.TURBO3])
 def test_empty_sequence_decodes_to_zero(ops, dtype):
     c = make_paged_case([0, 5], 8, 2, 128, dtype)
-    out = ops.paged_decode(randn(2, 8, 128), *gpu_pools(c), c["block_tables"].cuda(), c["seq_lens"].cuda(), 0.1)
+    out = attention(ops, c).paged_decode(randn(2, 8, 128), gpu(c), c["block_tables"].cuda(), c["seq_lens"].cuda(), 0.1)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
 
 
@@ -181,7 +155,7 @@ def test_empty_sequence_decodes_to_zero(ops, dtype):
 def test_launch_inside_a_cuda_graph_replays(ops, dtype):
     hk, group, d, batch = 2, 4, 128, 3
     c = make_paged_case([700, 300, 33], hk * group, hk, d, dtype)
-    kp, vp = gpu_pools(c)
+    kv, attn = gpu(c), attention(ops, c)
     q, k, v = randn(batch, hk * group, d), randn(batch, hk, d, seed=1), randn(batch, hk, d, seed=2)
     lens, tables = c["seq_lens"].cuda(), c["block_tables"].cuda()
     slots = torch.stack([c["block_tables"][b, (n - 1) // 16] * 16 + (n - 1) % 16
@@ -189,8 +163,8 @@ def test_launch_inside_a_cuda_graph_replays(ops, dtype):
     slots_gpu = slots.cuda()
 
     def step():
-        ops.reshape_and_cache(k, v, kp, vp, slots_gpu)
-        return ops.paged_decode(q, kp, vp, tables, lens, d**-0.5)
+        attn.reshape_and_cache(k, v, kv, slots_gpu)
+        return attn.paged_decode(q, kv, tables, lens, d**-0.5)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -205,9 +179,9 @@ def test_launch_inside_a_cuda_graph_replays(ops, dtype):
         k.copy_(randn(*k.shape, seed=seed + 1))
         graph.replay()
         torch.cuda.synchronize()
-        ref.reshape_and_cache(k.cpu(), v.cpu(), c["k_pool"], c["v_pool"], slots)
-        assert compare_bytes(kp.data, c["k_pool"].data) is None
-        want = ref.paged_decode(q.cpu(), c["k_pool"], c["v_pool"], c["block_tables"], c["seq_lens"], d**-0.5)
+        ref.reshape_and_cache(k.cpu(), v.cpu(), c["kv"], slots)
+        assert compare_bytes(kv.k.data, c["kv"].k.data) is None
+        want = ref.paged_decode(q.cpu(), c["kv"], c["block_tables"], c["seq_lens"], d**-0.5)
         close(out, want, "attention")
         assert not math.isnan(out.float().sum().item())
 

@@ -12,7 +12,7 @@ from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.kv.dtypes import KvCacheDtype, kv_pair
 from metrale_cli.kv.paged import KvLayout, PagedKvCache
-from metrale_cli.kv.precision import MINIMUM_RULES, describe, high_precision_count, layer_dtypes
+from metrale_cli.kv.precision import describe, high_precision_count, layer_dtypes
 from metrale_cli.layers.attention import restore_output, rotate_query
 
 D = KvCacheDtype
@@ -38,13 +38,12 @@ def _setup(dtype: KvCacheDtype, tokens=80, hq=4, hk=2, d=64, seed=0):
     cache = PagedKvCache(KvLayout.uniform(1, hk, d, dtype), 8, torch.device("cpu"))
     table = [5, 2, 7, 0, 3, 1]  # scattered blocks
     slots = torch.tensor([table[t // 16] * 16 + t % 16 for t in range(tokens)], dtype=torch.int32)
-    kp, vp = cache.pools(0)
-    if kp.side.value == "fp8":
-        kp.scale.fill_(k.abs().max().float() / 448)
-    if vp.side.value == "fp8":
-        vp.scale.fill_(v.abs().max().float() / 448)
-    OPS.reshape_and_cache(k, v, kp, vp, slots)
-    return q, k, v, kp, vp, torch.tensor(table, dtype=torch.int32)
+    kv = cache.layers[0]
+    for pool, x in ((kv.k, k), (kv.v, v)):
+        if pool.side.value == "fp8":
+            pool.scale.fill_(x.abs().max().float() / 448)
+    OPS.paged_attention(dtype, d).reshape_and_cache(k, v, kv, slots)
+    return q, k, v, kv, torch.tensor(table, dtype=torch.int32)
 
 
 def _exact(q, k, v, causal: bool):
@@ -55,9 +54,9 @@ def _exact(q, k, v, causal: bool):
 
 @pytest.mark.parametrize("dtype", list(KvCacheDtype), ids=lambda d: d.value)
 def test_prefill_output_within_budget(dtype):
-    q, k, v, kp, vp, table = _setup(dtype)
-    out = OPS.paged_prefill(rotate_query(OPS, q.clone(), kp), kp, vp, table, 0, 64**-0.5)
-    out = restore_output(OPS, out, vp)
+    q, k, v, kv, table = _setup(dtype)
+    out = ref.paged_prefill(rotate_query(OPS, q.clone(), kv.k), kv, table, 0, 64**-0.5)
+    out = restore_output(OPS, out, kv.v)
     err = _nmse(out, _exact(q, k, v, causal=True))
     assert err <= BUDGET[dtype], f"{dtype.value}: NMSE {err:.2e} > {BUDGET[dtype]:.2e}"
     if dtype == D.BF16:
@@ -66,18 +65,18 @@ def test_prefill_output_within_budget(dtype):
 
 @pytest.mark.parametrize("dtype", [D.TURBO3, D.FP8K_TURBO4V, D.NVFP4, D.TURBO4K_TURBO8V])
 def test_decode_equals_last_prefill_row(dtype):
-    q, k, v, kp, vp, table = _setup(dtype)
-    rq = rotate_query(OPS, q.clone(), kp)
-    prefill = OPS.paged_prefill(rq, kp, vp, table, 0, 64**-0.5)
-    decode = OPS.paged_decode(rq[-1:], kp, vp, table[None], torch.tensor([80], dtype=torch.int32), 64**-0.5)
+    q, k, v, kv, table = _setup(dtype)
+    rq = rotate_query(OPS, q.clone(), kv.k)
+    prefill = ref.paged_prefill(rq, kv, table, 0, 64**-0.5)
+    decode = ref.paged_decode(rq[-1:], kv, table[None], torch.tensor([80], dtype=torch.int32), 64**-0.5)
     # the same math in another fp32 summation order: at most one bf16 rounding apart
     torch.testing.assert_close(decode[0].float(), prefill[-1].float(), rtol=8e-3, atol=1e-3)
 
 
 def test_rotation_matters():
     """Without the bookends a turbo cache gives garbage: the budget test is not vacuous."""
-    q, k, v, kp, vp, table = _setup(D.TURBO8)
-    out = OPS.paged_prefill(q, kp, vp, table, 0, 64**-0.5)
+    q, k, v, kv, table = _setup(D.TURBO8)
+    out = ref.paged_prefill(q, kv, table, 0, 64**-0.5)
     assert _nmse(out, _exact(q, k, v, causal=True)) > 0.3
 
 
@@ -86,7 +85,7 @@ def test_innerq_leaves_qk_unchanged():
     g = torch.Generator().manual_seed(4)
     q, k = torch.randn(5, 4, 64, generator=g), torch.randn(5, 2, 64, generator=g)
     cache = PagedKvCache(KvLayout.uniform(1, 2, 64, D.TURBO8), 1, torch.device("cpu"))
-    kp = cache.k[0]
+    kp = cache.layers[0].k
     kp.channel_scale = torch.rand(2, 64, generator=g) * 1.5 + 0.5
     from metrale_cli.kv.formats import prepare
 
@@ -95,7 +94,7 @@ def test_innerq_leaves_qk_unchanged():
     got = (q_sent.view(5, 2, 2, 64) * k_stored[:, :, None]).sum(-1)
     want = (q.view(5, 2, 2, 64) * k[:, :, None]).sum(-1)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(k_stored, prepare(k, cache.v[0]), atol=1e-2)  # s really applied
+    assert not torch.allclose(k_stored, prepare(k, cache.layers[0].v), atol=1e-2)  # s really applied
 
 
 # --- high-precision boundary layers -------------------------------------------------------------
@@ -122,8 +121,7 @@ def test_high_precision_rule(dtype, layers, spec, bf16_head, bf16_tail):
     assert high_precision_count(dtype, layers, spec) == n
 
 
-def test_every_dtype_has_a_minimum_rule_and_promotion_can_be_disabled():
-    assert set(MINIMUM_RULES) == set(KvCacheDtype)
+def test_promotion_can_be_disabled():
     assert layer_dtypes(D.TURBO2, 30, 0, promote_minimum=False) == (D.TURBO2,) * 30
     assert describe(layer_dtypes(D.TURBO3, 6, 0)) == "bf16 layer 0, turbo3 layers 1-4, bf16 layer 5"
 

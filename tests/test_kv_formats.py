@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from metrale_cli.kernels.ops import BLOCK_SIZE
 from metrale_cli.kv import formats, quant
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType
-from metrale_cli.kv.paged import KvLayout
+from metrale_cli.kv.paged import KvLayerShape, KvLayout
+from metrale_cli.kv.pool import BLOCK_SIZE
 from metrale_cli.kv.wht import hadamard_matrix, rotate_fp32, wht_inplace, wht_signs
 
 S = SideType
@@ -202,8 +202,11 @@ def test_bytes_per_token(dtype, per_layer):
 
 
 def test_mixed_layout_sums_its_layers():
-    layout = KvLayout(3, 64, (KvCacheDtype.BF16,) * 10 + (KvCacheDtype.TURBO3,) * 20)
-    assert layout.bytes_per_token() == 10 * 768 + 20 * 168
+    """Layers may differ in dtype, KV heads and head_dim (Gemma-4's full and sliding layers)."""
+    layers = (KvLayerShape(KvCacheDtype.BF16, 3, 64),) * 10 + (KvLayerShape(KvCacheDtype.TURBO3, 3, 64),) * 20
+    assert KvLayout(layers).bytes_per_token() == 10 * 768 + 20 * 168
+    wide = KvLayout((KvLayerShape(KvCacheDtype.FP8, 2, 512), KvLayerShape(KvCacheDtype.BF16, 8, 128)))
+    assert wide.bytes_per_token() == 2 * 2 * 512 + 2 * 8 * 128 * 2
     assert formats.side_format(S.TURBO3).bits_per_element(64) == 3.5
     assert formats.side_format(S.TURBO8).bits_per_element(64) == 9
 

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from hf_oracle import make_hf, teacher_forced
-from metrale_cli.config import model_config_from_hf
 from metrale_cli.engine.generate import Engine
-from metrale_cli.engine.runner import RunnerOptions, check_kv_support, kv_messages
+from metrale_cli.engine.runner import RunnerOptions, check_kernels, kv_messages
 from metrale_cli.engine.sampler import SamplingParams
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.reference import TorchOps
@@ -17,8 +16,9 @@ from metrale_cli.kv import formats
 from metrale_cli.kv.dtypes import kv_pair
 from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.kv.innerq import InnerQSettings, channel_scales
-from metrale_cli.kv.paged import KvLayout
-from metrale_cli.models import build_model
+from metrale_cli.kv.paged import KvLayerShape, KvLayout
+from metrale_cli.kv.precision import layer_dtypes
+from metrale_cli.models import build_model, model_config
 
 D = KvCacheDtype
 CPU = torch.device("cpu")
@@ -32,8 +32,9 @@ def tiny():
 def _engine(tiny, dtypes=None, kv=D.BF16, innerq=InnerQSettings(), chunk=512, high_precision=0):
     hf, raw = tiny
     tensors = {k: v.detach().to(torch.bfloat16).clone() for k, v in hf.state_dict().items()}
-    model = build_model(model_config_from_hf(raw), tensors, TorchOps(), kv, 32, 512, 0, CPU,
-                        high_precision_layers=high_precision, innerq=innerq, dtypes=dtypes)
+    cfg = model_config(raw)
+    cfg = cfg.planned(dtypes or layer_dtypes(kv, cfg.num_layers, high_precision))
+    model = build_model(cfg, tensors, TorchOps(), 32, 512, 0, CPU, innerq=innerq)
     return Engine(model, 512, prefill_chunk=chunk)
 
 
@@ -49,8 +50,8 @@ def test_greedy_generation_with_every_dtype_on_every_layer(tiny, dtype):
     assert len(out) == 8 and all(0 <= t < 384 for t in out)
     cache = engine.model.kv_cache
     k_side, v_side = kv_pair(dtype)
-    assert [(p.side, q.side) for p, q in zip(cache.k, cache.v)] == [(k_side, v_side)] * 3
-    assert all(p.data.view(torch.uint8).any() for p in cache.k + cache.v)  # every layer wrote its side
+    assert [(kv.dtype, kv.k.side, kv.v.side) for kv in cache.layers] == [(dtype, k_side, v_side)] * 3
+    assert all(p.data.view(torch.uint8).any() for p in cache.pools())  # every layer wrote its side
     assert cache.allocator.free_blocks == 32  # released
 
 
@@ -71,23 +72,34 @@ def test_logits_close_to_bf16_kv(tiny, dtype):
 def test_default_plan_keeps_boundary_layers_bf16(tiny):
     engine = _engine(tiny, kv=D.TURBO4)  # 3 layers: max(2, ceil(3/3)) = 2 boundary layers
     assert engine.model.kv_cache.layout.dtypes == (D.BF16, D.TURBO4, D.BF16)
-    assert [p.data.dtype for p in engine.model.kv_cache.k] == [torch.bfloat16, torch.uint8, torch.bfloat16]
-    assert len({p.num_blocks for p in engine.model.kv_cache.k + engine.model.kv_cache.v}) == 1
+    assert [kv.k.data.dtype for kv in engine.model.kv_cache.layers] == [torch.bfloat16, torch.uint8, torch.bfloat16]
+    assert len({p.num_blocks for p in engine.model.kv_cache.pools()}) == 1
 
 
 def test_kv_messages_report_bytes_and_layer_dtypes():
-    layout = KvLayout(3, 64, (D.BF16,) + (D.TURBO3,) * 4 + (D.BF16,))
-    lines = kv_messages(layout, 10, 160)
+    layout = KvLayout(tuple(KvLayerShape(d, 3, 64) for d in (D.BF16,) + (D.TURBO3,) * 4 + (D.BF16,)))
+    lines = kv_messages(layout, 10, 160, D.TURBO3)
     assert lines[0] == "KV cache: turbo3, 2208 bytes/token over 6 layers, 10 blocks = 160 tokens, context 160"
     assert lines[1] == ("KV layer dtypes: bf16 layer 0, turbo3 layers 1-4, bf16 layer 5 "
                         "(per layer and token: bf16 768 B, turbo3 168 B)")
+    every = KvLayout.uniform(2, 3, 64, D.BF16)  # turbo3's minimum keeps both layers of a 2-layer model in bf16
+    assert kv_messages(every, 10, 160, D.TURBO3) == [
+        "KV cache: turbo3, 1536 bytes/token over 2 layers, 10 blocks = 160 tokens, context 160",
+        "KV layer dtypes: bf16 layers 0-1 (per layer and token: bf16 768 B)"]
+
+
+def _planned(dtype, head_dim):
+    raw = {"model_type": "llama", "hidden_size": 4 * head_dim, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "vocab_size": 100}
+    cfg = model_config(raw)
+    return cfg.planned((dtype,) * cfg.num_layers)
 
 
 def test_turbo_needs_a_wht_head_dim():
     with pytest.raises(MetraleError, match="head_dim"):
-        check_kv_support(D.TURBO3, 96, "torch", CPU)
-    assert check_kv_support(D.TURBO3, 128, "torch", CPU) is None
-    assert check_kv_support(D.NVFP4, 96, "torch", CPU) is None  # nvfp4 is not rotated
+        check_kernels(_planned(D.TURBO3, 96), "torch", CPU)
+    assert check_kernels(_planned(D.TURBO3, 128), "torch", CPU) is None
+    assert check_kernels(_planned(D.NVFP4, 96), "torch", CPU) is None  # nvfp4 is not rotated
 
 
 # --- InnerQ -----------------------------------------------------------------------------------
@@ -125,9 +137,9 @@ def test_innerq_requantizes_positions_written_before_the_freeze():
     cache = PagedKvCache(KvLayout.uniform(1, 2, 64, D.TURBO4), 4, CPU)
     g = torch.Generator().manual_seed(6)
     uneven = torch.randn(48, 2, 64, generator=g) * torch.linspace(0.2, 3.0, 64)  # in the rotated basis
-    k = rotate_fp32(uneven, cache.k[0].signs, inverse=True).to(torch.bfloat16)
+    k = rotate_fp32(uneven, cache.layers[0].k.signs, inverse=True).to(torch.bfloat16)
     policy = InnerQPolicy(cache, InnerQSettings(tokens=40))
-    pool = cache.k[0]
+    pool = cache.layers[0].k
     for start in range(0, 48, 16):
         slots = torch.arange(start, start + 16, dtype=torch.int32)
         policy.observe(0, k[start : start + 16], slots)
@@ -152,7 +164,7 @@ def test_innerq_in_a_model_keeps_logits_near_bf16_kv(tiny):
     want = teacher_forced(_engine((hf, raw)), ids)
     plain = teacher_forced(_engine((hf, raw), dtypes=(D.TURBO4,) * 3, chunk=16), ids)
     calibrated = _engine((hf, raw), dtypes=(D.TURBO4,) * 3, chunk=16, innerq=InnerQSettings(tokens=40))
-    policy = calibrated.model.innerq
+    policy = calibrated.model.calibration.innerq
     assert policy.describe().startswith("InnerQ: calibrating K channel scales over the first 40 tokens")
     calibrated.generate([ids], SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert all(policy.frozen) and calibrated.model.kv_frozen
@@ -169,8 +181,8 @@ def test_innerq_in_a_model_keeps_logits_near_bf16_kv(tiny):
 
 def test_innerq_is_off_without_a_rotated_k_side(tiny):
     engine = _engine(tiny, kv=D.BF16K_TURBO4V, innerq=InnerQSettings(tokens=16))
-    assert engine.model.innerq.describe().startswith("InnerQ: off")
-    assert all(engine.model.innerq.frozen)
+    assert engine.model.calibration.innerq.describe().startswith("InnerQ: off")
+    assert all(engine.model.calibration.innerq.frozen)
 
 
 def test_innerq_env_levers(monkeypatch):

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from hf_oracle import (as_dtype, check_logprobs_close, hf_greedy, hf_kv_rounded_to_bf16, hf_logits,
-                       make_hf, ours, teacher_forced)
-from metrale_cli.config import model_config_from_hf
+                       make_hf, ours, planned, teacher_forced)
 from metrale_cli.engine.sampler import SamplingParams
 from metrale_cli.engine.sequence import Sequence
 from metrale_cli.kernels.reference import TorchOps
@@ -94,13 +93,12 @@ def test_fp8_kv_within_budget(family, calibration):
     engine = ours(hf, raw, kv=KvCacheDtype.FP8, calibration=calibration)
     got = teacher_forced(engine, ids)
     assert _nmse(got, hf_logits(hf, ids)) <= 5e-2
-    cache = engine.model.kv_cache
-    scales = torch.cat([pool.scale for pool in cache.k + cache.v])
+    scales = torch.cat([pool.scale for pool in engine.model.kv_cache.pools()])
     if calibration:
-        assert engine.model.fp8_scales.source == "calibration"
+        assert engine.model.calibration.fp8.source == "calibration"
         assert (scales != 1.0).all() and (scales > 0).all()
     else:
-        assert engine.model.fp8_scales.source == "default"
+        assert engine.model.calibration.fp8.source == "default"
         assert (scales == 1.0).all()
 
 
@@ -109,10 +107,9 @@ def test_fp8_kv_scales_from_checkpoint():
     tensors_scale = {f"model.layers.{i}.self_attn.{s}_scale": torch.tensor(0.01 * (i + 1))
                      for i in range(3) for s in "kv"}
     tensors = {k: v.detach().to(torch.bfloat16).clone() for k, v in hf.state_dict().items()} | tensors_scale
-    model = build_model(model_config_from_hf(raw), tensors, TorchOps(), KvCacheDtype.FP8, 16, 512, 256,
-                        torch.device("cpu"))
-    assert model.fp8_scales.source == "checkpoint"
-    assert [round(float(pool.scale), 4) for pool in model.kv_cache.v] == [0.01, 0.02, 0.03]
+    model = build_model(planned(raw, KvCacheDtype.FP8), tensors, TorchOps(), 16, 512, 256, torch.device("cpu"))
+    assert model.calibration.fp8.source == "checkpoint"
+    assert [round(float(kv.v.scale), 4) for kv in model.kv_cache.layers] == [0.01, 0.02, 0.03]
 
 
 def test_chunked_prefill_equals_whole():
@@ -173,48 +170,3 @@ def test_fused_batch1_decode_equals_the_unfused_path(family):
     layers, steps = raw["num_hidden_layers"], 24
     assert fused_ops.calls == {"gemv_norm": layers * steps, "gemv_norm_logits": steps + 1,
                                "gemv_norm_swiglu": layers * steps, "gemv_add": 2 * layers * steps}
-
-
-class _StackReferences(_FusedReferences):
-    """The fused references with a whole-stack decode step whose plan is the ``DecodeStack`` the
-    model hands over, run as :func:`decode_stack_reference` prescribes (counted)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls["decode_stack"] = 0
-        self.stacks = []
-
-    def decode_stack_plan(self, stack):
-        self.stacks.append(stack)
-        return stack
-
-    def decode_stack(self, plan, hidden, ctx):
-        from metrale_cli.kernels.ops import decode_stack_reference
-
-        return decode_stack_reference(self, plan, hidden, ctx)
-
-
-def test_whole_stack_decode_equals_the_layers_one_by_one():
-    """The model's whole-stack step (CudaOps.decode_stack's wiring, on the torch references): every
-    layer's weights, norms and pools handed over in order, one call per batch-1 step, and the same
-    greedy tokens as the layers' own fused path."""
-    hf, raw = make_hf("qwen3")
-    with torch.no_grad():
-        for name, weight in hf.named_parameters():
-            if "norm" in name:
-                weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
-    ids, params = _ids(40, seed=3), SamplingParams(max_new_tokens=24, ignore_eos=True)
-    stack_ops = _StackReferences()
-    model = ours(hf, raw, ops=stack_ops)
-    assert model.model.stack_plan is None and model.model.plan_decode_stack()  # planned on request only
-    got = model.generate([ids], params)[0][0].output_ids
-    assert got == ours(hf, raw, ops=_FusedReferences()).generate([ids], params)[0][0].output_ids
-    (stack,) = stack_ops.stacks
-    layers = raw["num_hidden_layers"]
-    assert len(stack.layers) == layers and stack.num_heads == raw["num_attention_heads"]
-    for part, layer in zip(stack.layers, model.model.layers):
-        assert part.qkv is layer.attn.qkv and part.down is layer.ffn.down and part.k_norm is layer.attn.k_norm
-        assert part.k_pool is layer.kv.pools(layer.idx)[0] and part.post_norm is layer.post_attn_norm
-    assert stack_ops.calls["decode_stack"] == 24  # one per step (the pipelined loop runs one past the last)
-    # inside it, the per-layer calls of decode_stack_reference; outside, the LM head and the prefill
-    assert stack_ops.calls["gemv_add"] == 2 * layers * 24

@@ -1,6 +1,6 @@
 """The GPU profiling tools' kernels, and the build variants they time, compile for sm_90.
 
-They run only on a GPU (tools/handoff_latency.py, tools/decode_stack_profile.py); here each
+They run only on a GPU (tools/handoff_latency.py, tools/decode_stack/profile.py); here each
 variant must compile and export its kernels, so a tool's figures stay reproducible.
 """
 
@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from metrale_cli.kernels import compile as kc
-from metrale_cli.kernels.registry import MODULES, KernelModule
+from metrale_cli.kernels.registry import KernelModule
+from tools.decode_stack.stack import MODULE as STACK
 
 
 @pytest.mark.parametrize("stream", [0, 1])
@@ -27,8 +28,35 @@ def test_handoff_latency_kernels_compile(proto, stream):
                                      (("STACK_TIMING_NO_WEIGHT_WAIT", "1"),),
                                      (("STACK_TIMING_NO_DOT", "1"),)])
 def test_the_whole_stack_kernel_variants_compile(defines):
-    base = MODULES["decode_stack"]
-    module = dataclasses.replace(base, defines=base.defines + defines)
+    module = dataclasses.replace(STACK, defines=STACK.defines + defines)
     cubin, log = kc.compile_cubin(module)
     assert cubin is not None, log
-    assert kc.function_symbols(cubin) == tuple(sorted(base.functions))
+    assert kc.function_symbols(cubin) == tuple(sorted(STACK.functions))
+
+
+def test_prefill_host_timing_times_every_phase_from_outside_the_layers():
+    """tools/prefill_host_timing.py on the CPU: every phase takes time and the phases add up to the
+    layers' total."""
+    import torch
+
+    from metrale_cli.commands.bench_presets import random_weights
+    from metrale_cli.engine.runner import RunnerOptions, open_runner
+    from metrale_cli.engine.sequence import Sequence
+    from metrale_cli.engine.source import ModelSource
+    from tools import prefill_host_timing as tool
+
+    raw = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 300,
+           "max_position_embeddings": 256}
+    runner = open_runner(RunnerOptions(backend="torch", max_seq_len=64, fp8_kv_calibration_tokens=0),
+                         ModelSource.loaded(raw, random_weights(raw, torch.device("cpu"), torch.bfloat16)))
+    totals = tool.instrument(runner.model)
+    for n in (20, 5):
+        seq = Sequence(0, list(range(n)), 1)
+        runner.engine.prefill(seq)
+        runner.engine.release(seq)
+    phases = tool.per_prefill(totals, 2)
+    assert list(phases) == ["qk-norm, RoPE and cache write", "attention call", "ffn", "norms and projections"]
+    assert all(us > 0 for us in phases.values())
+    assert sum(phases.values()) == pytest.approx(totals["layer"] / 2)
+    assert runner.model.layers[0].attention.dtype.value == "bf16"  # the wrapped attention is still the layer's

@@ -8,7 +8,7 @@ import pytest
 
 from helpers_checkpoints import make_tokenizer
 from metrale_cli.errors import MetraleError
-from metrale_cli.tokenizer import Tokenizer
+from metrale_cli.checkpoint.tokenizer import Tokenizer
 
 TEXTS = ["Hello world!", "The quick brown fox.", "Café naïve déjà vu 日本語 🤖", "12345 + 2024 = ?",
          "  leading spaces\n\nand\ttabs", "<|im_start|>user\nhi<|im_end|>", ""]

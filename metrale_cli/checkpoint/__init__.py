@@ -16,7 +16,7 @@ import torch
 from metrale_cli.checkpoint.gguf_io import gguf_cache_path, load_gguf, read_gguf_config, read_gguf_tokenizer
 from metrale_cli.checkpoint.resolve import Format, ModelLocation, default_model_path, locate
 from metrale_cli.checkpoint.safetensors_io import Progress, load_hf_folder_tensors, read_hf_config
-from metrale_cli.tokenizer import Tokenizer
+from metrale_cli.checkpoint.tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "load_checkpoint", "read_config", "read_tokenizer", "default_model_path",
            "gguf_cache_path"]

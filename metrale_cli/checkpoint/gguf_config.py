@@ -1,34 +1,20 @@
 """GGUF metadata -> an HF-style config dict, and llama.cpp tensor names -> HF names.
 
-The tables here are the whole of what metrale knows about GGUF architectures: adding one is
-adding rows, and a test walks every row.
+Which ``general.architecture`` values load is the families' table (``models.FAMILIES``: each
+family names its llama.cpp architecture); the key and tensor-name tables here are the rest of
+what metrale knows about GGUF files, and a test walks every row.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import numpy as np
 
 from metrale_cli.errors import MetraleError
+from metrale_cli.models import FAMILIES
+from metrale_cli.models.family import Family
 
-
-@dataclass(frozen=True)
-class GgufArch:
-    """How one llama.cpp architecture maps onto an HF family."""
-
-    model_type: str
-    hf_class: str
-    permuted_qk: bool      # llama.cpp's converter permutes q/k rows for rotate-half RoPE
-    attention_bias: bool   # the HF family always has q/k/v biases
-
-
-ARCHITECTURES: dict[str, GgufArch] = {
-    "llama": GgufArch("llama", "LlamaForCausalLM", permuted_qk=True, attention_bias=False),
-    "qwen2": GgufArch("qwen2", "Qwen2ForCausalLM", permuted_qk=False, attention_bias=True),
-    "qwen3": GgufArch("qwen3", "Qwen3ForCausalLM", permuted_qk=False, attention_bias=False),
-}
 
 # HF config key -> GGUF key suffix after "<arch>."
 ARCH_KEYS: dict[str, str] = {
@@ -70,12 +56,18 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 
-def arch_of(architecture: str) -> GgufArch:
-    """The table row of a GGUF ``general.architecture``; MetraleError when unsupported."""
-    if architecture not in ARCHITECTURES:
+def architectures() -> dict[str, Family]:
+    """The llama.cpp architectures metrale loads: {``general.architecture``: its family}."""
+    return {f.gguf.name: f for f in FAMILIES.values() if f.gguf is not None}
+
+
+def arch_of(architecture: str) -> Family:
+    """The family of a GGUF ``general.architecture``; MetraleError when unsupported."""
+    known = architectures()
+    if architecture not in known:
         raise MetraleError(f"GGUF architecture {architecture!r} is not supported",
-                           f"supported: {', '.join(ARCHITECTURES)}")
-    return ARCHITECTURES[architecture]
+                           f"supported: {', '.join(known)}")
+    return known[architecture]
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -119,7 +111,7 @@ def synthesize_config(meta: dict, shapes: dict[str, tuple[int, ...]],
     which become ``rope_parameters["freq_factors"]`` (each frequency divided by its factor, as
     llama.cpp applies them)."""
     architecture = meta.get("general.architecture", "")
-    arch = arch_of(architecture)
+    family = arch_of(architecture)
     config = {hf_key: meta[f"{architecture}.{key}"] for hf_key, key in ARCH_KEYS.items()
               if f"{architecture}.{key}" in meta}
     missing = [k for k in REQUIRED_KEYS if k not in config]
@@ -137,11 +129,11 @@ def synthesize_config(meta: dict, shapes: dict[str, tuple[int, ...]],
     key_length = meta.get(f"{architecture}.attention.key_length")
     config["head_dim"] = key_length or config["hidden_size"] // heads
     config.update(
-        model_type=arch.model_type,
-        architectures=[arch.hf_class],
+        model_type=family.model_type,
+        architectures=[family.hf_class],
         hidden_act="silu",
         tie_word_embeddings="output.weight" not in shapes,
-        attention_bias=arch.attention_bias or "blk.0.attn_q.bias" in shapes,
+        attention_bias=family.gguf.attention_bias or "blk.0.attn_q.bias" in shapes,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
     )

@@ -21,10 +21,11 @@ import torch
 
 from metrale_cli.checkpoint import gguf_config
 from metrale_cli.checkpoint.safetensors_io import Progress, load_tensors, read_hf_config, read_shard_header
+from metrale_cli.environment import cache_dir
 from metrale_cli.errors import MetraleError
-from metrale_cli.tokenizer import Tokenizer
+from metrale_cli.models import family_of
+from metrale_cli.checkpoint.tokenizer import Tokenizer
 
-CACHE_ENV = "METRALE_CACHE_DIR"
 _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 QUANT_KEY = "gguf_quant"
 
@@ -40,11 +41,6 @@ _SHAPES = {
     "up_proj.weight": lambda c: (c["intermediate_size"], c["hidden_size"]),
     "down_proj.weight": lambda c: (c["hidden_size"], c["intermediate_size"]),
 }
-
-
-def cache_dir() -> pathlib.Path:
-    """``$METRALE_CACHE_DIR`` or ``~/.cache/metrale``."""
-    return pathlib.Path(os.environ.get(CACHE_ENV) or pathlib.Path.home() / ".cache" / "metrale")
 
 
 def gguf_cache_path(path: pathlib.Path | str) -> pathlib.Path:
@@ -107,7 +103,7 @@ def convert_tensors(reader, config: dict, dtype: torch.dtype,
     (name, CPU tensor of ``dtype``) one at a time, shapes checked against ``config``."""
     from gguf.quants import dequantize
 
-    arch = gguf_config.arch_of(config["model_type"])
+    permuted = family_of(config["model_type"]).gguf.permuted_qk
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     total, done = sum(int(t.n_bytes) for t in reader.tensors), 0
     for tensor in reader.tensors:
@@ -118,7 +114,7 @@ def convert_tensors(reader, config: dict, dtype: torch.dtype,
         values = dequantize(tensor.data, tensor.tensor_type)
         _check_shape(tensor, name, values, config)
         proj = name.split(".")[-2]
-        if arch.permuted_qk and proj in heads:
+        if permuted and proj in heads:
             values = gguf_config.unpermute_qk(values, heads[proj])
         yield name, torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
         if progress is not None:

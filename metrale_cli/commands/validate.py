@@ -9,17 +9,18 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from metrale_cli.errors import MetraleError
+from metrale_cli.kernels.requirements import missing_message
 from metrale_cli.kernels.validate import ValidationReport, validate_kernels
-from metrale_cli.kv.dtypes import AUTO, KvCacheDtype, is_experimental, parse_kv_cache_dtype
+from metrale_cli.kv.dtypes import AUTO, KvCacheDtype
 from metrale_cli.output import Output
 
 ALL = "all"
 
 
-def _dtypes(name: str) -> list[KvCacheDtype]:
-    if name.strip().lower() == ALL:
+def _dtypes(dtype: KvCacheDtype | str) -> list[KvCacheDtype]:
+    """The parsed --kv-cache-dtype: one dtype, or ``all``."""
+    if dtype == ALL:
         return list(KvCacheDtype)
-    dtype = parse_kv_cache_dtype(name)
     if dtype == AUTO:
         raise MetraleError("validate-kernels needs a concrete --kv-cache-dtype (or 'all'), not 'auto'")
     return [dtype]
@@ -44,7 +45,8 @@ def _as_json(report: ValidationReport, head_dim: int) -> dict:
             "kernels": [asdict(r) for r in report.rows]}
 
 
-def run_validate(out: Output, kv_cache_dtype: str, head_dim: int, recheck: bool = False) -> list[ValidationReport]:
+def run_validate(out: Output, kv_cache_dtype: KvCacheDtype | str, head_dim: int,
+                 recheck: bool = False) -> list[ValidationReport]:
     dtypes = _dtypes(kv_cache_dtype)
     reports = []
     for dtype in dtypes:
@@ -60,9 +62,7 @@ def run_validate(out: Output, kv_cache_dtype: str, head_dim: int, recheck: bool 
     for dtype, report in zip(dtypes, reports):
         failed = [r.kernel for r in report.rows if not r.ok]
         if failed:
-            note = f" ({report.dtype} is experimental)" if is_experimental(dtype) else ""
-            problems.append(f"kv-cache-dtype {report.dtype} (head_dim {head_dim}) requires kernel(s) "
-                            f"missing from this build: {', '.join(failed)}{note}")
+            problems.append(missing_message(dtype, head_dim, failed))
     if problems:
         raise MetraleError("; ".join(problems))
     return reports

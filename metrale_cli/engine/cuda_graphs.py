@@ -44,6 +44,7 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.advance_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (bucket, greedy)
         self.logits: torch.Tensor | None = None  # the last forward's (bucket, vocab) logits
+        self.states: list[list] = []  # the filled rows' layer states
         self.pool = None
 
     def bucket(self, n: int) -> int | None:
@@ -55,15 +56,18 @@ class DecodeGraphs:
         return self.capture and self.model.kv_frozen
 
     # --- the step -------------------------------------------------------------------------
-    def run(self, tokens: list[int], positions: list[int], slots: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
+    def run(self, tokens: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]],
+            states: list[list] | None = None) -> torch.Tensor:
         """Fill the buffers for n sequences and run one step -> (n, vocab) float32 logits."""
-        self.fill(tokens, positions, slots, block_tables)
+        self.fill(tokens, positions, slots, block_tables, states)
         return self.forward(len(tokens))
 
-    def fill(self, tokens, positions, slots, block_tables) -> None:
-        """Load one step's inputs from the host (one copy); rows past them become padding."""
+    def fill(self, tokens, positions, slots, block_tables, states: list[list] | None = None) -> None:
+        """Load one step's inputs from the host (one copy); rows past them become padding.
+        ``states``: each sequence's layer states (a captured graph replays without them: a layer
+        whose state is host-side says so in ``decode_graph_unsupported``)."""
         n = len(tokens)
+        self.states = list(states or [[] for _ in range(n)])
         b = self.bucket(n)
         host = self._host[:b]
         host[:] = 0
@@ -114,8 +118,10 @@ class DecodeGraphs:
 
     # --- internals ------------------------------------------------------------------------
     def _args(self, b: int):
+        padding = [[] for _ in range(b - len(self.states))]
         ctx = ForwardContext("decode", self.step.positions[:b], self.step.slots[:b],
-                             block_tables=self.step.tables[:b], seq_lens=self.step.seq_lens[:b])
+                             block_tables=self.step.tables[:b], seq_lens=self.step.seq_lens[:b],
+                             states=self.states[:b] + padding)
         return self.step.tokens[:b], ctx, None  # every row's logits
 
     def _advance(self, b: int, greedy: bool) -> None:

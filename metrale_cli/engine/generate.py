@@ -3,13 +3,15 @@
 Sequences are admitted while the pool can reserve their whole budget
 (prompt + max_new_tokens, capped by max_seq_len), so a running sequence never meets an
 exhausted pool; the rest wait for blocks to be released. A sequence that could never fit is an
-error up front.
+error up front. Each admitted sequence gets its layers' states (``Layer.alloc_state``), released
+with its blocks when it ends. :meth:`Engine.stream` yields the text as it is decoded;
+:meth:`Engine.generate` runs the same loop to the end.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -18,13 +20,13 @@ from metrale_cli.engine.cuda_graphs import DecodeGraphs
 from metrale_cli.engine.sampler import Sampler, SamplingParams
 from metrale_cli.engine.sequence import Sequence, StopText
 from metrale_cli.errors import MetraleError
-from metrale_cli.kernels.ops import BLOCK_SIZE
 from metrale_cli.kv.paged import blocks_for
+from metrale_cli.kv.pool import BLOCK_SIZE
 from metrale_cli.layers.context import ForwardContext
-from metrale_cli.layers.host_timing import HostTiming
 from metrale_cli.models.model import CausalLM
 
 TextCallback = Callable[[int, str], None]
+TextDelta = tuple[int, str]  # (prompt index, newly decoded text)
 
 
 @dataclass
@@ -69,8 +71,7 @@ class InFlight:
 
 class Engine:
     def __init__(self, model: CausalLM, max_seq_len: int, prefill_chunk: int = 512,
-                 graphs: DecodeGraphs | None = None, host_timing: HostTiming | None = None,
-                 max_batch: int = 8):
+                 graphs: DecodeGraphs | None = None, max_batch: int = 8):
         """``graphs``: the static-buffer decode step (captured or eager); by default an eager one
         for up to ``max_batch`` sequences. Larger batches decode eagerly from host state."""
         self.model = model
@@ -78,8 +79,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.device = model.device
         self.graphs = graphs or DecodeGraphs(model, max_batch, blocks_for(max_seq_len), capture=False)
-        self.host_timing = host_timing  # set by METRALE_PREFILL_HOST_TIMING=1
         self._ring, self._ring_at = None, 0
+
     # --- model steps ----------------------------------------------------------------------
     def _int32(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self.device)
@@ -88,25 +89,42 @@ class Engine:
         return [block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE if p >= write_from else -1
                 for p in positions]
 
-    def prefill(self, seq: Sequence, kv_write_start: int = 0) -> torch.Tensor:
-        """Run every token of the sequence not yet in the cache; returns last-token logits (1, V)."""
+    def prefill(self, seq: Sequence, kv_write_start: int = 0, every_position: bool = False) -> torch.Tensor:
+        """Run every token of the sequence not yet in the cache; returns the last token's logits
+        (1, V) float32, or with ``every_position`` every token's (T, V)."""
         ids = seq.prompt_ids + seq.output_ids
         self.model.kv_cache.ensure_capacity(seq.block_table, len(ids))
+        if not seq.states:
+            seq.states = self.model.alloc_states()
         table = self._int32(seq.block_table)
-        logits = None
+        logits = []
         for start in range(0, len(ids), self.prefill_chunk):
             chunk = ids[start : start + self.prefill_chunk]
             positions = range(start, start + len(chunk))
             ctx = ForwardContext(
                 kind="prefill", positions=self._int32(list(positions)),
                 slot_mapping=self._int32(self._slots(seq.block_table, positions, kv_write_start)),
-                start_pos=start, block_table=table, timing=self.host_timing,
+                start_pos=start, block_table=table, states=[seq.states],
             )
             tokens = torch.tensor(chunk, dtype=torch.long, device=self.device)
-            logits = self.model.forward(tokens, ctx, torch.tensor([len(chunk) - 1], device=self.device))
-        if self.host_timing is not None:
-            self.host_timing.prefills += 1
-        return logits
+            rows = torch.arange(len(chunk), device=self.device) if every_position else \
+                torch.tensor([len(chunk) - 1], device=self.device)
+            logits.append(self.model.forward(tokens, ctx, rows))
+        return torch.cat(logits) if every_position else logits[-1]
+
+    def teacher_forced(self, ids: list[int]) -> torch.Tensor:
+        """The logits after every token of ``ids`` in one chunked prefill of a fresh sequence:
+        (len(ids), V) float32; the sequence is released after."""
+        seq = Sequence(0, list(ids), 1)
+        try:
+            return self.prefill(seq, every_position=True)
+        finally:
+            self.release(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Give a sequence's blocks and layer states back (the loop does this when one ends)."""
+        self.model.kv_cache.release(seq.block_table)
+        self.model.release_states(seq.states)
 
     def _inputs(self, seqs: list[Sequence]):
         """Each sequence's last token, its position and cache slot, from the host state."""
@@ -120,12 +138,12 @@ class Engine:
         """One step for every sequence: feeds each one's last token; returns (B, V) logits."""
         tokens, positions, slots = self._inputs(seqs)
         if self._fed(len(seqs)):
-            return self.graphs.run(tokens, positions, slots, [s.block_table for s in seqs])
+            return self.graphs.run(tokens, positions, slots, [s.block_table for s in seqs], [s.states for s in seqs])
         width = max(len(s.block_table) for s in seqs)
         ctx = ForwardContext(
             kind="decode", positions=self._int32(positions), slot_mapping=self._int32(slots),
             block_tables=self._int32([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]),
-            seq_lens=self._int32([s.length for s in seqs]),
+            seq_lens=self._int32([s.length for s in seqs]), states=[s.states for s in seqs],
         )
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.model.forward(ids, ctx, None)  # every sequence's logits
@@ -143,7 +161,7 @@ class Engine:
         n = len(seqs)
         if self._fed(n):
             if refill:
-                self.graphs.fill(*self._inputs(seqs), [s.block_table for s in seqs])
+                self.graphs.fill(*self._inputs(seqs), [s.block_table for s in seqs], [s.states for s in seqs])
             logits = self.graphs.forward(n)
             if sampler.params.greedy:
                 tokens = self.graphs.advance_greedy(n)
@@ -204,13 +222,10 @@ class Engine:
                     hint="raise --gpu-memory-utilization or lower --max-seq-len / --max-new-tokens",
                 )
 
-    def _accept(self, seq: Sequence, token: int, params: SamplingParams, eos: set[int],
-                on_text: TextCallback | None) -> None:
+    def _accept(self, seq: Sequence, token: int, params: SamplingParams, eos: set[int]) -> str:
+        """Append a token; returns the text it makes safe to show."""
         seq.output_ids.append(token)
-        if seq.text is not None:
-            delta = seq.text.push(token)
-            if on_text and delta:
-                on_text(seq.index, delta)
+        delta = seq.text.push(token) if seq.text is not None else ""
         if token in eos and not params.ignore_eos:
             seq.finish_reason = "eos"
         elif seq.text is not None and seq.text.stopped:
@@ -219,69 +234,98 @@ class Engine:
             seq.finish_reason = "length"
         elif seq.length >= self.max_seq_len:
             seq.finish_reason = "context"
+        return delta
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, eos_ids=(), tokenizer=None,
                  on_text: TextCallback | None = None) -> tuple[list[Sequence], GenerationStats]:
-        """Generate for every prompt (token ids); text is tracked when a tokenizer is given."""
+        """Generate for every prompt (token ids); text is tracked when a tokenizer is given and
+        handed to ``on_text(prompt index, delta)`` as it is decoded."""
+        run = self.stream(prompts, params, eos_ids, tokenizer)
+        while True:
+            try:
+                index, delta = next(run)
+            except StopIteration as done:
+                return done.value
+            if on_text is not None:
+                on_text(index, delta)
+
+    def stream(self, prompts: list[list[int]], params: SamplingParams, eos_ids=(),
+               tokenizer=None) -> Generator[TextDelta, None, tuple[list[Sequence], GenerationStats]]:
+        """:meth:`generate` as a generator: yields (prompt index, text) as it is decoded (held back
+        where it could still become a stop string) and returns (sequences, stats)."""
         seqs = [Sequence(i, list(p), params.max_new_tokens) for i, p in enumerate(prompts)]
         if tokenizer is not None:
             for s in seqs:
                 s.text = StopText(tokenizer.stream_decoder(), params.stop)
         self._check_fits(seqs)
         sampler, eos, stats = Sampler(params, self.device), set(eos_ids), GenerationStats()
+        try:
+            return (yield from self._loop(seqs, params, sampler, eos, stats))
+        finally:  # also when the caller stops reading: every block and state goes back
+            for seq in seqs:
+                if seq.block_table or seq.states:
+                    self.release(seq)
+
+    def _loop(self, seqs: list[Sequence], params: SamplingParams, sampler: Sampler, eos: set[int],
+              stats: GenerationStats):
         waiting, running = list(seqs), []
         cache = self.model.kv_cache
         flight, refill, started = None, True, self._now()
         while waiting or running or flight:
             if flight is not None and refill:  # the host must catch up before the batch changes
-                self._accept_all(flight, params, eos, on_text, stats)
+                yield from self._accept_all(flight, params, eos, stats)
                 flight = None
-            running = self._retire(running, on_text)
+            running = yield from self._retire(running)
             while flight is None and self._admissible(waiting):
                 seq = waiting.pop(0)
                 cache.ensure_capacity(seq.block_table, self._budget(seq) * BLOCK_SIZE)
+                seq.states = self.model.alloc_states()
                 t0 = self._now()
                 logits = self.prefill(seq)
-                self._accept(seq, int(sampler(logits)[0]), params, eos, on_text)
+                delta = self._accept(seq, int(sampler(logits)[0]), params, eos)
                 stats.prompt_tokens += len(seq.prompt_ids)
                 stats.prompt_seconds += self._now() - t0
+                if delta:
+                    yield seq.index, delta
                 running.append(seq)
                 refill = True
-            running = self._retire(running, on_text)
+            running = yield from self._retire(running)
             launched = None
             if running:
                 launched = self.launch(running, sampler, refill)
                 refill = not self._fed(len(running))  # an eager step reads host state: catch up first
             if flight is not None:
-                self._accept_all(flight, params, eos, on_text, stats)
+                yield from self._accept_all(flight, params, eos, stats)
                 if any(s.done for s in flight.seqs) or self._admissible(waiting):
                     refill = True
             flight = launched
         stats.decode_seconds = self._now() - started - stats.prompt_seconds
         return seqs, stats
 
-    def _accept_all(self, flight: InFlight, params, eos, on_text, stats: GenerationStats) -> None:
+    def _accept_all(self, flight: InFlight, params, eos, stats: GenerationStats):
         """Read a step's tokens; a sequence that finished while the step was in flight drops its
         token (the step ran one position past its end, inside its reserved blocks)."""
         for seq, token in zip(flight.seqs, flight.collect()):
             if not seq.done:
-                self._accept(seq, token, params, eos, on_text)
+                delta = self._accept(seq, token, params, eos)
                 stats.decode_tokens += 1
+                if delta:
+                    yield seq.index, delta
 
     def _admissible(self, waiting: list[Sequence]) -> bool:
         return bool(waiting) and self._budget(waiting[0]) <= self.model.kv_cache.allocator.free_blocks
 
-    def _retire(self, running: list[Sequence], on_text: TextCallback | None) -> list[Sequence]:
+    def _retire(self, running: list[Sequence]):
+        """The sequences still running; a finished one yields its held-back text and is released."""
         still = []
         for seq in running:
             if not seq.done:
                 still.append(seq)
                 continue
-            if seq.text is not None:
-                tail = seq.text.finish()
-                if on_text and tail:
-                    on_text(seq.index, tail)
-            self.model.kv_cache.release(seq.block_table)
+            tail = seq.text.finish() if seq.text is not None else ""
+            if tail:
+                yield seq.index, tail
+            self.release(seq)
         return still
 
     def _now(self) -> float:

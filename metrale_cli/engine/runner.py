@@ -1,7 +1,10 @@
-"""From options to a ready Runner: backend choice, start-up kernel check, weights, KV pool.
+"""From options to a ready Runner: the one entry point of ``generate``, ``bench`` and
+``bench --kv-quality`` (:func:`open_runner`).
 
-The order is the contract: resolve the backend and the KV dtype, check the dtype's kernels
-(before any weight is read), load and check the weights, size the pool, build the layer stack.
+The order is the contract: resolve the backend, read the config through its family (once),
+resolve the KV dtype (``auto`` in ``ModelConfig``), plan every layer (its KV dtype, with the
+high-precision boundary layers; once), refuse a layer field nothing serves, check every kernel
+the plan launches (before any weight is read), then load the weights, size the pool and build.
 """
 
 from __future__ import annotations
@@ -11,22 +14,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from metrale_cli.config import ModelConfig, model_config_from_hf
+from metrale_cli.config import ModelConfig
 from metrale_cli.engine.cuda_graphs import DecodeGraphs
 from metrale_cli.engine.generate import Engine
-from metrale_cli.environment import decode_stack, prefill_host_timing
-from metrale_cli.layers.host_timing import HostTiming
+from metrale_cli.engine.source import ModelSource
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.ops import Ops
-from metrale_cli.kv.dtypes import AUTO, KvCacheDtype, kv_pair, parse_kv_cache_dtype, resolve_auto
-from metrale_cli.kv.formats import SIDE_FORMATS, side_format
+from metrale_cli.kv.dtypes import AUTO, KvCacheDtype
 from metrale_cli.kv.innerq import InnerQSettings
 from metrale_cli.kv.paged import KvLayout, blocks_for
 from metrale_cli.kv.precision import describe as describe_layers
 from metrale_cli.kv.precision import layer_dtypes
-from metrale_cli.models import build_model
+from metrale_cli.layers.spec import check_served
+from metrale_cli.models import build_model, kv_layout, model_config
 from metrale_cli.models.model import CausalLM
-from metrale_cli.tokenizer import Tokenizer
 
 BACKENDS = ("auto", "cuda", "torch")
 GRAPH_MODES = ("disabled", "full")
@@ -35,9 +36,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 @dataclass(frozen=True)
 class RunnerOptions:
-    model: str | None = None
+    """How to run a model. ``kv_cache_dtype``: a :class:`KvCacheDtype`, its name or alias, or
+    ``auto`` (the checkpoint's declared KV dtype, else bf16)."""
+
     backend: str = "auto"
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: KvCacheDtype | str = AUTO
     dtype: str = "bf16"
     max_seq_len: int | None = None
     max_num_seqs: int = 1
@@ -59,9 +62,29 @@ class RunnerOptions:
             tokens=self.innerq_calibration_tokens if self.innerq_calibration_tokens is not None else tokens,
             strength=self.innerq_strength if self.innerq_strength is not None else strength)
 
+    def check(self) -> None:
+        """Every option in range, before anything is read."""
+        choose = {"--backend": (self.backend, BACKENDS), "--dtype": (self.dtype, tuple(DTYPES)),
+                  "--cuda-graph-mode": (self.cuda_graph_mode, GRAPH_MODES)}
+        for flag, (value, allowed) in choose.items():
+            if value not in allowed:
+                raise MetraleError(f"unknown {flag} '{value}'", hint="choose one of: " + ", ".join(allowed))
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise MetraleError(f"--max-seq-len must be at least 2, got {self.max_seq_len}")
+        if self.max_num_seqs < 1:
+            raise MetraleError(f"the number of sequences must be at least 1, got {self.max_num_seqs}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise MetraleError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.prefill_chunk < 1:
+            raise MetraleError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
+        if self.fp8_kv_calibration_tokens < 0:
+            raise MetraleError("--fp8-kv-calibration-tokens must not be negative")
+
 
 @dataclass
 class Runner:
+    """A built model, its engine and tokenizer: what every command runs."""
+
     model: CausalLM
     engine: Engine
     tokenizer: object | None
@@ -97,29 +120,28 @@ def make_ops(backend: str, loader=None) -> Ops:
     return TorchOps()
 
 
-def check_kv_support(kv_dtype: KvCacheDtype, head_dim: int, backend: str, device: torch.device,
-                     dtypes: tuple[KvCacheDtype, ...] = ()):
-    """The start-up check, before any weight is read. Returns the kernel loader (cuda) or None.
+def plan(cfg: ModelConfig, kv_dtype: KvCacheDtype, opts: RunnerOptions) -> ModelConfig:
+    """The config with every layer's KV dtype: ``kv_dtype``, the boundary layers of
+    ``--kv-high-precision-layers`` (and the dtype's minimum) in bf16."""
+    return cfg.planned(layer_dtypes(kv_dtype, cfg.num_layers, opts.kv_high_precision_layers, opts.kv_promote_minimum))
 
-    torch: a dtype is usable once every side has a codec (``kv/formats.py``) and, for a rotated
-    side, head_dim is a WHT size. cuda: every kernel the KV dtype needs (KV_DTYPES.md's table)
-    and every kernel the layers launch, for each layer dtype in ``dtypes`` too (high-precision
-    layers), is compiled and loaded through CuPy; all problems are reported in one message.
-    """
+
+def check_kernels(cfg: ModelConfig, backend: str, device: torch.device, requested: KvCacheDtype | None = None):
+    """The start-up check of a planned config, before any weight is read: every (KV dtype,
+    head_dim) its layers use, and the ``requested`` dtype at each of its head_dims, is served; on
+    the cuda backend every kernel they launch compiles and loads through CuPy, all problems
+    reported in one message. Returns the kernel loader (cuda)."""
+    from metrale_cli.kernels.kv_kernels import layer_kernels
     from metrale_cli.kernels.requirements import validate_required_kv_kernels
-    from metrale_cli.kv.wht import wht_signs
 
-    every = list(dict.fromkeys((kv_dtype, *dtypes)))
-    sides = {s for d in every for s in kv_pair(d)}
-    missing = [s.value for s in sides if s not in SIDE_FORMATS]
-    if missing:
-        raise MetraleError(f"kv-cache-dtype {kv_dtype.value} has no cache codec in this build "
-                           f"(side types: {', '.join(missing)})")
-    if any(side_format(s).rotated for s in sides):
-        wht_signs(head_dim)  # refuses a head_dim the rotation does not serve
+    asked = [(requested, s.attention.head_dim) for s in cfg.layers] if requested is not None else []
+    used = dict.fromkeys(asked + [(s.kv_dtype, s.attention.head_dim) for s in cfg.layers])
     if backend != "cuda":
+        from metrale_cli.kernels.reference import TorchOps
+
+        for d, head_dim in used:
+            TorchOps.paged_attention(d, head_dim)  # a rotated side refuses a head_dim the WHT does not serve
         return None
-    from metrale_cli.kernels.table import layer_kernels
     from metrale_cli.kernels.loader import KernelLoader
 
     loader = KernelLoader()
@@ -133,17 +155,19 @@ def check_kv_support(kv_dtype: KvCacheDtype, head_dim: int, backend: str, device
             return f"does not load: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
         return None
 
-    for d in every:
+    for d, head_dim in used:
         validate_required_kv_kernels(d, head_dim, load)
-    stack = decode_stack()
-    specs = dict.fromkeys(spec for d in every for spec in layer_kernels(d, head_dim, stack))
+    specs = dict.fromkeys(spec for d, head_dim in used for spec in layer_kernels(d, head_dim))
     problems = {str(spec): why for spec in specs if (why := load(spec))}
     if problems:
-        raise MetraleError(
-            f"the cuda backend needs kernel(s) that do not load: {', '.join(problems)}",
-            hint="; ".join(sorted(set(problems.values()))),
-        )
+        raise MetraleError(f"the cuda backend needs kernel(s) that do not load: {', '.join(problems)}",
+                           hint="; ".join(sorted(set(problems.values()))))
     return loader
+
+
+def context_length(cfg: ModelConfig, opts: RunnerOptions) -> int:
+    """--max-seq-len, else the model's context capped at 8192 tokens."""
+    return opts.max_seq_len or min(cfg.max_position_embeddings, 8192)
 
 
 def pool_blocks(layout: KvLayout, opts: RunnerOptions, max_seq_len: int, device: torch.device) -> int:
@@ -163,101 +187,60 @@ def pool_blocks(layout: KvLayout, opts: RunnerOptions, max_seq_len: int, device:
     return blocks
 
 
-def kv_messages(layout: KvLayout, blocks: int, max_seq_len: int) -> list[str]:
-    """The KV lines a run prints once: bytes per token and pool capacity, per-layer dtypes."""
+def kv_messages(layout: KvLayout, blocks: int, max_seq_len: int, requested: KvCacheDtype) -> list[str]:
+    """The KV lines a run prints once: bytes per token and pool capacity, and each layer's dtype
+    wherever one differs from the requested dtype (boundary layers kept in bf16)."""
     dtypes = layout.dtypes
-    main = next((d for d in dtypes if d != KvCacheDtype.BF16), KvCacheDtype.BF16)  # the requested one
-    lines = [f"KV cache: {main.value}, {layout.bytes_per_token()} bytes/token over {layout.num_layers} "
+    lines = [f"KV cache: {requested.value}, {layout.bytes_per_token()} bytes/token over {layout.num_layers} "
              f"layers, {blocks} blocks = {blocks * 16} tokens, context {max_seq_len}"]
-    if len(set(dtypes)) > 1:
+    if set(dtypes) != {requested}:
         per = ", ".join(f"{d.value} {layout.layer_bytes_per_token(dtypes.index(d))} B"
                         for d in dict.fromkeys(dtypes))
         lines.append(f"KV layer dtypes: {describe_layers(dtypes)} (per layer and token: {per})")
     return lines
 
 
-def plan_layers(cfg: ModelConfig, kv_dtype: KvCacheDtype, opts: RunnerOptions) -> tuple[KvCacheDtype, ...]:
-    return layer_dtypes(kv_dtype, cfg.num_layers, opts.kv_high_precision_layers, opts.kv_promote_minimum)
+def _decode_mode(model: CausalLM, opts: RunnerOptions) -> tuple[bool, str]:
+    """(capture CUDA graphs, the line that says how decode runs)."""
+    if model.device.type != "cuda":
+        return False, "decode: eager (no GPU)"
+    if opts.cuda_graph_mode != "full":
+        return False, "decode: eager (--cuda-graph-mode disabled)"
+    why = model.decode_graph_unsupported()
+    if why:
+        return False, f"decode: eager, not CUDA graphs ({why})"
+    return True, "decode: CUDA graphs (one per batch-size bucket)"
 
 
-def build_runner(raw_config: dict, tensors: dict[str, torch.Tensor], tokenizer, opts: RunnerOptions,
-                 backend: str, kv_dtype: KvCacheDtype, source: str, loader=None) -> Runner:
-    """Build from weights already on the device (the checkpoint path and bench presets share it)."""
-    cfg = model_config_from_hf(raw_config)
-    device = next(iter(tensors.values())).device
+def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[int, int], None] | None = None,
+                before_weights: Callable[[object, int], None] | None = None) -> Runner:
+    """Check everything, then load and build (the module docstring's order). Errors are MetraleError.
+
+    ``before_weights(tokenizer, context_length)`` runs after the kernel check and before any
+    weight is read (e.g. to refuse a prompt that cannot fit)."""
+    opts.check()
+    backend, device = resolve_backend(opts.backend)
+    cfg = model_config(source.config)
+    kv_dtype = cfg.resolve_kv_dtype(opts.kv_cache_dtype)
+    cfg = plan(cfg, kv_dtype, opts)
+    check_served(cfg.layers)
+    loader = check_kernels(cfg, backend, device, kv_dtype)
     max_seq_len = context_length(cfg, opts)
-    dtypes = plan_layers(cfg, kv_dtype, opts)
-    layout = KvLayout(cfg.num_kv_heads, cfg.head_dim, dtypes)
+    if before_weights is not None:
+        before_weights(source.tokenizer(), max_seq_len)
+    weights = source.load(device, DTYPES[opts.dtype], progress)
+    layout = kv_layout(cfg)
     blocks = pool_blocks(layout, opts, max_seq_len, device)
-    model = build_model(cfg, tensors, make_ops(backend, loader), kv_dtype, blocks, max_seq_len,
-                        opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq(), dtypes=dtypes)
-    check_graph_mode(opts.cuda_graph_mode)
-    stack = None
-    if decode_stack():
-        stack = ("batch-1 decode: one persistent kernel for all layers (METRALE_DECODE_STACK)"
-                 if model.plan_decode_stack() else
-                 "METRALE_DECODE_STACK: the whole-stack kernel does not serve this model or GPU "
-                 "(--debug logs why); its layers run one by one")
-    capture, decode_mode = False, "decode: eager (--cuda-graph-mode disabled)"
-    if device.type != "cuda":
-        decode_mode = "decode: eager (no GPU)"
-    elif opts.cuda_graph_mode == "full":
-        why = model.decode_graph_unsupported()
-        capture = why is None
-        decode_mode = (f"decode: eager, not CUDA graphs ({why})" if why
-                       else "decode: CUDA graphs (one per batch-size bucket)")
+    model = build_model(cfg, dict(weights.tensors), make_ops(backend, loader), blocks, max_seq_len,
+                        opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq())
+    capture, decode_mode = _decode_mode(model, opts)
     graphs = DecodeGraphs(model, max(1, opts.max_num_seqs), blocks_for(max_seq_len), capture)
-    timing = HostTiming() if prefill_host_timing() else None
-    runner = Runner(model, Engine(model, max_seq_len, opts.prefill_chunk, graphs, timing), tokenizer, backend,
-                    kv_dtype, source)
-    runner.messages += kv_messages(layout, blocks, max_seq_len)
-    for policy in (model.fp8_scales, model.innerq):
-        if policy.describe():
-            runner.messages.append(policy.describe())
+    runner = Runner(model, Engine(model, max_seq_len, opts.prefill_chunk, graphs), weights.tokenizer, backend,
+                    kv_dtype, weights.name)
+    runner.messages += kv_messages(layout, blocks, max_seq_len, kv_dtype) + model.calibration.describe()
     cold = [e for e in getattr(loader, "events", []) if e.cold]
     if cold:
         runner.messages.append(f"compiled {len(cold)} kernel module(s) in "
                                f"{sum(e.seconds for e in cold):.1f} s (cached for the next start)")
     runner.messages.append(decode_mode)
-    if stack:
-        runner.messages.append(stack)
     return runner
-
-
-def context_length(cfg: ModelConfig, opts: RunnerOptions) -> int:
-    """--max-seq-len, else the model's context capped at 8192 tokens."""
-    return opts.max_seq_len or min(cfg.max_position_embeddings, 8192)
-
-
-def check_graph_mode(mode: str) -> None:
-    if mode not in GRAPH_MODES:
-        raise MetraleError(f"unknown --cuda-graph-mode '{mode}'", hint="choose one of: " + ", ".join(GRAPH_MODES))
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise MetraleError(f"unknown --dtype '{name}'", hint="choose one of: " + ", ".join(DTYPES))
-    return DTYPES[name]
-
-
-def load_runner(opts: RunnerOptions, progress: Callable[[int, int], None] | None = None,
-                before_weights: Callable[[Tokenizer, int], None] | None = None) -> Runner:
-    """Resolve, check kernels, load the checkpoint and build. Errors are MetraleError.
-
-    ``before_weights(tokenizer, context_length)`` runs after the kernel check and before any
-    weight is read (e.g. to refuse a prompt that cannot fit)."""
-    from metrale_cli.checkpoint import load_checkpoint, read_config, read_tokenizer
-
-    backend, device = resolve_backend(opts.backend)
-    dtype = parse_dtype(opts.dtype)
-    check_graph_mode(opts.cuda_graph_mode)
-    requested = parse_kv_cache_dtype(opts.kv_cache_dtype)
-    raw = read_config(opts.model)
-    cfg = model_config_from_hf(raw)
-    kv_dtype = resolve_auto(raw.get("kv_cache_dtype")) if requested == AUTO else requested
-    loader = check_kv_support(kv_dtype, cfg.head_dim, backend, device, plan_layers(cfg, kv_dtype, opts))
-    if before_weights is not None:
-        before_weights(read_tokenizer(opts.model), context_length(cfg, opts))
-    ckpt = load_checkpoint(opts.model, device, dtype, progress)
-    return build_runner(ckpt.config, dict(ckpt.tensors), ckpt.tokenizer, opts, backend, kv_dtype,
-                        ckpt.source, loader)

@@ -46,6 +46,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     text: StopText | None = None
+    states: list = field(default_factory=list)  # one per layer, from Layer.alloc_state
 
     @property
     def length(self) -> int:

@@ -1,6 +1,6 @@
 """Fixtures the kernel checks and tests share: comparisons (tolerance, exact bytes), paged K/V
-caches filled through the reference write, and the inputs of a decode step (one layer's attention,
-a whole random stack). CPU tensors, built from seeded generators; imports torch.
+caches filled through the reference write, and the inputs of one layer's decode-step attention.
+CPU tensors, built from seeded generators; imports torch.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import dataclasses
 import torch
 
 from metrale_cli.kernels import reference as ref
-from metrale_cli.kernels.ops import SidePool, StepBuffers
-from metrale_cli.kernels.requirements import as_kv_dtype
-from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
+from metrale_cli.kernels.ops import StepBuffers
+from metrale_cli.kv.dtypes import KvCacheDtype, SideType, concrete
+from metrale_cli.kv.pool import LayerKv, SidePool
 
 
 FP8_SCALES = (0.02, 0.03)  # K, V: x / scale spans most of e4m3's range for randn data
@@ -40,12 +40,17 @@ def pool_to(pool: SidePool, device) -> SidePool:
     return SidePool(**{k: t.to(device).clone() if isinstance(t, torch.Tensor) else t for k, t in move.items()})
 
 
+def kv_to(kv: LayerKv, device) -> LayerKv:
+    """A copy of a layer cache with every tensor on ``device``."""
+    return LayerKv(kv.dtype, pool_to(kv.k, device), pool_to(kv.v, device))
+
+
 def make_paged_case(seq_lens, hq: int, hk: int, head_dim: int, dtype: KvCacheDtype | str,
                     spare_blocks: int = 3, seed: int = 0, innerq: bool = True) -> dict:
-    """CPU tensors: K / V pools of ``dtype`` filled through the reference write with randn
+    """CPU tensors: a layer cache ``kv`` of ``dtype`` filled through the reference write with randn
     vectors, shuffled block tables, seq_lens; fp8 sides get the scales :data:`FP8_SCALES` and a
     rotated K side random InnerQ scales in [0.5, 2] when ``innerq``."""
-    from metrale_cli.kv.formats import new_pool
+    from metrale_cli.kv.formats import new_layer_kv
 
     g = torch.Generator().manual_seed(seed)
     need = [(n + 15) // 16 for n in seq_lens]
@@ -56,16 +61,16 @@ def make_paged_case(seq_lens, hq: int, hk: int, head_dim: int, dtype: KvCacheDty
     for b, n in enumerate(need):
         tables[b, :n] = ids[at : at + n]
         at += n
-    pools = [new_pool(side, total, hk, head_dim, torch.device("cpu")) for side in kv_pair(as_kv_dtype(dtype))]
+    kv = new_layer_kv(concrete(dtype), total, hk, head_dim, torch.device("cpu"))
+    pools = [kv.k, kv.v]
     for pool, scale in zip(pools, FP8_SCALES):
         if pool.side == SideType.FP8:
             pool.scale.fill_(scale)
     if innerq and pools[0].rotated:
         pools[0].channel_scale = 0.5 + 1.5 * torch.rand(hk, head_dim, generator=g)
     k, v = (torch.randn(total * 16, hk, head_dim, generator=g).to(torch.bfloat16) for _ in range(2))
-    ref.reshape_and_cache(k, v, pools[0], pools[1], torch.arange(total * 16, dtype=torch.int32))
-    return dict(k_pool=pools[0], v_pool=pools[1], block_tables=tables,
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
+    ref.reshape_and_cache(k, v, kv, torch.arange(total * 16, dtype=torch.int32))
+    return dict(kv=kv, block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
 
 
 def _randn(*shape, seed=1):
@@ -91,56 +96,13 @@ def rope_decode_case(seq_lens, hq: int, hk: int, head_dim: int, dtype: KvCacheDt
                 k_norm=1 + _randn(d, seed=seed + 3) * 0.1)
 
 
-def rope_decode_args(c: dict, k_pool, v_pool, device) -> tuple:
-    """``Ops.rope_cache_decode``'s arguments for a :func:`rope_decode_case`, on ``device``."""
+def rope_decode_args(c: dict, kv: LayerKv, device) -> tuple:
+    """``PagedAttention.rope_cache_decode``'s arguments for a :func:`rope_decode_case` over ``kv``, on
+    ``device``."""
     t = {n: c[n].to(device) for n in ("q", "k", "v", "slot_mapping", "positions", "cos", "sin", "q_norm", "k_norm",
                                       "block_tables", "seq_lens")}
-    return (t["q"], t["k"], t["v"], k_pool, v_pool, t["slot_mapping"], t["positions"], t["cos"], t["sin"],
+    return (t["q"], t["k"], t["v"], kv, t["slot_mapping"], t["positions"], t["cos"], t["sin"],
             t["q_norm"], t["k_norm"], 1e-6, t["block_tables"], t["seq_lens"], c["q"].shape[2] ** -0.5)
-
-
-def make_stack_case(layers: int, hidden: int, hq: int, hk: int, head_dim: int, inter: int, context: int,
-                    seed: int = 0) -> dict:
-    """CPU tensors for one batch-1 decode step of a random dense stack (``DecodeStack``) whose
-    bf16 cache holds ``context`` earlier tokens: ``stack``, ``hidden`` (1, hidden) and a decode
-    context (``block_tables``, ``seq_lens``, ``slot_mapping``, ``positions``) for the token at
-    position ``context``. Weights are scaled so activations stay O(1) through the layers."""
-    from metrale_cli.kernels.ops import DecodeStack, StackLayer
-
-    g = torch.Generator().manual_seed(seed)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
-
-    parts, d = [], head_dim
-    case = None
-    for i in range(layers):
-        case = make_paged_case([context + 1], hq, hk, d, KvCacheDtype.BF16, seed=seed + i)
-        parts.append(StackLayer(
-            randn((hq + 2 * hk) * d, hidden, scale=hidden**-0.5), randn(hidden, hq * d, scale=(hq * d) ** -0.5),
-            randn(2 * inter, hidden, scale=hidden**-0.5), randn(hidden, inter, scale=inter**-0.5),
-            1 + randn(hidden, scale=0.1), 1 + randn(hidden, scale=0.1), 1 + randn(d, scale=0.1),
-            1 + randn(d, scale=0.1), case["k_pool"], case["v_pool"],
-        ))
-    ang = torch.arange(context + 8)[:, None] * 0.01 ** (torch.arange(d // 2) / (d // 2))
-    table = case["block_tables"]
-    slot = table[0, context // 16] * 16 + context % 16
-    return dict(stack=DecodeStack(parts, hq, hk, d, 1e-6, d**-0.5, ang.cos(), ang.sin()),
-                hidden=randn(1, hidden), block_tables=table, seq_lens=case["seq_lens"],
-                slot_mapping=slot.reshape(1).to(torch.int32), positions=torch.tensor([context], dtype=torch.int32))
-
-
-def stack_to(stack, device):
-    """A copy of a ``DecodeStack`` with every tensor (pools included) on ``device``."""
-    from metrale_cli.kernels.ops import DecodeStack, StackLayer
-
-    def move(t):
-        return None if t is None else t.to(device).clone()
-
-    layers = [StackLayer(*(pool_to(getattr(x, f.name), device) if f.name.endswith("pool") else move(getattr(x, f.name))
-                           for f in dataclasses.fields(StackLayer))) for x in stack.layers]
-    return DecodeStack(layers, stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.eps, stack.scale,
-                       move(stack.cos), move(stack.sin))
 
 
 def decode_advance_case(rows: int = 6, vocab: int = 20011, max_blocks: int = 3, seed: int = 0):

@@ -1,7 +1,7 @@
 """The numeric checks behind ``validate-kernels`` on a GPU: each kernel is run through
 :class:`~metrale_cli.kernels.cuda_ops.CudaOps` against its torch reference (run on the CPU: the
 references define the bytes) or the kernels it fuses, on small odd shapes: bytes equal for cache
-writes and the WHT, a tolerance for attention. Imports torch: ``validate.py`` loads this module
+writes and the WHT, a row of the tolerance table (``tolerances.py``) otherwise. Imports torch: ``validate.py`` loads this module
 only when a check has to run. The fixtures (``cases.py``) are re-exported for the tests.
 """
 
@@ -12,16 +12,13 @@ from collections.abc import Callable
 
 import torch
 
-from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.cases import (  # the fixtures the tests import from here too
-    _randn, compare, compare_bytes, decode_advance_case, make_paged_case, make_stack_case, pool_to,
-    rope_decode_args, rope_decode_case, stack_to, step_to,
+    _randn, compare, compare_bytes, decode_advance_case, kv_to, make_paged_case, rope_decode_args,
+    rope_decode_case, step_to,
 )
+from metrale_cli.kernels.tolerances import bounds
 from metrale_cli.kv.dtypes import KvCacheDtype
-
-
-ATTENTION_TOL = (2e-2, 2e-2)  # fp32 online softmax (exp2) vs fp32 softmax, output rounded to bf16
 
 
 def _gpu(*tensors):
@@ -30,13 +27,13 @@ def _gpu(*tensors):
 
 def _check_rms(ops, _hd):
     x, w = _randn(7, 200), _randn(200, seed=2)
-    return compare(ops.rms_norm(*_gpu(x, w), 1e-6), ref.rms_norm(x, w, 1e-6), 1e-2, 8e-3)
+    return compare(ops.rms_norm(*_gpu(x, w), 1e-6), ref.rms_norm(x, w, 1e-6), *bounds("norm"))
 
 
 def _check_add_rms(ops, _hd):
     x, r, w = _randn(7, 200), _randn(7, 200, seed=3), _randn(200, seed=2)
     (o, s), (ro, rs) = ops.add_rms_norm(*_gpu(x, r, w), 1e-6), ref.add_rms_norm(x, r, w, 1e-6)
-    return compare(s, rs, 0, 0) or compare(o, ro, 1e-2, 8e-3)
+    return compare(s, rs, 0, 0) or compare(o, ro, *bounds("norm"))
 
 
 def _check_rope(ops, hd):
@@ -51,7 +48,7 @@ def _check_rope(ops, hd):
 
 def _check_silu(ops, _hd):
     gu = _randn(7, 2 * 99) * 3
-    return compare(ops.silu_and_mul(gu.cuda()), ref.silu_and_mul(gu), 1e-3, 8e-3)
+    return compare(ops.silu_and_mul(gu.cuda()), ref.silu_and_mul(gu), *bounds("silu"))
 
 
 def _check_decode_advance(ops, _hd):
@@ -79,7 +76,7 @@ def _check_gemv(kind: str):
         if kind == "add":
             w = w[:n]
             got, want = ops.gemv_add(x, w, r[:, :n]), r[:, :n].double() + x.double() @ w.double().T
-            return compare(got, want, 1e-2, 8e-3)
+            return compare(got, want, *bounds("gemv"))
         if kind == "logits":  # the bf16 outputs of gemv_norm, widened
             got, (want, _) = ops.gemv_norm_logits(x, r, g, 1e-6, w), ops.gemv_norm(x, r, g, 1e-6, w)
             return compare_bytes(got, want.float())
@@ -87,10 +84,10 @@ def _check_gemv(kind: str):
         y = normed.double() @ w.double().T
         if kind == "norm":
             got, got_s = ops.gemv_norm(x, r, g, 1e-6, w)
-            return compare(got_s, s, 0, 0) or compare(got, y, 1e-2, 8e-3)
+            return compare(got_s, s, 0, 0) or compare(got, y, *bounds("gemv"))
         got, got_s = ops.gemv_norm_swiglu(x, r, g, 1e-6, w)
         want = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
-        return compare(got_s, s, 0, 0) or compare(got, want, 2e-2, 2e-2)
+        return compare(got_s, s, 0, 0) or compare(got, want, *bounds("gemv swiglu"))
     return check
 
 
@@ -101,10 +98,10 @@ def _check_write(dtype):
         k[0, 0, :16] = 0.0  # an all-zero group
         slots = torch.randperm(48, generator=torch.Generator().manual_seed(6))[:19].to(torch.int32)
         slots[3] = -1
-        mine = [pool_to(c["k_pool"], "cuda"), pool_to(c["v_pool"], "cuda")]
-        ops.reshape_and_cache(*_gpu(k, v), *mine, slots.cuda())
-        ref.reshape_and_cache(k, v, c["k_pool"], c["v_pool"], slots)
-        return compare_bytes(mine[0].data, c["k_pool"].data) or compare_bytes(mine[1].data, c["v_pool"].data)
+        mine = kv_to(c["kv"], "cuda")
+        ops.paged_attention(dtype, hd).reshape_and_cache(*_gpu(k, v), mine, slots.cuda())
+        ref.reshape_and_cache(k, v, c["kv"], slots)
+        return compare_bytes(mine.k.data, c["kv"].k.data) or compare_bytes(mine.v.data, c["kv"].v.data)
     return check
 
 
@@ -112,10 +109,11 @@ def _check_decode(dtype, tensor_cores: bool = False):
     def check(ops, hd):
         c = make_paged_case([1, 19, 599], 8, 2, hd, dtype)
         q = _randn(3, 8, hd)
-        got = ops.paged_decode(q.cuda(), pool_to(c["k_pool"], "cuda"), pool_to(c["v_pool"], "cuda"),
-                               *_gpu(c["block_tables"], c["seq_lens"]), hd**-0.5, tensor_cores=tensor_cores)
-        want = ref.paged_decode(q, c["k_pool"], c["v_pool"], c["block_tables"], c["seq_lens"], hd**-0.5)
-        return compare(got, want, *ATTENTION_TOL)
+        got = ops.paged_attention(dtype, hd).paged_decode(
+            q.cuda(), kv_to(c["kv"], "cuda"), *_gpu(c["block_tables"], c["seq_lens"]), hd**-0.5,
+            tensor_cores=tensor_cores)
+        want = ref.paged_decode(q, c["kv"], c["block_tables"], c["seq_lens"], hd**-0.5)
+        return compare(got, want, *bounds("attention"))
     return check
 
 
@@ -123,10 +121,10 @@ def _check_prefill(dtype):
     def check(ops, hd):
         c = make_paged_case([99], 8, 2, hd, dtype)
         q, table = _randn(19, 8, hd), c["block_tables"][0]
-        got = ops.paged_prefill(q.cuda(), pool_to(c["k_pool"], "cuda"), pool_to(c["v_pool"], "cuda"),
-                                table.cuda(), 80, hd**-0.5, use_kernel=True)
-        want = ref.paged_prefill(q, c["k_pool"], c["v_pool"], table, 80, hd**-0.5)
-        return compare(got, want, *ATTENTION_TOL)
+        got = ops.paged_attention(dtype, hd).paged_prefill(q.cuda(), kv_to(c["kv"], "cuda"), table.cuda(), 80,
+                                                           hd**-0.5, use_kernel=True)
+        want = ref.paged_prefill(q, c["kv"], table, 80, hd**-0.5)
+        return compare(got, want, *bounds("attention"))
     return check
 
 
@@ -143,6 +141,7 @@ def _check_wht(inverse: bool):
 def _check_rope_and_cache(dtype):
     def check(ops, hd):
         """The fused kernel against the unfused kernels it replaces: q and pool bytes equal."""
+        attention = ops.paged_attention(dtype, hd)
         c = make_paged_case([40], 8, 2, hd, dtype)
         q, k, v = _randn(19, 8, hd), _randn(19, 2, hd, seed=3) * 4, _randn(19, 2, hd, seed=5) * 4
         pos = torch.randint(0, 64, (19,), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
@@ -150,12 +149,12 @@ def _check_rope_and_cache(dtype):
         slots = torch.randperm(48, generator=torch.Generator().manual_seed(6))[:19].to(torch.int32)
         slots[3] = -1
         q, k, v, w, slots, pos, cos, sin = _gpu(q, k, v, _randn(hd), slots, pos, ang.cos(), ang.sin())
-        fused, unfused = ([pool_to(c["k_pool"], "cuda"), pool_to(c["v_pool"], "cuda")] for _ in range(2))
-        got = ops.rope_and_cache(q, k, v, *fused, slots, pos, cos, sin, w, w, 1e-6)
+        fused, unfused = kv_to(c["kv"], "cuda"), kv_to(c["kv"], "cuda")
+        got = attention.rope_and_cache(q, k, v, fused, slots, pos, cos, sin, w, w, 1e-6)
         want, k = ops.rope(ops.rms_norm(q, w, 1e-6), ops.rms_norm(k, w, 1e-6), pos, cos, sin)
-        ops.reshape_and_cache(k, v, *unfused, slots)
-        return (compare(got, want, 0, 0) or compare_bytes(fused[0].data, unfused[0].data)
-                or compare_bytes(fused[1].data, unfused[1].data))
+        attention.reshape_and_cache(k, v, unfused, slots)
+        return (compare(got, want, 0, 0) or compare_bytes(fused.k.data, unfused.k.data)
+                or compare_bytes(fused.v.data, unfused.v.data))
     return check
 
 
@@ -163,68 +162,43 @@ def _check_rope_decode(dtype):
     def check(ops, hd):
         """The one-launch decode attention against the launches it replaces (rope_and_cache, the
         tensor-core decode and its combine): output and cache bytes equal."""
+        attention = ops.paged_attention(dtype, hd)
         c = rope_decode_case([1, 19, 599], 8, 2, hd, dtype, seed=7)
-        fused, unfused = ([pool_to(c["k_pool"], "cuda"), pool_to(c["v_pool"], "cuda")] for _ in range(2))
-        got = ops.rope_cache_decode(*rope_decode_args(c, *fused, "cuda"))
-        args = rope_decode_args(c, *unfused, "cuda")
-        want = ops.paged_decode(ops.rope_and_cache(*args[:12]), *args[3:5], *args[12:])
-        return (compare(got, want, 0, 0) or compare_bytes(fused[0].data, unfused[0].data)
-                or compare_bytes(fused[1].data, unfused[1].data))
+        fused, unfused = kv_to(c["kv"], "cuda"), kv_to(c["kv"], "cuda")
+        got = attention.rope_cache_decode(*rope_decode_args(c, fused, "cuda"))
+        args = rope_decode_args(c, unfused, "cuda")
+        want = attention.paged_decode(attention.rope_and_cache(*args[:11]), *args[3:4], *args[11:])
+        return (compare(got, want, 0, 0) or compare_bytes(fused.k.data, unfused.k.data)
+                or compare_bytes(fused.v.data, unfused.v.data))
     return check
-
-
-def _check_decode_stack(ops, hd):
-    """Two layers of a random stack against the torch reference of the same step on the CPU: the
-    running sum and each layer's new cache row within bf16 rounding."""
-    from metrale_cli.kernels.ops import decode_stack_reference
-    from metrale_cli.layers.context import ForwardContext
-
-    c = make_stack_case(2, 256, 4, 2, hd, 384, context=45, seed=11)
-    stack = stack_to(c["stack"], "cuda")
-    plan = ops.decode_stack_plan(stack)
-    if plan is None:
-        return None  # this GPU runs the layers one by one: the kernel is never launched here
-
-    def context(device):
-        t = [c[n].to(device) for n in ("positions", "slot_mapping", "block_tables", "seq_lens")]
-        return ForwardContext("decode", t[0], t[1], block_tables=t[2], seq_lens=t[3])
-
-    got = ops.decode_stack(plan, c["hidden"].cuda(), context("cuda"))
-    want = decode_stack_reference(ref.TorchOps, c["stack"], c["hidden"], context("cpu"))
-    slot = int(c["slot_mapping"][0])
-    rows = [(a.k_pool.data[slot // 16, :, slot % 16], b.k_pool.data[slot // 16, :, slot % 16])
-            for a, b in zip(stack.layers, c["stack"].layers)]
-    return compare(got, want, 3e-2, 3e-2) or next((e for a, b in rows if (e := compare(a, b, 3e-2, 3e-2))), None)
 
 
 def _numeric_checks() -> dict[str, Callable]:
     """{``module::function``: check(ops, head_dim) -> problem or None} for every kernel."""
+    from metrale_cli.kernels.kv_kernels import WHT_KERNELS, kv_kernels
     from metrale_cli.kernels.table import (
-        ADD_RMS_NORM, DECODE_ADVANCE, DECODE_ROPE_TC, DECODE_STACK, GEMV_ADD, GEMV_NORM, GEMV_NORM_LOGITS,
-        GEMV_NORM_SWIGLU, RMS_NORM, ROPE, ROPE_AND_CACHE, SILU_AND_MUL, WHT, kv_kernels,
+        ADD_RMS_NORM, DECODE_ADVANCE, GEMV_ADD, GEMV_NORM, GEMV_NORM_LOGITS, GEMV_NORM_SWIGLU, RMS_NORM, ROPE,
+        SILU_AND_MUL,
     )
+    from metrale_cli.kv.dtypes import HEAD_DIMS
 
     checks = {str(RMS_NORM[0]): _check_rms, str(ADD_RMS_NORM[0]): _check_add_rms,
               str(ROPE[0]): _check_rope, str(SILU_AND_MUL[0]): _check_silu,
               str(GEMV_NORM[0]): _check_gemv("norm"), str(GEMV_NORM_SWIGLU[0]): _check_gemv("swiglu"),
               str(GEMV_NORM_LOGITS[0]): _check_gemv("logits"),
               str(GEMV_ADD[0]): _check_gemv("add"), str(DECODE_ADVANCE[0]): _check_decode_advance}
-    checks.update({str(WHT[inv][0]): _check_wht(inv) for inv in (False, True)})
-    checks[str(DECODE_STACK[0])] = _check_decode_stack
-    checks.update({str(kernel[0]): _check_rope_decode(d) for d, kernel in DECODE_ROPE_TC.items()})
-    checks.update({str(kernel[0]): _check_rope_and_cache(d) for d, kernel in ROPE_AND_CACHE.items()})
+    checks.update({str(spec): _check_wht(inverse) for inverse, spec in enumerate(WHT_KERNELS)})
     for d in KvCacheDtype:
-        for hd in (64, 128, 256, 512):
-            try:
-                kk = kv_kernels(d, hd)
-            except MetraleError:
-                continue
+        for hd in HEAD_DIMS:
+            kk = kv_kernels(d, hd)
             # the decode check's 599-token context on a 6-CTA grid runs split: it covers combine
             for kernel, check in ((kk.write, _check_write), (kk.decode, _check_decode),
-                                  (kk.combine, _check_decode), (kk.prefill, _check_prefill)):
+                                  (kk.combine, _check_decode), (kk.prefill, _check_prefill),
+                                  (kk.rope_write, _check_rope_and_cache)):
                 checks[str(kernel[0])] = check(d)
             if kk.decode_tc is not None:
                 checks[str(kk.decode_tc[0])] = _check_decode(d, tensor_cores=True)
+                checks[str(kk.decode_rope[0])] = _check_rope_decode(d)
     return checks
 
 

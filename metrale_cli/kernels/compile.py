@@ -25,6 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from metrale_cli.environment import cache_dir
 from metrale_cli.kernels.registry import ARCH, INCLUDE_DIR, KernelModule
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
@@ -43,8 +44,9 @@ class CompileResult:
     cached: bool
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("METRALE_CACHE_DIR", Path.home() / ".cache" / "metrale")) / "kernels"
+def kernel_cache_dir() -> Path:
+    """Where compile checks and numeric verdicts are kept: ``kernels/`` under the cache folder."""
+    return cache_dir() / "kernels"
 
 
 def included_sources(path: Path, seen: dict[Path, str] | None = None) -> dict[Path, str]:
@@ -124,14 +126,14 @@ def _nvrtc_cubin(module: KernelModule, arch: str) -> tuple[bytes | None, str]:
     try:
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
+        log = bytearray(size)  # a fresh buffer: NVRTC writes into it (b" " * 1 is CPython's shared b" ")
         nvrtc.nvrtcGetProgramLog(prog, log)
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             return None, log.decode(errors="replace").rstrip("\0 \n")
         _, size = nvrtc.nvrtcGetCUBINSize(prog)
-        cubin = b" " * size
+        cubin = bytearray(size)
         nvrtc.nvrtcGetCUBIN(prog, cubin)
-        return cubin, log.decode(errors="replace").rstrip("\0 \n")
+        return bytes(cubin), log.decode(errors="replace").rstrip("\0 \n")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -161,7 +163,7 @@ def check_module(module: KernelModule, arch: str = ARCH, compiler: str | None = 
     if ident is None:
         _, log = compile_cubin(module, arch)
         return CompileResult(module.name, False, (), log, "none", 0.0, False)
-    entry = cache_dir() / f"{module.name}-{source_digest(module, arch)}-{ident}.json"
+    entry = kernel_cache_dir() / f"{module.name}-{source_digest(module, arch)}-{ident}.json"
     if entry.is_file():
         data = json.loads(entry.read_text())
         return CompileResult(module.name, data["ok"], tuple(data["symbols"]), data["log"], ident, 0.0, True)
@@ -183,7 +185,7 @@ def check_modules(modules, arch: str = ARCH, workers: int | None = None) -> dict
     modules = list(modules)
     ident = compiler_id()
     cold = [m for m in modules
-            if ident and not (cache_dir() / f"{m.name}-{source_digest(m, arch)}-{ident}.json").is_file()]
+            if ident and not (kernel_cache_dir() / f"{m.name}-{source_digest(m, arch)}-{ident}.json").is_file()]
     workers = min(len(cold), workers or os.cpu_count() or 1)
     if workers > 1:
         import multiprocessing

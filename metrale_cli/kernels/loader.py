@@ -29,7 +29,7 @@ import numpy as np
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.compile import source_digest
-from metrale_cli.kernels.registry import KernelSpec, module_for
+from metrale_cli.kernels.registry import KernelModule, KernelSpec, module_for
 from metrale_cli.kernels.table import Signature
 
 if TYPE_CHECKING:
@@ -149,8 +149,10 @@ def _launch_pdl(driver, fn, grid, block, shared_mem: int, stream_ptr: int, typed
 
 @dataclass
 class KernelLoader:
-    """Compiled modules and typed launches for one process; not thread-safe."""
+    """Compiled modules and typed launches for one process; not thread-safe. ``extra``: modules
+    outside the registry (a tool's own kernels), by name."""
 
+    extra: dict[str, KernelModule] = field(default_factory=dict)
     events: list[LoadEvent] = field(default_factory=list)
     _modules: dict = field(default_factory=dict)
     _functions: dict = field(default_factory=dict)
@@ -167,8 +169,8 @@ class KernelLoader:
         return self._functions[key]
 
     def _module(self, spec: KernelSpec, index: int):
-        module = module_for(spec)
-        if module is None:
+        module = self.extra.get(spec.module) or module_for(spec)
+        if module is None or spec.function not in module.functions:
             raise MetraleError(f"kernel {spec} is not in this build")
         arch = device_arch(index)
         key = (module.name, module.defines, arch, index)

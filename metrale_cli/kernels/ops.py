@@ -8,13 +8,15 @@ the contract: both backends use torch (cuBLAS on a GPU) for them.
 Shapes below use T = tokens, B = sequences, Hq / Hk = query / KV heads, D = head_dim,
 NB = blocks in the pool, MB = blocks in a block table. Activations are bf16 (or the model dtype);
 ``positions``, ``slot_mapping``, ``block_tables`` and ``seq_lens`` are int32 on the activations'
-device. Every tensor of a :class:`SidePool` lives on that device too, so a CUDA graph can
+device. Every tensor of a side pool lives on that device too, so a CUDA graph can
 capture it (online fp8 calibration rewrites ``scale`` in place).
 
-The cache of one layer is two :class:`SidePool` objects, K and V, each with its own side type
-(``kv/dtypes.py``). Their byte layouts are normative in ``docs/kv-formats.md`` and defined by the
-torch codecs of ``kv/quant.py``. Slot ``s`` is block ``s // 16``, offset ``s % 16``; a negative
-slot is skipped.
+The cache of one layer is a :class:`~metrale_cli.kv.pool.LayerKv`: its dtype and two side pools,
+K and V, each with its own side type (``kv/dtypes.py``). Their byte layouts are normative in
+``docs/kv-formats.md`` and defined by the torch codecs of ``kv/quant.py``. Slot ``s`` is block
+``s // 16``, offset ``s % 16``; a negative slot is skipped. The attention over the cache is a
+:class:`PagedAttention`, which a layer gets once for its dtype and head_dim
+(:meth:`Ops.paged_attention`): the kernels are chosen then, never per call.
 """
 
 from __future__ import annotations
@@ -24,88 +26,10 @@ from typing import Protocol
 
 import torch
 
-from metrale_cli.kv.dtypes import SideType
+from metrale_cli.kv.dtypes import KvCacheDtype
+from metrale_cli.kv.pool import LayerKv
 
-BLOCK_SIZE = 16
 STEP_MAX_SLICES = 128  # decode_step.cu: CTAs per row of logits, at most
-
-
-@dataclass
-class SidePool:
-    """One layer's cache pool for one side (K or V).
-
-    ``data``: ``(NB, Hk, 16, D)`` bf16 / float8_e4m3fn for BF16 / FP8 sides, ``(NB, block_bytes)``
-    uint8 for packed sides (nvfp4, turbo2/3/4/8). ``scale``: ``(1,)`` fp32, the fp8 per-tensor
-    scale (stored value = e4m3(x / scale)); 1.0 for the other sides. ``signs``: ``(2, D)`` fp32
-    WHT signs (row 0 = S1, row 1 = S2) when the side is stored rotated (turbo), else None.
-    ``channel_scale``: ``(Hk, D)`` fp32 InnerQ scales (K side only) multiplied into K after the
-    rotation and before quantizing; None = all ones.
-    """
-
-    side: SideType
-    data: torch.Tensor
-    num_kv_heads: int
-    head_dim: int
-    scale: torch.Tensor
-    signs: torch.Tensor | None = None
-    channel_scale: torch.Tensor | None = None
-
-    @property
-    def rotated(self) -> bool:
-        return self.signs is not None
-
-    @property
-    def num_blocks(self) -> int:
-        return self.data.shape[0]
-
-
-@dataclass
-class StackLayer:
-    """One layer's part of a whole-stack decode step (:meth:`Ops.decode_stack`): its weights,
-    norms (``q_norm`` / ``k_norm`` None without QK-norm) and KV pools."""
-
-    qkv: torch.Tensor  # (Hq*D + 2*Hk*D, hidden)
-    o: torch.Tensor  # (hidden, Hq*D)
-    gate_up: torch.Tensor  # (2I, hidden)
-    down: torch.Tensor  # (hidden, I)
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    k_pool: SidePool
-    v_pool: SidePool
-
-
-@dataclass
-class DecodeStack:
-    """A dense model's layers as one batch-1 decode step: pre-norm attention (fused q/k/v, QK-norm,
-    neox RoPE from ``cos`` / ``sin``) and a SwiGLU FFN, no biases, per layer."""
-
-    layers: list[StackLayer]
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    eps: float
-    scale: float
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-
-def decode_stack_reference(ops: Ops, stack: DecodeStack, hidden: torch.Tensor, ctx) -> torch.Tensor:
-    """What :meth:`Ops.decode_stack` computes, through ``ops``' single-layer calls (the fused
-    GEMVs, QK-norm + RoPE + cache write, paged decode): the layers' batch-1 decode path."""
-    h, eps, d = hidden, stack.eps, stack.head_dim
-    q_size, kv_size = stack.num_heads * d, stack.num_kv_heads * d
-    for layer in stack.layers:
-        qkv, _ = ops.gemv_norm(h, None, layer.input_norm, eps, layer.qkv)
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = ops.rope_and_cache(q.view(1, -1, d), k.view(1, -1, d), v.view(1, -1, d), layer.k_pool, layer.v_pool,
-                               ctx.slot_mapping, ctx.positions, stack.cos, stack.sin, layer.q_norm, layer.k_norm, eps)
-        out = ops.paged_decode(q, layer.k_pool, layer.v_pool, ctx.block_tables, ctx.seq_lens, stack.scale)
-        h = ops.gemv_add(out.reshape(1, q_size), layer.o, h)
-        act, _ = ops.gemv_norm_swiglu(h, None, layer.post_norm, eps, layer.gate_up)
-        h = ops.gemv_add(act, layer.down, h)
-    return h
 
 
 @dataclass
@@ -161,100 +85,9 @@ class Ops(Protocol):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: (T, 2I) = [gate | up] -> silu(gate) * up: (T, I)."""
 
-    def reshape_and_cache(
-        self, k: torch.Tensor, v: torch.Tensor, k_pool: SidePool, v_pool: SidePool, slot_mapping: torch.Tensor
-    ) -> None:
-        """Write k, v: (T, Hk, D) bf16, in the ORIGINAL basis, at ``slot_mapping``: (T,).
-
-        Each side stores in its own type: bf16 copy, fp8 = e4m3(x / scale), packed nvfp4, or a
-        rotated side: rotate in fp32 by R (``pool.signs``), multiply by ``channel_scale`` (K
-        only, when set) and quantize, all inside the write, exactly as docs/kv-formats.md says.
-        """
-
-    def rope_and_cache(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_pool: SidePool,
-        v_pool: SidePool,
-        slot_mapping: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        q_norm: torch.Tensor | None,
-        k_norm: torch.Tensor | None,
-        eps: float,
-    ) -> torch.Tensor:
-        """QK-norm, RoPE and the cache write in one call; returns the query.
-
-        Exactly ``q = rms_norm(q) if q_norm``, ``k = rms_norm(k) if k_norm`` (per head, over D),
-        ``q, k = rope(q, k, positions, cos, sin)``, ``reshape_and_cache(k, v, k_pool, v_pool,
-        slot_mapping)``. q: (T, Hq, D), k / v: (T, Hk, D) bf16, each head's D elements contiguous
-        (strided views of a fused qkv projection are fine); q_norm / k_norm: (D,) or None;
-        cos / sin as for :meth:`rope`. Returns a new contiguous (T, Hq, D) tensor holding q after
-        norm and RoPE (in the original basis: the caller still rotates it for a rotated K side).
-        q, k and v are not modified; the normalized, rotated k is only written to the cache.
-        """
-
-    def paged_decode(
-        self,
-        q: torch.Tensor,
-        k_pool: SidePool,
-        v_pool: SidePool,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        """One query token per sequence over its whole cached context.
-
-        q: (B, Hq, D), block_tables: (B, MB), seq_lens: (B,) tokens in the cache for each
-        sequence, the current one included -> (B, Hq, D) in q's dtype. GQA: query head h reads
-        KV head h // (Hq // Hk). ``q`` arrives already rotated (and divided by the InnerQ scales
-        of its KV head) when the K side is rotated; the output is in the rotated basis when the
-        V side is rotated (the layer rotates it back). Kernels only dequantize and attend.
-        """
-
-    def rope_cache_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_pool: SidePool,
-        v_pool: SidePool,
-        slot_mapping: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        q_norm: torch.Tensor | None,
-        k_norm: torch.Tensor | None,
-        eps: float,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        """A decode step's attention, one token per sequence (q: (B, Hq, D), k / v: (B, Hk, D) as
-        for :meth:`rope_and_cache`): exactly ``paged_decode(rope_and_cache(q, k, v, ...), ...)``
-        -> (B, Hq, D), the new K / V written. For unrotated sides only (the caller rotates
-        neither q nor the output); the cuda backend runs it as one launch for the bf16 and fp8
-        caches."""
-
-    def paged_prefill(
-        self,
-        q: torch.Tensor,
-        k_pool: SidePool,
-        v_pool: SidePool,
-        block_table: torch.Tensor,
-        start_pos: int,
-        scale: float,
-    ) -> torch.Tensor:
-        """Causal attention of one chunk of one sequence over the cache (chunked prefill).
-
-        q: (T, Hq, D) holds positions ``start_pos .. start_pos+T-1``, whose K/V are already in
-        the cache together with every earlier position; block_table: (MB,). Query t attends to
-        cache positions ``0 .. start_pos + t`` -> (T, Hq, D) in q's dtype. Rotation as in
-        :meth:`paged_decode`.
-        """
+    def paged_attention(self, dtype: KvCacheDtype, head_dim: int) -> PagedAttention:
+        """The paged-cache attention of one KV dtype at one head_dim, its kernels resolved now (a
+        layer asks once, at build time). Raises MetraleError when this backend cannot serve it."""
 
     def gemv_fits(self, k: int) -> bool:
         """True when the fused decode GEMVs below serve an input row of ``k`` elements; the
@@ -295,18 +128,106 @@ class Ops(Protocol):
         context length + 1, slot the new position's place in its block table (the block index
         clamped to the table); a row not live keeps its position and gets slot -1."""
 
-    def decode_stack_plan(self, stack: DecodeStack) -> object | None:
-        """What :meth:`decode_stack` needs to run ``stack`` (buffers, launch tables), built once
-        per model; None where this backend has no whole-stack step for it (the layers then run
-        one by one)."""
-
-    def decode_stack(self, plan: object, hidden: torch.Tensor, ctx) -> torch.Tensor:
-        """One decode token through every layer of a planned stack: hidden (1, hidden) (the
-        token's embedding; may be overwritten) -> the running sum after the last layer, as
-        :func:`decode_stack_reference` computes it (the attention's fp32 sums may differ in
-        order). ``ctx``: a one-sequence decode context; the new token's K / V are written."""
-
     def wht(self, x: torch.Tensor, signs: torch.Tensor, inverse: bool) -> torch.Tensor:
         """x: (N, D) bf16 rows (N = tokens * heads), rotated in place by R = S2·H·S1/√D (by Rᵀ
         when ``inverse``), computed in fp32 and rounded to bf16 once; returns x.
         signs: (2, D) fp32 (row 0 = S1, row 1 = S2)."""
+
+
+class PagedAttention(Protocol):
+    """The paged-cache attention of one KV dtype at one head_dim (:meth:`Ops.paged_attention`).
+    Every ``kv`` it is given is a layer cache of that dtype and head_dim."""
+
+    dtype: KvCacheDtype
+    head_dim: int
+
+    def reshape_and_cache(
+        self, k: torch.Tensor, v: torch.Tensor, kv: LayerKv, slot_mapping: torch.Tensor
+    ) -> None:
+        """Write k, v: (T, Hk, D) bf16, in the ORIGINAL basis, at ``slot_mapping``: (T,).
+
+        Each side stores in its own type: bf16 copy, fp8 = e4m3(x / scale), packed nvfp4, or a
+        rotated side: rotate in fp32 by R (the pool's ``signs``), multiply by ``channel_scale`` (K
+        only, when set) and quantize, all inside the write, exactly as docs/kv-formats.md says.
+        """
+
+    def rope_and_cache(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKv,
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
+        """QK-norm, RoPE and the cache write in one call; returns the query.
+
+        Exactly ``q = rms_norm(q) if q_norm``, ``k = rms_norm(k) if k_norm`` (per head, over D),
+        ``q, k = rope(q, k, positions, cos, sin)``, ``reshape_and_cache(k, v, kv,
+        slot_mapping)``. q: (T, Hq, D), k / v: (T, Hk, D) bf16, each head's D elements contiguous
+        (strided views of a fused qkv projection are fine); q_norm / k_norm: (D,) or None;
+        cos / sin as for :meth:`rope`. Returns a new contiguous (T, Hq, D) tensor holding q after
+        norm and RoPE (in the original basis: the caller still rotates it for a rotated K side).
+        q, k and v are not modified; the normalized, rotated k is only written to the cache.
+        """
+
+    def paged_decode(
+        self,
+        q: torch.Tensor,
+        kv: LayerKv,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query token per sequence over its whole cached context.
+
+        q: (B, Hq, D), block_tables: (B, MB), seq_lens: (B,) tokens in the cache for each
+        sequence, the current one included -> (B, Hq, D) in q's dtype. GQA: query head h reads
+        KV head h // (Hq // Hk). ``q`` arrives already rotated (and divided by the InnerQ scales
+        of its KV head) when the K side is rotated; the output is in the rotated basis when the
+        V side is rotated (the layer rotates it back). Kernels only dequantize and attend.
+        """
+
+    def rope_cache_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKv,
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """A decode step's attention, one token per sequence (q: (B, Hq, D), k / v: (B, Hk, D) as
+        for :meth:`rope_and_cache`): exactly ``paged_decode(rope_and_cache(q, k, v, ...), ...)``
+        -> (B, Hq, D), the new K / V written. For unrotated sides only (the caller rotates
+        neither q nor the output); the cuda backend runs it as one launch for the bf16 and fp8
+        caches."""
+
+    def paged_prefill(
+        self,
+        q: torch.Tensor,
+        kv: LayerKv,
+        block_table: torch.Tensor,
+        start_pos: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of one chunk of one sequence over the cache (chunked prefill).
+
+        q: (T, Hq, D) holds positions ``start_pos .. start_pos+T-1``, whose K/V are already in
+        the cache together with every earlier position; block_table: (MB,). Query t attends to
+        cache positions ``0 .. start_pos + t`` -> (T, Hq, D) in q's dtype. Rotation as in
+        :meth:`paged_decode`.
+        """

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from metrale_cli.errors import MetraleError
-from metrale_cli.kernels.ops import BLOCK_SIZE, SidePool, StepBuffers
+from metrale_cli.kernels.ops import StepBuffers
 from metrale_cli.kv import formats
-from metrale_cli.kv.wht import wht_inplace
-
+from metrale_cli.kv.dtypes import KvCacheDtype
+from metrale_cli.kv.pool import BLOCK_SIZE, LayerKv, SidePool
+from metrale_cli.kv.wht import wht_inplace, wht_signs
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,28 +53,27 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def reshape_and_cache(k, v, k_pool: SidePool, v_pool: SidePool, slot_mapping) -> None:
-    formats.store(k, k_pool, slot_mapping)
-    formats.store(v, v_pool, slot_mapping)
+def reshape_and_cache(k, v, kv: LayerKv, slot_mapping) -> None:
+    formats.store(k, kv.k, slot_mapping)
+    formats.store(v, kv.v, slot_mapping)
 
 
-def rope_and_cache(q, k, v, k_pool: SidePool, v_pool: SidePool, slot_mapping, positions, cos, sin,
-                   q_norm, k_norm, eps):
+def rope_and_cache(q, k, v, kv: LayerKv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps):
     """The unfused sequence: QK-norm per head, RoPE, cache write; returns q."""
     if q_norm is not None:
         q = rms_norm(q, q_norm, eps)
     if k_norm is not None:
         k = rms_norm(k, k_norm, eps)
     q, k = rope(q, k, positions, cos, sin)
-    reshape_and_cache(k, v, k_pool, v_pool, slot_mapping)
+    reshape_and_cache(k, v, kv, slot_mapping)
     return q
 
 
-def rope_cache_decode(q, k, v, k_pool: SidePool, v_pool: SidePool, slot_mapping, positions, cos, sin, q_norm,
-                      k_norm, eps, block_tables, seq_lens, scale):
+def rope_cache_decode(q, k, v, kv: LayerKv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps, block_tables,
+                      seq_lens, scale):
     """A decode step's attention: :func:`rope_and_cache`, then :func:`paged_decode`."""
-    q = rope_and_cache(q, k, v, k_pool, v_pool, slot_mapping, positions, cos, sin, q_norm, k_norm, eps)
-    return paged_decode(q, k_pool, v_pool, block_tables, seq_lens, scale)
+    q = rope_and_cache(q, k, v, kv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps)
+    return paged_decode(q, kv, block_tables, seq_lens, scale)
 
 
 def gather_context(pool: SidePool, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -94,21 +93,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, m
     return torch.einsum("hts,shd->thd", probs, v).to(q.dtype)
 
 
-def paged_decode(q, k_pool: SidePool, v_pool: SidePool, block_tables, seq_lens, scale):
+def paged_decode(q, kv: LayerKv, block_tables, seq_lens, scale):
     out = torch.zeros_like(q)  # an empty context attends to nothing: zeros, as the kernels write
     for b, length in enumerate(seq_lens.tolist()):
         if length == 0:
             continue
-        k = gather_context(k_pool, block_tables[b], length)
-        v = gather_context(v_pool, block_tables[b], length)
+        k = gather_context(kv.k, block_tables[b], length)
+        v = gather_context(kv.v, block_tables[b], length)
         out[b] = attention(q[b : b + 1], k, v, scale, None)[0]
     return out
 
 
-def paged_prefill(q, k_pool: SidePool, v_pool: SidePool, block_table, start_pos, scale):
+def paged_prefill(q, kv: LayerKv, block_table, start_pos, scale):
     total = start_pos + q.shape[0]
-    k = gather_context(k_pool, block_table, total)
-    v = gather_context(v_pool, block_table, total)
+    k = gather_context(kv.k, block_table, total)
+    v = gather_context(kv.v, block_table, total)
     qpos = torch.arange(start_pos, total, device=q.device)[:, None]
     kpos = torch.arange(total, device=q.device)[None, :]
     return attention(q, k, v, scale, kpos <= qpos)
@@ -146,6 +145,22 @@ def decode_advance(logits, step: StepBuffers, rows: int) -> None:
     slots.copy_(torch.where(live.bool(), block * BLOCK_SIZE + pos % BLOCK_SIZE, -1))
 
 
+class TorchPagedAttention:
+    """The references of :class:`~metrale_cli.kernels.ops.PagedAttention`: the codecs of
+    ``kv/formats.py`` serve every dtype, so only a rotated side's head_dim is checked."""
+
+    reshape_and_cache = staticmethod(reshape_and_cache)
+    rope_and_cache = staticmethod(rope_and_cache)
+    paged_decode = staticmethod(paged_decode)
+    rope_cache_decode = staticmethod(rope_cache_decode)
+    paged_prefill = staticmethod(paged_prefill)
+
+    def __init__(self, dtype: KvCacheDtype, head_dim: int):
+        if dtype.row.rotated:
+            wht_signs(head_dim)  # refuses a head_dim the rotation does not serve
+        self.dtype, self.head_dim = dtype, head_dim
+
+
 class TorchOps:
     """The pure-torch backend: runs on CPU or GPU."""
 
@@ -154,11 +169,6 @@ class TorchOps:
     add_rms_norm = staticmethod(add_rms_norm)
     rope = staticmethod(rope)
     silu_and_mul = staticmethod(silu_and_mul)
-    reshape_and_cache = staticmethod(reshape_and_cache)
-    rope_and_cache = staticmethod(rope_and_cache)
-    paged_decode = staticmethod(paged_decode)
-    rope_cache_decode = staticmethod(rope_cache_decode)
-    paged_prefill = staticmethod(paged_prefill)
     gemv_norm = staticmethod(gemv_norm)
     gemv_norm_logits = staticmethod(gemv_norm_logits)
     gemv_norm_swiglu = staticmethod(gemv_norm_swiglu)
@@ -166,18 +176,13 @@ class TorchOps:
     decode_advance = staticmethod(decode_advance)
 
     @staticmethod
+    def paged_attention(dtype: KvCacheDtype, head_dim: int) -> TorchPagedAttention:
+        return TorchPagedAttention(dtype, head_dim)
+
+    @staticmethod
     def gemv_fits(k: int) -> bool:
         """Never: the torch backend runs the unfused sequence the fused GEMVs are checked against."""
         return False
-
-    @staticmethod
-    def decode_stack_plan(stack) -> None:
-        """None: the torch backend runs the layers one by one."""
-        return None
-
-    @staticmethod
-    def decode_stack(plan, hidden, ctx):
-        raise MetraleError("the torch backend has no whole-stack decode step")
 
     @staticmethod
     def wht(x: torch.Tensor, signs: torch.Tensor, inverse: bool) -> torch.Tensor:

@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from metrale_cli.kernels.ops import BLOCK_SIZE, SidePool
 from metrale_cli.kv import formats
 from metrale_cli.kv.dtypes import SideType
+from metrale_cli.kv.pool import BLOCK_SIZE, LayerKv, SidePool
 
 # torch's flash and cuDNN backends read fewer KV heads than query heads (enable_gqa), up to
 # head_dim 256. Wider heads only fit the memory-efficient backend, which through torch 2.13
@@ -37,9 +37,9 @@ from metrale_cli.kv.dtypes import SideType
 GQA_MAX_HEAD_DIM = 256
 
 
-def sdpa_prefill(q: torch.Tensor, k_pool: SidePool, v_pool: SidePool, block_table: torch.Tensor,
-                 start_pos: int, scale: float) -> torch.Tensor:
-    """Causal attention of one chunk over the cache, as ``Ops.paged_prefill``.
+def sdpa_prefill(q: torch.Tensor, kv: LayerKv, block_table: torch.Tensor, start_pos: int,
+                 scale: float) -> torch.Tensor:
+    """Causal attention of one chunk over the cache, as ``PagedAttention.paged_prefill``.
 
     q: (T, Hq, D) bf16 at positions ``start_pos .. start_pos+T-1`` (rotated and InnerQ-divided
     when the K side is rotated); block_table: (MB,) int32 covering ``start_pos + T`` positions.
@@ -50,8 +50,8 @@ def sdpa_prefill(q: torch.Tensor, k_pool: SidePool, v_pool: SidePool, block_tabl
     if tokens == 0:
         return torch.empty_like(q)
     total = start_pos + tokens
-    k, k_scale = gather_context(k_pool, block_table, total, q.dtype)
-    v, v_scale = gather_context(v_pool, block_table, total, q.dtype)
+    k, k_scale = gather_context(kv.k, block_table, total, q.dtype)
+    v, v_scale = gather_context(kv.v, block_table, total, q.dtype)
     if k_scale is not None:
         q = (q * k_scale).to(q.dtype)
     group = hq // k.shape[1]

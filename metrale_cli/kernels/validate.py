@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from metrale_cli.errors import MetraleError
-from metrale_cli.kernels.compile import cache_dir, check_modules, source_digest
+from metrale_cli.kernels.compile import check_modules, kernel_cache_dir, source_digest
+from metrale_cli.kernels.kv_kernels import kernels_to_validate, kv_kernels
 from metrale_cli.kernels.registry import KernelSpec, module_for
-from metrale_cli.kernels.requirements import as_kv_dtype, head_dim_problem, required_kernels
+from metrale_cli.kv.dtypes import HEAD_DIMS, concrete
 
 SKIPPED = "skipped (no GPU)"
 MATCHES = "matches reference"
@@ -56,23 +57,13 @@ class ValidationReport:
 Progress = Callable[[str, int, int], None]  # (kernel, index, total)
 
 
-def kernels_to_validate(dtype, head_dim: int) -> list[KernelSpec]:
-    """The dtype-independent kernels (norms, RoPE, SwiGLU, decode GEMVs), the dtype's required KV kernels
-    (KV_DTYPES.md), then the others the cuda backend's layers launch (split-decode combine,
-    chunked prefill, the tensor-core decode and the one-launch decode attention, the whole-stack
-    step under METRALE_DECODE_STACK)."""
-    from metrale_cli.environment import decode_stack
-    from metrale_cli.kernels.table import COMMON_KERNELS, layer_kernels
-
-    if head_dim not in (64, 128, 256, 512):
-        raise MetraleError(f"the attention kernels are built for head_dim 64, 128, 256 (and 512 where "
-                           f"listed), not {head_dim}", hint="use --backend torch for such a model")
-    specs = list(COMMON_KERNELS) + required_kernels(dtype, head_dim)
-    try:
-        specs += layer_kernels(dtype, head_dim, decode_stack())
-    except MetraleError:  # a required kernel does not serve head_dim: its row says so
-        pass
-    return list(dict.fromkeys(specs))
+def check_head_dim(head_dim: int) -> int:
+    """``--head-dim`` must be one the attention kernels are built for."""
+    if head_dim not in HEAD_DIMS:
+        raise MetraleError(f"the attention kernels are built for head_dim {', '.join(map(str, HEAD_DIMS))} "
+                           f"(not every dtype up to {HEAD_DIMS[-1]}), not {head_dim}",
+                           hint="use --backend torch for such a model")
+    return head_dim
 
 
 def gpu_count() -> int:
@@ -92,11 +83,12 @@ def validate_kernels(dtype, head_dim: int = 128, progress: Progress | None = Non
     """Check every kernel ``dtype`` needs at ``head_dim``; numerically too when on a GPU (verdicts
     recorded for this GPU are reused unless ``recheck``)."""
     gpu = gpu_count() > 0 if on_gpu is None else on_gpu
-    d = as_kv_dtype(dtype)
-    specs = kernels_to_validate(d, head_dim)
+    d = concrete(dtype)
+    specs = kernels_to_validate(d, check_head_dim(head_dim))
+    unserved = kv_kernels(d, head_dim).unserved()
     start, cold = time.perf_counter(), 0.0
     rows = []
-    checker = _GpuChecker(head_dim, recheck) if gpu else _CpuChecker(specs, head_dim)
+    checker = _GpuChecker(head_dim, recheck, unserved) if gpu else _CpuChecker(specs, unserved)
     for i, spec in enumerate(specs):
         if progress:
             progress(str(spec), i, len(specs))
@@ -115,9 +107,9 @@ def _missing(spec: KernelSpec) -> KernelRow:
 class _CpuChecker:
     """Compiles the modules of every kernel (the cold ones in parallel) and reads their symbols."""
 
-    def __init__(self, specs: list[KernelSpec], head_dim: int):
+    def __init__(self, specs: list[KernelSpec], unserved: dict[str, str]):
         modules = {m.name: m for m in (module_for(s) for s in specs) if m is not None}
-        self.results, self.head_dim = check_modules(modules.values()), head_dim
+        self.results, self.unserved = check_modules(modules.values()), unserved
 
     def row(self, spec: KernelSpec) -> tuple[KernelRow, float]:
         module = module_for(spec)
@@ -130,7 +122,7 @@ class _CpuChecker:
         how = "cached" if result.cached else f"{result.seconds:.2f} s"
         exported = spec.function in result.symbols
         symbol = "exported" if exported else "not exported"
-        problem = head_dim_problem(spec, self.head_dim)
+        problem = self.unserved.get(str(spec))
         numeric = SKIPPED if problem is None else problem
         row = KernelRow(str(spec), f"yes ({result.compiler}, {how})", symbol, numeric, exported and not problem)
         return row, result.seconds
@@ -140,13 +132,13 @@ class _GpuChecker:
     """Loads each kernel through CuPy on the current device and checks it numerically, or reuses
     the verdict this GPU recorded for the same sources."""
 
-    def __init__(self, head_dim: int, recheck: bool, loader=None, verdicts: VerdictStore | None = None,
-                 device: int | None = None):
+    def __init__(self, head_dim: int, recheck: bool, unserved: dict[str, str], loader=None,
+                 verdicts: VerdictStore | None = None, device: int | None = None):
         from metrale_cli.kernels.loader import KernelLoader, current_device
 
         self.loader = loader or KernelLoader()
         self.device = current_device() if device is None else device
-        self.head_dim, self.recheck = head_dim, recheck
+        self.head_dim, self.recheck, self.unserved = head_dim, recheck, unserved
         self.verdicts = verdicts or VerdictStore.for_device(self.device)
         self._ops = None
         self._digests: dict[str, str] = {}
@@ -159,7 +151,7 @@ class _GpuChecker:
             self.loader.function(spec, self.device)
         except Exception as exc:  # noqa: BLE001 - reported in the table, not raised
             return KernelRow(str(spec), f"failed: {exc}".splitlines()[0], "-", "-", False), 0.0
-        problem = head_dim_problem(spec, self.head_dim)
+        problem = self.unserved.get(str(spec))
         numeric = problem
         if problem is None:
             if module.name not in self._digests:  # a module serves several rows: hash it once
@@ -189,8 +181,8 @@ class _GpuChecker:
 
 
 _CHECK_SOURCES = ("kernels/checks.py", "kernels/cases.py", "kernels/reference.py", "kernels/cuda_ops.py",
-                  "kernels/cuda_decode.py", "kernels/table.py", "kernels/sdpa_prefill.py", "kv/dtypes.py",
-                  "kv/formats.py", "kv/quant.py", "kv/wht.py")
+                  "kernels/cuda_attention.py", "kernels/kv_kernels.py", "kernels/table.py", "kernels/tolerances.py",
+                  "kernels/sdpa_prefill.py", "kv/dtypes.py", "kv/formats.py", "kv/pool.py", "kv/quant.py", "kv/wht.py")
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,7 +207,7 @@ class VerdictStore:
     def for_device(cls, device: int) -> VerdictStore:
         from metrale_cli.kernels.loader import device_arch, device_identity
 
-        return cls(cache_dir() / "verified", device_identity(device), device_arch(device))
+        return cls(kernel_cache_dir() / "verified", device_identity(device), device_arch(device))
 
     def key(self, spec: KernelSpec, head_dim: int, module_digest: str) -> str:
         text = "\n".join((str(spec), str(head_dim), module_digest, self.gpu, self.arch, self.checks_digest))

@@ -1,10 +1,23 @@
-"""The 16 KV-cache dtypes of the contract (KV_DTYPES.md), their aliases and per-side types."""
+"""The 16 KV-cache dtypes of the contract (KV_DTYPES.md) and the one table that describes them.
+
+:data:`KV_DTYPES` holds one :class:`KvDtypeRow` per dtype: its K and V side types, its short
+alias, how its cache write is launched, which paged-decode and chunked-prefill modules it gets
+and for which head_dims, whether it has the tensor-core decode, and how many bf16 boundary layers
+it promotes. Everything else (kernel modules, required / launched / validated kernel lists, the
+boundary-layer plan) is derived from it; a dtype without a row fails at import.
+"""
 
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from metrale_cli.errors import MetraleError
+
+HEAD_DIMS = (64, 128, 256, 512)
+"""The head_dims the attention kernels and the WHT rotation are built for."""
 
 
 class SideType(str, enum.Enum):
@@ -41,18 +54,135 @@ class KvCacheDtype(str, enum.Enum):
     FP8K_TURBO3V = "fp8k_turbo3v"
     FP8K_TURBO2V = "fp8k_turbo2v"
 
+    @property
+    def row(self) -> KvDtypeRow:
+        return KV_DTYPES[self]
 
-ALIASES: dict[str, KvCacheDtype] = {
-    "turbo4k3v": KvCacheDtype.TURBO4K_TURBO3V,
-    "turbo4k8v": KvCacheDtype.TURBO4K_TURBO8V,
-    "turbo3k8v": KvCacheDtype.TURBO3K_TURBO8V,
-    "bf16k4v": KvCacheDtype.BF16K_TURBO4V,
-    "bf16k3v": KvCacheDtype.BF16K_TURBO3V,
-    "bf16k2v": KvCacheDtype.BF16K_TURBO2V,
-    "fp8k4v": KvCacheDtype.FP8K_TURBO4V,
-    "fp8k3v": KvCacheDtype.FP8K_TURBO3V,
-    "fp8k2v": KvCacheDtype.FP8K_TURBO2V,
+    @property
+    def suffix(self) -> str:
+        """The kernel-name suffix: '' for bf16 (its modules predate the others), else '_<dtype>'."""
+        return "" if self is KvCacheDtype.BF16 else f"_{self.value}"
+
+
+# --- the parts of a row -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CacheWrite:
+    """How a dtype's cache write is launched: its module, its grid, the pointers it takes."""
+
+    module: str  # reshape_and_cache (bf16 / fp8 / nvfp4) or reshape_and_cache_turbo
+    per_head: bool  # grid (T, Hk) with a warp per side (block 64); else (T,), block 128
+    scales: bool  # takes the fp8 per-tensor k_scale / v_scale
+    rotation: bool  # takes the WHT signs of each side and the InnerQ channel scales
+
+
+PLAIN_WRITE = CacheWrite("reshape_and_cache", per_head=False, scales=False, rotation=False)
+FP8_WRITE = CacheWrite("reshape_and_cache", per_head=False, scales=True, rotation=False)
+NVFP4_WRITE = CacheWrite("reshape_and_cache", per_head=True, scales=False, rotation=False)
+TURBO_WRITE = CacheWrite("reshape_and_cache_turbo", per_head=True, scales=True, rotation=True)
+
+
+@dataclass(frozen=True)
+class PrefillBuild:
+    """The chunked-prefill module ``prefill_paged<suffix>``, entry ``attn_prefill_paged<suffix><tile>``."""
+
+    tile: str  # "_64" or ""
+    max_head_dim: int
+    required: bool  # listed in KV_DTYPES.md's table (bf16 / fp8 / nvfp4 launch theirs for short chunks only)
+
+
+@dataclass(frozen=True)
+class TensorCoreDecode:
+    """``paged_decode_tc``'s decode and one-launch decode attention of a dtype (head_dim 64 / 128)."""
+
+    ctas_per_sm: int  # its __launch_bounds__ minimum
+    programmatic: bool  # launched with programmatic dependent launch
+
+
+def _none(_layers: int) -> int:
+    return 0
+
+
+def _third(layers: int) -> int:
+    return max(2, math.ceil(layers / 3))
+
+
+def _four_fifths(layers: int) -> int:
+    return max(4, math.ceil(4 * layers / 5))
+
+
+@dataclass(frozen=True)
+class KvDtypeRow:
+    """Everything about one KV-cache dtype.
+
+    ``decode``: the paged-decode modules ``paged_decode<suffix><name>`` it gets, as (name, largest
+    head_dim): ``_128`` serves head_dim <= 128 where a module without the name exists too, and
+    every head_dim it is built for otherwise. ``min_bf16_layers(L)``: the boundary layers kept in
+    bf16 even at ``--kv-high-precision-layers 0``.
+    """
+
+    k: SideType
+    v: SideType
+    alias: str | None
+    write: CacheWrite
+    decode: tuple[tuple[str, int], ...]
+    prefill: PrefillBuild
+    min_bf16_layers: Callable[[int], int]
+    tensor_core: TensorCoreDecode | None = None
+
+    @property
+    def rotated(self) -> bool:
+        """Some side is stored in the randomized-Hadamard basis (the layer rotates Q / the output)."""
+        return self.k.is_turbo or self.v.is_turbo
+
+    @property
+    def experimental(self) -> bool:
+        return self.rotated
+
+    def decode_module(self, head_dim: int) -> tuple[str, int]:
+        """(module name suffix, its largest head_dim) of the decode module serving ``head_dim``."""
+        modules = dict(self.decode)
+        if "_128" in modules and (head_dim <= 128 or len(modules) == 1):
+            return "_128", modules["_128"]
+        return "", modules[""]
+
+
+S, D = SideType, KvCacheDtype
+_BOTH = (("_128", 256), ("", 512))  # the _128 module up to 256, the general one up to 512
+_SMALL = (("_128", 256),)  # only the _128 module, at every head_dim it serves
+_TURBO_PREFILL = PrefillBuild("_64", 512, True)
+
+
+def _turbo(k: SideType, v: SideType, alias: str | None, decode=_BOTH, prefill=_TURBO_PREFILL,
+           boundary=_third) -> KvDtypeRow:
+    return KvDtypeRow(k, v, alias, TURBO_WRITE, decode, prefill, boundary)
+
+
+KV_DTYPES: dict[KvCacheDtype, KvDtypeRow] = {
+    D.BF16: KvDtypeRow(S.BF16, S.BF16, None, PLAIN_WRITE, (("", 256),), PrefillBuild("", 256, False), _none,
+                       TensorCoreDecode(ctas_per_sm=4, programmatic=True)),
+    # fp8's tensor-core decode is bound by instruction issue: launched programmatically it lost 4% at
+    # batch 16 and 32k context (1050 vs 1094 tok/s on an H200), so it launches normally.
+    D.FP8: KvDtypeRow(S.FP8, S.FP8, None, FP8_WRITE, (("", 256),), PrefillBuild("", 256, False), _none,
+                      TensorCoreDecode(ctas_per_sm=3, programmatic=False)),
+    D.NVFP4: KvDtypeRow(S.NVFP4, S.NVFP4, None, NVFP4_WRITE, (("", 512),), PrefillBuild("", 512, False), _none),
+    D.TURBO4: _turbo(S.TURBO4, S.TURBO4, None),
+    D.TURBO3: _turbo(S.TURBO3, S.TURBO3, None),
+    D.TURBO2: _turbo(S.TURBO2, S.TURBO2, None, _SMALL, PrefillBuild("", 512, True), _four_fifths),
+    D.TURBO8: _turbo(S.TURBO8, S.TURBO8, None),
+    D.TURBO4K_TURBO3V: _turbo(S.TURBO4, S.TURBO3, "turbo4k3v", _SMALL),
+    D.TURBO4K_TURBO8V: _turbo(S.TURBO4, S.TURBO8, "turbo4k8v", _SMALL),
+    D.TURBO3K_TURBO8V: _turbo(S.TURBO3, S.TURBO8, "turbo3k8v", _SMALL),
+    D.BF16K_TURBO4V: _turbo(S.BF16, S.TURBO4, "bf16k4v"),
+    D.BF16K_TURBO3V: _turbo(S.BF16, S.TURBO3, "bf16k3v", boundary=_four_fifths),
+    D.BF16K_TURBO2V: _turbo(S.BF16, S.TURBO2, "bf16k2v"),
+    D.FP8K_TURBO4V: _turbo(S.FP8, S.TURBO4, "fp8k4v"),
+    D.FP8K_TURBO3V: _turbo(S.FP8, S.TURBO3, "fp8k3v"),
+    D.FP8K_TURBO2V: _turbo(S.FP8, S.TURBO2, "fp8k2v"),
 }
+if set(KV_DTYPES) != set(KvCacheDtype):  # a dtype without a row is a build error, never a fallback
+    raise ImportError(f"KV_DTYPES has no row for {sorted(set(KvCacheDtype) - set(KV_DTYPES))}")
+
+ALIASES: dict[str, KvCacheDtype] = {row.alias: d for d, row in KV_DTYPES.items() if row.alias}
 
 AUTO = "auto"
 
@@ -63,7 +193,9 @@ def valid_names() -> list[str]:
 
 
 def parse_kv_cache_dtype(name: str) -> KvCacheDtype | str:
-    """Parse a ``--kv-cache-dtype`` value; returns ``AUTO`` unchanged for the caller to resolve."""
+    """Parse a ``--kv-cache-dtype`` value; returns ``AUTO`` unchanged (``ModelConfig`` resolves it)."""
+    if isinstance(name, KvCacheDtype):
+        return name
     key = name.strip().lower()
     if key == AUTO:
         return AUTO
@@ -78,23 +210,19 @@ def parse_kv_cache_dtype(name: str) -> KvCacheDtype | str:
         ) from None
 
 
-def resolve_auto(checkpoint_kv_dtype: str | None) -> KvCacheDtype:
-    """``auto`` = the checkpoint's declared KV dtype, else bf16."""
-    if checkpoint_kv_dtype:
-        declared = parse_kv_cache_dtype(checkpoint_kv_dtype)
-        if declared != AUTO:
-            return declared
-    return KvCacheDtype.BF16
+def concrete(dtype: KvCacheDtype | str) -> KvCacheDtype:
+    """A parsed dtype (aliases accepted); ``auto`` is refused where a concrete one is needed."""
+    parsed = parse_kv_cache_dtype(dtype)
+    if not isinstance(parsed, KvCacheDtype):
+        raise MetraleError("a concrete --kv-cache-dtype is needed here, not 'auto'",
+                           hint="valid values: " + ", ".join(d.value for d in KvCacheDtype))
+    return parsed
 
 
 def kv_pair(d: KvCacheDtype) -> tuple[SideType, SideType]:
     """The (K side, V side) storage types of a dtype."""
-    name = d.value
-    if "_" not in name:
-        side = SideType(name)
-        return side, side
-    k, v = name.split("_")
-    return SideType(k[:-1]), SideType(v[:-1])
+    row = KV_DTYPES[d]
+    return row.k, row.v
 
 
 def is_asymmetric(d: KvCacheDtype) -> bool:
@@ -108,4 +236,4 @@ def is_wht_rotated(side: SideType) -> bool:
 
 
 def is_experimental(d: KvCacheDtype) -> bool:
-    return any(s.is_turbo for s in kv_pair(d))
+    return KV_DTYPES[d].experimental

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from metrale_cli.kernels.ops import BLOCK_SIZE, SidePool
 from metrale_cli.kv import quant
-from metrale_cli.kv.dtypes import SideType
+from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
+from metrale_cli.kv.pool import BLOCK_SIZE, LayerKv, SidePool
 from metrale_cli.kv.wht import rotate_fp32
 
 Encoder = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]
@@ -173,3 +173,10 @@ def new_pool(side: SideType, num_blocks: int, num_kv_heads: int, head_dim: int,
     signs = wht_signs(head_dim, device) if fmt.rotated else None
     return SidePool(side, data, num_kv_heads, head_dim,
                     torch.ones(1, dtype=torch.float32, device=device), signs)
+
+
+def new_layer_kv(dtype: KvCacheDtype, num_blocks: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device) -> LayerKv:
+    """A zeroed layer cache of ``dtype``: its K and V pools."""
+    k, v = (new_pool(side, num_blocks, num_kv_heads, head_dim, device) for side in kv_pair(dtype))
+    return LayerKv(dtype, k, v)

@@ -36,17 +36,20 @@ class Fp8ScalePolicy:
         self.cache = cache
         layers = range(cache.layout.num_layers)
         self.fp8_sides = [(i, side) for i in layers for side in "kv"
-                          if getattr(cache, side)[i].side == SideType.FP8]
+                          if self._pool(i, side).side == SideType.FP8]
         self.calibration_tokens = calibration_tokens
         self.frozen = [not any(i == j for j, _ in self.fp8_sides) for i in layers]
         self.source = self._load(tensors) if self.fp8_sides else None
+
+    def _pool(self, layer: int, side: str):
+        return getattr(self.cache.layers[layer], side)
 
     def _load(self, tensors: dict[str, torch.Tensor]) -> str:
         found = 0
         for layer, side in self.fp8_sides:
             t = checkpoint_scales(tensors, layer, side)
             if t is not None:
-                getattr(self.cache, side)[layer].scale.copy_(t.float().reshape(-1)[:1])
+                self._pool(layer, side).scale.copy_(t.float().reshape(-1)[:1])
                 found += 1
         if found == len(self.fp8_sides):
             self.frozen = [True] * len(self.frozen)
@@ -79,5 +82,5 @@ class Fp8ScalePolicy:
         for side, x in (("k", k), ("v", v)):
             if (layer, side) in self.fp8_sides:
                 amax = x[:n].detach().abs().amax().float().clamp(min=1e-4)
-                getattr(self.cache, side)[layer].scale.copy_((amax / FP8_MAX).reshape(1))
+                self._pool(layer, side).scale.copy_((amax / FP8_MAX).reshape(1))
         self.frozen[layer] = True

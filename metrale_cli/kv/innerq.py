@@ -46,12 +46,12 @@ class InnerQPolicy:
     def __init__(self, cache: PagedKvCache, settings: InnerQSettings):
         self.cache = cache
         self.settings = settings
-        self.layers = [i for i, pool in enumerate(cache.k) if pool.rotated]
+        self.layers = [i for i, kv in enumerate(cache.layers) if kv.k.rotated]
         on = settings.tokens > 0 and bool(self.layers)
         self.frozen = [not (on and i in self.layers) for i in range(cache.layout.num_layers)]
         self.applied: dict[int, bool] = {}
-        shape = (cache.layout.num_kv_heads, cache.layout.head_dim)
-        self._sumsq = {i: torch.zeros(shape, device=cache.device) for i in self.layers}
+        self._sumsq = {i: torch.zeros(cache.layers[i].num_kv_heads, cache.layers[i].head_dim, device=cache.device)
+                       for i in self.layers}
         self._count = dict.fromkeys(self.layers, 0)
         self._written: dict[int, list[torch.Tensor]] = {i: [] for i in self.layers}
 
@@ -78,7 +78,7 @@ class InnerQPolicy:
         slots = slot_mapping.long()
         keep = slots >= 0
         take = min(int(keep.sum()), self.settings.tokens - self._count[layer])
-        rotated = rotate_fp32(k[keep][:take], self.cache.k[layer].signs)
+        rotated = rotate_fp32(k[keep][:take], self.cache.layers[layer].k.signs)
         self._sumsq[layer] += rotated.pow(2).sum(0)
         self._count[layer] += take
         if self._count[layer] >= self.settings.tokens:
@@ -87,7 +87,7 @@ class InnerQPolicy:
             self._written[layer].append(slots[keep])
 
     def _freeze(self, layer: int) -> None:
-        pool = self.cache.k[layer]
+        pool = self.cache.layers[layer].k
         scales = channel_scales(self._sumsq[layer], self._count[layer], self.settings.strength)
         if scales is not None:
             if self._written[layer]:

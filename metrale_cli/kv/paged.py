@@ -1,7 +1,8 @@
-"""PagedKvCache: one SidePool per layer and per side, shared block ids, block tables per sequence.
+"""PagedKvCache: one :class:`LayerKv` per layer, shared block ids, block tables per sequence.
 
-Layers may differ in KV dtype (high-precision boundary layers keep bf16); every pool has the
-same number of blocks, so one block table per sequence serves every layer.
+Layers may differ in KV dtype (high-precision boundary layers keep bf16), in KV heads and in
+head_dim; every pool has the same number of blocks, so one block table per sequence serves every
+layer.
 """
 
 from __future__ import annotations
@@ -12,35 +13,48 @@ from dataclasses import dataclass
 import torch
 
 from metrale_cli.errors import MetraleError
-from metrale_cli.kernels.ops import BLOCK_SIZE, SidePool
 from metrale_cli.kv.dtypes import KvCacheDtype, kv_pair
-from metrale_cli.kv.formats import new_pool, side_format
+from metrale_cli.kv.formats import new_layer_kv, side_format
+from metrale_cli.kv.pool import BLOCK_SIZE, LayerKv
+
+
+@dataclass(frozen=True)
+class KvLayerShape:
+    """What one layer stores per token: its dtype, KV heads and head_dim."""
+
+    dtype: KvCacheDtype
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies in this layer, K and V, group scales included."""
+        return sum(self.num_kv_heads * side_format(s).vector_bytes(self.head_dim) for s in kv_pair(self.dtype))
 
 
 @dataclass(frozen=True)
 class KvLayout:
-    """The cache's shape: one KV dtype per layer (``dtypes``), one head count and head_dim."""
+    """The cache's shape: one :class:`KvLayerShape` per layer."""
 
-    num_kv_heads: int
-    head_dim: int
-    dtypes: tuple[KvCacheDtype, ...]
+    layers: tuple[KvLayerShape, ...]
 
     @classmethod
     def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: KvCacheDtype) -> KvLayout:
-        return cls(num_kv_heads, head_dim, (dtype,) * num_layers)
+        return cls((KvLayerShape(dtype, num_kv_heads, head_dim),) * num_layers)
 
     @property
     def num_layers(self) -> int:
-        return len(self.dtypes)
+        return len(self.layers)
+
+    @property
+    def dtypes(self) -> tuple[KvCacheDtype, ...]:
+        return tuple(s.dtype for s in self.layers)
 
     def layer_bytes_per_token(self, layer: int) -> int:
-        """Bytes one token occupies in one layer, K and V, group scales included."""
-        return sum(self.num_kv_heads * side_format(s).vector_bytes(self.head_dim)
-                   for s in kv_pair(self.dtypes[layer]))
+        return self.layers[layer].bytes_per_token()
 
     def bytes_per_token(self) -> int:
         """Bytes one token occupies across all layers, K and V."""
-        return sum(self.layer_bytes_per_token(i) for i in range(self.num_layers))
+        return sum(s.bytes_per_token() for s in self.layers)
 
     def bytes_per_block(self) -> int:
         return self.bytes_per_token() * BLOCK_SIZE
@@ -76,21 +90,18 @@ class BlockAllocator:
 
 
 class PagedKvCache:
-    """``k[i]`` / ``v[i]``: layer i's :class:`SidePool` for K and V, in that layer's side types."""
+    """``layers[i]``: layer i's :class:`LayerKv` (its dtype and K / V pools), as ``layout`` says."""
 
     def __init__(self, layout: KvLayout, num_blocks: int, device: torch.device):
         self.layout = layout
         self.device = device
-        self.k: list[SidePool] = []
-        self.v: list[SidePool] = []
-        for dtype in layout.dtypes:
-            k_side, v_side = kv_pair(dtype)
-            self.k.append(new_pool(k_side, num_blocks, layout.num_kv_heads, layout.head_dim, device))
-            self.v.append(new_pool(v_side, num_blocks, layout.num_kv_heads, layout.head_dim, device))
+        self.layers: list[LayerKv] = [new_layer_kv(s.dtype, num_blocks, s.num_kv_heads, s.head_dim, device)
+                                      for s in layout.layers]
         self.allocator = BlockAllocator(num_blocks)
 
-    def pools(self, layer: int) -> tuple[SidePool, SidePool]:
-        return self.k[layer], self.v[layer]
+    def pools(self):
+        """Every side pool of the cache, layer by layer, K before V."""
+        return [pool for kv in self.layers for pool in (kv.k, kv.v)]
 
     @property
     def num_blocks(self) -> int:

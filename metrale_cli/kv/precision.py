@@ -2,40 +2,15 @@
 
 N boundary layers keep bf16, the first ⌈N/2⌉ and the last ⌊N/2⌋ of the stack. Quantized KV
 hurts most at the ends of the stack, and a turbo or asymmetric dtype promotes a minimum even at
-N = 0 (KV_DTYPES.md): :data:`MINIMUM_RULES` is that table, one row per dtype.
+N = 0 (KV_DTYPES.md): each dtype's row says how many (``KvDtypeRow.min_bf16_layers``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 from metrale_cli.errors import MetraleError
-from metrale_cli.kv.dtypes import KvCacheDtype
-
-D = KvCacheDtype
-
-
-def _none(_layers: int) -> int:
-    return 0
-
-
-def _third(layers: int) -> int:
-    return max(2, math.ceil(layers / 3))
-
-
-def _four_fifths(layers: int) -> int:
-    return max(4, math.ceil(4 * layers / 5))
-
-
-MINIMUM_RULES: dict[KvCacheDtype, Callable[[int], int]] = {
-    D.BF16: _none, D.FP8: _none, D.NVFP4: _none,
-    D.TURBO2: _four_fifths, D.BF16K_TURBO3V: _four_fifths,
-    D.TURBO4: _third, D.TURBO3: _third, D.TURBO8: _third,
-    D.TURBO4K_TURBO3V: _third, D.TURBO4K_TURBO8V: _third, D.TURBO3K_TURBO8V: _third,
-    D.BF16K_TURBO4V: _third, D.BF16K_TURBO2V: _third,
-    D.FP8K_TURBO4V: _third, D.FP8K_TURBO3V: _third, D.FP8K_TURBO2V: _third,
-}
+from metrale_cli.kv.dtypes import KV_DTYPES, KvCacheDtype
 
 NAMED = {"auto": 2}
 EVERY = ("max", "all")
@@ -58,7 +33,7 @@ def high_precision_count(dtype: KvCacheDtype, num_layers: int, spec: str | int =
                          promote_minimum: bool = True) -> int:
     """How many boundary layers keep bf16: max(N, the dtype's minimum), at most every layer."""
     n = requested_layers(spec, num_layers)
-    floor = MINIMUM_RULES[dtype](num_layers) if promote_minimum else 0
+    floor = KV_DTYPES[dtype].min_bf16_layers(num_layers) if promote_minimum else 0
     return min(num_layers, max(n, floor))
 
 
@@ -67,7 +42,7 @@ def layer_dtypes(dtype: KvCacheDtype, num_layers: int, spec: str | int = 0,
     """Each layer's KV dtype: bf16 for the first ⌈N/2⌉ and last ⌊N/2⌋ layers, else ``dtype``."""
     n = high_precision_count(dtype, num_layers, spec, promote_minimum)
     head, tail = math.ceil(n / 2), n // 2
-    return tuple(D.BF16 if i < head or i >= num_layers - tail else dtype for i in range(num_layers))
+    return tuple(KvCacheDtype.BF16 if i < head or i >= num_layers - tail else dtype for i in range(num_layers))
 
 
 def describe(dtypes: tuple[KvCacheDtype, ...]) -> str:

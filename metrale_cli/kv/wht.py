@@ -14,9 +14,9 @@ import math
 import torch
 
 from metrale_cli.errors import MetraleError
+from metrale_cli.kv.dtypes import HEAD_DIMS
 
 SIGN_SEED = 20251130
-HEAD_DIMS = (64, 128, 256, 512)
 
 
 @functools.lru_cache(maxsize=None)

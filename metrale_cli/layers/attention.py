@@ -2,14 +2,16 @@
 
 RMSNorm (fused with the residual add) -> fused q/k/v projection -> optional QK-norm -> RoPE ->
 KV-cache write (these three one launch once calibration has frozen) -> paged attention ->
-o_proj -> residual add + post-attention norm -> FFN component. Batch-1 decode on a backend
-whose fused GEMVs serve the model (``Ops.gemv_fits``) runs each projection as one launch with its
-neighbour: norm + q/k/v, o_proj + residual add, norm + gate/up + SwiGLU, down + residual add; the
-layer then hands on the running sum alone (``residual`` None). WHT bookends: when the layer's K
-side is stored rotated, Q is rotated the same way (and divided by the InnerQ channel scales)
-before attention, so scores are unchanged; when the V side is rotated, the attention output
-comes back in the rotated basis and is rotated back. Layers pass ``(hidden, residual)`` on, vLLM
-style: the residual add of one sub-layer is fused into the next norm.
+o_proj -> residual add + the pre-FFN norm -> FFN component. What the layer is comes from its
+:class:`~metrale_cli.layers.spec.LayerSpec` (heads, head_dim, RoPE, scale, QK-norm, KV dtype);
+the attention kernels of its KV dtype and head_dim are resolved once, when it is built
+(``Ops.paged_attention``). Batch-1 decode on a backend whose fused GEMVs serve the layer
+(``Ops.gemv_fits``) runs each projection as one launch with its neighbour: norm + q/k/v,
+o_proj + residual add, and the FFN's own (``FfnComponent.add_row``); the layer then hands on the
+running sum alone (``residual`` None). WHT bookends: when the layer's K side is stored rotated,
+Q is rotated the same way (and divided by the InnerQ channel scales) before attention, so scores
+are unchanged; when the V side is rotated, the attention output comes back in the rotated basis
+and is rotated back.
 """
 
 from __future__ import annotations
@@ -19,14 +21,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from metrale_cli.config import ModelConfig
-from metrale_cli.kernels.ops import Ops, SidePool, StackLayer
-from metrale_cli.kv.fp8 import Fp8ScalePolicy
-from metrale_cli.kv.innerq import InnerQPolicy
-from metrale_cli.kv.paged import PagedKvCache
+from metrale_cli.errors import MetraleError
+from metrale_cli.kernels.ops import Ops
+from metrale_cli.kv.calibration import KvCalibration
+from metrale_cli.kv.pool import LayerKv, SidePool
 from metrale_cli.layers.context import ForwardContext
-from metrale_cli.layers.ffn import DenseSwiGluFfn
-from metrale_cli.layers.host_timing import phase
+from metrale_cli.layers.protocols import FfnComponent
+from metrale_cli.layers.spec import LayerSpec
 
 
 @dataclass
@@ -41,10 +42,7 @@ class AttentionWeights:
 
 @dataclass
 class AttnLayerState:
-    """Per-sequence state of a full-attention layer: empty, its K/V live in the paged cache.
-
-    Recurrent layers (Gated DeltaNet) keep conv and recurrent state here instead.
-    """
+    """Per-sequence state of a full-attention layer: empty, its K/V live in the paged cache."""
 
 
 def rotate_query(ops: Ops, q: torch.Tensor, k_pool: SidePool) -> torch.Tensor:
@@ -70,49 +68,28 @@ def restore_output(ops: Ops, out: torch.Tensor, v_pool: SidePool) -> torch.Tenso
 
 
 class Qwen3AttentionLayer:
-    def __init__(
-        self,
-        layer_idx: int,
-        config: ModelConfig,
-        input_norm: torch.Tensor,
-        attn: AttentionWeights,
-        post_attn_norm: torch.Tensor,
-        ffn: DenseSwiGluFfn,
-        ops: Ops,
-        kv_cache: PagedKvCache,
-        fp8_scales: Fp8ScalePolicy,
-        rope_cos: torch.Tensor,
-        rope_sin: torch.Tensor,
-        innerq: InnerQPolicy | None = None,
-    ):
-        self.idx = layer_idx
-        self.cfg = config
-        self.input_norm = input_norm
-        self.attn = attn
-        self.post_attn_norm = post_attn_norm
-        self.ffn = ffn
-        self.ops = ops
-        self.kv = kv_cache
-        self.fp8_scales = fp8_scales
-        self.innerq = innerq
-        self.rope_cos, self.rope_sin = rope_cos, rope_sin
-        self.scale = config.head_dim**-0.5
-        self.fused_decode = (
-            isinstance(ffn, DenseSwiGluFfn) and attn.qkv_bias is None and attn.o_bias is None
-            and all(t.dtype == torch.bfloat16 for t in (attn.qkv, attn.o, ffn.gate_up, ffn.down))
-            and all(ops.gemv_fits(k) for k in (config.hidden_size, config.q_size, ffn.down.shape[1]))
-        )
+    """A :class:`~metrale_cli.layers.protocols.Layer`: pre-norm full attention over the paged
+    cache ``kv``, then the pre-norm FFN component ``ffn``."""
 
-    def stack_layer(self) -> StackLayer | None:
-        """This layer as part of a whole-stack decode step (``Ops.decode_stack``), or None where
-        its decode step is not the fused one (biases, a non-SwiGLU FFN, weights the fused GEMVs
-        do not take) or its KV cache is calibrated online."""
-        if not (self.fused_decode and self._frozen()):
-            return None
-        w = self.attn
-        kp, vp = self.kv.pools(self.idx)
-        return StackLayer(w.qkv, w.o, self.ffn.gate_up, self.ffn.down, self.input_norm, self.post_attn_norm,
-                          w.q_norm, w.k_norm, kp, vp)
+    def __init__(self, spec: LayerSpec, weights: AttentionWeights, input_norm: torch.Tensor,
+                 ffn_norm: torch.Tensor, ffn: FfnComponent, ops: Ops, kv: LayerKv,
+                 rope: tuple[torch.Tensor, torch.Tensor], calibration: KvCalibration):
+        a = spec.attention
+        if (kv.dtype, kv.head_dim, kv.num_kv_heads) != (spec.kv_dtype, a.head_dim, a.num_kv_heads):
+            raise MetraleError(f"layer {spec.index}: its KV cache is {kv.dtype.value} {kv.num_kv_heads}x{kv.head_dim}, "
+                               f"its spec {spec.kv_dtype.value} {a.num_kv_heads}x{a.head_dim}")
+        self.spec, self.weights, self.ffn, self.ops, self.kv = spec, weights, ffn, ops, kv
+        self.input_norm, self.ffn_norm = input_norm, ffn_norm
+        self.rope_cos, self.rope_sin = rope
+        self.calibration = calibration
+        self.idx, self.eps, self.scale = spec.index, spec.eps, a.scale
+        self.attention = ops.paged_attention(spec.kv_dtype, a.head_dim)
+        w = weights
+        self.fused_decode = (
+            ffn.fuses_row and w.qkv_bias is None and w.o_bias is None
+            and all(t.dtype == torch.bfloat16 for t in (w.qkv, w.o))
+            and all(ops.gemv_fits(k) for k in (w.qkv.shape[1], a.q_size))
+        )
 
     # --- the layer protocol -------------------------------------------------------------
     def alloc_state(self) -> AttnLayerState:
@@ -122,119 +99,105 @@ class Qwen3AttentionLayer:
         """Nothing to free: the sequence's blocks are released by the cache's owner."""
 
     def decode_graph_unsupported(self) -> str | None:
-        """Why this layer's decode step cannot be captured in a CUDA graph, or None if it can.
-
-        The cuda kernels read every step input from device buffers; the torch references
-        gather each sequence's context with host-side lengths, which a graph would freeze.
-        """
+        """The cuda kernels read every step input from device buffers; the torch references
+        gather each sequence's context with host-side lengths, which a graph would freeze."""
         if self.ops.name != "cuda":
             return f"the {self.ops.name} backend's attention reads context lengths on the host"
         return None
 
-    def prefill(self, hidden, residual, ctx: ForwardContext):
-        """One chunk of one sequence. hidden/residual: (T, hidden); residual None on layer 0.
+    def tensors(self) -> list[torch.Tensor]:
+        w = self.weights
+        own = [w.qkv, w.o, w.qkv_bias, w.o_bias, w.q_norm, w.k_norm, self.input_norm, self.ffn_norm]
+        return [t for t in own if t is not None] + self.ffn.tensors()
 
-        Tokens whose slot is -1 (a prefix-cache skip below ``kv_write_start``) are not written.
-        """
+    def prefill(self, hidden, residual, state: AttnLayerState, ctx: ForwardContext):
         return self._forward(hidden, residual, ctx)
 
-    def decode_multi_seq(self, hidden, residual, ctx: ForwardContext):
-        """One new token for each of B sequences (one row per sequence)."""
+    def decode_multi_seq(self, hidden, residual, states: list[AttnLayerState], ctx: ForwardContext):
         return self._forward(hidden, residual, ctx)
 
-    def decode(self, hidden, residual, ctx: ForwardContext):
-        """One token of one sequence: decode_multi_seq with B = 1."""
+    def decode(self, hidden, residual, state: AttnLayerState, ctx: ForwardContext):
         return self._forward(hidden, residual, ctx)
 
-    def decode_batched(self, hidden, residual, ctx: ForwardContext):
-        """K tokens of one sequence in one pass (speculative verify): a short causal prefill."""
+    def decode_batched(self, hidden, residual, state: AttnLayerState, ctx: ForwardContext):
+        """K tokens of one sequence in one pass: a short causal prefill."""
         return self._forward(hidden, residual, ctx)
+
+    def frozen(self) -> bool:
+        """This layer's online calibration (fp8 scales, InnerQ) is done: nothing needs the roped K
+        on the host side any more."""
+        return self.calibration.frozen(self.idx)
 
     # --- the body -------------------------------------------------------------------------
     def _forward(self, hidden, residual, ctx: ForwardContext):
         if self.fused_decode and not ctx.is_prefill and hidden.shape[0] == 1:
             return self._decode_one(hidden, residual, ctx)
-        eps = self.cfg.rms_norm_eps
         if residual is None:
             residual = hidden
-            normed = self.ops.rms_norm(hidden, self.input_norm, eps)
+            normed = self.ops.rms_norm(hidden, self.input_norm, self.eps)
         else:
-            normed, residual = self.ops.add_rms_norm(hidden, residual, self.input_norm, eps)
-        timing = ctx.timing if ctx.is_prefill else None
-        attn_out = self._attention(normed, ctx, timing)
-        normed, residual = self.ops.add_rms_norm(attn_out, residual, self.post_attn_norm, eps)
-        with phase(timing, "ffn"):
-            return self.ffn(normed), residual
+            normed, residual = self.ops.add_rms_norm(hidden, residual, self.input_norm, self.eps)
+        attn_out = self._attention(normed, ctx)
+        normed, residual = self.ops.add_rms_norm(attn_out, residual, self.ffn_norm, self.eps)
+        return self.ffn(normed, ctx), residual
 
     def _decode_one(self, hidden, residual, ctx: ForwardContext):
         """One token through the fused GEMVs: returns (hidden + attention + FFN, None)."""
-        cfg, w, ops, eps = self.cfg, self.attn, self.ops, self.cfg.rms_norm_eps
-        qkv, stream = ops.gemv_norm(hidden, residual, self.input_norm, eps, w.qkv)
+        w, ops = self.weights, self.ops
+        qkv, stream = ops.gemv_norm(hidden, residual, self.input_norm, self.eps, w.qkv)
         out = self._decode_attention(qkv, ctx)
-        stream = ops.gemv_add(out.reshape(1, cfg.q_size), w.o, stream)
-        act, _ = ops.gemv_norm_swiglu(stream, None, self.post_attn_norm, eps, self.ffn.gate_up)
-        return ops.gemv_add(act, self.ffn.down, stream), None
+        stream = ops.gemv_add(out.reshape(1, self.spec.attention.q_size), w.o, stream)
+        return self.ffn.add_row(stream, self.ffn_norm, self.eps), None
 
-    def _attention(self, x: torch.Tensor, ctx: ForwardContext, timing) -> torch.Tensor:
-        cfg, w, ops = self.cfg, self.attn, self.ops
-        with phase(timing, "projections"):
-            qkv = F.linear(x, w.qkv, w.qkv_bias)
+    def _attention(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        w = self.weights
+        qkv = F.linear(x, w.qkv, w.qkv_bias)
         if ctx.is_prefill:
-            with phase(timing, "to attention call"):
-                q, kp, vp = self._prepare(qkv, ctx)
-            with phase(timing, "attention call"):
-                out = restore_output(ops, ops.paged_prefill(q, kp, vp, ctx.block_table, ctx.start_pos, self.scale), vp)
+            q = self._prepare(qkv, ctx)
+            out = self.attention.paged_prefill(q, self.kv, ctx.block_table, ctx.start_pos, self.scale)
+            out = restore_output(self.ops, out, self.kv.v)
         else:
             out = self._decode_attention(qkv, ctx)
-        return F.linear(out.reshape(x.shape[0], cfg.q_size), w.o, w.o_bias)
+        return F.linear(out.reshape(x.shape[0], self.spec.attention.q_size), w.o, w.o_bias)
 
     def _decode_attention(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """One token per sequence: QK-norm, RoPE, the cache write and paged decode -> (B, Hq, D).
         One backend call (one launch on the cuda backend's bf16 / fp8 cache) once calibration has
         frozen and neither side is rotated; else :meth:`_prepare` and the decode."""
-        cfg, w, ops = self.cfg, self.attn, self.ops
-        kp, vp = self.kv.pools(self.idx)
-        if self._frozen() and not kp.rotated and not vp.rotated:
+        w, kv = self.weights, self.kv
+        if self.frozen() and not self.spec.kv_dtype.row.rotated:
             q, k, v = self._split(qkv)
-            return ops.rope_cache_decode(q, k, v, kp, vp, ctx.slot_mapping, ctx.positions, self.rope_cos,
-                                         self.rope_sin, w.q_norm, w.k_norm, cfg.rms_norm_eps, ctx.block_tables,
-                                         ctx.seq_lens, self.scale)
-        q, kp, vp = self._prepare(qkv, ctx)
-        return restore_output(ops, ops.paged_decode(q, kp, vp, ctx.block_tables, ctx.seq_lens, self.scale), vp)
-
-    def _frozen(self) -> bool:
-        """This layer's online calibration (fp8 scales, InnerQ) is done: nothing needs the roped K
-        on the host side any more."""
-        i = self.idx
-        return bool(self.fp8_scales.frozen[i]) and (self.innerq is None or bool(self.innerq.frozen[i]))
+            return self.attention.rope_cache_decode(q, k, v, kv, ctx.slot_mapping, ctx.positions, self.rope_cos,
+                                                    self.rope_sin, w.q_norm, w.k_norm, self.eps, ctx.block_tables,
+                                                    ctx.seq_lens, self.scale)
+        q = self._prepare(qkv, ctx)
+        out = self.attention.paged_decode(q, kv, ctx.block_tables, ctx.seq_lens, self.scale)
+        return restore_output(self.ops, out, kv.v)
 
     def _split(self, qkv: torch.Tensor):
         """A fused projection's output -> q (T, Hq, D), k, v (T, Hk, D): views."""
-        cfg, tokens, d = self.cfg, qkv.shape[0], self.cfg.head_dim
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        hk = cfg.num_kv_heads
-        return q.view(tokens, cfg.num_heads, d), k.view(tokens, hk, d), v.view(tokens, hk, d)
+        a, tokens = self.spec.attention, qkv.shape[0]
+        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        d = a.head_dim
+        return q.view(tokens, a.num_heads, d), k.view(tokens, a.num_kv_heads, d), v.view(tokens, a.num_kv_heads, d)
 
-    def _prepare(self, qkv: torch.Tensor, ctx: ForwardContext):
-        """Split, QK-norm, RoPE, calibrate, write the cache, rotate Q: (q, k_pool, v_pool).
+    def _prepare(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Split, QK-norm, RoPE, calibrate, write the cache, rotate Q: the query for the kernels.
 
         Once this layer's online calibration (fp8 scales, InnerQ) has frozen, nothing needs the
         rotated K on the host side, and QK-norm, RoPE and the cache write are one launch."""
-        cfg, w, ops, i = self.cfg, self.attn, self.ops, self.idx
-        tokens, d = qkv.shape[0], cfg.head_dim
+        w, ops, kv = self.weights, self.ops, self.kv
+        tokens, d = qkv.shape[0], self.spec.attention.head_dim
         q, k, v = self._split(qkv)
-        kp, vp = self.kv.pools(i)
-        if self._frozen():
-            q = ops.rope_and_cache(q, k, v, kp, vp, ctx.slot_mapping, ctx.positions, self.rope_cos,
-                                   self.rope_sin, w.q_norm, w.k_norm, cfg.rms_norm_eps)
-            return rotate_query(ops, q, kp), kp, vp
+        if self.frozen():
+            q = self.attention.rope_and_cache(q, k, v, kv, ctx.slot_mapping, ctx.positions, self.rope_cos,
+                                              self.rope_sin, w.q_norm, w.k_norm, self.eps)
+            return rotate_query(ops, q, kv.k)
         v = v.contiguous()
         if w.q_norm is not None:
-            q = ops.rms_norm(q.reshape(-1, d), w.q_norm, cfg.rms_norm_eps).view(tokens, -1, d)
-            k = ops.rms_norm(k.reshape(-1, d), w.k_norm, cfg.rms_norm_eps).view(tokens, -1, d)
+            q = ops.rms_norm(q.reshape(-1, d), w.q_norm, self.eps).view(tokens, -1, d)
+            k = ops.rms_norm(k.reshape(-1, d), w.k_norm, self.eps).view(tokens, -1, d)
         q, k = ops.rope(q.contiguous(), k.contiguous(), ctx.positions, self.rope_cos, self.rope_sin)
-        self.fp8_scales.observe(i, k, v)
-        if self.innerq is not None:
-            self.innerq.observe(i, k, ctx.slot_mapping)
-        ops.reshape_and_cache(k, v, kp, vp, ctx.slot_mapping)
-        return rotate_query(ops, q, kp), kp, vp
+        self.calibration.observe(self.idx, k, v, ctx.slot_mapping)
+        self.attention.reshape_and_cache(k, v, kv, ctx.slot_mapping)
+        return rotate_query(ops, q, kv.k)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-
-from metrale_cli.layers.host_timing import HostTiming
 
 
 @dataclass
@@ -17,6 +15,9 @@ class ForwardContext:
     ``block_table``: (MB,) int32. ``decode``: one token per sequence for B sequences;
     ``block_tables``: (B, MB) int32, ``seq_lens``: (B,) int32 including the new token.
     ``slot_mapping``: (T,) int32 cache slots to write (-1 = already cached, skip).
+    ``states``: per sequence of the step (one for a prefill, B for a decode), its list of layer
+    states (``Layer.alloc_state``), indexed by layer; empty where the caller keeps none (a padding
+    row, a kernel test).
     """
 
     kind: str
@@ -26,8 +27,12 @@ class ForwardContext:
     block_table: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
-    timing: HostTiming | None = None  # prefill host-phase timer (METRALE_PREFILL_HOST_TIMING=1)
+    states: list[list] = field(default_factory=list)
 
     @property
     def is_prefill(self) -> bool:
         return self.kind == "prefill"
+
+    def layer_states(self, layer: int) -> list:
+        """Each sequence's state of one layer (None for a sequence that keeps none)."""
+        return [s[layer] if s else None for s in self.states]

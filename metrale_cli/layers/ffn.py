@@ -6,15 +6,27 @@ import torch
 import torch.nn.functional as F
 
 from metrale_cli.kernels.ops import Ops
+from metrale_cli.layers.context import ForwardContext
 
 
 class DenseSwiGluFfn:
-    """x: (T, hidden) -> (T, hidden). ``gate_up``: (2I, hidden) = [gate; up], ``down``: (hidden, I)."""
+    """An :class:`~metrale_cli.layers.protocols.FfnComponent`. ``gate_up``: (2I, hidden) =
+    [gate; up], ``down``: (hidden, I)."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, ops: Ops):
         self.gate_up = gate_up
         self.down = down
         self.ops = ops
+        self.fuses_row = (all(t.dtype == torch.bfloat16 for t in (gate_up, down))
+                          and all(ops.gemv_fits(k) for k in (gate_up.shape[1], down.shape[1])))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return F.linear(self.ops.silu_and_mul(F.linear(x, self.gate_up)), self.down)
+
+    def add_row(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """norm + gate/up + SwiGLU in one GEMV, down + the residual add in another."""
+        act, _ = self.ops.gemv_norm_swiglu(h, None, norm_weight, eps, self.gate_up)
+        return self.ops.gemv_add(act, self.down, h)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.gate_up, self.down]

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from metrale_cli.config import RopeConfig
+from metrale_cli.layers.spec import RopeConfig
 from metrale_cli.errors import MetraleError
 
 

@@ -6,17 +6,16 @@ import torch
 import torch.nn.functional as F
 
 from metrale_cli.config import ModelConfig
-from metrale_cli.kernels.ops import DecodeStack, Ops
-from metrale_cli.kv.fp8 import Fp8ScalePolicy
-from metrale_cli.kv.innerq import InnerQPolicy
+from metrale_cli.kernels.ops import Ops
+from metrale_cli.kv.calibration import KvCalibration
 from metrale_cli.kv.paged import PagedKvCache
 from metrale_cli.layers.context import ForwardContext
+from metrale_cli.layers.protocols import Layer, LayerState
 
 
 class CausalLM:
-    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list, final_norm: torch.Tensor,
-                 lm_head: torch.Tensor, ops: Ops, kv_cache: PagedKvCache, fp8_scales: Fp8ScalePolicy,
-                 innerq: InnerQPolicy | None = None):
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[Layer], final_norm: torch.Tensor,
+                 lm_head: torch.Tensor, ops: Ops, kv_cache: PagedKvCache, calibration: KvCalibration):
         self.cfg = cfg
         self.embed = embed
         self.layers = layers
@@ -24,22 +23,16 @@ class CausalLM:
         self.lm_head = lm_head
         self.ops = ops
         self.kv_cache = kv_cache
-        self.fp8_scales = fp8_scales
-        self.innerq = innerq
-        self.stack_plan = None  # the whole-stack batch-1 decode step, once planned
+        self.calibration = calibration
 
-    def plan_decode_stack(self) -> bool:
-        """Run batch-1 decode through the backend's whole-stack step from now on, where it has one
-        for these layers (every layer must offer its part, ``stack_layer``); else the layers keep
-        running one by one. Returns whether it was planned."""
-        parts = [getattr(layer, "stack_layer", lambda: None)() for layer in self.layers]
-        if not parts or any(p is None for p in parts):
-            return False
-        first, cfg = self.layers[0], self.cfg
-        stack = DecodeStack(parts, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-                            first.scale, first.rope_cos, first.rope_sin)
-        self.stack_plan = self.ops.decode_stack_plan(stack)
-        return self.stack_plan is not None
+    def alloc_states(self) -> list[LayerState]:
+        """A new sequence's state of every layer (``Layer.alloc_state``)."""
+        return [layer.alloc_state() for layer in self.layers]
+
+    def release_states(self, states: list[LayerState]) -> None:
+        for layer, state in zip(self.layers, states):
+            layer.release_state(state)
+        states.clear()
 
     def decode_graph_unsupported(self) -> str | None:
         """The first layer's reason its decode step cannot be graph-captured, else None."""
@@ -49,7 +42,7 @@ class CausalLM:
     @property
     def kv_frozen(self) -> bool:
         """True once every online KV calibration (fp8 scales, InnerQ) has frozen."""
-        return all(self.fp8_scales.frozen) and (self.innerq is None or all(self.innerq.frozen))
+        return self.calibration.all_frozen
 
     @property
     def device(self) -> torch.device:
@@ -62,7 +55,9 @@ class CausalLM:
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: the layers, the final norm and the LM head (once
         even when tied); an untied embedding table is only gathered, a row per token."""
-        return self.cfg.decode_parameters() * self.embed.element_size()
+        tensors = [t for layer in self.layers for t in layer.tensors()] + [self.final_norm, self.lm_head]
+        unique = {t.data_ptr(): t for t in tensors}
+        return sum(t.numel() * t.element_size() for t in unique.values())
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor | None) -> torch.Tensor:
@@ -70,12 +65,12 @@ class CausalLM:
         row's (T, vocab) when ``logit_rows`` is None (a decode step: no gather launched)."""
         pick = (lambda x: x) if logit_rows is None else (lambda x: x[logit_rows])
         hidden, residual = F.embedding(tokens, self.embed), None
-        if self.stack_plan is not None and not ctx.is_prefill and tokens.shape[0] == 1:
-            hidden = self.ops.decode_stack(self.stack_plan, hidden, ctx)
-            return self._logits(pick(hidden), None).float()
-        for layer in self.layers:
-            step = layer.prefill if ctx.is_prefill else layer.decode_multi_seq
-            hidden, residual = step(hidden, residual, ctx)
+        for i, layer in enumerate(self.layers):
+            states = ctx.layer_states(i)
+            if ctx.is_prefill:
+                hidden, residual = layer.prefill(hidden, residual, states[0] if states else None, ctx)
+            else:
+                hidden, residual = layer.decode_multi_seq(hidden, residual, states, ctx)
         return self._logits(pick(hidden), None if residual is None else pick(residual)).float()
 
     def _logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

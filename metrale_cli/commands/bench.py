@@ -10,19 +10,18 @@ bandwidth (measured as a device-to-device copy unless given).
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
-from metrale_cli.bench_presets import PRESETS, random_weights
-from metrale_cli.config import model_config_from_hf
-from metrale_cli.engine.runner import (RunnerOptions, build_runner, check_kv_support, parse_dtype,
-                                       plan_layers, resolve_backend)
+from metrale_cli.commands.bench_presets import PRESETS, random_weights
+from metrale_cli.commands.timing import Timer, measure_copy_bandwidth, timing_row
+from metrale_cli.engine.runner import DTYPES, RunnerOptions, open_runner, resolve_backend
 from metrale_cli.engine.sampler import Sampler, SamplingParams
 from metrale_cli.engine.sequence import Sequence
+from metrale_cli.engine.source import ModelSource
 from metrale_cli.errors import MetraleError
-from metrale_cli.kv.dtypes import AUTO, parse_kv_cache_dtype, resolve_auto
+from metrale_cli.kv.dtypes import AUTO, KvCacheDtype, parse_kv_cache_dtype
 from metrale_cli.output import Output
 
 
@@ -34,7 +33,7 @@ class BenchOptions:
     n_gen: int = 128
     batch: int = 1
     repetitions: int = 3
-    kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    kv_cache_dtypes: tuple[KvCacheDtype | str, ...] = (AUTO,)
     backend: str = "auto"
     dtype: str = "bf16"
     peak_bandwidth_gbs: float | None = None
@@ -47,46 +46,9 @@ class BenchOptions:
     synthetic_context: bool = False  # fill the cache with random K/V instead of prefilling
 
 
-class Timer:
-    """Wall time of a region: CUDA events on a GPU, perf_counter on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __enter__(self):
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            self.end.record()
-            self.end.synchronize()
-            self.seconds = self.start.elapsed_time(self.end) / 1e3
-        else:
-            self.seconds = time.perf_counter() - self.t0
-
-
-def measure_copy_bandwidth(device: torch.device) -> float | None:
-    """Device-to-device copy bandwidth in GB/s (bytes read + written), or None on the CPU."""
-    if device.type != "cuda":
-        return None
-    src = torch.empty(2 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    with Timer(device) as t:
-        for _ in range(10):
-            dst.copy_(src)
-    return 2 * src.numel() * 10 / t.seconds / 1e9
-
-
 def _time_run(runner, opts: BenchOptions, seed: int) -> tuple[float, float]:
     """One repetition: (prefill seconds of one n_prompt sequence, mean decode step seconds)."""
-    engine, cache, device = runner.engine, runner.model.kv_cache, runner.model.device
+    engine, device = runner.engine, runner.model.device
     gen = torch.Generator().manual_seed(seed)
     vocab = runner.config.vocab_size
     seqs = [Sequence(i, torch.randint(0, vocab, (opts.n_prompt,), generator=gen).tolist(), opts.n_gen + 1)
@@ -102,7 +64,7 @@ def _time_run(runner, opts: BenchOptions, seed: int) -> tuple[float, float]:
     with Timer(device) as t:
         engine.decode_steps(seqs, opts.n_gen, Sampler(SamplingParams(), device))
     for s in seqs:
-        cache.release(s.block_table)
+        engine.release(s)
     return statistics.median(prefill_s), t.seconds / opts.n_gen
 
 
@@ -111,18 +73,18 @@ def fill_context(runner, seq: Sequence, gen: torch.Generator, chunk: int = 4096)
     the same cache-write kernels as prefill) and pick a random next token: decode timing at long
     contexts without paying for a quadratic prefill. Values are N(0, 1), as K/V are after norms."""
     model, n = runner.model, len(seq.prompt_ids)
-    cache, ops, cfg = model.kv_cache, model.ops, model.cfg
-    cache.ensure_capacity(seq.block_table, n + 1)
+    model.kv_cache.ensure_capacity(seq.block_table, n + 1)
+    seq.states = model.alloc_states()
     table = torch.tensor(seq.block_table, dtype=torch.long)
     for start in range(0, n, chunk):
         pos = torch.arange(start, min(n, start + chunk))
         slots = (table[pos // 16] * 16 + pos % 16).to(torch.int32).to(model.device)
-        shape = (len(pos), cfg.num_kv_heads, cfg.head_dim)
-        k = torch.randn(shape, device=model.device, dtype=model.dtype)
-        v = torch.randn(shape, device=model.device, dtype=model.dtype)
-        for layer in range(cfg.num_layers):
-            ops.reshape_and_cache(k, v, *cache.pools(layer), slots)
-    seq.output_ids.append(int(torch.randint(0, cfg.vocab_size, (1,), generator=gen)))
+        for layer in model.layers:
+            shape = (len(pos), layer.kv.num_kv_heads, layer.kv.head_dim)
+            k = torch.randn(shape, device=model.device, dtype=model.dtype)
+            v = torch.randn(shape, device=model.device, dtype=model.dtype)
+            layer.attention.reshape_and_cache(k, v, layer.kv, slots)
+    seq.output_ids.append(int(torch.randint(0, model.cfg.vocab_size, (1,), generator=gen)))
 
 
 _PROFILES: dict[str, str] = {}
@@ -146,19 +108,6 @@ def _step_bytes(runner, opts: BenchOptions) -> float:
     return runner.model.weight_bytes() + opts.batch * ctx * layout.bytes_per_token()
 
 
-def timing_row(name: str, test: str, samples: list[float], tokens: int, step_bytes: float | None,
-         peak: float | None) -> dict:
-    tps = [tokens / s for s in samples]
-    row = {"engine": name, "test": test, "tokens_per_s": statistics.mean(tps),
-           "std": statistics.stdev(tps) if len(tps) > 1 else 0.0}
-    if step_bytes is not None:
-        gbs = step_bytes / statistics.median(samples) / 1e9 * (tokens if test.startswith("pp") else 1)
-        row["achieved_gbs"] = gbs
-        if peak:
-            row["roofline_pct"] = 100 * gbs / peak
-    return row
-
-
 def bench_metrale(runner, opts: BenchOptions, peak: float | None) -> list[dict]:
     _time_run(runner, opts, seed=0)  # warm-up at the timed shapes (kernel loads, allocator, clocks)
     runs = [_time_run(runner, opts, seed=r + 1) for r in range(opts.repetitions)]
@@ -172,9 +121,7 @@ def bench_metrale(runner, opts: BenchOptions, peak: float | None) -> list[dict]:
     rows.append(timing_row(name, f"tg{opts.n_gen} b{opts.batch} @{opts.n_prompt}", [r[1] for r in runs],
                      opts.batch, step_bytes, peak))
     memory = kv_memory(runner)
-    timing = runner.engine.host_timing
-    extra = {"prefill_host_us": timing.per_prefill()} if timing is not None and timing.prefills else {}
-    return [r | memory | extra for r in rows]
+    return [r | memory for r in rows]
 
 
 def kv_memory(runner) -> dict:
@@ -188,57 +135,56 @@ def kv_memory(runner) -> dict:
     return memory
 
 
-def load_bench_model(opts: BenchOptions, device: torch.device):
-    """(raw HF config, tensors on device, tokenizer or None, source) from a preset or a checkpoint."""
-    dtype = parse_dtype(opts.dtype)
+def bench_source(opts: BenchOptions, device: torch.device) -> ModelSource:
+    """A preset's random weights at a real model's shapes, or a checkpoint loaded once for every dtype."""
+    dtype = DTYPES.get(opts.dtype)
+    if dtype is None:
+        raise MetraleError(f"unknown --dtype '{opts.dtype}'", hint="choose one of: " + ", ".join(DTYPES))
     if opts.preset:
         if opts.preset not in PRESETS:
             raise MetraleError(f"unknown --preset '{opts.preset}'", hint="presets: " + ", ".join(PRESETS))
         raw = PRESETS[opts.preset]
-        return raw, random_weights(raw, device, dtype), None, f"{opts.preset} (random weights)"
-    from metrale_cli.checkpoint import load_checkpoint
-
-    ckpt = load_checkpoint(opts.model, device, dtype)
-    return ckpt.config, dict(ckpt.tensors), ckpt.tokenizer, ckpt.source
+        return ModelSource.loaded(raw, random_weights(raw, device, dtype), None, f"{opts.preset} (random weights)")
+    checkpoint = ModelSource.checkpoint(opts.model)
+    weights = checkpoint.load(device, dtype, None)
+    return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name)
 
 
 def run_bench(opts: BenchOptions, out: Output | None = None) -> dict:
     if min(opts.n_prompt, opts.n_gen, opts.batch, opts.repetitions) < 1:
         raise MetraleError("-p, -n, --batch and --repetitions must all be at least 1")
+    requested = [parse_kv_cache_dtype(name) for name in opts.kv_cache_dtypes]
     backend, device = resolve_backend(opts.backend)
-    raw, tensors, tokenizer, source = load_bench_model(opts, device)
+    source = bench_source(opts, device)
     peak = opts.peak_bandwidth_gbs or measure_copy_bandwidth(device)
     rows = []
-    for name in opts.kv_cache_dtypes:
-        requested = parse_kv_cache_dtype(name)
-        kv_dtype = resolve_auto(raw.get("kv_cache_dtype")) if requested == AUTO else requested
-        ropts = RunnerOptions(backend=backend, dtype=opts.dtype, max_num_seqs=opts.batch,
+    for kv in requested:
+        ropts = RunnerOptions(backend=backend, kv_cache_dtype=kv, dtype=opts.dtype, max_num_seqs=opts.batch,
                               max_seq_len=opts.n_prompt + opts.n_gen + 1, reserve_all_memory=False,
                               prefill_chunk=max(opts.n_prompt, 1), fp8_kv_calibration_tokens=256,
                               cuda_graph_mode=opts.cuda_graph_mode,
                               kv_high_precision_layers=opts.kv_high_precision_layers,
                               innerq_calibration_tokens=opts.innerq_calibration_tokens)
-        cfg = model_config_from_hf(raw)
-        loader = check_kv_support(kv_dtype, cfg.head_dim, backend, device, plan_layers(cfg, kv_dtype, ropts))
-        runner = build_runner(raw, dict(tensors), tokenizer, ropts, backend, kv_dtype, source, loader)
+        runner = open_runner(ropts, source)
         if out:
-            out.info(f"timing {source} · {backend} · kv {kv_dtype.value} · {runner.messages[0]}")
+            out.info(f"timing {runner.source} · {backend} · kv {runner.kv_dtype.value} · {runner.messages[0]}")
         rows += bench_metrale(runner, opts, peak)
         del runner
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    weights = source.load(device, DTYPES[opts.dtype], None)
     if opts.compare_hf:
-        from metrale_cli.bench_hf import bench_hf
+        from metrale_cli.commands.bench_hf import bench_hf
 
-        hf_rows = bench_hf(raw, tensors, opts, device, peak)
+        hf_rows = bench_hf(source.config, weights.tensors, opts, device, peak)
         hf_tps = {r["test"]: r["tokens_per_s"] for r in hf_rows}
         for r in rows:
             r["vs_hf"] = r["tokens_per_s"] / hf_tps[r["test"]]
         rows += hf_rows
     profiles = dict(_PROFILES)
     _PROFILES.clear()
-    return {"model": source, "device": _device_name(device), "peak_bandwidth_gbs": peak, "profiles": profiles,
-            "weight_bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "rows": rows}
+    return {"model": weights.name, "device": _device_name(device), "peak_bandwidth_gbs": peak, "profiles": profiles,
+            "weight_bytes": sum(t.numel() * t.element_size() for t in weights.tensors.values()), "rows": rows}
 
 
 def _tokens(row: dict) -> str:
@@ -270,8 +216,4 @@ def run_bench_cmd(out: Output, opts: BenchOptions) -> dict:
               ["engine", "test", "t/s", "GB/s", "% roofline", "vs HF", "KV B/token", "KV tokens"], rows, caption)
     for name, table in result["profiles"].items():
         out.text(f"top kernels, {name} (one pp + tg repetition):\n{table}")
-    for r in result["rows"]:
-        if "prefill_host_us" in r and r["test"].startswith("pp"):
-            phases = ", ".join(f"{k} {v:.0f} µs" for k, v in r["prefill_host_us"].items())
-            out.text(f"prefill host time per prefill, all layers, {r['engine']}: {phases}")
     return result

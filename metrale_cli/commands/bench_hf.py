@@ -28,7 +28,7 @@ def hf_model(raw: dict, tensors: dict[str, torch.Tensor], device: torch.device, 
 
 @torch.inference_mode()
 def _time_hf(model, opts, device, seed: int) -> tuple[float, float]:
-    from metrale_cli.bench import Timer
+    from metrale_cli.commands.timing import Timer
 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (opts.batch, opts.n_prompt), generator=gen).to(device)
@@ -46,7 +46,8 @@ def _time_hf(model, opts, device, seed: int) -> tuple[float, float]:
 
 def bench_hf(raw: dict, tensors: dict[str, torch.Tensor], opts, device: torch.device,
              peak: float | None) -> list[dict]:
-    from metrale_cli.bench import timing_row
+    from metrale_cli.commands.timing import timing_row
+    from metrale_cli.models import model_config
 
     dtype = next(iter(tensors.values())).dtype
     model = hf_model(raw, tensors, device, dtype)
@@ -56,8 +57,7 @@ def bench_hf(raw: dict, tensors: dict[str, torch.Tensor], opts, device: torch.de
     if "lm_head.weight" in tensors:  # untied: the input embedding is gathered a row per token
         embed = tensors["model.embed_tokens.weight"]
         weight_bytes -= embed.numel() * embed.element_size()
-    kv_bytes = 2 * raw["num_hidden_layers"] * raw["num_key_value_heads"] * raw.get(
-        "head_dim", raw["hidden_size"] // raw["num_attention_heads"]) * 2
+    kv_bytes = sum(2 * s.attention.kv_size * 2 for s in model_config(raw).layers)  # K and V in bf16
     step_bytes = weight_bytes + opts.batch * (opts.n_prompt + opts.n_gen // 2) * kv_bytes
     name = "HF transformers (eager)"
     return [

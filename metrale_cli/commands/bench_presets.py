@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale_cli.config import model_config_from_hf
-from metrale_cli.models.dense import expected_tensors
+from metrale_cli.models import family_of, model_config
 
 
 def _qwen3(hidden, inter, layers, heads, kv, tie) -> dict:
@@ -44,7 +43,8 @@ def random_weights(raw: dict, device: torch.device, dtype: torch.dtype, seed: in
     """HF-named tensors: N(0, 0.02) matrices, ones for norm weights, zeros for biases."""
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
-    for name, shape in expected_tensors(model_config_from_hf(raw)).items():
+    cfg = model_config(raw)
+    for name, shape in family_of(cfg.family).expected_tensors(cfg).items():
         if name.endswith("norm.weight"):
             tensors[name] = torch.ones(shape, dtype=dtype, device=device)
         elif name.endswith(".bias"):

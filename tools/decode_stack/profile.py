@@ -1,9 +1,9 @@
-"""Profile the whole-stack decode kernel (kernels_cu/decode_stack.cu) on random weights (GPU only).
+"""Profile the whole-stack decode kernel (decode_stack.cu beside this file) on random weights (GPU only).
 
-    python tools/decode_stack_profile.py                  # Qwen3-0.6B's shape, context 600
-    python tools/decode_stack_profile.py --poll 0 200 1000
-    python tools/decode_stack_profile.py --trace
-    python tools/decode_stack_profile.py --variant "STACK_PIECE_BYTES=0" --trace
+    python -m tools.decode_stack.profile                  # Qwen3-0.6B's shape, context 600
+    python -m tools.decode_stack.profile --poll 0 200 1000
+    python -m tools.decode_stack.profile --trace
+    python -m tools.decode_stack.profile --variant "STACK_PIECE_BYTES=0" --trace
 
 Times a step as 20 launches back to back. ``--variant`` compiles and times the module with other
 defines; ``--poll`` is short for variants with other back-offs between polls of flagged words
@@ -19,10 +19,7 @@ import argparse
 import numpy as np
 import torch
 
-from metrale_cli.kernels import table
-from metrale_cli.kernels.checks import make_stack_case, stack_to
-from metrale_cli.kernels.cuda_ops import CudaOps
-from metrale_cli.kernels.registry import MODULES
+from tools.decode_stack.stack import MODULE, STACK_BLOCK, STACK_SMEM_BYTES, make_stack_case, plan, stack_to
 
 PHASES = ("stage q/k/v", "q/k/v GEMV", "attention", "stage o_proj", "o_proj GEMV", "stage gate/up",
           "gate/up GEMV", "down")
@@ -36,27 +33,26 @@ def _launcher(args, defines):
     c = make_stack_case(args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim, args.inter,
                         args.context, seed=1)
     stack = stack_to(c["stack"], "cuda")
-    plan = CudaOps().decode_stack_plan(stack)
-    if plan is None:
-        raise SystemExit("the planner does not take this shape (the metrale.kernels log says why)")
-    module = MODULES["decode_stack"]
-    raw = cp.RawModule(code=module.path.read_text(), options=module.options() + tuple(defines), backend="nvrtc")
+    planned = plan(stack)
+    if planned is None:
+        raise SystemExit("the planner does not take this shape (stack.stack_unserved says why)")
+    raw = cp.RawModule(code=MODULE.path.read_text(), options=MODULE.options() + tuple(defines), backend="nvrtc")
     fn = raw.get_function("decode_stack_bf16")
-    fn.max_dynamic_shared_size_bytes = table.STACK_SMEM_BYTES
+    fn.max_dynamic_shared_size_bytes = STACK_SMEM_BYTES
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tables = c["block_tables"].cuda()
-    splits = plan.splits(sms, tables.shape[1])
-    tensors = [plan.table, len(stack.layers), c["hidden"].cuda(), plan.words, plan.part_o, plan.part_ml, plan.sync,
+    splits = planned.splits(sms, tables.shape[1])
+    tensors = [planned.table, len(stack.layers), c["hidden"].cuda(), planned.words, planned.part_o, planned.part_ml, planned.sync,
                tables[0].contiguous(), *(c[n].cuda() for n in ("seq_lens", "slot_mapping", "positions")),
-               plan.cos, plan.sin]
+               planned.cos, planned.sin]
     params = [np.uint64(t.data_ptr()) if isinstance(t, torch.Tensor) else np.int32(t) for t in tensors]
-    params += [np.int32(x) for x in (plan.hidden, args.heads, args.kv_heads, args.head_dim, plan.rot_dim,
-                                     plan.inter, splits)]
+    params += [np.int32(x) for x in (planned.hidden, args.heads, args.kv_heads, args.head_dim, planned.rot_dim,
+                                     planned.inter, splits)]
     params += [np.float32(1e-6), np.float32(args.head_dim**-0.5)]
 
-    def launch(times: int = 1, _alive=(tensors, plan)) -> None:  # the buffers live as long as it
+    def launch(times: int = 1, _alive=(tensors, planned)) -> None:  # the buffers live as long as it
         for _ in range(times):
-            fn((sms,), (table.STACK_BLOCK,), tuple(params), shared_mem=table.STACK_SMEM_BYTES)
+            fn((sms,), (STACK_BLOCK,), tuple(params), shared_mem=STACK_SMEM_BYTES)
 
     return launch, raw, sms
 

@@ -11,17 +11,17 @@ measures the format itself.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from importlib import resources
 
 import torch
 
-from metrale_cli.engine.runner import (RunnerOptions, build_runner, check_kv_support, parse_dtype,
-                                       plan_layers, resolve_backend)
+from metrale_cli.engine.runner import DTYPES, RunnerOptions, open_runner, resolve_backend
+from metrale_cli.engine.source import ModelSource
 from metrale_cli.errors import MetraleError
-from metrale_cli.kv.dtypes import KvCacheDtype, parse_kv_cache_dtype
-from metrale_cli.layers.context import ForwardContext
+from metrale_cli.kv.dtypes import KvCacheDtype, concrete
 from metrale_cli.output import Output
 
 CHUNK = 128  # prefill chunk: later chunks read earlier ones back from the quantized cache
@@ -32,7 +32,7 @@ class QualityOptions:
     model: str | None = None
     corpus: str | None = None
     window: int = 512
-    kv_cache_dtypes: tuple[str, ...] = ()  # empty = all 16
+    kv_cache_dtypes: tuple[KvCacheDtype | str, ...] = ()  # empty = all 16
     backend: str = "auto"
     dtype: str = "bf16"
     kv_high_precision_layers: str = "0"
@@ -42,7 +42,7 @@ class QualityOptions:
 def corpus_text(path: str | None) -> tuple[str, str]:
     """(text, name): the given UTF-8 file, else the corpus shipped in the package."""
     if path is None:
-        return resources.files("metrale_cli").joinpath("kv_quality_corpus.txt").read_text("utf-8"), \
+        return resources.files("metrale_cli.commands").joinpath("kv_quality_corpus.txt").read_text("utf-8"), \
             "kv_quality_corpus.txt (shipped)"
     try:
         with open(path, encoding="utf-8") as f:
@@ -63,19 +63,7 @@ def windows(ids: list[int], window: int) -> list[list[int]]:
 
 def teacher_forced_logprobs(runner, ids: list[int]) -> torch.Tensor:
     """log-softmax of the logits at every position of ``ids``: (len(ids), vocab) float32 on CPU."""
-    engine, cache, dev = runner.engine, runner.model.kv_cache, runner.model.device
-    table: list[int] = []
-    cache.ensure_capacity(table, len(ids))
-    out = []
-    for start in range(0, len(ids), CHUNK):
-        chunk = ids[start : start + CHUNK]
-        pos = range(start, start + len(chunk))
-        ctx = ForwardContext("prefill", engine._int32(list(pos)), engine._int32(engine._slots(table, pos, 0)),
-                             start, engine._int32(table))
-        logits = runner.model.forward(torch.tensor(chunk, device=dev), ctx, torch.arange(len(chunk), device=dev))
-        out.append(torch.log_softmax(logits.float(), -1).cpu())
-    cache.release(table)
-    return torch.cat(out)
+    return torch.log_softmax(runner.engine.teacher_forced(ids).float(), -1).cpu()
 
 
 def compare(ref: list[torch.Tensor], got: list[torch.Tensor], targets: list[list[int]]) -> dict:
@@ -91,40 +79,33 @@ def compare(ref: list[torch.Tensor], got: list[torch.Tensor], targets: list[list
     return {"mean_kl": kl / count, "ppl": math.exp(nll / count), "top1_agreement": agree / count}
 
 
-def _dtypes(names: tuple[str, ...]) -> list[KvCacheDtype]:
-    parsed = [parse_kv_cache_dtype(n) for n in names] if names else list(KvCacheDtype)
-    if any(not isinstance(d, KvCacheDtype) for d in parsed):
-        raise MetraleError("--kv-quality needs concrete --kv-cache-dtype values, not 'auto'")
-    return list(dict.fromkeys(parsed))
+def _dtypes(names: tuple[KvCacheDtype | str, ...]) -> list[KvCacheDtype]:
+    return list(dict.fromkeys([concrete(n) for n in names] if names else list(KvCacheDtype)))
 
 
 def run_quality(opts: QualityOptions, out: Output | None = None) -> dict:
-    from metrale_cli.checkpoint import load_checkpoint
-    from metrale_cli.config import model_config_from_hf
-
+    dtypes = _dtypes(opts.kv_cache_dtypes)
     backend, device = resolve_backend(opts.backend)
-    ckpt = load_checkpoint(opts.model, device, parse_dtype(opts.dtype))
-    if ckpt.tokenizer is None:
+    checkpoint = ModelSource.checkpoint(opts.model)
+    weights = checkpoint.load(device, DTYPES.get(opts.dtype, torch.bfloat16), None)
+    if weights.tokenizer is None:
         raise MetraleError("--kv-quality needs a model with a tokenizer")
+    source = ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name)
     text, corpus_name = corpus_text(opts.corpus)
-    cuts = windows(ckpt.tokenizer.encode(text, add_special_tokens=False), opts.window)
-    cfg = model_config_from_hf(ckpt.config)
+    cuts = windows(weights.tokenizer.encode(text, add_special_tokens=False), opts.window)
     base = RunnerOptions(backend=backend, dtype=opts.dtype, max_seq_len=opts.window, reserve_all_memory=False,
                          prefill_chunk=CHUNK, cuda_graph_mode="disabled",
                          kv_high_precision_layers=opts.kv_high_precision_layers,
                          innerq_calibration_tokens=opts.innerq_calibration_tokens)
 
     def run(kv: KvCacheDtype, ropts: RunnerOptions):
-        loader = check_kv_support(kv, cfg.head_dim, backend, device, plan_layers(cfg, kv, ropts))
-        runner = build_runner(ckpt.config, dict(ckpt.tensors), ckpt.tokenizer, ropts, backend, kv,
-                              ckpt.source, loader)
-        logprobs = [teacher_forced_logprobs(runner, w) for w in cuts]
-        return runner, logprobs
+        runner = open_runner(dataclasses.replace(ropts, kv_cache_dtype=kv), source)
+        return runner, [teacher_forced_logprobs(runner, w) for w in cuts]
 
     _, ref = run(KvCacheDtype.BF16, base)
     reference = compare(ref, ref, cuts)
     rows = []
-    for kv in _dtypes(opts.kv_cache_dtypes):
+    for kv in dtypes:
         if out:
             out.info(f"kv-quality: {kv.value}")
         runner, got = run(kv, base)
@@ -133,14 +114,13 @@ def run_quality(opts: QualityOptions, out: Output | None = None) -> dict:
                if kv != KvCacheDtype.BF16 else 0, "kv_bytes_per_token": layout.bytes_per_token(),
                **compare(ref, got, cuts)}
         row["ppl_delta_pct"] = 100 * (row["ppl"] / reference["ppl"] - 1)
-        everywhere = RunnerOptions(**{**base.__dict__, "kv_high_precision_layers": "0",
-                                      "kv_promote_minimum": False})
+        everywhere = dataclasses.replace(base, kv_high_precision_layers="0", kv_promote_minimum=False)
         raw = compare(ref, run(kv, everywhere)[1], cuts)
         row["all_layers"] = raw | {"ppl_delta_pct": 100 * (raw["ppl"] / reference["ppl"] - 1)}
         rows.append(row)
-    return {"model": ckpt.source, "backend": backend, "corpus": corpus_name,
+    return {"model": weights.name, "backend": backend, "corpus": corpus_name,
             "tokens": sum(len(w) for w in cuts), "windows": len(cuts), "window": opts.window,
-            "num_layers": cfg.num_layers, "reference_ppl": reference["ppl"], "rows": rows}
+            "num_layers": runner.config.num_layers, "reference_ppl": reference["ppl"], "rows": rows}
 
 
 def run_quality_cmd(out: Output, opts: QualityOptions) -> dict:

@@ -1,0 +1,44 @@
+"""Where a run's config and weights come from: a checkpoint, read only after the start-up checks,
+or weights already in memory (bench presets; ``bench --kv-quality`` runs one checkpoint many times)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Weights:
+    """HF-named tensors on the run's device, the tokenizer (None for random weights), a name."""
+
+    tensors: dict[str, torch.Tensor]
+    tokenizer: object | None
+    name: str
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """``config``: the HF-style config dict; ``tokenizer()``: read without the weights;
+    ``load(device, dtype, progress)``: the :class:`Weights`."""
+
+    config: dict
+    tokenizer: Callable[[], object | None]
+    load: Callable[[torch.device, torch.dtype, Callable | None], Weights]
+
+    @classmethod
+    def checkpoint(cls, spec: str | None) -> ModelSource:
+        """An HF folder, a .gguf file, a hub id, or None for the embedded default model."""
+        from metrale_cli.checkpoint import load_checkpoint, read_config, read_tokenizer
+
+        def load(device, dtype, progress):
+            ckpt = load_checkpoint(spec, device, dtype, progress)
+            return Weights(ckpt.tensors, ckpt.tokenizer, ckpt.source)
+
+        return cls(read_config(spec), lambda: read_tokenizer(spec), load)
+
+    @classmethod
+    def loaded(cls, config: dict, tensors: dict[str, torch.Tensor], tokenizer=None, name: str = "weights") -> ModelSource:
+        """Tensors already on the run's device (every build takes a shallow copy of the dict)."""
+        return cls(config, lambda: tokenizer, lambda device, dtype, progress: Weights(dict(tensors), tokenizer, name))

@@ -1,0 +1,198 @@
+"""The cuda backend's paged-cache attention of one KV dtype at one head_dim, its kernels resolved
+at build time (:class:`CudaPagedAttention`, from ``CudaOps.paged_attention``): the cache write,
+QK-norm + RoPE + write, the paged decode with its split combine, the three fused into one launch
+where the dtype has it (bf16 and fp8 at head_dim 64 / 128), and chunked prefill.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from metrale_cli.errors import MetraleError
+from metrale_cli.kernels import cuda_launch
+from metrale_cli.kernels.cuda_launch import CudaLauncher, _ready
+from metrale_cli.kernels.kv_kernels import KvKernels
+from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
+from metrale_cli.kernels.table import (
+    ATTN_THREADS, DECODE_CTAS_PER_SM, MAX_SPLITS, MIN_KEYS_PER_SPLIT, ROPE_AND_CACHE_WARPS, SDPA_MIN_TOKENS,
+    TC_MIN_KEYS_PER_SPLIT, TC_ROWS, decode_rows, rows_per_cta,
+)
+from metrale_cli.kv.pool import LayerKv
+
+
+def _head_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(T, H, D) whose heads are contiguous within a token (a view into a fused qkv output)
+    -> (a contiguous 1-D view from its first element to its last, the token stride), so no
+    copy is launched; a copy (``_ready``) only for another layout or a misaligned start."""
+    tokens, heads, d = x.shape
+    stride = x.stride(0) if tokens > 1 else heads * d
+    if (x.stride(2) == 1 and (heads == 1 or x.stride(1) == d) and heads * d <= stride < 2**31
+            and x.data_ptr() % 16 == 0):
+        return x.as_strided(((tokens - 1) * stride + heads * d,), (1,)), stride
+    return _ready(x), heads * d
+
+
+class CudaPagedAttention:
+    """:class:`~metrale_cli.kernels.ops.PagedAttention` on CuPy-launched kernels (shapes there)."""
+
+    def __init__(self, ops: CudaLauncher, kernels: KvKernels):
+        self.ops, self.kernels = ops, kernels
+        self.dtype, self.head_dim = kernels.dtype, kernels.head_dim
+        self.tc = kernels.dtype.row.tensor_core  # the tensor-core decode's launch facts, or None
+
+    def _check(self, kv: LayerKv, hq: int | None = None, head_dim: int | None = None) -> None:
+        if kv.dtype != self.dtype or kv.head_dim != self.head_dim:
+            raise MetraleError(f"a {kv.dtype.value} cache of head_dim {kv.head_dim} was given to the "
+                               f"{self.dtype.value} attention of head_dim {self.head_dim}")
+        if hq is not None and (kv.num_kv_heads == 0 or hq % kv.num_kv_heads):
+            raise MetraleError(f"{hq} query heads cannot share {kv.num_kv_heads} KV heads evenly")
+        if head_dim is not None and head_dim != self.head_dim:
+            raise MetraleError(f"q has head_dim {head_dim}, the KV pools {self.head_dim}")
+
+    def reshape_and_cache(self, k, v, kv: LayerKv, slot_mapping):
+        tokens, hk, head_dim = k.shape
+        self._check(kv, head_dim=head_dim)
+        if not tokens:
+            return
+        channel = kv.k.channel_scale
+        values = dict(
+            k=_ready(k), v=_ready(v), k_cache=kv.k.data, v_cache=kv.v.data, slot_mapping=_ready(slot_mapping),
+            k_scale=kv.k.scale, v_scale=kv.v.scale, k_signs=kv.k.signs, v_signs=kv.v.signs,
+            channel_scale=None if channel is None else _ready(channel), hk=hk, head_dim=head_dim,
+        )
+        spec, sig = self.kernels.write
+        grid, block = ((tokens, hk), (64,)) if self.dtype.row.write.per_head else ((tokens,), (128,))
+        self.ops.loader.launch(spec, sig, grid, block, *(values[name] for name, _ in sig.params))
+
+    def rope_and_cache(self, q, k, v, kv: LayerKv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps):
+        tokens, hq, head_dim = q.shape
+        hk, rot_dim = k.shape[1], cos.shape[-1] * 2
+        self._check_rope(kv, hk, head_dim, rot_dim)
+        out = torch.empty(tokens, hq, head_dim, dtype=q.dtype, device=q.device)
+        if not tokens:
+            return out
+        (qs, q_stride), (ks, k_stride), (vs, v_stride) = (_head_rows(x) for x in (q, k, v))
+        # InnerQ scales belong to a rotated K side; the unfused writes of the other sides ignore them
+        channel = kv.k.channel_scale if kv.k.rotated else None
+        q_norm, k_norm, channel = (None if t is None else _ready(t) for t in (q_norm, k_norm, channel))
+        grid = (tokens, hk + math.ceil(hq / ROPE_AND_CACHE_WARPS))
+        self.ops._launch(
+            self.kernels.rope_write, grid, (32 * ROPE_AND_CACHE_WARPS,), qs, ks, vs, out, kv.k.data, kv.v.data,
+            _ready(slot_mapping), _ready(positions), _ready(cos), _ready(sin), q_norm, k_norm, kv.k.scale,
+            kv.v.scale, kv.k.signs, kv.v.signs, channel, q_stride, k_stride, v_stride, hq, hk, head_dim,
+            rot_dim, eps, pdl=True,
+        )
+        return out
+
+    def _check_rope(self, kv: LayerKv, hk: int, head_dim: int, rot_dim: int) -> None:
+        self._check(kv, head_dim=head_dim)
+        if rot_dim > head_dim:
+            raise MetraleError(f"RoPE rotates {rot_dim} dims of a {head_dim}-wide head")
+        if kv.num_kv_heads != hk:
+            raise MetraleError(f"k has {hk} heads, the KV pools {kv.num_kv_heads}")
+
+    def paged_decode(self, q, kv: LayerKv, block_tables, seq_lens, scale, tensor_cores: bool = True):
+        """The tensor-core kernel where it serves the case (``tensor_cores=False``: the dtype's
+        paged_decode_attn kernel always, for its tests), else paged_decode_attn<suffix>."""
+        batch, hq, head_dim = q.shape
+        self._check(kv, hq, head_dim)
+        hk = kv.num_kv_heads
+        q, out = _ready(q), torch.empty_like(q)
+        if not batch:
+            return out
+        kernel, per_sm, programmatic, min_keys = self.kernels.decode, DECODE_CTAS_PER_SM, False, MIN_KEYS_PER_SPLIT
+        if tensor_cores and self.kernels.decode_tc is not None:
+            kernel, chunks = self.kernels.decode_tc, math.ceil(hq // hk / TC_ROWS)
+            per_sm, min_keys, programmatic = self.tc.ctas_per_sm, TC_MIN_KEYS_PER_SPLIT, self.tc.programmatic
+        else:
+            chunks = math.ceil(hq // hk / decode_rows(head_dim, hq // hk))
+        splits, part_o, part_ml = self._split_buffers(q, hk * batch * chunks, block_tables.shape[1], per_sm, min_keys)
+        self.ops._launch(
+            kernel, (hk, batch, chunks * splits), (ATTN_THREADS,), q, kv.k.data, kv.v.data,
+            _ready(block_tables), _ready(seq_lens), out, part_o, part_ml, kv.k.scale, kv.v.scale,
+            scale, hq, hk, head_dim, block_tables.shape[1], splits, pdl=programmatic,
+        )
+        if splits > 1:
+            self.ops._launch(self.kernels.combine, (hq, batch), (128,), part_o, part_ml, _ready(seq_lens), out, hq,
+                             head_dim, splits, pdl=programmatic)
+        return out
+
+    def rope_cache_decode(self, q, k, v, kv: LayerKv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps,
+                          block_tables, seq_lens, scale):
+        """One launch (paged_decode_rope_tc<suffix>) where the dtype has it and each sequence brings
+        one token, else :meth:`rope_and_cache` then :meth:`paged_decode`: the same bytes either way."""
+        kernel = self.kernels.decode_rope
+        tokens, hq, head_dim = q.shape
+        hk, rot_dim = k.shape[1], cos.shape[-1] * 2
+        if kernel is None or not tokens or tokens != block_tables.shape[0]:
+            q = self.rope_and_cache(q, k, v, kv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps)
+            return self.paged_decode(q, kv, block_tables, seq_lens, scale)
+        self._check_rope(kv, hk, head_dim, rot_dim)
+        chunks = math.ceil(hq // hk / TC_ROWS)
+        splits, part_o, part_ml = self._split_buffers(q, hk * tokens * chunks, block_tables.shape[1],
+                                                      self.tc.ctas_per_sm, TC_MIN_KEYS_PER_SPLIT)
+        out = torch.empty(tokens, hq, head_dim, dtype=q.dtype, device=q.device)
+        (qs, q_stride), (ks, k_stride), (vs, v_stride) = (_head_rows(x) for x in (q, k, v))
+        q_norm, k_norm = (None if t is None else _ready(t) for t in (q_norm, k_norm))
+        self.ops._launch(
+            kernel, (hk, tokens, chunks * splits), (ATTN_THREADS,), qs, ks, vs, kv.k.data, kv.v.data,
+            _ready(slot_mapping), _ready(positions), _ready(cos), _ready(sin), q_norm, k_norm, _ready(block_tables),
+            _ready(seq_lens), out, part_o, part_ml, self.ops.combine_counters(q.device, tokens * hk * chunks),
+            kv.k.scale, kv.v.scale, scale, q_stride, k_stride, v_stride, hq, hk, head_dim, rot_dim,
+            block_tables.shape[1], splits, eps, pdl=self.tc.programmatic,
+        )
+        return out
+
+    def paged_prefill(self, q, kv: LayerKv, block_table, start_pos, scale, use_kernel: bool = False):
+        """Chunks of SDPA_MIN_TOKENS or more tokens go to :func:`sdpa_prefill`; shorter ones, and
+        any chunk when ``use_kernel`` (kernel tests), to the dtype's paged prefill kernel."""
+        tokens, hq, head_dim = q.shape
+        self._check(kv, hq, head_dim)
+        if tokens >= SDPA_MIN_TOKENS and not use_kernel:
+            return sdpa_prefill(q, kv, block_table, start_pos, scale)
+        hk = kv.num_kv_heads
+        q, out = _ready(q), torch.empty_like(q)
+        if tokens:
+            rows = math.ceil(tokens * (hq // hk) / rows_per_cta(head_dim))
+            if rows > 65535:
+                raise MetraleError(
+                    f"prefill chunk of {tokens} tokens is too long for one launch",
+                    hint="prefill in chunks of at most 8192 tokens",
+                )
+            self.ops._launch(
+                self.kernels.prefill, (hk, rows), (ATTN_THREADS,), q, kv.k.data, kv.v.data,
+                _ready(block_table), out, kv.k.scale, kv.v.scale, scale, tokens, start_pos, hq, hk, head_dim,
+            )
+        return out
+
+    def _split_buffers(self, q: torch.Tensor, ctas: int, max_blocks: int, per_sm: int, min_keys: int):
+        """(splits, part_o, part_ml) of a decode launch: the partials' fp32 buffers when split."""
+        batch, hq, head_dim = q.shape
+        splits = decode_splits(q.device, ctas, max_blocks, per_sm, min_keys)
+        if splits == 1:
+            return splits, None, None
+        return (splits, torch.empty(batch, hq, splits, head_dim, dtype=torch.float32, device=q.device),
+                torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device))
+
+
+def decode_splits(device: torch.device, ctas: int, max_blocks: int, per_sm: int = DECODE_CTAS_PER_SM,
+                  min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
+    """Context splits of a decode launch; static per shape (graph-safe). The fewest splits whose
+    grid fills its waves of resident CTAs (at least 90% of the last one), else the count that
+    fills them best (all allowed ones when the grid stays under one wave); a split of the block
+    table's width holds at least ``min_keys`` keys. The kernel cuts each live context into splits
+    of at least MIN_KEYS_PER_SPLIT keys (``split_keys`` in paged_attention.cuh), so a short
+    context only uses a few of them."""
+    slots = cuda_launch._sm_count(device.index) * per_sm
+    allowed = max(1, min(MAX_SPLITS, max_blocks * 16 // min_keys))
+    best, best_fill = allowed, 0.0
+    for splits in range(1, allowed + 1):
+        waves = ctas * splits / slots
+        fill = waves / max(1, math.ceil(waves))
+        if fill >= 0.9:
+            return splits
+        if fill > best_fill:
+            best, best_fill = splits, fill
+    return best

@@ -1,0 +1,43 @@
+"""What every CuPy-launched op shares: the loader's typed launch, the device's SM count, aligned
+inputs, and the zeroed counters the one-launch decode attention leaves zero."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from metrale_cli.kernels.loader import KernelLoader
+
+
+def _ready(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous and 16-byte aligned, copying only when it is not."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+class CudaLauncher:
+    """A kernel loader's launches, with the scratch the launches of a process share."""
+
+    def __init__(self, loader: KernelLoader | None = None):
+        self.loader = loader or KernelLoader()
+        self._counters: dict[int, torch.Tensor] = {}  # per device: the fused decode's combine counters
+
+    def _launch(self, kernel, grid, block, *args, shared_mem: int = 0, pdl: bool = False):
+        """``pdl``: a kernel that waits on its predecessor in-kernel (pdl.cuh), launched so that
+        it may start during that predecessor's tail. ``shared_mem``: dynamic shared memory bytes."""
+        spec, sig = kernel
+        self.loader.launch(spec, sig, grid, block, *args, shared_mem=shared_mem, pdl=pdl)
+
+    def combine_counters(self, device: torch.device, count: int) -> torch.Tensor:
+        """Zeroed int32 words, one per (sequence, KV head, chunk), that every fused decode launch
+        leaves zero: kept per device and grown (never shrunk) so graphs replay on the same buffer."""
+        have = self._counters.get(device.index)
+        if have is None or have.numel() < count:
+            have = self._counters[device.index] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        return have

@@ -1,0 +1,143 @@
+"""LayerSpec: what one layer is, filled once by its family from the HF config; the layers read it.
+
+The seed engine configures a layer through setters (``set_dimension_overrides``,
+``set_sliding_window``, ``set_rope_overrides``, ``set_attn_scale_override``, ``set_k_eq_v``, ...);
+here those settings are data: a frozen :class:`LayerSpec` per layer, holding an
+:class:`AttentionSpec` and an :class:`FfnSpec`. A field that no kernel or layer serves yet is
+refused at start-up (:func:`unserved`), naming the layer and the field, never ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from metrale_cli.errors import MetraleError
+from metrale_cli.kv.dtypes import KvCacheDtype
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """A layer's rotary embedding: theta, rotary fraction of head_dim, scaling (HF's rope_type)."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    partial_rotary_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    freq_factors: tuple[float, ...] | None = None  # GGUF rope_freqs: inv_freq[i] / freq_factors[i]
+    proportional: bool = False  # Gemma-4: rotary_dim counts the non-zero rotation pairs
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """A full-attention mixer: heads and head_dim of this layer, its RoPE, scale and options."""
+
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    rope: RopeConfig
+    scale: float  # softmax(q·k · scale): head_dim ** -0.5 unless the family overrides it
+    qk_norm: bool = False  # RMSNorm of each q / k head before RoPE
+    qkv_bias: bool = False
+    o_bias: bool = False
+    sliding_window: int | None = None  # attend to the last N positions only
+    output_gate: bool = False  # Qwen3-Next: sigmoid(gate) * attention output, before o_proj
+    k_eq_v: bool = False  # Gemma-4 full attention: V is K (after its norm)
+    v_norm: bool = False  # a pure RMSNorm of each V head
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class FfnSpec:
+    """The layer's FFN component: ``swiglu`` = down(silu(gate(x)) * up(x))."""
+
+    kind: str
+    intermediate_size: int
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer: its mixer (``attention``), its FFN, the norms around each sub-layer, its KV dtype.
+
+    Every layer has a pre-norm before each sub-layer (HF's input_layernorm and
+    post_attention_layernorm); ``post_attention_norm`` / ``post_ffn_norm`` are the extra norms of
+    sandwich-norm families on each sub-layer's output. ``kv_dtype`` is set by the run's plan
+    (``ModelConfig.planned``); bf16 until then.
+    """
+
+    index: int
+    attention: AttentionSpec
+    ffn: FfnSpec
+    eps: float
+    mixer: str = "attention"
+    post_attention_norm: bool = False
+    post_ffn_norm: bool = False
+    layer_scalar: float | None = None  # hidden *= scalar at the end of the layer
+    kv_dtype: KvCacheDtype = KvCacheDtype.BF16
+
+
+@dataclass(frozen=True)
+class _Unserved:
+    """A spec field and the reason no kernel or layer serves a non-default value of it yet."""
+
+    path: str
+    why: str
+    default: object = field(default=None)
+
+
+UNSERVED = (
+    _Unserved("mixer", "only full-attention layers are built", "attention"),
+    _Unserved("ffn.kind", "only the dense SwiGLU FFN is built", "swiglu"),
+    _Unserved("attention.sliding_window", "no attention kernel applies a sliding window yet"),
+    _Unserved("attention.output_gate", "the gated attention output is not built yet", False),
+    _Unserved("attention.k_eq_v", "K=V attention is not built yet", False),
+    _Unserved("attention.v_norm", "the V-head norm is not built yet", False),
+    _Unserved("attention.rope.proportional", "proportional RoPE is not built yet", False),
+    _Unserved("post_attention_norm", "post-sublayer norms are not built yet", False),
+    _Unserved("post_ffn_norm", "post-sublayer norms are not built yet", False),
+    _Unserved("layer_scalar", "the per-layer scalar is not built yet"),
+)
+
+
+def _value(spec: LayerSpec, path: str):
+    value = spec
+    for name in path.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def unserved(specs: tuple[LayerSpec, ...]) -> list[str]:
+    """One line per spec field that some layer sets and nothing serves: the first such layer,
+    how many more, the value and why."""
+    lines = []
+    for rule in UNSERVED:
+        layers = [s.index for s in specs if _value(s, rule.path) != rule.default]
+        if layers:
+            more = f" (and {len(layers) - 1} more)" if len(layers) > 1 else ""
+            value = _value(specs[layers[0]], rule.path)
+            lines.append(f"layer {layers[0]}{more}: {rule.path.split('.')[-1]} = {value!r}: {rule.why}")
+    return lines
+
+
+def check_served(specs: tuple[LayerSpec, ...]) -> None:
+    """Refuse a model with a layer setting a field that nothing serves yet: one error line."""
+    problems = unserved(specs)
+    if problems:
+        raise MetraleError("this model needs what metrale does not build yet: " + "; ".join(problems),
+                           hint="the layer's spec is refused, not ignored: running it without that field "
+                           "would give wrong output")

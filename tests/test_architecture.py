@@ -1,0 +1,362 @@
+"""The architecture's contracts: families in one table, a LayerSpec per layer (its fields served
+or refused, never ignored), layers with their own shapes in one stack, decisions made once, the
+per-sequence layer states, and an import graph whose layers only point down."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as T
+from typer.testing import CliRunner
+
+from metrale_cli.checkpoint import gguf_config
+from metrale_cli.cli import app
+from metrale_cli.config import ConfigReader
+from metrale_cli.engine.generate import Engine
+from metrale_cli.engine.runner import RunnerOptions, open_runner
+from metrale_cli.engine.sampler import SamplingParams
+from metrale_cli.engine.source import ModelSource
+from metrale_cli.errors import MetraleError
+from metrale_cli.kernels.reference import TorchOps
+from metrale_cli.kv.dtypes import KvCacheDtype
+from metrale_cli.layers.spec import UNSERVED, check_served, unserved
+from metrale_cli.models import FAMILIES, build_model, family_of, model_config
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "metrale_cli"
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 256}
+
+
+# --- families -------------------------------------------------------------------------------------
+def test_an_unsupported_model_type_names_every_supported_family():
+    with pytest.raises(MetraleError) as info:
+        model_config(LLAMA | {"model_type": "mamba"})
+    assert info.value.message == "model_type 'mamba' is not supported yet"
+    assert info.value.hint == "supported families: " + ", ".join(FAMILIES) == "supported families: llama, qwen2, qwen3"
+
+
+def test_the_gguf_architectures_are_the_families():
+    assert gguf_config.architectures() == {f.gguf.name: f for f in FAMILIES.values()}
+    with pytest.raises(MetraleError) as info:
+        gguf_config.arch_of("mamba")
+    assert info.value.hint == "supported: llama, qwen2, qwen3"
+    assert family_of("llama").gguf.permuted_qk and family_of("qwen2").gguf.attention_bias
+
+
+@pytest.mark.parametrize("family, overrides, qkv_bias, qk_norm, head_dim", [
+    ("llama", {}, False, False, 16),
+    ("llama", {"attention_bias": True, "head_dim": 32}, True, False, 32),  # head_dim != hidden / heads
+    ("qwen2", {}, True, False, 16),
+    ("qwen3", {"head_dim": 24}, False, True, 24),
+])
+def test_layer_specs_are_read_as_the_family_says(family, overrides, qkv_bias, qk_norm, head_dim):
+    raw = getattr(T, {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[family])(
+        **(LLAMA | overrides | {"model_type": family})).to_dict()
+    cfg = model_config(raw)
+    assert cfg.num_layers == 3 and [s.index for s in cfg.layers] == [0, 1, 2]
+    a = cfg.layers[0].attention
+    assert (a.head_dim, a.num_heads, a.num_kv_heads, a.qkv_bias, a.qk_norm) == (head_dim, 4, 2, qkv_bias, qk_norm)
+    assert a.scale == head_dim**-0.5 and a.sliding_window is None and cfg.layers[0].ffn.intermediate_size == 96
+    assert unserved(cfg.layers) == []
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_sliding_window_is_refused_on_the_layers_transformers_gives_it(family, tmp_path):
+    """Qwen2 / Qwen3 with use_sliding_window: transformers puts the window on the layers from
+    max_window_layers on; no kernel applies a window yet, so the run refuses them in one line
+    (before, it ran full attention silently)."""
+    cls = {"qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config}[family]
+    raw = cls(**(LLAMA | {"model_type": family, "use_sliding_window": True, "sliding_window": 64,
+                          "max_window_layers": 1})).to_dict()
+    cfg = model_config(raw)
+    assert [s.attention.sliding_window for s in cfg.layers] == [None, 64, 64]
+    assert [t == "sliding_attention" for t in raw["layer_types"]] == [False, True, True]
+    with pytest.raises(MetraleError) as info:
+        open_runner(RunnerOptions(backend="torch"), ModelSource(raw, lambda: None, lambda *a: pytest.fail("loaded")))
+    assert "layer 1 (and 1 more): sliding_window = 64: no attention kernel applies a sliding window" in info.value.message
+    no_window = cls(**(LLAMA | {"model_type": family, "sliding_window": 64})).to_dict()  # use_sliding_window off
+    assert all(s.attention.sliding_window is None for s in model_config(no_window).layers)
+
+
+def test_a_sliding_window_checkpoint_is_one_error_line_on_the_command_line(tmp_path):
+    from helpers_checkpoints import make_hf_checkpoint
+
+    folder = make_hf_checkpoint(tmp_path, "qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=0)
+    result = CliRunner().invoke(app, ["generate", "-m", str(folder), "--backend", "torch", "hi"])
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "layer 0 (and 1 more): sliding_window = 32" in lines[0]
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("rule", UNSERVED, ids=lambda r: r.path)
+def test_every_field_nothing_serves_is_refused_naming_layer_and_field(rule):
+    cfg = model_config(LLAMA)
+    path = rule.path.split(".")
+    value = {"mixer": "gdn", "ffn.kind": "moe", "attention.sliding_window": 128, "layer_scalar": 0.5}.get(rule.path, True)
+
+    def with_value(spec):
+        if len(path) == 1:
+            return dataclasses.replace(spec, **{path[0]: value})
+        inner = getattr(spec, path[0])
+        if len(path) == 3:
+            leaf = dataclasses.replace(getattr(inner, path[1]), **{path[2]: value})
+            return dataclasses.replace(spec, **{path[0]: dataclasses.replace(inner, **{path[1]: leaf})})
+        return dataclasses.replace(spec, **{path[0]: dataclasses.replace(inner, **{path[1]: value})})
+
+    layers = (cfg.layers[0], with_value(cfg.layers[1]), cfg.layers[2])
+    with pytest.raises(MetraleError) as info:
+        check_served(layers)
+    assert f"layer 1: {path[-1]} = {value!r}: {rule.why}" in info.value.message
+
+
+# --- layers of their own shapes in one stack --------------------------------------------------------
+def _reference_forward(cfg, w, ids):
+    """The stack in plain fp32 torch from the checkpoint's tensors: each layer with its own heads,
+    head_dim and RoPE (rotate-half), GQA, causal softmax attention, SwiGLU; K and V rounded to
+    bf16 as the bf16 cache stores them."""
+    def norm(x, g):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * g.float()
+
+    h = w["model.embed_tokens.weight"].float()[ids]
+    t = len(ids)
+    for spec in cfg.layers:
+        a, p = spec.attention, f"model.layers.{spec.index}."
+        x = norm(h, w[p + "input_layernorm.weight"])
+        q, k, v = (F.linear(x, w[p + f"self_attn.{n}_proj.weight"].float()).view(t, -1, a.head_dim) for n in "qkv")
+        inv = 1.0 / a.rope.theta ** (torch.arange(0, a.head_dim, 2).float() / a.head_dim)
+        ang = torch.arange(t).float()[:, None] * inv[None]
+        cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+
+        def rot(z):
+            half = z.shape[-1] // 2
+            return z * cos + torch.cat([-z[..., half:], z[..., :half]], -1) * sin
+
+        q, k = rot(q), rot(k).bfloat16().float()
+        v = v.bfloat16().float()
+        group = a.num_heads // a.num_kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("thd,shd->hts", q, k) * a.scale
+        scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+        out = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(t, -1)
+        h = h + F.linear(out, w[p + "self_attn.o_proj.weight"].float())
+        x = norm(h, w[p + "post_attention_layernorm.weight"])
+        gate, up = (F.linear(x, w[p + f"mlp.{n}_proj.weight"].float()) for n in ("gate", "up"))
+        h = h + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"].float())
+    return F.linear(norm(h, w["model.norm.weight"]), w["lm_head.weight"].float())
+
+
+def test_layers_with_their_own_head_dim_and_kv_heads_share_one_stack():
+    """Gemma-4's shape: layers differ in head_dim, query and KV heads (set_dimension_overrides).
+    Each gets its own RoPE table and its own cache pools of its shape; the logits of every
+    position, through prefill chunks and the cache, equal a plain fp32 forward's."""
+    cfg = model_config(LLAMA)
+    shapes = [(16, 4, 2), (32, 2, 1), (64, 8, 4)]  # (head_dim, heads, KV heads) of layers 0, 1, 2
+    layers = tuple(dataclasses.replace(s, attention=dataclasses.replace(s.attention, head_dim=d, num_heads=hq,
+                                                                        num_kv_heads=hk, scale=d**-0.5))
+                   for s, (d, hq, hk) in zip(cfg.layers, shapes))
+    cfg = dataclasses.replace(cfg, layers=layers).planned((KvCacheDtype.BF16,) * 3)
+    g = torch.Generator().manual_seed(0)
+    weights = {name: torch.randn(shape, generator=g) / math.sqrt(shape[1]) if len(shape) > 1
+               else 1 + 0.1 * torch.randn(shape, generator=g)
+               for name, shape in family_of("llama").expected_tensors(cfg).items()}
+    model = build_model(cfg, dict(weights), TorchOps(), 8, 64, 0, torch.device("cpu"))
+    pools = [(kv.k.data.shape, kv.num_kv_heads, kv.head_dim) for kv in model.kv_cache.layers]
+    assert pools == [((8, 2, 16, 16), 2, 16), ((8, 1, 16, 32), 1, 32), ((8, 4, 16, 64), 4, 64)]
+    assert model.kv_cache.layout.bytes_per_token() == 4 * (2 * 16 + 32 + 4 * 64)
+    ids = torch.randint(0, 128, (29,), generator=g).tolist()
+    from hf_oracle import teacher_forced
+
+    got = teacher_forced(Engine(model, 64, prefill_chunk=64), ids)
+    want = _reference_forward(cfg, weights, torch.tensor(ids))
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() < 1e-4 * scale
+    chunked = Engine(model, 64, prefill_chunk=5).teacher_forced(ids)  # later chunks read earlier ones back
+    assert (chunked - want).abs().max().item() < 1e-4 * scale
+
+
+# --- decisions made once ----------------------------------------------------------------------------
+def test_auto_is_resolved_by_the_model_config():
+    cfg = model_config(LLAMA)
+    assert cfg.resolve_kv_dtype("auto") == KvCacheDtype.BF16
+    assert model_config(LLAMA | {"kv_cache_dtype": "fp8"}).resolve_kv_dtype("auto") == KvCacheDtype.FP8
+    assert cfg.resolve_kv_dtype(KvCacheDtype.TURBO3) == KvCacheDtype.TURBO3
+    assert cfg.resolve_kv_dtype("fp8k4v") == KvCacheDtype.FP8K_TURBO4V
+
+
+def test_the_command_line_parses_the_kv_dtype_once(monkeypatch):
+    """Every command gets a KvCacheDtype from the option's parser (aliases resolved), not a string
+    to parse again; a bad value is one error line naming the valid ones."""
+    seen = {}
+    from metrale_cli.commands import bench, generate, validate
+
+    monkeypatch.setattr(generate, "run_generate", lambda out, model, opts, *a, **k: seen.update(gen=opts.kv_cache_dtype))
+    monkeypatch.setattr(bench, "run_bench_cmd", lambda out, opts: seen.update(bench=opts.kv_cache_dtypes))
+    monkeypatch.setattr(validate, "run_validate", lambda out, dtype, *a: seen.update(validate=dtype))
+    runner = CliRunner()
+    assert runner.invoke(app, ["generate", "--kv-cache-dtype", "fp8k4v", "hi"]).exit_code == 0
+    assert runner.invoke(app, ["bench", "--kv-cache-dtype", "bf16", "--kv-cache-dtype", "turbo4k3v"]).exit_code == 0
+    assert runner.invoke(app, ["validate-kernels", "--kv-cache-dtype", "ALL"]).exit_code == 0
+    assert seen == {"gen": KvCacheDtype.FP8K_TURBO4V, "bench": (KvCacheDtype.BF16, KvCacheDtype.TURBO4K_TURBO3V),
+                    "validate": "all"}
+    assert runner.invoke(app, ["generate", "hi"]).exit_code == 0 and seen["gen"] == "auto"
+    bad = runner.invoke(app, ["generate", "--kv-cache-dtype", "int4", "hi"])  # main() prints it as one line
+    assert isinstance(bad.exception, MetraleError) and bad.exception.message == "Unsupported --kv-cache-dtype 'int4'"
+    assert bad.exception.hint.startswith("valid values: bf16, fp8")
+
+
+def test_each_layer_holds_its_attention_kernels_from_build_time():
+    """The attention a layer launches through is resolved once, for its spec's dtype and head_dim,
+    and shared by the layers of the same (dtype, head_dim)."""
+    from metrale_cli.kernels.cuda_ops import CudaOps
+    from test_kernels_cuda_ops import RecordingLoader
+
+    ops = CudaOps(RecordingLoader())
+    cfg = model_config(LLAMA | {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4})
+    cfg = cfg.planned((KvCacheDtype.BF16, KvCacheDtype.TURBO4, KvCacheDtype.TURBO4, KvCacheDtype.BF16))
+    from metrale_cli.commands.bench_presets import random_weights
+
+    raw = LLAMA | {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4}
+    model = build_model(cfg, random_weights(raw, torch.device("cpu"), torch.bfloat16), ops, 4, 32, 0,
+                        torch.device("cpu"))
+    kernels = [(layer.attention.dtype, layer.attention.head_dim) for layer in model.layers]
+    assert kernels == [(KvCacheDtype.BF16, 64), (KvCacheDtype.TURBO4, 64), (KvCacheDtype.TURBO4, 64),
+                       (KvCacheDtype.BF16, 64)]
+    assert model.layers[1].attention is model.layers[2].attention is not model.layers[0].attention
+    assert str(model.layers[1].attention.kernels.decode[0]) == "paged_decode_turbo4_128::paged_decode_attn_turbo4"
+
+
+# --- per-sequence layer states ------------------------------------------------------------------------
+class _Counted:
+    """A layer's state hooks counted: every state allocated once per admitted sequence, released once."""
+
+    def __init__(self, model):
+        self.allocated, self.released = [], []
+        for i, layer in enumerate(model.layers):
+            layer.alloc_state = lambda i=i: self.allocated.append(i) or {"layer": i}
+            layer.release_state = lambda state, i=i: self.released.append((i, state["layer"]))
+
+
+def test_the_engine_allocates_and_releases_each_sequences_layer_states():
+    from hf_oracle import make_hf, ours
+
+    hf, raw = make_hf("qwen3", head_dim=32)
+    engine = ours(hf, raw, blocks=3)  # room for one sequence at a time: three admissions in turn
+    counted = _Counted(engine.model)
+    prompts = [list(range(5, 25)), list(range(7, 19)), list(range(30, 44))]
+    engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    layers = engine.model.cfg.num_layers
+    assert sorted(counted.allocated) == sorted(list(range(layers)) * 3)
+    assert sorted(counted.released) == sorted([(i, i) for i in range(layers)] * 3)
+    assert engine.model.kv_cache.allocator.free_blocks == 3
+
+
+class _Letters:
+    """A tokenizer stand-in whose text is one letter per token."""
+
+    class _Decoder:
+        def push(self, token):
+            return "x"
+
+        def flush(self):
+            return ""
+
+    def stream_decoder(self):
+        return self._Decoder()
+
+
+def test_a_stream_yields_the_generated_text_and_gives_everything_back_when_dropped():
+    from hf_oracle import make_hf, ours
+
+    hf, raw = make_hf("llama")
+    engine = ours(hf, raw, blocks=8)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    whole = list(engine.stream([list(range(3, 40))], params, (), _Letters()))
+    assert whole == [(0, "x")] * 30
+    counted = _Counted(engine.model)
+    stream = engine.stream([list(range(3, 40))], params, (), _Letters())
+    assert engine.model.kv_cache.allocator.free_blocks == 8  # nothing runs before the first read
+    assert [next(stream) for _ in range(3)] == [(0, "x")] * 3
+    assert engine.model.kv_cache.allocator.free_blocks < 8 and counted.released == []
+    stream.close()  # the caller stops reading mid-sequence
+    assert engine.model.kv_cache.allocator.free_blocks == 8 and len(counted.released) == len(counted.allocated) == 3
+
+
+# --- the import graph -----------------------------------------------------------------------------------
+# Each part of the package imports only from parts below it (a lower number), never from above.
+LAYERS = {"errors": 0, "environment": 1, "output": 1, "kv": 2, "kernels": 3, "layers": 4, "config": 5,
+          "models": 6, "checkpoint": 7, "engine": 8, "commands": 9, "api": 10, "cli": 10, "__main__": 11,
+          "__init__": 12}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """{module: the package modules it imports (at any depth of the code; a package's own
+    ``__init__`` counts only where a name is taken from it, not a submodule)}."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("metrale_cli"):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    targets.add(sub if sub in paths else node.module)
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name.startswith("metrale_cli")}
+        graph[name] = {t for t in targets if t in paths and t != name}
+    return graph
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"  # metrale_cli itself: the lazy API face
+
+
+def test_the_import_graph_only_points_down():
+    graph = _imports()
+    up = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts if LAYERS[_part(t)] > LAYERS[_part(m)])
+    assert up == []
+    assert not any(_part(t) == "kernels" for m, ts in graph.items() if _part(m) == "kv" for t in ts)
+    assert not any(_part(t) == "layers" for m, ts in graph.items() if _part(m) == "kernels" for t in ts)
+
+
+def test_no_modules_import_each_other():
+    graph = _imports()
+    seen, cycles = {}, []
+
+    def visit(node, path):
+        seen[node] = "open"
+        for nxt in sorted(graph[node]):
+            if seen.get(nxt) == "open":
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in seen:
+                visit(nxt, path + [nxt])
+        seen[node] = "done"
+
+    for node in sorted(graph):
+        if node not in seen:
+            visit(node, [node])
+    assert cycles == []
+
+
+def test_one_cache_folder_one_head_dim_table():
+    from metrale_cli.environment import cache_dir
+    from metrale_cli.kernels.compile import kernel_cache_dir
+    from metrale_cli.kv.dtypes import HEAD_DIMS
+    from metrale_cli.kv.wht import HEAD_DIMS as WHT_HEAD_DIMS
+
+    assert kernel_cache_dir() == cache_dir() / "kernels" and WHT_HEAD_DIMS is HEAD_DIMS
+    defined = [p for p in PACKAGE.rglob("*.py") if "def cache_dir(" in p.read_text()]
+    assert [p.name for p in defined] == ["environment.py"]
+    assert math.prod(HEAD_DIMS) == 64 * 128 * 256 * 512
