@@ -28,16 +28,24 @@ BackendOpt = Annotated[str, typer.Option(help="auto | cuda | torch (auto = cuda 
 ALL = "all"
 
 
-def _kv_or_all(value: str) -> KvCacheDtype | str:
+def _kv_dtype(value: str | None) -> KvCacheDtype | str | None:
+    return None if value is None else parse_kv_cache_dtype(value)
+
+
+def _kv_or_all(value: str | None) -> KvCacheDtype | str | None:
     """validate-kernels' --kv-cache-dtype: a dtype, or ``all`` (every one of the 16)."""
-    return ALL if value.strip().lower() == ALL else parse_kv_cache_dtype(value)
+    return ALL if value is not None and value.strip().lower() == ALL else _kv_dtype(value)
 
 
-# --kv-cache-dtype is parsed once, here: the commands get a KvCacheDtype (or "auto", resolved by
-# the model's config); a bad value is one error line listing the valid ones (KV_DTYPES.md).
-KvOpt = Annotated[KvCacheDtype, typer.Option(
-    "--kv-cache-dtype", parser=parse_kv_cache_dtype, metavar="DTYPE",
-    help="KV-cache dtype: " + ", ".join(valid_names()))]
+def _kv_dtypes(values: list[str] | None) -> list[KvCacheDtype | str] | None:
+    return None if values is None else [parse_kv_cache_dtype(v) for v in values]
+
+
+# --kv-cache-dtype is parsed once, here (the option's callback returns what the command gets): a
+# KvCacheDtype, or "auto" for the model's config to resolve; a bad value is one error line listing
+# the valid ones (KV_DTYPES.md).
+KvOpt = Annotated[str, typer.Option(
+    "--kv-cache-dtype", callback=_kv_dtype, metavar="DTYPE", help="KV-cache dtype: " + ", ".join(valid_names()))]
 DtypeOpt = Annotated[str, typer.Option(help="weights/activations dtype: bf16 | fp16 | fp32")]
 MaxSeqOpt = Annotated[Optional[int], typer.Option(help="context length of the KV pool (default: model's, at most 8192)")]
 GpuMemOpt = Annotated[float, typer.Option(help="fraction of GPU memory for weights + KV pool")]
@@ -132,8 +140,8 @@ def generate(
 
 @app.command("validate-kernels")
 def validate_kernels(
-    kv_cache_dtype: Annotated[KvCacheDtype, typer.Option(
-        "--kv-cache-dtype", parser=_kv_or_all, metavar="DTYPE",
+    kv_cache_dtype: Annotated[str, typer.Option(
+        "--kv-cache-dtype", callback=_kv_or_all, metavar="DTYPE",
         help="one of: " + ", ".join(valid_names()) + "; or all (every dtype)")],
     head_dim: Annotated[int, typer.Option(help="attention head_dim the kernels must serve")] = 128,
     recheck: Annotated[bool, typer.Option(
@@ -169,8 +177,8 @@ def bench(
     n_gen: Annotated[int, typer.Option("--n-gen", "-n", help="generated tokens (tg test)")] = 128,
     batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
     repetitions: Annotated[int, typer.Option("--repetitions", "-r")] = 3,
-    kv_cache_dtype: Annotated[Optional[list[KvCacheDtype]], typer.Option(
-        "--kv-cache-dtype", parser=parse_kv_cache_dtype, metavar="DTYPE",
+    kv_cache_dtype: Annotated[Optional[list[str]], typer.Option(
+        "--kv-cache-dtype", callback=_kv_dtypes, metavar="DTYPE",
         help="repeatable: one row set per dtype (" + ", ".join(valid_names()) + ")")] = None,
     backend: BackendOpt = "auto",
     dtype: DtypeOpt = "bf16",
