@@ -94,7 +94,7 @@ class Engine:
         (1, V) float32, or with ``every_position`` every token's (T, V)."""
         ids = seq.prompt_ids + seq.output_ids
         self.model.kv_cache.ensure_capacity(seq.block_table, len(ids))
-        if not seq.states:
+        if not seq.states:  # a sequence's first prefill allocates its layers' states
             seq.states = self.model.alloc_states()
         table = self._int32(seq.block_table)
         logits = []
@@ -279,7 +279,6 @@ class Engine:
             while flight is None and self._admissible(waiting):
                 seq = waiting.pop(0)
                 cache.ensure_capacity(seq.block_table, self._budget(seq) * BLOCK_SIZE)
-                seq.states = self.model.alloc_states()
                 t0 = self._now()
                 logits = self.prefill(seq)
                 delta = self._accept(seq, int(sampler(logits)[0]), params, eos)

@@ -41,13 +41,12 @@ def _head_dim(head_dim: int) -> int:
     return head_dim
 
 
-def kernel_problems(dtype: KvCacheDtype | str, head_dim: int, checker: KernelCheck | None = None,
-                    specs: list[KernelSpec] | None = None) -> dict[str, str]:
-    """{``module::function``: reason} for every kernel of ``specs`` (default: the required ones)
-    that is not usable: ``checker``'s reason (default: it compiles), else a head_dim it does not serve."""
+def kernel_problems(dtype: KvCacheDtype | str, head_dim: int, checker: KernelCheck | None = None) -> dict[str, str]:
+    """{``module::function``: reason} for every required kernel that is not usable: ``checker``'s
+    reason (default: it compiles), else a head_dim it does not serve."""
     d, check = concrete(dtype), checker or compile_check
     unserved = kv_kernels(d, _head_dim(head_dim)).unserved()
-    problems = {str(k): check(k) or unserved.get(str(k)) for k in specs or required_kernels(d, head_dim)}
+    problems = {str(k): check(k) or unserved.get(str(k)) for k in required_kernels(d, head_dim)}
     return {name: reason for name, reason in problems.items() if reason is not None}
 
 
