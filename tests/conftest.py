@@ -2,6 +2,7 @@
 one ``ops`` fixture of the GPU tests (the cuda backend)."""
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -9,6 +10,11 @@ import torch
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU with CUDA and CuPy (make test-gpu)")
+    # Under pytest-xdist each worker would take every core for its CPU references, N workers
+    # oversubscribing the machine N times over; each takes its share instead.
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 def _gpu_skip_reason() -> str | None:
