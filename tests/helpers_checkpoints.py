@@ -1,6 +1,6 @@
 """Builders of tiny random checkpoints (HF folders and GGUF files) for tests.
 
-``make_hf_checkpoint(tmp_path, "llama" | "qwen2" | "qwen3", **overrides)`` saves a seeded random
+``make_hf_checkpoint(tmp_path, "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen2_moe", **overrides)`` saves a seeded random
 model made by transformers itself (bf16 safetensors + a small trained BPE tokenizer with a ChatML
 template), so model tests can compare metrale against HF on the very same files.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 
 import numpy as np
 import torch
@@ -32,6 +33,10 @@ FAMILIES = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 6, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48}),
 }
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -113,8 +118,13 @@ _TO_GGUF_LAYER = {
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+# HF model_type -> llama.cpp general.architecture where they differ
+_TO_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
 _TO_GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
@@ -132,14 +142,34 @@ def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def write_gguf(folder: pathlib.Path, out: pathlib.Path, quant: str = "F32") -> pathlib.Path:
-    """Convert a tiny HF folder to GGUF as llama.cpp would: arch metadata, gpt2 tokenizer,
-    q/k permuted for llama, matrices in ``quant`` ("F32" or "Q8_0"), 1-D tensors in F32."""
+def llama_cpp_tensors(folder: pathlib.Path, config: dict) -> dict[str, np.ndarray]:
+    """The folder's tensors under llama.cpp's names as its converter writes them: q/k permuted for
+    llama, each layer's experts stacked (E, ...) into ffn_{gate,up,down}_exps."""
+    tensors, experts = {}, {}
+    for name, tensor in hf_state_dict(folder).items():
+        values = tensor.float().numpy()
+        if config["model_type"] == "llama" and (".q_proj." in name or ".k_proj." in name):
+            values = llama_cpp_permute(values, config["num_attention_heads" if ".q_proj." in name
+                                                      else "num_key_value_heads"])
+        if match := _EXPERT.fullmatch(name):
+            layer, expert, kind = match.groups()
+            experts.setdefault(f"blk.{layer}.ffn_{kind}_exps.weight", {})[int(expert)] = values
+        else:
+            tensors[gguf_name(name)] = values
+    for name, by_expert in experts.items():
+        tensors[name] = np.stack([by_expert[e] for e in range(len(by_expert))])
+    return tensors
+
+
+def write_gguf(folder: pathlib.Path, out: pathlib.Path, quant: str = "F32", squeezed: bool = False) -> pathlib.Path:
+    """Convert a tiny HF folder to GGUF as llama.cpp would: arch metadata (experts' too), gpt2
+    tokenizer, q/k permuted for llama, experts stacked, matrices in ``quant`` ("F32" or "Q8_0";
+    F16 where rows are no multiple of the block) except the MoE router, which llama.cpp keeps in
+    F32, 1-D tensors in F32. ``squeezed``: unit dimensions dropped, as older converters did."""
     import gguf
 
     config = json.loads((folder / "config.json").read_text())
-    arch = config["model_type"]
-    writer = gguf.GGUFWriter(str(out), arch)
+    writer = gguf.GGUFWriter(str(out), _TO_GGUF_ARCH.get(config["model_type"], config["model_type"]))
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -149,23 +179,29 @@ def write_gguf(folder: pathlib.Path, out: pathlib.Path, quant: str = "F32") -> p
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
-    if arch == "qwen3":
+    if config.get("head_dim"):
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
+    if config.get("moe_intermediate_size"):
+        writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     _add_tokenizer(writer, folder)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(config))
     qtype = gguf.GGMLQuantizationType[quant]
-    for name, tensor in hf_state_dict(folder).items():
-        values = tensor.float().numpy()
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-            heads = config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
-            values = llama_cpp_permute(values, heads)
-        if values.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(values, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_name(name), np.ascontiguousarray(values, dtype=np.float32))
+    for name, values in llama_cpp_tensors(folder, config).items():
+        values = values.squeeze() if squeezed else values
+        if values.ndim < 2 or qtype == gguf.GGMLQuantizationType.F32 or ".ffn_gate_inp." in name:
+            writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+            continue
+        try:
+            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+        except gguf.QuantError:  # rows not a multiple of the block: the converter falls back to F16
+            writer.add_tensor(name, values.astype(np.float16), raw_dtype=gguf.GGMLQuantizationType.F16)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

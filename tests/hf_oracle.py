@@ -15,7 +15,8 @@ from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.layers.context import ForwardContext
 from metrale_cli.models import build_model, model_config
 
-CONFIGS = {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config}
+CONFIGS = {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config, "qwen3_moe": T.Qwen3MoeConfig,
+           "qwen2_moe": T.Qwen2MoeConfig}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=384, max_position_embeddings=512, initializer_range=0.2)
 
@@ -99,3 +100,11 @@ def check_logprobs_close(ours_ids, ours_logits, ref_ids, ref_logits, topk: int =
             assert b in ours_logits[i].topk(topk).indices.tolist(), f"step {i}: HF {b} not in our top-{topk}"
             return i
     return min(len(ours_ids), len(ref_ids))
+
+
+def hf_folder_greedy(folder, prompt: list[int], n: int) -> list[int]:
+    """HF's greedy tokens from a saved folder, in fp32 with K/V rounded to bf16 as our cache stores
+    them (what our fp32 run of the same folder must equal)."""
+    model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with hf_kv_rounded_to_bf16():
+        return hf_greedy(model, prompt, n)[0]

@@ -38,14 +38,15 @@ def test_an_unsupported_model_type_names_every_supported_family():
     with pytest.raises(MetraleError) as info:
         model_config(LLAMA | {"model_type": "mamba"})
     assert info.value.message == "model_type 'mamba' is not supported yet"
-    assert info.value.hint == "supported families: " + ", ".join(FAMILIES) == "supported families: llama, qwen2, qwen3"
+    assert info.value.hint == "supported families: " + ", ".join(FAMILIES) == ("supported families: llama, qwen2, qwen3, "
+                                                                               "qwen2_moe, qwen3_moe")
 
 
 def test_the_gguf_architectures_are_the_families():
     assert gguf_config.architectures() == {f.gguf.name: f for f in FAMILIES.values()}
     with pytest.raises(MetraleError) as info:
         gguf_config.arch_of("mamba")
-    assert info.value.hint == "supported: llama, qwen2, qwen3"
+    assert info.value.hint == "supported: llama, qwen2, qwen3, qwen2moe, qwen3moe"
     assert family_of("llama").gguf.permuted_qk and family_of("qwen2").gguf.attention_bias
 
 

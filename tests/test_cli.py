@@ -240,3 +240,19 @@ def test_validate_kernels_all_dtypes_in_one_run():
     bad = metrale("validate-kernels", "--kv-cache-dtype", "all", "--head-dim", "512")
     assert bad.returncode == 1
     assert "kv-cache-dtype turbo2 (head_dim 512) requires" in bad.stderr  # turbo2 is _128-only
+
+
+def test_bench_counts_the_experts_a_moe_decode_step_reads(tmp_path):
+    """Batch 1 reads top-k distinct experts in every MoE layer a step: the roofline's routed bytes,
+    metrale's and HF's (counted by a hook on its routers), are exactly that many experts' weights."""
+    folder = make_hf_checkpoint(tmp_path, "qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])
+    result = metrale("bench", "-m", str(folder), "-p", "8", "-n", "3", "-r", "1", "--backend", "torch",
+                     "--compare-hf", "--peak-bandwidth", "100", "--json")
+    assert result.returncode == 0, result.stderr
+    cfg = json.loads((folder / "config.json").read_text())
+    expert = 3 * cfg["moe_intermediate_size"] * cfg["hidden_size"] * 2  # gate, up, down in bf16
+    want = 2 * cfg["num_experts_per_tok"] * expert  # layers 0 and 2 are MoE
+    tg = [r for r in json.loads(result.stdout)["rows"] if r["test"].startswith("tg")]
+    assert [r["engine"] for r in tg] == ["metrale torch eager kv=bf16", "HF transformers (eager)"]
+    assert [r["routed_bytes_per_step"] for r in tg] == [want, want]
+    assert all(r["roofline_pct"] > 0 for r in tg)

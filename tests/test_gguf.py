@@ -14,6 +14,7 @@ from helpers_checkpoints import hf_state_dict, llama_cpp_permute, make_hf_checkp
 from metrale_cli.checkpoint import (default_model_path, gguf_cache_path, gguf_io, load_checkpoint, read_config,
                                     read_tokenizer)
 from metrale_cli.checkpoint import gguf_config
+from metrale_cli.layers.spec import FfnSpec, MoeSpec
 from metrale_cli.models import model_config
 from metrale_cli.layers.rope import inv_freq_and_scaling
 from metrale_cli.errors import MetraleError
@@ -38,7 +39,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
     assert gguf_config.permute_qk(np.arange(4), 1).tolist() == [0, 2, 1, 3]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_f32_gguf_round_trips_exactly(tmp_path, family):
     folder = make_hf_checkpoint(tmp_path, family)
     path = write_gguf(folder, tmp_path / f"{family}.gguf", "F32")
@@ -81,21 +82,56 @@ def test_llama3_rope_freqs_give_the_frequencies_of_the_hf_config(tmp_path):
         inv_freq_and_scaling(gguf_rope, 32, 256)
 
 
+def _q8_0_error_ok(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Quantized (not equal) and within Q8_0's error: one scale per 32 values, half a step for
+    rounding plus 127 times the fp16 rounding of the stored scale."""
+    blocks = want.reshape(-1, 32)
+    step = blocks.abs().amax(dim=1, keepdim=True) / 127
+    error = (got.reshape(-1, 32) - blocks).abs()
+    return bool((error <= step * (0.5 + 127 * 2.0**-11) + 1e-7).all()) and error.max() > 0
+
+
 def test_q8_0_gguf_is_within_quantization_error(tmp_path):
     folder = make_hf_checkpoint(tmp_path, "llama")
     ck = load_checkpoint(str(write_gguf(folder, tmp_path / "q8.gguf", "Q8_0")), CPU, torch.float32)
     assert "gguf Q8_0" in ck.source
     for name, tensor in hf_state_dict(folder).items():
         want, got = tensor.float(), ck.tensors[name]
-        if want.dim() == 1:
-            assert torch.equal(got, want), name
-            continue
-        blocks = want.reshape(-1, 32)
-        step = blocks.abs().amax(dim=1, keepdim=True) / 127  # Q8_0: one scale per 32 values
-        error = (got.reshape(-1, 32) - blocks).abs()
-        # half a step for rounding, plus 127 times the fp16 rounding of the stored scale
-        assert bool((error <= step * (0.5 + 127 * 2.0**-11) + 1e-7).all()), name
-        assert error.max() > 0, name  # really quantized
+        assert torch.equal(got, want) if want.dim() == 1 else _q8_0_error_ok(got, want), name
+
+
+def test_q8_0_moe_experts_are_split_within_quantization_error(tmp_path):
+    """Each expert's slice of the stacked Q8_0 tensors is its own weight; the router, which
+    llama.cpp keeps in F32, is exact."""
+    folder = make_hf_checkpoint(tmp_path, "qwen3_moe")
+    ck = load_checkpoint(str(write_gguf(folder, tmp_path / "q8.gguf", "Q8_0")), CPU, torch.float32)
+    expected = hf_state_dict(folder)
+    experts = [name for name in expected if ".mlp.experts." in name]
+    assert len(experts) == 2 * 6 * 3
+    assert all(_q8_0_error_ok(ck.tensors[name], expected[name].float()) for name in experts)
+    assert torch.equal(ck.tensors["model.layers.1.mlp.gate.weight"], expected["model.layers.1.mlp.gate.weight"].float())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_a_moe_gguf_reads_as_its_hf_config(tmp_path, family):
+    """Expert counts and widths from the metadata, llama.cpp's fixed renormalization: the same
+    layers as the HF folder's config (eps aside: GGUF stores it in fp32)."""
+    folder = make_hf_checkpoint(tmp_path, family, num_hidden_layers=3)
+    hf = model_config(read_config(str(folder)))
+    ours = model_config(read_config(str(write_gguf(folder, tmp_path / "m.gguf"))))
+    assert [(s.attention, s.ffn) for s in ours.layers] == [(s.attention, s.ffn) for s in hf.layers]
+    shared = 48 if family == "qwen2_moe" else 0
+    assert ours.layers[2].ffn == FfnSpec("moe", 0, MoeSpec(6, 2, 32, family == "qwen3_moe", shared))
+
+
+def test_a_squeezed_shared_expert_gate_is_restored(tmp_path):
+    """Older llama.cpp converters squeezed every tensor: Qwen2-MoE's (1, H) shared-expert gate
+    came out (H,); it loads as HF's (1, H)."""
+    folder = make_hf_checkpoint(tmp_path, "qwen2_moe")
+    path = write_gguf(folder, tmp_path / "sq.gguf", squeezed=True)
+    assert gguf_io.tensor_shapes(gguf_io.open_reader(path))["blk.1.ffn_gate_inp_shexp.weight"] == (64,)
+    ck = load_checkpoint(str(path), CPU, torch.float32)
+    assert all(torch.equal(ck.tensors[n], t.float()) for n, t in hf_state_dict(folder).items())
 
 
 def test_tied_embeddings_when_no_output_tensor(tmp_path):
@@ -182,6 +218,11 @@ def test_every_table_row_maps_back_and_forth():
     for part, hf_part in gguf_config.GLOBAL_NAMES.items():
         assert gguf_config.hf_name(f"{part}.weight") == f"{hf_part}.weight"
     assert gguf_config.hf_name("rope_freqs.weight") is None
+    for part, hf_part in gguf_config.EXPERT_NAMES.items():
+        assert gguf_config.hf_tensors(f"blk.7.{part}.weight", (3, 8, 4)) == [
+            (f"model.layers.7.mlp.experts.{e}.{hf_part}.weight", e) for e in range(3)]
+    assert gguf_config.hf_tensors("blk.7.ffn_gate_inp.weight", (3, 4)) == [("model.layers.7.mlp.gate.weight", None)]
+    assert gguf_config.hf_tensors("rope_freqs.weight", (8,)) == []
     with pytest.raises(MetraleError, match="no HF equivalent"):
         gguf_config.hf_name("blk.0.ssm_conv1d.weight")
 

@@ -27,6 +27,10 @@ ARCH_KEYS: dict[str, str] = {
     "rope_theta": "rope.freq_base",
     "max_position_embeddings": "context_length",
     "vocab_size": "vocab_size",
+    "num_experts": "expert_count",
+    "num_experts_per_tok": "expert_used_count",
+    "moe_intermediate_size": "expert_feed_forward_length",
+    "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
 }
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -43,7 +47,15 @@ LAYER_NAMES: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# llama.cpp's stacked experts (after "blk.N."; (E, ...) in HF order) -> the HF name of each
+# expert's slice along dim 0 (after "model.layers.N.mlp.experts.E."), as checkpoints store them.
+EXPERT_NAMES: dict[str, str] = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -53,6 +65,7 @@ GLOBAL_NAMES: dict[str, str] = {
 IGNORED_NAMES = ("rope_freqs.weight",)
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_EXPERTS_RE = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 
@@ -82,6 +95,17 @@ def hf_name(gguf_name: str) -> str | None:
         return f"{GLOBAL_NAMES[match.group(1)]}.{match.group(2)}"
     raise MetraleError(f"GGUF tensor {gguf_name!r} has no HF equivalent in metrale",
                        "this GGUF variant of the architecture is not supported")
+
+
+def hf_tensors(gguf_name: str, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
+    """The HF tensors a llama.cpp tensor of HF-order ``shape`` becomes: [(name, None)] for most,
+    one (name, e) per expert for a stacked expert tensor (e: its slice along dim 0), [] for a
+    tensor HF does not store."""
+    if match := _EXPERTS_RE.match(gguf_name):
+        layer, part = match.groups()
+        return [(f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_NAMES[part]}.weight", e) for e in range(shape[0])]
+    name = hf_name(gguf_name)
+    return [] if name is None else [(name, None)]
 
 
 def unpermute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -136,7 +160,9 @@ def synthesize_config(meta: dict, shapes: dict[str, tuple[int, ...]],
         attention_bias=family.gguf.attention_bias or "blk.0.attn_q.bias" in shapes,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        **dict(family.gguf.fixed),
     )
+    config["qkv_bias"] = config["attention_bias"]  # Qwen2-MoE's spelling in transformers 5
     scaling = _rope_scaling(meta, architecture)
     if scaling:
         config["rope_scaling"] = scaling

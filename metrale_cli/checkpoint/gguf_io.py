@@ -23,25 +23,11 @@ from metrale_cli.checkpoint import gguf_config
 from metrale_cli.checkpoint.safetensors_io import Progress, load_tensors, read_hf_config, read_shard_header
 from metrale_cli.environment import cache_dir
 from metrale_cli.errors import MetraleError
-from metrale_cli.models import family_of
+from metrale_cli.models import family_of, model_config
 from metrale_cli.checkpoint.tokenizer import Tokenizer
 
 _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 QUANT_KEY = "gguf_quant"
-
-# HF name suffix -> expected shape from the synthesized config.
-_SHAPES = {
-    "embed_tokens.weight": lambda c: (c["vocab_size"], c["hidden_size"]),
-    "lm_head.weight": lambda c: (c["vocab_size"], c["hidden_size"]),
-    "q_proj.weight": lambda c: (c["num_attention_heads"] * c["head_dim"], c["hidden_size"]),
-    "k_proj.weight": lambda c: (c["num_key_value_heads"] * c["head_dim"], c["hidden_size"]),
-    "v_proj.weight": lambda c: (c["num_key_value_heads"] * c["head_dim"], c["hidden_size"]),
-    "o_proj.weight": lambda c: (c["hidden_size"], c["num_attention_heads"] * c["head_dim"]),
-    "gate_proj.weight": lambda c: (c["intermediate_size"], c["hidden_size"]),
-    "up_proj.weight": lambda c: (c["intermediate_size"], c["hidden_size"]),
-    "down_proj.weight": lambda c: (c["hidden_size"], c["intermediate_size"]),
-}
-
 
 def gguf_cache_path(path: pathlib.Path | str) -> pathlib.Path:
     """The HF-style folder caching the converted ``path``, keyed by its path, size and mtime."""
@@ -97,37 +83,79 @@ def read_gguf_config(path: pathlib.Path) -> dict:
     return gguf_config.synthesize_config(metadata(reader), tensor_shapes(reader), rope_freqs(reader))
 
 
+@dataclass(frozen=True)
+class _Part:
+    """One HF tensor of a conversion: its name and shape, the GGUF tensor it comes from and, for
+    a stacked expert tensor, the expert's slice along dim 0."""
+
+    name: str
+    shape: tuple[int, ...]
+    source: object  # gguf.ReaderTensor
+    expert: int | None
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
+def _per_expert(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """A family's stacked expert shapes (``mlp.experts.gate_up_proj`` (E, 2I, H), ``down_proj``
+    (E, H, I)) under the per-expert names a GGUF's stacked experts are split into."""
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith(".experts.gate_up_proj"):
+            e, i2, h = shape
+            out |= {f"{name[:-12]}{x}.{k}_proj.weight": (i2 // 2, h) for x in range(e) for k in ("gate", "up")}
+        elif name.endswith(".experts.down_proj"):
+            out |= {f"{name[:-9]}{x}.down_proj.weight": shape[1:] for x in range(shape[0])}
+        else:
+            out[name] = shape
+    return out
+
+
+def conversion_plan(reader, config: dict) -> list[_Part]:
+    """Every HF tensor the conversion yields, in file order, its shape checked against the one
+    the family expects from ``config`` (older llama.cpp converters dropped unit dimensions, e.g.
+    Qwen2-MoE's (1, H) shared-expert gate, which is restored)."""
+    cfg = model_config(config)
+    expected = _per_expert(family_of(cfg.family).expected_tensors(cfg))
+    plan = []
+    for tensor in reader.tensors:
+        declared = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        for name, expert in gguf_config.hf_tensors(tensor.name, declared):
+            shape = declared if expert is None else declared[1:]
+            want = expected.get(name, shape)
+            if _squeezed(shape) != _squeezed(want):
+                raise MetraleError(f"GGUF tensor {tensor.name} has shape {declared}, expected {want}"
+                                   + ("" if expert is None else " for each expert"),
+                                   "the file does not match its own metadata")
+            plan.append(_Part(name, want, tensor, expert))
+    return plan
+
+
 def convert_tensors(reader, config: dict, dtype: torch.dtype,
                     progress: Progress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every GGUF tensor dequantized, un-permuted where llama.cpp permuted it, under its HF name:
-    (name, CPU tensor of ``dtype``) one at a time, shapes checked against ``config``."""
+    """Every GGUF tensor dequantized, un-permuted where llama.cpp permuted it, stacked experts
+    split, under its HF name: (name, CPU tensor of ``dtype``) one at a time, in
+    :func:`conversion_plan` order."""
     from gguf.quants import dequantize
 
     permuted = family_of(config["model_type"]).gguf.permuted_qk
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    total, done = sum(int(t.n_bytes) for t in reader.tensors), 0
-    for tensor in reader.tensors:
-        name = gguf_config.hf_name(tensor.name)
-        done += int(tensor.n_bytes)
-        if name is None:
-            continue
-        values = dequantize(tensor.data, tensor.tensor_type)
-        _check_shape(tensor, name, values, config)
-        proj = name.split(".")[-2]
-        if permuted and proj in heads:
-            values = gguf_config.unpermute_qk(values, heads[proj])
-        yield name, torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
+    plan = conversion_plan(reader, config)
+    total = sum(int(t.n_bytes) for t in {id(part.source): part.source for part in plan}.values())
+    done, source, values = 0, None, None
+    for part in plan:
+        if part.source is not source:  # each GGUF tensor is dequantized once
+            source, values = part.source, dequantize(part.source.data, part.source.tensor_type)
+            done += int(source.n_bytes)
+            proj = part.name.split(".")[-2]
+            if permuted and proj in heads:
+                values = gguf_config.unpermute_qk(values, heads[proj])
+        piece = values if part.expert is None else values[part.expert]
+        yield part.name, torch.from_numpy(np.array(piece, dtype=np.float32).reshape(part.shape)).to(dtype)
         if progress is not None:
             progress(done, total)
-
-
-def _check_shape(tensor, name: str, values: np.ndarray, config: dict) -> None:
-    declared = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    suffix = ".".join(name.split(".")[-2:])
-    expected = _SHAPES[suffix](config) if suffix in _SHAPES else declared
-    if values.shape != declared or declared != expected:
-        raise MetraleError(f"GGUF tensor {tensor.name} has shape {declared}, expected {expected}",
-                           "the file does not match its own metadata")
 
 
 @dataclass(frozen=True)
@@ -181,23 +209,17 @@ def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
     tokenizer, quant = Tokenizer.from_gguf(meta), main_quant(reader)
     try:
         _write_cache(folder, weights, config, tokenizer, quant, dtype,
-                     convert_tensors(reader, config, dtype, progress), _entries(reader, dtype))
+                     convert_tensors(reader, config, dtype, progress), _entries(reader, config, dtype))
     except OSError:  # an unwritable cache only costs the next start the same conversion
         tensors = {name: t.to(device) for name, t in convert_tensors(reader, config, dtype, progress)}
         return GgufModel(config, tensors, tokenizer, quant)
     return GgufModel(config, load_tensors([read_shard_header(weights)], device, dtype), tokenizer, quant)
 
 
-def _entries(reader, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], int]]:
+def _entries(reader, config: dict, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], int]]:
     """HF name -> (shape, bytes) of every weight the conversion yields, in file order."""
     size = torch.tensor([], dtype=dtype).element_size()
-    entries = {}
-    for t in reader.tensors:
-        name = gguf_config.hf_name(t.name)
-        if name is not None:
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            entries[name] = (shape, int(np.prod(shape)) * size)
-    return entries
+    return {p.name: (p.shape, int(np.prod(p.shape)) * size) for p in conversion_plan(reader, config)}
 
 
 def _write_cache(folder: pathlib.Path, weights: pathlib.Path, config: dict, tokenizer: Tokenizer, quant: str,

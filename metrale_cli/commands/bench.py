@@ -3,7 +3,8 @@
 Decode steps are timed as ``generate`` runs them (greedy sampling on the device, the host reading
 step t's tokens while the GPU runs step t + 1), with CUDA events on a GPU. The roofline of a decode step is the bytes it must read:
 every weight it uses whole once (the layers, the final norm, the LM head; an untied input
-embedding gives one row per token, left out) plus each sequence's cached K/V, over the peak
+embedding gives one row per token, left out), the routed experts of a MoE model that the step
+actually read (counted on the device), plus each sequence's cached K/V, over the peak
 bandwidth (measured as a device-to-device copy unless given).
 """
 
@@ -46,8 +47,9 @@ class BenchOptions:
     synthetic_context: bool = False  # fill the cache with random K/V instead of prefilling
 
 
-def _time_run(runner, opts: BenchOptions, seed: int) -> tuple[float, float]:
-    """One repetition: (prefill seconds of one n_prompt sequence, mean decode step seconds)."""
+def _time_run(runner, opts: BenchOptions, seed: int) -> tuple[float, float, float]:
+    """One repetition: (prefill seconds of one n_prompt sequence, mean decode step seconds, mean
+    bytes of routed experts a decode step read)."""
     engine, device = runner.engine, runner.model.device
     gen = torch.Generator().manual_seed(seed)
     vocab = runner.config.vocab_size
@@ -61,11 +63,13 @@ def _time_run(runner, opts: BenchOptions, seed: int) -> tuple[float, float]:
             else:
                 s.output_ids.append(int(engine.prefill(s).argmax(-1)[0]))
         prefill_s.append(t.seconds)
+    routed = runner.model.routed_bytes()
     with Timer(device) as t:
         engine.decode_steps(seqs, opts.n_gen, Sampler(SamplingParams(), device))
+    routed = runner.model.routed_bytes() - routed
     for s in seqs:
         engine.release(s)
-    return statistics.median(prefill_s), t.seconds / opts.n_gen
+    return statistics.median(prefill_s), t.seconds / opts.n_gen, routed / opts.n_gen
 
 
 def fill_context(runner, seq: Sequence, gen: torch.Generator, chunk: int = 4096) -> None:
@@ -102,7 +106,8 @@ def profile_run(runner, opts: BenchOptions, rows: int = 15) -> str:
 
 
 def _step_bytes(runner, opts: BenchOptions) -> float:
-    """Bytes one decode step reads at the middle of the tg run: weights + every sequence's KV."""
+    """Bytes one decode step reads at the middle of the tg run: the weights it reads whole +
+    every sequence's KV (the routed experts it read are counted by the run)."""
     ctx = opts.n_prompt + opts.n_gen // 2
     layout = runner.model.kv_cache.layout
     return runner.model.weight_bytes() + opts.batch * ctx * layout.bytes_per_token()
@@ -113,13 +118,14 @@ def bench_metrale(runner, opts: BenchOptions, peak: float | None) -> list[dict]:
     runs = [_time_run(runner, opts, seed=r + 1) for r in range(opts.repetitions)]
     graphs = "graphs" if runner.engine.graphs.capture else "eager"
     name = f"metrale {runner.backend} {graphs} kv={runner.kv_dtype.value}"
-    step_bytes = _step_bytes(runner, opts)
+    routed = statistics.mean(r[2] for r in runs)
+    step_bytes = _step_bytes(runner, opts) + routed
     if opts.profile:
         _PROFILES[name] = profile_run(runner, opts)
     rows = [] if opts.synthetic_context else [
         timing_row(name, f"pp{opts.n_prompt}", [r[0] for r in runs], opts.n_prompt, None, peak)]
     rows.append(timing_row(name, f"tg{opts.n_gen} b{opts.batch} @{opts.n_prompt}", [r[1] for r in runs],
-                     opts.batch, step_bytes, peak))
+                     opts.batch, step_bytes, peak) | ({"routed_bytes_per_step": routed} if routed else {}))
     memory = kv_memory(runner)
     return [r | memory for r in rows]
 

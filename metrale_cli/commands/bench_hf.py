@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from metrale_cli.errors import MetraleError
@@ -13,6 +15,12 @@ def hf_model(raw: dict, tensors: dict[str, torch.Tensor], device: torch.device, 
     except ImportError:
         raise MetraleError("--compare-hf needs the transformers package",
                            hint="pip install transformers") from None
+    from metrale_cli.models import family_of, model_config
+
+    canonical = family_of(raw.get("model_type")).canonical
+    if canonical is not None:  # transformers 5's own names (a MoE's experts stacked), as its modules hold them
+        tensors = dict(tensors)
+        canonical(model_config(raw), tensors)
     cfg = AutoConfig.for_model(**raw)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
@@ -26,8 +34,29 @@ def hf_model(raw: dict, tensors: dict[str, torch.Tensor], device: torch.device, 
     return model
 
 
+class RoutedExperts:
+    """Counts, on the device, the distinct experts each MoE router of an HF model chooses per call
+    (a forward hook on every ``*TopKRouter``, whose output ends with the chosen indices)."""
+
+    def __init__(self, model):
+        self.count = None
+        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        for router in self.routers:
+            router.register_forward_hook(self._hook)
+
+    def _hook(self, router, args, output):
+        from metrale_cli.kernels.reference import count_experts
+
+        if self.count is None:
+            self.count = torch.zeros(1, dtype=torch.long, device=output[-1].device)
+        count_experts(output[-1], router.num_experts, self.count)
+
+    def total(self) -> int:
+        return 0 if self.count is None else int(self.count)
+
+
 @torch.inference_mode()
-def _time_hf(model, opts, device, seed: int) -> tuple[float, float]:
+def _time_hf(model, opts, device, seed: int, routed: RoutedExperts) -> tuple[float, float, float]:
     from metrale_cli.commands.timing import Timer
 
     gen = torch.Generator().manual_seed(seed)
@@ -36,12 +65,13 @@ def _time_hf(model, opts, device, seed: int) -> tuple[float, float]:
         out = model(ids[:1], use_cache=True)
     out = model(ids, use_cache=True)
     cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    chosen = routed.total()
     with Timer(device) as t_tg:
         for _ in range(opts.n_gen):
             out = model(token, past_key_values=cache, use_cache=True)
             cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
             token.tolist()
-    return t_pp.seconds, t_tg.seconds / opts.n_gen
+    return t_pp.seconds, t_tg.seconds / opts.n_gen, (routed.total() - chosen) / opts.n_gen
 
 
 def bench_hf(raw: dict, tensors: dict[str, torch.Tensor], opts, device: torch.device,
@@ -51,9 +81,17 @@ def bench_hf(raw: dict, tensors: dict[str, torch.Tensor], opts, device: torch.de
 
     dtype = next(iter(tensors.values())).dtype
     model = hf_model(raw, tensors, device, dtype)
-    _time_hf(model, opts, device, seed=0)  # warm-up at the timed shapes
-    runs = [_time_hf(model, opts, device, seed=r + 1) for r in range(opts.repetitions)]
-    weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    routed = RoutedExperts(model)
+    _time_hf(model, opts, device, 0, routed)  # warm-up at the timed shapes
+    runs = [_time_hf(model, opts, device, r + 1, routed) for r in range(opts.repetitions)]
+    experts = {n: t for n, t in tensors.items() if ".mlp.experts." in n}
+    weight_bytes = sum(t.numel() * t.element_size() for n, t in tensors.items() if n not in experts)
+    routed_bytes = {}
+    if experts:  # the routed experts a step read: one expert's bytes of one layer, times those chosen
+        routers = routed.routers
+        expert = sum(t.numel() * t.element_size() for t in experts.values()) // (len(routers) * routers[0].num_experts)
+        routed_bytes = {"routed_bytes_per_step": expert * statistics.mean(r[2] for r in runs)}
+        weight_bytes += routed_bytes["routed_bytes_per_step"]
     if "lm_head.weight" in tensors:  # untied: the input embedding is gathered a row per token
         embed = tensors["model.embed_tokens.weight"]
         weight_bytes -= embed.numel() * embed.element_size()
@@ -63,5 +101,5 @@ def bench_hf(raw: dict, tensors: dict[str, torch.Tensor], opts, device: torch.de
     return [
         timing_row(name, f"pp{opts.n_prompt}", [r[0] for r in runs], opts.n_prompt, None, peak),
         timing_row(name, f"tg{opts.n_gen} b{opts.batch} @{opts.n_prompt}", [r[1] for r in runs], opts.batch,
-             step_bytes, peak),
+             step_bytes, peak) | routed_bytes,
     ]

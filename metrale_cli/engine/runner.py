@@ -132,6 +132,7 @@ def check_kernels(cfg: ModelConfig, backend: str, device: torch.device, requeste
     the cuda backend every kernel they launch compiles and loads through CuPy, all problems
     reported in one message. Returns the kernel loader (cuda)."""
     from metrale_cli.kernels.kv_kernels import layer_kernels
+    from metrale_cli.kernels.table import MOE_KERNELS
     from metrale_cli.kernels.requirements import validate_required_kv_kernels
 
     asked = [(requested, s.attention.head_dim) for s in cfg.layers] if requested is not None else []
@@ -158,6 +159,8 @@ def check_kernels(cfg: ModelConfig, backend: str, device: torch.device, requeste
     for d, head_dim in used:
         validate_required_kv_kernels(d, head_dim, load)
     specs = dict.fromkeys(spec for d, head_dim in used for spec in layer_kernels(d, head_dim))
+    if any(s.ffn.kind == "moe" for s in cfg.layers):
+        specs.update(dict.fromkeys(MOE_KERNELS))
     problems = {str(spec): why for spec in specs if (why := load(spec))}
     if problems:
         raise MetraleError(f"the cuda backend needs kernel(s) that do not load: {', '.join(problems)}",

@@ -85,6 +85,21 @@ class Ops(Protocol):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: (T, 2I) = [gate | up] -> silu(gate) * up: (T, I)."""
 
+    def moe_route(self, logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A MoE router's choice, as HF transformers makes it: logits (T, E) -> (ids (T, top_k)
+        int32, weights (T, top_k) float32): softmax over the E experts in fp32, the top_k largest
+        in descending order, divided by their sum when ``normalize``. Among equal probabilities
+        the lower expert id is taken first, as torch.topk does on CUDA; the torch backend is
+        torch.topk itself (HF's call, whose tie order on the CPU is its own)."""
+
+    def moe(self, x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+            normalize: bool, residual: torch.Tensor | None, experts_read: torch.Tensor | None) -> torch.Tensor:
+        """The routed experts of a MoE FFN: x (T, H), logits (T, E) (the router's, in x's dtype),
+        gate_up (E, 2I, H) = [gate; up], down (E, H, I) -> (T, H) in x's dtype:
+        [residual +] sum over the row's :meth:`moe_route` choice of weight * down_e(silu(gate_e x) *
+        up_e x), the weight rounded to x's dtype first (HF). ``experts_read`` ((1,) int64), when
+        given, grows by the number of distinct experts the call read, on the device."""
+
     def paged_attention(self, dtype: KvCacheDtype, head_dim: int) -> PagedAttention:
         """The paged-cache attention of one KV dtype at one head_dim, its kernels resolved now (a
         layer asks once, at build time). Raises MetraleError when this backend cannot serve it."""

@@ -145,6 +145,40 @@ def decode_advance(logits, step: StepBuffers, rows: int) -> None:
     slots.copy_(torch.where(live.bool(), block * BLOCK_SIZE + pos % BLOCK_SIZE, -1))
 
 
+def moe_route(logits, top_k, normalize):
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), weights
+
+
+def moe_experts(x, ids, weights, gate_up, down, residual=None):
+    """HF transformers' expert loop: each expert some row chose, in ascending order, over the rows
+    that chose it; each row's sum in that order. Syncs with the device (a reference)."""
+    out = torch.zeros_like(x)
+    w = weights.to(x.dtype)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[e]) * w[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out if residual is None else residual + out
+
+
+def count_experts(ids, num_experts, experts_read) -> None:
+    """experts_read += the number of distinct experts in ``ids``, with no host sync."""
+    hit = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
+    experts_read += hit.index_fill_(0, ids.flatten().long(), 1).sum()
+
+
+def moe(x, logits, gate_up, down, top_k, normalize, residual, experts_read):
+    ids, weights = moe_route(logits, top_k, normalize)
+    if experts_read is not None:
+        count_experts(ids, gate_up.shape[0], experts_read)
+    return moe_experts(x, ids, weights, gate_up, down, residual)
+
+
 class TorchPagedAttention:
     """The references of :class:`~metrale_cli.kernels.ops.PagedAttention`: the codecs of
     ``kv/formats.py`` serve every dtype, so only a rotated side's head_dim is checked."""
@@ -174,6 +208,8 @@ class TorchOps:
     gemv_norm_swiglu = staticmethod(gemv_norm_swiglu)
     gemv_add = staticmethod(gemv_add)
     decode_advance = staticmethod(decode_advance)
+    moe_route = staticmethod(moe_route)
+    moe = staticmethod(moe)
 
     @staticmethod
     def paged_attention(dtype: KvCacheDtype, head_dim: int) -> TorchPagedAttention:

@@ -113,6 +113,8 @@ MODULES: dict[str, KernelModule] = {
                                              "gemv_add_bf16")),
         # The end of a decode step: greedy tokens and the next step's inputs, on the device.
         KernelModule("decode_step", "decode_step.cu", (), ("decode_advance",)),
+        # The routed experts of a MoE FFN for a few rows: routing, gate/up, down + the weighted sum.
+        KernelModule("moe", "moe.cu", (), ("moe_route_bf16", "moe_gate_up_bf16", "moe_down_bf16")),
         KernelModule("wht_bf16", "wht_bf16.cu", (), ("wht_bf16_inplace", "wht_bf16_inplace_inv"),
                      EXACT, HEAD_DIMS),
         KernelModule("reshape_and_cache", "reshape_and_cache.cu", (), _writes("reshape_and_cache"), EXACT),

@@ -23,6 +23,10 @@ TOLERANCES: dict[str, Tolerance] = {
     "gemv swiglu": Tolerance(2e-2, 2e-2, "the projection's bf16 rounding carried through SiLU and the product"),
     "attention": Tolerance(2e-2, 2e-2, "K/V dequantize to the very values the reference reads (same fp32 "
                            "products); fp32 online softmax (exp2) vs fp32 softmax, output rounded to bf16"),
+    "moe route": Tolerance(1e-6, 1e-5, "the router's fp32 softmax with expf vs torch's exp, the top-k sum in "
+                           "another order"),
+    "moe": Tolerance(2e-2, 2e-2, "gate, up, SiLU, down and the weighted products rounded to bf16 as the "
+                     "reference rounds them; a row's k products summed in fp32 and rounded once, not in bf16"),
     "round trip": Tolerance(5e-2, 2e-2, "R^T(R x) = x up to two bf16 roundings of rotated values"),
 }
 

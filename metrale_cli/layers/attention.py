@@ -110,6 +110,9 @@ class Qwen3AttentionLayer:
         own = [w.qkv, w.o, w.qkv_bias, w.o_bias, w.q_norm, w.k_norm, self.input_norm, self.ffn_norm]
         return [t for t in own if t is not None] + self.ffn.tensors()
 
+    def routed_bytes(self) -> int:
+        return self.ffn.routed_bytes()
+
     def prefill(self, hidden, residual, state: AttnLayerState, ctx: ForwardContext):
         return self._forward(hidden, residual, ctx)
 

@@ -30,3 +30,6 @@ class DenseSwiGluFfn:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.gate_up, self.down]
+
+    def routed_bytes(self) -> int:
+        return 0

@@ -56,6 +56,11 @@ class Layer(Protocol):
     def tensors(self) -> list[torch.Tensor]:
         """The weights a decode step of this layer reads whole (for the bandwidth roofline)."""
 
+    def routed_bytes(self) -> int:
+        """Bytes of the weights this layer has read so far that :meth:`tensors` leaves out
+        because a step reads only some of them (a MoE FFN's routed experts): counted on the
+        device, read here with a host sync."""
+
 
 class FfnComponent(Protocol):
     """A layer's FFN. ``fuses_row``: it serves :meth:`add_row`, the batch-1 decode path with the
@@ -71,3 +76,6 @@ class FfnComponent(Protocol):
 
     def tensors(self) -> list[torch.Tensor]:
         """The weights a decode step reads whole."""
+
+    def routed_bytes(self) -> int:
+        """Bytes of routed weights read so far (see :meth:`Layer.routed_bytes`); 0 when none."""

@@ -63,11 +63,28 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """A mixture-of-experts FFN: ``num_experts`` SwiGLU experts of width ``expert_size``, each
+    token sent to its ``top_k`` by a linear router (softmax over all experts, top-k, renormalized
+    to sum 1 when ``norm_topk_prob``), their outputs summed with those weights. With
+    ``shared_expert_size`` a shared SwiGLU expert (Qwen2-MoE, Qwen3-Next) adds
+    sigmoid(shared_gate(x)) * shared(x)."""
+
+    num_experts: int
+    top_k: int
+    expert_size: int
+    norm_topk_prob: bool
+    shared_expert_size: int = 0
+
+
+@dataclass(frozen=True)
 class FfnSpec:
-    """The layer's FFN component: ``swiglu`` = down(silu(gate(x)) * up(x))."""
+    """The layer's FFN component: ``swiglu`` = down(silu(gate(x)) * up(x)) of width
+    ``intermediate_size``; ``moe`` = the mixture of experts ``moe`` (``intermediate_size`` 0)."""
 
     kind: str
     intermediate_size: int
+    moe: MoeSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +119,6 @@ class _Unserved:
 
 UNSERVED = (
     _Unserved("mixer", "only full-attention layers are built", "attention"),
-    _Unserved("ffn.kind", "only the dense SwiGLU FFN is built", "swiglu"),
     _Unserved("attention.sliding_window", "no attention kernel applies a sliding window yet"),
     _Unserved("attention.output_gate", "the gated attention output is not built yet", False),
     _Unserved("attention.k_eq_v", "K=V attention is not built yet", False),

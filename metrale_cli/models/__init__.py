@@ -16,11 +16,12 @@ from metrale_cli.kv.calibration import KvCalibration
 from metrale_cli.kv.fp8 import Fp8ScalePolicy
 from metrale_cli.kv.innerq import InnerQPolicy, InnerQSettings
 from metrale_cli.kv.paged import KvLayerShape, KvLayout, PagedKvCache
-from metrale_cli.models import llama
+from metrale_cli.models import llama, qwen_moe
 from metrale_cli.models.family import BuildParts, Family
 from metrale_cli.models.model import CausalLM
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.LLAMA, llama.QWEN2, llama.QWEN3)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.LLAMA, llama.QWEN2, llama.QWEN3, qwen_moe.QWEN2_MOE,
+                                                         qwen_moe.QWEN3_MOE)}
 
 
 def family_of(model_type: str | None) -> Family:

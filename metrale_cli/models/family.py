@@ -25,11 +25,14 @@ from metrale_cli.layers.spec import RopeConfig
 @dataclass(frozen=True)
 class GgufArch:
     """How llama.cpp names and stores the family: ``general.architecture``, the q/k row
-    permutation of its converter (for rotate-half RoPE), q/k/v biases the family always has."""
+    permutation of its converter (for rotate-half RoPE), q/k/v biases the family always has, and
+    ``fixed``: HF config values llama.cpp's graph of the architecture fixes rather than reads
+    from the file's metadata."""
 
     name: str
     permuted_qk: bool = False
     attention_bias: bool = False
+    fixed: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass
@@ -62,6 +65,9 @@ class Family:
     expected_tensors: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
     build: Callable[..., object]  # (ModelConfig, tensors, BuildParts) -> CausalLM
     gguf: GgufArch | None = None
+    # A checkpoint's tensors -> the names ``expected_tensors`` lists, in place (stacking a MoE
+    # checkpoint's per-expert tensors); None when they are the same.
+    canonical: Callable[[ModelConfig, dict], None] | None = None
 
 
 # Checkpoint tensors that are not weights (online-KV scales are read by kv/fp8.py).

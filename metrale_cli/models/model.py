@@ -59,6 +59,10 @@ class CausalLM:
         unique = {t.data_ptr(): t for t in tensors}
         return sum(t.numel() * t.element_size() for t in unique.values())
 
+    def routed_bytes(self) -> int:
+        """Bytes of routed weights (MoE experts) the layers have read so far; a host sync."""
+        return sum(layer.routed_bytes() for layer in self.layers)
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor | None) -> torch.Tensor:
         """tokens: (T,) -> float32 logits (len(logit_rows), vocab) of the selected rows; every

@@ -1,0 +1,31 @@
+// moe.cu's four kernels as a host library, each over the grid CudaOps launches, so the tests can
+// hold the routing, the plan, the expert CTAs and the weighted sum to the torch reference on a CPU:
+//   g++ -std=c++20 -O1 -ffp-contract=off -shared -fPIC -I../include moe_host.cpp -o moe.so
+#include "emulate.h"
+#include "../moe.cu"
+
+static void run_grid(unsigned gx, unsigned gy, unsigned threads, const std::function<void()>& fn) {
+    gridDim = {gx, gy, 1};
+    for (unsigned y = 0; y < gy; ++y)
+        for (unsigned x = 0; x < gx; ++x) run_block({x, y, 0}, threads, fn);
+    gridDim = {1, 1, 1};
+}
+
+extern "C" void host_moe_route(const bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read,
+                               int rows, int num_experts, int top_k, int normalize, int threads) {
+    run_grid(1, 1, threads, [&] { moe_route_bf16(logits, ids, weights, plan, experts_read, rows, num_experts, top_k, normalize); });
+}
+
+// The expert kernels over a grid of `chosen` = min(E, rows * top_k) expert slots, as CudaOps;
+// counters: one zeroed word per column tile of moe_down_bf16.
+extern "C" void host_moe_experts(const bf16_t* x, const bf16_t* gate_up, const bf16_t* down, const int* plan,
+                                 const float* weights, const bf16_t* residual, bf16_t* act, float* y, bf16_t* out,
+                                 unsigned* counters, int rows, int hidden, int inter, int num_experts, int top_k) {
+    const unsigned chosen = (unsigned)min(num_experts, rows * top_k);
+    run_grid((inter + MOE_WARPS - 1) / MOE_WARPS, chosen, MOE_THREADS,
+             [&] { moe_gate_up_bf16(x, gate_up, plan, act, hidden, inter, num_experts, top_k); });
+    const int tile = MOE_WARPS * MOE_DOWN_COLS;
+    run_grid((hidden + tile - 1) / tile, chosen, MOE_THREADS, [&] {
+        moe_down_bf16(act, down, plan, weights, y, residual, out, counters, rows, hidden, inter, num_experts, top_k);
+    });
+}

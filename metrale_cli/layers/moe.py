@@ -1,0 +1,64 @@
+"""The mixture-of-experts FFN component (Qwen3-MoE, Qwen2-MoE, and the MoE layers of the hybrids).
+
+A linear router scores every expert; each token goes to its ``top_k`` (softmax over all experts
+in fp32, top-k, renormalized when ``norm_topk_prob``); the chosen experts' SwiGLU outputs are
+summed with those weights (:meth:`Ops.moe`); an optional shared expert adds
+sigmoid(shared_gate(x)) * shared(x). The experts are stored stacked: ``gate_up`` (E, 2I, H) =
+[gate; up] per expert and ``down`` (E, H, I), so the backend reads only the experts a step routes
+to. ``experts_read`` counts, on the device and without a host sync, the distinct experts each call
+read (the bench's roofline counts those bytes, not every expert's).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from metrale_cli.kernels.ops import Ops
+from metrale_cli.layers.context import ForwardContext
+from metrale_cli.layers.ffn import DenseSwiGluFfn
+from metrale_cli.layers.spec import MoeSpec
+
+
+class MoeFfn:
+    """An :class:`~metrale_cli.layers.protocols.FfnComponent`. ``router``: (E, H);
+    ``gate_up``: (E, 2I, H); ``down``: (E, H, I); ``shared`` / ``shared_gate`` ((1, H)) together
+    or neither."""
+
+    fuses_row = True  # add_row: the norm, then the routed experts with the residual add fused in
+
+    def __init__(self, spec: MoeSpec, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ops: Ops,
+                 shared: DenseSwiGluFfn | None = None, shared_gate: torch.Tensor | None = None):
+        if (shared is None) != (shared_gate is None):
+            raise ValueError("a shared expert comes with its gate")
+        self.spec, self.ops = spec, ops
+        self.router, self.gate_up, self.down = router, gate_up, down
+        self.shared, self.shared_gate = shared, shared_gate
+        self.experts_read = torch.zeros(1, dtype=torch.long, device=router.device)
+
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        return self._forward(x, None)
+
+    def add_row(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._forward(self.ops.rms_norm(h, norm_weight, eps), h)
+
+    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        s = self.spec
+        if self.shared is not None:
+            # HF: routed + sigmoid(gate) * shared, then the residual add; the shared term is added
+            # first here so that the routed sum's kernel takes one addend.
+            shared = torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x, None)
+            residual = shared if residual is None else residual + shared
+        logits = F.linear(x, self.router)
+        return self.ops.moe(x, logits, self.gate_up, self.down, s.top_k, s.norm_topk_prob, residual,
+                            self.experts_read)
+
+    def routed_bytes(self) -> int:
+        expert = self.gate_up[0].numel() * self.gate_up.element_size() + self.down[0].numel() * self.down.element_size()
+        return int(self.experts_read) * expert
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What a step reads whatever it routes: the router and the shared expert. The routed
+        experts are counted by ``experts_read``."""
+        shared = [] if self.shared is None else [*self.shared.tensors(), self.shared_gate]
+        return [self.router, *shared]

@@ -1,0 +1,123 @@
+"""What the HF Llama-style decoder families share: tensor names and shapes, sliding-window layers,
+and building a :class:`~metrale_cli.layers.attention.Qwen3AttentionLayer` and the CausalLM.
+
+HF names every such checkpoint ``model.embed_tokens``, ``model.norm``, ``lm_head`` and, per layer,
+``model.layers.N.{input_layernorm,post_attention_layernorm,self_attn.*}``; a SwiGLU is
+``{gate,up,down}_proj`` under a prefix (``mlp.``, a MoE's ``mlp.experts.E.`` or
+``mlp.shared_expert.``). The family modules (``llama.py``, ``qwen_moe.py``) differ only in their
+FFNs and in which attention options their configs set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from metrale_cli.config import ConfigReader, ModelConfig
+from metrale_cli.errors import MetraleError
+from metrale_cli.kernels.ops import Ops
+from metrale_cli.layers.attention import AttentionWeights, Qwen3AttentionLayer
+from metrale_cli.layers.ffn import DenseSwiGluFfn
+from metrale_cli.layers.protocols import FfnComponent
+from metrale_cli.layers.spec import AttentionSpec, LayerSpec
+from metrale_cli.models.family import BuildParts
+from metrale_cli.models.model import CausalLM
+
+
+def window(r: ConfigReader) -> int | None:
+    """The sliding window a Qwen-style config gives its sliding layers: ``sliding_window`` when
+    ``use_sliding_window``, else none."""
+    return r.get("sliding_window") if r.flag("use_sliding_window") else None
+
+
+def windows(r: ConfigReader, layers: int, sliding: Callable[[int, int], bool]) -> list[int | None]:
+    """Each layer's sliding window as transformers derives it: :func:`window` on the layers
+    ``layer_types`` names ``sliding_attention``; without ``layer_types``, on the layers ``i`` for
+    which ``sliding(i, max_window_layers)`` holds (the family's default rule)."""
+    w, max_window = window(r), r.get("max_window_layers", 28)
+    types = r.get("layer_types") or ["sliding_attention" if w is not None and sliding(i, max_window)
+                                     else "full_attention" for i in range(layers)]
+    if len(types) != layers:
+        raise MetraleError(f"config.json layer_types has {len(types)} entries for {layers} layers")
+    return [w if kind == "sliding_attention" else None for kind in types]
+
+
+def attention_specs(r: ConfigReader, layer_windows: list[int | None], **options) -> list[AttentionSpec]:
+    """One AttentionSpec per layer: the config's heads, head_dim and RoPE, the layer's window and
+    the family's ``options`` (qk_norm, qkv_bias, o_bias)."""
+    shape, rope = r.attention_shape(), r.rope()
+    return [AttentionSpec(head_dim=shape.head_dim, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                          rope=rope, scale=shape.head_dim**-0.5, sliding_window=w, **options) for w in layer_windows]
+
+
+def model_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The embedding, final norm and (untied) LM head, with their shapes."""
+    h = cfg.hidden_size
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def attention_tensors(spec: LayerSpec, h: int) -> dict[str, tuple[int, ...]]:
+    """A layer's two norms and its attention tensors (biases and QK-norm as its spec says)."""
+    a, p = spec.attention, f"model.layers.{spec.index}."
+    shapes = {
+        p + "input_layernorm.weight": (h,),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (a.q_size, h),
+        p + "self_attn.k_proj.weight": (a.kv_size, h),
+        p + "self_attn.v_proj.weight": (a.kv_size, h),
+        p + "self_attn.o_proj.weight": (h, a.q_size),
+    }
+    if a.qkv_bias:
+        shapes |= {p + f"self_attn.{x}_proj.bias": (s,) for x, s in (("q", a.q_size), ("k", a.kv_size),
+                                                                    ("v", a.kv_size))}
+    if a.o_bias:
+        shapes[p + "self_attn.o_proj.bias"] = (h,)
+    if a.qk_norm:
+        shapes |= {p + "self_attn.q_norm.weight": (a.head_dim,), p + "self_attn.k_norm.weight": (a.head_dim,)}
+    return shapes
+
+
+def swiglu_tensors(prefix: str, width: int, h: int) -> dict[str, tuple[int, ...]]:
+    """A SwiGLU of ``width`` under ``prefix``: gate_proj, up_proj (width, h), down_proj (h, width)."""
+    return {prefix + "gate_proj.weight": (width, h), prefix + "up_proj.weight": (width, h),
+            prefix + "down_proj.weight": (h, width)}
+
+
+def attention_weights(spec: LayerSpec, t: dict[str, torch.Tensor]) -> AttentionWeights:
+    """Pops the layer's attention tensors from ``t`` (so the unfused copies can be freed)."""
+    a, p = spec.attention, f"model.layers.{spec.index}.self_attn."
+    return AttentionWeights(
+        qkv=torch.cat([t.pop(p + f"{x}_proj.weight") for x in "qkv"]),
+        o=t.pop(p + "o_proj.weight"),
+        qkv_bias=torch.cat([t.pop(p + f"{x}_proj.bias") for x in "qkv"]) if a.qkv_bias else None,
+        o_bias=t.pop(p + "o_proj.bias") if a.o_bias else None,
+        q_norm=t.pop(p + "q_norm.weight") if a.qk_norm else None,
+        k_norm=t.pop(p + "k_norm.weight") if a.qk_norm else None,
+    )
+
+
+def swiglu(prefix: str, t: dict[str, torch.Tensor], ops: Ops) -> DenseSwiGluFfn:
+    """The SwiGLU under ``prefix``, its tensors popped from ``t``, gate and up fused."""
+    gate_up = torch.cat([t.pop(prefix + "gate_proj.weight"), t.pop(prefix + "up_proj.weight")])
+    return DenseSwiGluFfn(gate_up, t.pop(prefix + "down_proj.weight"), ops)
+
+
+def attention_layer(spec: LayerSpec, t: dict[str, torch.Tensor], ffn: FfnComponent,
+                    parts: BuildParts) -> Qwen3AttentionLayer:
+    """The layer's attention (its tensors popped from ``t``) and norms around ``ffn``."""
+    p, a = f"model.layers.{spec.index}.", spec.attention
+    return Qwen3AttentionLayer(spec, attention_weights(spec, t), t[p + "input_layernorm.weight"],
+                               t[p + "post_attention_layernorm.weight"], ffn, parts.ops, parts.kv.layers[spec.index],
+                               parts.rope(a.rope, a.head_dim), parts.calibration)
+
+
+def causal_lm(cfg: ModelConfig, tensors: dict[str, torch.Tensor], layers: list, parts: BuildParts) -> CausalLM:
+    """The model around its built ``layers``: embedding, final norm, LM head (tied or not)."""
+    embed = tensors["model.embed_tokens.weight"]
+    lm_head = embed if cfg.tie_word_embeddings else tensors["lm_head.weight"]
+    return CausalLM(cfg, embed, layers, tensors["model.norm.weight"], lm_head, parts.ops, parts.kv,
+                    parts.calibration)

@@ -1,0 +1,53 @@
+"""MoE kernel cases shared by the host-emulation and GPU tests: router logits that make experts
+chosen by no row, by one, by every row, and exact ties, with weights at odd sizes."""
+
+from __future__ import annotations
+
+import torch
+
+# (rows, experts, top_k, hidden, inter, pattern)
+CASES = [
+    (1, 8, 2, 64, 24, "random"),
+    (1, 128, 8, 136, 40, "random"),
+    (7, 6, 1, 64, 24, "random"),
+    (7, 60, 4, 72, 16, "all"),
+    (7, 16, 4, 64, 24, "ties"),
+    (33, 12, 3, 64, 32, "few"),
+    (64, 128, 8, 64, 24, "random"),
+    (19, 1024, 2, 64, 8, "few"),
+    (2, 8, 2, 1288, 784, "random"),  # rows of several 16-byte chunk batches per lane
+    (9, 8, 2, 1288, 784, "all"),  # more rows than one pass stages
+]
+
+
+def case_id(case) -> str:
+    return "r{}-e{}-k{}-h{}-i{}-{}".format(*case)
+
+
+def moe_case(rows, experts, top_k, hidden, inter, pattern, seed=0, device="cpu"):
+    """x (rows, hidden), logits (rows, experts), gate_up (E, 2I, H), down (E, H, I), residual:
+    bf16. ``pattern``: random; ``all``: expert 0 tops every row; ``ties``: logits from four values
+    (exact ties, broken by expert id); ``few``: only the first 2 * top_k experts can be chosen."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(torch.bfloat16)
+    logits = rnd(rows, experts, scale=2.0)
+    if pattern == "all":
+        logits[:, 0] = 20.0
+    elif pattern == "ties":
+        logits = torch.randint(0, 4, (rows, experts), generator=g).to(torch.bfloat16) * 0.5
+    elif pattern == "few":
+        logits[:, 2 * top_k:] = -30.0
+    tensors = dict(x=rnd(rows, hidden), logits=logits, gate_up=rnd(experts, 2 * inter, hidden, scale=hidden**-0.5),
+                   down=rnd(experts, hidden, inter, scale=inter**-0.5), residual=rnd(rows, hidden))
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def stable_route(logits, top_k, normalize):
+    """moe_route with its tie rule spelled out: a stable descending sort (equal probabilities in
+    expert-id order), which torch.topk follows on CUDA but not on the CPU."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = probs.gather(1, ids)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), weights

@@ -1,0 +1,110 @@
+"""The cuda backend's MoE experts (kernels/cuda_moe.py, moe.cu) against the torch reference, on an H200.
+
+The cases of ``tests/moe_cases.py`` run moe.cu's launches (1 to 64 rows); 99 and 989 rows run the
+grouped-GEMM prefill path. Outputs are held to ``TorchOps.moe`` in fp32 from the same bf16
+inputs with the "moe" row; the routing must take torch.topk's values exactly, in expert-id order
+where they tie (torch.topk's own tie order is unspecified). A row's result must not depend on the
+rest of its batch, neither path may wait for the GPU, and a CUDA graph of the decode path must
+replay it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale_cli.kernels import reference as ref
+from metrale_cli.kernels.tolerances import bounds
+from moe_cases import CASES, case_id, moe_case, stable_route
+
+pytestmark = pytest.mark.gpu
+
+PREFILL = [(99, 60, 4, 64, 24, "random"), (989, 128, 8, 256, 64, "random"), (99, 16, 4, 64, 24, "few")]
+
+
+def close(got, want, row):
+    atol, rtol = bounds(row)
+    err = (got.double() - want.double()).abs()
+    assert bool((err <= atol + rtol * want.double().abs()).all()), f"{row}: max |err| {err.max().item():.3g}"
+
+
+def _reference(t, top_k, normalize, residual):
+    ids, weights = ref.moe_route(t["logits"], top_k, normalize)
+    return ref.moe_experts(t["x"].float(), ids, weights, t["gate_up"].float(), t["down"].float(),
+                           None if residual is None else residual.float())
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_routing_takes_torch_topk_values_in_expert_id_order(ops, case, normalize):
+    """torch.topk's values, in its order; among equal probabilities the lower expert id first
+    (torch.topk orders ties arbitrarily, on CUDA as on the CPU: the 'ties' and 'all' cases)."""
+    t = moe_case(*case, device="cuda")
+    k = case[2]
+    ids, weights = ops.moe_route(t["logits"], k, normalize)
+    probs = torch.softmax(t["logits"], dim=-1, dtype=torch.float32)
+    assert torch.equal(probs.gather(1, ids.long()), torch.topk(probs, k).values)
+    want_ids, want_w = stable_route(t["logits"], k, normalize)
+    assert torch.equal(ids, want_ids)
+    close(weights, want_w, "moe route")
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("case", CASES + PREFILL, ids=case_id)
+def test_moe_equals_the_reference(ops, case, with_residual):
+    top_k = case[2]
+    t = moe_case(*case, seed=1, device="cuda")
+    residual = t["residual"] if with_residual else None
+    read = torch.zeros(1, dtype=torch.long, device="cuda")
+    got = ops.moe(t["x"], t["logits"], t["gate_up"], t["down"], top_k, True, residual, read)
+    close(got.float(), _reference(t, top_k, True, residual), "moe")
+    assert int(read) == len(torch.unique(ref.moe_route(t["logits"], top_k, True)[0]))
+
+
+@pytest.mark.parametrize("case", [CASES[4], CASES[6], PREFILL[0]], ids=case_id)
+def test_a_row_does_not_depend_on_its_batch(ops, case):
+    t = moe_case(*case, seed=2, device="cuda")
+    k = case[2]
+    whole = ops.moe(t["x"], t["logits"], t["gate_up"], t["down"], k, True, None, None)
+    for r in (0, case[0] // 2, case[0] - 1):
+        alone = ops.moe(t["x"][r:r + 1], t["logits"][r:r + 1], t["gate_up"], t["down"], k, True, None, None)
+        if case[0] <= 64:
+            assert torch.equal(whole[r:r + 1], alone)  # the same launches, the row's own sums
+        else:
+            close(alone.float(), whole[r:r + 1].float(), "moe")  # tensor-core tiles differ with M
+
+
+@pytest.mark.parametrize("case", [CASES[1], PREFILL[0]], ids=case_id)
+def test_moe_never_waits_for_the_gpu(ops, case):
+    t = moe_case(*case, device="cuda")
+    read = torch.zeros(1, dtype=torch.long, device="cuda")
+    args = (t["x"], t["logits"], t["gate_up"], t["down"], case[2], True, t["residual"], read)
+    want = ops.moe(*args)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = ops.moe(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)
+
+
+def test_a_cuda_graph_replays_the_decode_path(ops):
+    case = CASES[6]
+    t = moe_case(*case, device="cuda")
+    x = t["x"].clone()
+    logits = t["logits"].clone()
+    read = torch.zeros(1, dtype=torch.long, device="cuda")
+    ops.moe(x, logits, t["gate_up"], t["down"], 8, True, None, read)  # kernels loaded before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.moe(x, logits, t["gate_up"], t["down"], 8, True, None, read)
+    other = moe_case(*case, seed=5, device="cuda")
+    x.copy_(other["x"])
+    logits.copy_(other["logits"])
+    read.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = ops.moe(other["x"], other["logits"], t["gate_up"], t["down"], 8, True, None, None)
+    assert torch.equal(out, want)
+    assert int(read) == len(torch.unique(ref.moe_route(other["logits"], 8, True)[0]))

@@ -1,0 +1,117 @@
+"""moe.cu emulated on the CPU against the torch reference of ``Ops.moe`` (kernels/reference.py).
+
+``kernels_cu/host/moe_host.cpp`` runs the routing CTA and the expert grids as CudaOps launches
+them, on the cases of ``tests/moe_cases.py``: 1, 7, 19, 33 and 64 rows; 6 to 1024 experts; top-k 1
+to 8; experts chosen by no row, by one and by every row; exact ties in the logits. The routing's
+ids must be torch.topk's as it runs on CUDA (equal probabilities in expert-id order), the plan must list each chosen expert once with
+exactly the pairs that chose it, and the outputs are held to the reference with the "moe" row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from host_build import build_host_library
+from metrale_cli.kernels import reference as ref
+from metrale_cli.kernels.tolerances import bounds
+from moe_cases import CASES, case_id, moe_case, stable_route
+
+_LIB: list[ctypes.CDLL] = []
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory) -> ctypes.CDLL:
+    if not _LIB:
+        handle = build_host_library("moe_host.cpp", tmp_path_factory.mktemp("moe"))
+        handle.host_moe_route.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
+        handle.host_moe_experts.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5
+        _LIB.append(handle)
+    return _LIB[0]
+
+
+def _p(t):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def route(lib, logits, top_k, normalize, threads=128):
+    rows, experts = logits.shape
+    ids = torch.full((rows, top_k), -1, dtype=torch.int32)
+    weights = torch.full((rows, top_k), float("nan"))
+    plan = torch.full((2 + 2 * experts + rows * top_k,), -7, dtype=torch.int32)
+    read = torch.tensor([5], dtype=torch.long)
+    lib.host_moe_route(_p(logits), _p(ids), _p(weights), _p(plan), _p(read), rows, experts, top_k, int(normalize),
+                       threads)
+    return ids, weights, plan, int(read) - 5
+
+
+def close(got, want, row):
+    atol, rtol = bounds(row)
+    err = (got.double() - want.double()).abs()
+    assert bool((err <= atol + rtol * want.double().abs()).all()), f"{row}: max |err| {err.max().item():.3g}"
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_routing_is_torch_topk_and_the_plan_lists_every_pair_once(lib, case, normalize):
+    rows, experts, top_k = case[:3]
+    t = moe_case(*case)
+    ids, weights, plan, read = route(lib, t["logits"], top_k, normalize)
+    want_ids, want_w = stable_route(t["logits"], top_k, normalize)
+    assert torch.equal(ids, want_ids)
+    close(weights, want_w, "moe route")
+    chosen = sorted(set(want_ids.flatten().tolist()))
+    n = int(plan[0])
+    assert n == len(chosen) == read
+    assert plan[1:1 + n].tolist() == chosen
+    offsets = plan[1 + experts:2 + experts + n].tolist()
+    pairs = plan[2 + 2 * experts:].tolist()
+    assert offsets[0] == 0 and offsets[-1] == rows * top_k
+    flat = want_ids.flatten().tolist()
+    for slot, e in enumerate(chosen):
+        assert sorted(pairs[offsets[slot]:offsets[slot + 1]]) == [q for q, x in enumerate(flat) if x == e]
+
+
+def test_routing_runs_rows_on_fewer_warps_than_rows(lib):
+    t = moe_case(33, 12, 3, 64, 32, "random", seed=3)
+    ids, _, _, _ = route(lib, t["logits"], 3, True, threads=64)
+    assert torch.equal(ids, stable_route(t["logits"], 3, True)[0])
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_experts_equal_the_reference(lib, case, with_residual):
+    rows, experts, top_k, hidden, inter, _ = case
+    t = moe_case(*case, seed=1)
+    ids, weights, plan, _ = route(lib, t["logits"], top_k, True)
+    residual = t["residual"] if with_residual else None
+    act = torch.full((rows * top_k, inter), float("nan"), dtype=torch.bfloat16)
+    y = torch.full((rows * top_k, hidden), float("nan"))
+    out = torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16)
+    counters = torch.zeros(hidden, dtype=torch.int32)
+    lib.host_moe_experts(_p(t["x"]), _p(t["gate_up"]), _p(t["down"]), _p(plan), _p(weights), _p(residual), _p(act),
+                         _p(y), _p(out), _p(counters), rows, hidden, inter, experts, top_k)
+    want = ref.moe_experts(t["x"].float(), ids, weights, t["gate_up"].float(), t["down"].float(),
+                           None if residual is None else residual.float())
+    close(out.float(), want, "moe")
+    assert not counters.any()  # left zero for the next launch
+
+
+def test_a_row_is_the_same_alone_and_in_a_batch(lib):
+    case = (7, 16, 4, 64, 24, "random")
+    t = moe_case(*case, seed=2)
+    outs = []
+    for rows in (slice(0, 7), slice(3, 4)):
+        x, logits = t["x"][rows].contiguous(), t["logits"][rows].contiguous()
+        n = x.shape[0]
+        _, weights, plan, _ = route(lib, logits, 4, True)
+        act = torch.empty(n * 4, 24, dtype=torch.bfloat16)
+        y = torch.empty(n * 4, 64)
+        out = torch.empty(n, 64, dtype=torch.bfloat16)
+        counters = torch.zeros(64, dtype=torch.int32)
+        lib.host_moe_experts(_p(x), _p(t["gate_up"]), _p(t["down"]), _p(plan), _p(weights), None, _p(act), _p(y),
+                             _p(out), _p(counters), n, 64, 24, 16, 4)
+        outs.append(out)
+    assert torch.equal(outs[0][3:4], outs[1])
