@@ -108,3 +108,14 @@ def hf_folder_greedy(folder, prompt: list[int], n: int) -> list[int]:
     model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with hf_kv_rounded_to_bf16():
         return hf_greedy(model, prompt, n)[0]
+
+
+def check_batch_decodes_as_alone(engine: Engine, prompts: list[list[int]], params) -> None:
+    """Each prompt's tokens decoded in one batch equal those it gets alone, as two bf16 paths
+    (cuBLAS may pick another GEMM for several rows than for one): check_logprobs_close."""
+    batch = [s.output_ids for s in engine.generate(prompts, params)[0]]
+    for p, got in zip(prompts, batch):
+        alone = engine.generate([p], params)[0][0].output_ids
+        got_logits = teacher_forced(engine, p + got)[len(p) - 1 : -1]
+        alone_logits = teacher_forced(engine, p + alone)[len(p) - 1 : -1]
+        check_logprobs_close(got, got_logits, alone, alone_logits)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_oracle import check_logprobs_close, teacher_forced
+from hf_oracle import check_batch_decodes_as_alone, check_logprobs_close, teacher_forced
 from metrale_cli.commands.bench_presets import PRESETS, random_weights
 from metrale_cli.engine.runner import RunnerOptions, open_runner
 from metrale_cli.engine.source import ModelSource
@@ -78,14 +78,7 @@ def test_cuda_batch_decode_matches_single(weights):
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 151936, (n,), generator=gen).tolist() for n in (5, 77, 130)]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    runner = _runner(weights, "cuda", KvCacheDtype.BF16)
-    batch = [s.output_ids for s in runner.engine.generate(prompts, params)[0]]
-    for p, got in zip(prompts, batch):
-        alone = runner.engine.generate([p], params)[0][0].output_ids
-        # cuBLAS may pick another GEMM for 3 rows than for 1: compare as two bf16 paths
-        got_logits = teacher_forced(runner.engine, p + got)[len(p) - 1 : -1]
-        alone_logits = teacher_forced(runner.engine, p + alone)[len(p) - 1 : -1]
-        check_logprobs_close(got, got_logits, alone, alone_logits)
+    check_batch_decodes_as_alone(_runner(weights, "cuda", KvCacheDtype.BF16).engine, prompts, params)
 
 
 @pytest.mark.parametrize("kv", [KvCacheDtype.BF16, KvCacheDtype.FP8, KvCacheDtype.TURBO4, KvCacheDtype.BF16K_TURBO2V])

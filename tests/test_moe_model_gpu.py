@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-from hf_oracle import check_logprobs_close, teacher_forced
+from hf_oracle import check_batch_decodes_as_alone, check_logprobs_close, teacher_forced
 from metrale_cli.commands.bench_presets import random_weights
 from metrale_cli.engine.runner import RunnerOptions, open_runner
 from metrale_cli.engine.sampler import SamplingParams
@@ -43,8 +43,8 @@ def _model(name: str):
     torch.manual_seed(0)
     weights = random_weights(raw, torch.device("cuda"), torch.bfloat16)
     # Router weights large enough that the choice is not a near-tie everywhere.
-    for name, t in weights.items():
-        if name.endswith("mlp.gate.weight"):
+    for tensor_name, t in weights.items():
+        if tensor_name.endswith("mlp.gate.weight"):
             t.normal_(0.0, 0.5)
     return raw, weights
 
@@ -85,13 +85,7 @@ def test_cuda_batch_decode_matches_single(name):
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 77, 130)]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    runner = _runner(model, "cuda", KvCacheDtype.BF16)
-    batch = [s.output_ids for s in runner.engine.generate(prompts, params)[0]]
-    for p, got in zip(prompts, batch):
-        alone = runner.engine.generate([p], params)[0][0].output_ids
-        got_logits = teacher_forced(runner.engine, p + got)[len(p) - 1 : -1]
-        alone_logits = teacher_forced(runner.engine, p + alone)[len(p) - 1 : -1]
-        check_logprobs_close(got, got_logits, alone, alone_logits)
+    check_batch_decodes_as_alone(_runner(model, "cuda", KvCacheDtype.BF16).engine, prompts, params)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
