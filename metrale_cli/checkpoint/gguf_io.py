@@ -105,9 +105,11 @@ def _per_expert(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]
     for name, shape in shapes.items():
         if name.endswith(".experts.gate_up_proj"):
             e, i2, h = shape
-            out |= {f"{name[:-12]}{x}.{k}_proj.weight": (i2 // 2, h) for x in range(e) for k in ("gate", "up")}
+            prefix = name.removesuffix("gate_up_proj")
+            out |= {f"{prefix}{x}.{k}_proj.weight": (i2 // 2, h) for x in range(e) for k in ("gate", "up")}
         elif name.endswith(".experts.down_proj"):
-            out |= {f"{name[:-9]}{x}.down_proj.weight": shape[1:] for x in range(shape[0])}
+            prefix = name.removesuffix("down_proj")
+            out |= {f"{prefix}{x}.down_proj.weight": shape[1:] for x in range(shape[0])}
         else:
             out[name] = shape
     return out

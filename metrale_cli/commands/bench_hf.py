@@ -7,6 +7,7 @@ import statistics
 import torch
 
 from metrale_cli.errors import MetraleError
+from metrale_cli.kernels.reference import count_experts
 
 
 def hf_model(raw: dict, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
@@ -45,8 +46,6 @@ class RoutedExperts:
             router.register_forward_hook(self._hook)
 
     def _hook(self, router, args, output):
-        from metrale_cli.kernels.reference import count_experts
-
         if self.count is None:
             self.count = torch.zeros(1, dtype=torch.long, device=output[-1].device)
         count_experts(output[-1], router.num_experts, self.count)
