@@ -1,6 +1,6 @@
 """Builders of tiny random checkpoints (HF folders and GGUF files) for tests.
 
-``make_hf_checkpoint(tmp_path, "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen2_moe", **overrides)`` saves a seeded random
+``make_hf_checkpoint(tmp_path, "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen2_moe" | "qwen3_next", **overrides)`` saves a seeded random
 model made by transformers itself (bf16 safetensors + a small trained BPE tokenizer with a ChatML
 template), so model tests can compare metrale against HF on the very same files.
 """
@@ -37,6 +37,12 @@ FAMILIES = {
                                      "moe_intermediate_size": 32, "norm_topk_prob": True}),
     "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                      "shared_expert_intermediate_size": 48}),
+    # layers 0-2 Gated DeltaNet, layer 3 gated full attention (full_attention_interval 4)
+    "qwen3_next": ("Qwen3NextConfig", {"num_hidden_layers": 4, "head_dim": 32, "partial_rotary_factor": 0.5,
+                                       "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                       "linear_key_head_dim": 16, "linear_value_head_dim": 8, "num_experts": 6,
+                                       "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                       "shared_expert_intermediate_size": 48}),
 }
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,

@@ -16,7 +16,7 @@ from metrale_cli.layers.context import ForwardContext
 from metrale_cli.models import build_model, model_config
 
 CONFIGS = {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config, "qwen3_moe": T.Qwen3MoeConfig,
-           "qwen2_moe": T.Qwen2MoeConfig}
+           "qwen2_moe": T.Qwen2MoeConfig, "qwen3_next": T.Qwen3NextConfig}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=384, max_position_embeddings=512, initializer_range=0.2)
 
@@ -52,10 +52,11 @@ def teacher_forced(engine: Engine, ids: list[int], gather: bool = True) -> torch
     picked by index, or (``gather`` False) every row as the forward returns them all."""
     seq = Sequence(0, list(ids), 1)
     engine.model.kv_cache.ensure_capacity(seq.block_table, len(ids))
+    seq.states = engine.model.alloc_states()  # released with the blocks
     n, dev = len(ids), engine.device
     ctx = ForwardContext("prefill", torch.arange(n, dtype=torch.int32, device=dev),
                          engine._int32(engine._slots(seq.block_table, range(n), 0)), 0,
-                         engine._int32(seq.block_table), states=[engine.model.alloc_states()])
+                         engine._int32(seq.block_table), states=[seq.states])
     logits = engine.model.forward(torch.tensor(ids, device=dev), ctx, torch.arange(n, device=dev) if gather else None)
     engine.release(seq)
     return logits.cpu()

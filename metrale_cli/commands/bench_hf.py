@@ -94,7 +94,7 @@ def bench_hf(raw: dict, tensors: dict[str, torch.Tensor], opts, device: torch.de
     if "lm_head.weight" in tensors:  # untied: the input embedding is gathered a row per token
         embed = tensors["model.embed_tokens.weight"]
         weight_bytes -= embed.numel() * embed.element_size()
-    kv_bytes = sum(2 * s.attention.kv_size * 2 for s in model_config(raw).layers)  # K and V in bf16
+    kv_bytes = sum(2 * s.attention.kv_size * 2 for s in model_config(raw).layers if s.has_kv)  # K and V in bf16
     step_bytes = weight_bytes + opts.batch * (opts.n_prompt + opts.n_gen // 2) * kv_bytes
     name = "HF transformers (eager)"
     return [

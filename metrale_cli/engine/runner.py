@@ -122,8 +122,12 @@ def make_ops(backend: str, loader=None) -> Ops:
 
 def plan(cfg: ModelConfig, kv_dtype: KvCacheDtype, opts: RunnerOptions) -> ModelConfig:
     """The config with every layer's KV dtype: ``kv_dtype``, the boundary layers of
-    ``--kv-high-precision-layers`` (and the dtype's minimum) in bf16."""
-    return cfg.planned(layer_dtypes(kv_dtype, cfg.num_layers, opts.kv_high_precision_layers, opts.kv_promote_minimum))
+    ``--kv-high-precision-layers`` (and the dtype's minimum) in bf16. Boundary layers count the
+    layers that hold KV only (a hybrid's GDN layers hold none and stay at the bf16 default)."""
+    kv_layers = [s.index for s in cfg.layers if s.has_kv]
+    dtypes = dict(zip(kv_layers, layer_dtypes(kv_dtype, len(kv_layers), opts.kv_high_precision_layers,
+                                              opts.kv_promote_minimum)))
+    return cfg.planned(tuple(dtypes.get(i, KvCacheDtype.BF16) for i in range(cfg.num_layers)))
 
 
 def check_kernels(cfg: ModelConfig, backend: str, device: torch.device, requested: KvCacheDtype | None = None):
@@ -135,8 +139,9 @@ def check_kernels(cfg: ModelConfig, backend: str, device: torch.device, requeste
     from metrale_cli.kernels.table import MOE_KERNELS
     from metrale_cli.kernels.requirements import validate_required_kv_kernels
 
-    asked = [(requested, s.attention.head_dim) for s in cfg.layers] if requested is not None else []
-    used = dict.fromkeys(asked + [(s.kv_dtype, s.attention.head_dim) for s in cfg.layers])
+    kv_layers = [s for s in cfg.layers if s.has_kv]
+    asked = [(requested, s.attention.head_dim) for s in kv_layers] if requested is not None else []
+    used = dict.fromkeys(asked + [(s.kv_dtype, s.attention.head_dim) for s in kv_layers])
     if backend != "cuda":
         from metrale_cli.kernels.reference import TorchOps
 
@@ -194,13 +199,27 @@ def kv_messages(layout: KvLayout, blocks: int, max_seq_len: int, requested: KvCa
     """The KV lines a run prints once: bytes per token and pool capacity, and each layer's dtype
     wherever one differs from the requested dtype (boundary layers kept in bf16)."""
     dtypes = layout.dtypes
-    lines = [f"KV cache: {requested.value}, {layout.bytes_per_token()} bytes/token over {layout.num_layers} "
-             f"layers, {blocks} blocks = {blocks * 16} tokens, context {max_seq_len}"]
-    if set(dtypes) != {requested}:
+    kv_layers = len(layout.kv_layers)
+    over = f"{kv_layers} layers" if kv_layers == layout.num_layers else \
+        f"the {kv_layers} attention layers of {layout.num_layers}"
+    lines = [f"KV cache: {requested.value}, {layout.bytes_per_token()} bytes/token over {over}, "
+             f"{blocks} blocks = {blocks * 16} tokens, context {max_seq_len}"]
+    if set(dtypes) - {None} != {requested}:
         per = ", ".join(f"{d.value} {layout.layer_bytes_per_token(dtypes.index(d))} B"
-                        for d in dict.fromkeys(dtypes))
+                        for d in dict.fromkeys(dtypes) if d is not None)
         lines.append(f"KV layer dtypes: {describe_layers(dtypes)} (per layer and token: {per})")
     return lines
+
+
+def state_messages(model: CausalLM) -> list[str]:
+    """The recurrent-state line of a hybrid: bytes per sequence over its recurrent layers and
+    how many sequences the pools hold; none for a model that keeps only KV."""
+    layers = [layer for layer in model.layers if layer.state_bytes()]
+    if not layers:
+        return []
+    per = model.state_bytes_per_sequence()
+    return [f"recurrent state: {per} bytes/sequence ({per / 2**20:.2f} MiB, fp32) over {len(layers)} "
+            f"Gated DeltaNet layers, {model.free_state_slots()} sequences at once (max_num_seqs)"]
 
 
 def _decode_mode(model: CausalLM, opts: RunnerOptions) -> tuple[bool, str]:
@@ -235,12 +254,13 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     layout = kv_layout(cfg)
     blocks = pool_blocks(layout, opts, max_seq_len, device)
     model = build_model(cfg, dict(weights.tensors), make_ops(backend, loader), blocks, max_seq_len,
-                        opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq())
+                        opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq(), max_seqs=max(1, opts.max_num_seqs))
     capture, decode_mode = _decode_mode(model, opts)
     graphs = DecodeGraphs(model, max(1, opts.max_num_seqs), blocks_for(max_seq_len), capture)
     runner = Runner(model, Engine(model, max_seq_len, opts.prefill_chunk, graphs), weights.tokenizer, backend,
                     kv_dtype, weights.name)
-    runner.messages += kv_messages(layout, blocks, max_seq_len, kv_dtype) + model.calibration.describe()
+    runner.messages += kv_messages(layout, blocks, max_seq_len, kv_dtype) + state_messages(model) \
+        + model.calibration.describe()
     cold = [e for e in getattr(loader, "events", []) if e.cold]
     if cold:
         runner.messages.append(f"compiled {len(cold)} kernel module(s) in "

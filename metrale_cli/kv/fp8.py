@@ -35,7 +35,7 @@ class Fp8ScalePolicy:
     def __init__(self, cache: PagedKvCache, tensors: dict[str, torch.Tensor], calibration_tokens: int):
         self.cache = cache
         layers = range(cache.layout.num_layers)
-        self.fp8_sides = [(i, side) for i in layers for side in "kv"
+        self.fp8_sides = [(i, side) for i in layers if cache.layers[i] is not None for side in "kv"
                           if self._pool(i, side).side == SideType.FP8]
         self.calibration_tokens = calibration_tokens
         self.frozen = [not any(i == j for j, _ in self.fp8_sides) for i in layers]

@@ -46,7 +46,7 @@ class InnerQPolicy:
     def __init__(self, cache: PagedKvCache, settings: InnerQSettings):
         self.cache = cache
         self.settings = settings
-        self.layers = [i for i, kv in enumerate(cache.layers) if kv.k.rotated]
+        self.layers = [i for i, kv in enumerate(cache.layers) if kv is not None and kv.k.rotated]
         on = settings.tokens > 0 and bool(self.layers)
         self.frozen = [not (on and i in self.layers) for i in range(cache.layout.num_layers)]
         self.applied: dict[int, bool] = {}

@@ -2,7 +2,8 @@
 
 Layers may differ in KV dtype (high-precision boundary layers keep bf16), in KV heads and in
 head_dim; every pool has the same number of blocks, so one block table per sequence serves every
-layer.
+layer. A layer without KV (a Gated DeltaNet layer of a hybrid keeps a recurrent state instead) has
+no shape and no pools: ``layers[i]`` is None.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ class KvLayerShape:
 
 @dataclass(frozen=True)
 class KvLayout:
-    """The cache's shape: one :class:`KvLayerShape` per layer."""
+    """The cache's shape: one :class:`KvLayerShape` per layer, None for a layer without KV."""
 
-    layers: tuple[KvLayerShape, ...]
+    layers: tuple[KvLayerShape | None, ...]
 
     @classmethod
     def uniform(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: KvCacheDtype) -> KvLayout:
@@ -46,15 +47,22 @@ class KvLayout:
         return len(self.layers)
 
     @property
-    def dtypes(self) -> tuple[KvCacheDtype, ...]:
-        return tuple(s.dtype for s in self.layers)
+    def kv_layers(self) -> tuple[int, ...]:
+        """The indices of the layers that hold KV."""
+        return tuple(i for i, s in enumerate(self.layers) if s is not None)
+
+    @property
+    def dtypes(self) -> tuple[KvCacheDtype | None, ...]:
+        """Each layer's KV dtype, None for a layer without KV."""
+        return tuple(None if s is None else s.dtype for s in self.layers)
 
     def layer_bytes_per_token(self, layer: int) -> int:
-        return self.layers[layer].bytes_per_token()
+        s = self.layers[layer]
+        return 0 if s is None else s.bytes_per_token()
 
     def bytes_per_token(self) -> int:
         """Bytes one token occupies across all layers, K and V."""
-        return sum(s.bytes_per_token() for s in self.layers)
+        return sum(s.bytes_per_token() for s in self.layers if s is not None)
 
     def bytes_per_block(self) -> int:
         return self.bytes_per_token() * BLOCK_SIZE
@@ -90,18 +98,20 @@ class BlockAllocator:
 
 
 class PagedKvCache:
-    """``layers[i]``: layer i's :class:`LayerKv` (its dtype and K / V pools), as ``layout`` says."""
+    """``layers[i]``: layer i's :class:`LayerKv` (its dtype and K / V pools), as ``layout`` says;
+    None for a layer without KV."""
 
     def __init__(self, layout: KvLayout, num_blocks: int, device: torch.device):
         self.layout = layout
         self.device = device
-        self.layers: list[LayerKv] = [new_layer_kv(s.dtype, num_blocks, s.num_kv_heads, s.head_dim, device)
-                                      for s in layout.layers]
+        self.layers: list[LayerKv | None] = [
+            None if s is None else new_layer_kv(s.dtype, num_blocks, s.num_kv_heads, s.head_dim, device)
+            for s in layout.layers]
         self.allocator = BlockAllocator(num_blocks)
 
     def pools(self):
         """Every side pool of the cache, layer by layer, K before V."""
-        return [pool for kv in self.layers for pool in (kv.k, kv.v)]
+        return [pool for kv in self.layers if kv is not None for pool in (kv.k, kv.v)]
 
     @property
     def num_blocks(self) -> int:

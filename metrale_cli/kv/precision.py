@@ -45,10 +45,13 @@ def layer_dtypes(dtype: KvCacheDtype, num_layers: int, spec: str | int = 0,
     return tuple(KvCacheDtype.BF16 if i < head or i >= num_layers - tail else dtype for i in range(num_layers))
 
 
-def describe(dtypes: tuple[KvCacheDtype, ...]) -> str:
-    """'bf16 layers 0-1, turbo3 layers 2-27, bf16 layers 28-29' (runs of equal dtypes)."""
+def describe(dtypes: tuple[KvCacheDtype | None, ...]) -> str:
+    """'bf16 layers 0-1, turbo3 layers 2-27, bf16 layers 28-29' (runs of equal dtypes; a layer
+    without KV, None, is skipped: a run spans the KV layers between its ends)."""
     runs: list[list] = []
     for i, d in enumerate(dtypes):
+        if d is None:
+            continue
         if runs and runs[-1][0] == d:
             runs[-1][2] = i
         else:

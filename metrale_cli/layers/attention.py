@@ -2,7 +2,8 @@
 
 RMSNorm (fused with the residual add) -> fused q/k/v projection -> optional QK-norm -> RoPE ->
 KV-cache write (these three one launch once calibration has frozen) -> paged attention ->
-o_proj -> residual add + the pre-FFN norm -> FFN component. What the layer is comes from its
+(optional output gate: out * sigmoid(gate), Qwen3-Next) -> o_proj -> residual add + the pre-FFN
+norm -> FFN component. What the layer is comes from its
 :class:`~metrale_cli.layers.spec.LayerSpec` (heads, head_dim, RoPE, scale, QK-norm, KV dtype);
 the attention kernels of its KV dtype and head_dim are resolved once, when it is built
 (``Ops.paged_attention``). Batch-1 decode on a backend whose fused GEMVs serve the layer
@@ -32,7 +33,7 @@ from metrale_cli.layers.spec import LayerSpec
 
 @dataclass
 class AttentionWeights:
-    qkv: torch.Tensor  # (Hq*D + 2*Hk*D, hidden)
+    qkv: torch.Tensor  # (Hq*D + 2*Hk*D, hidden) = [q; k; v], then [gate] (Hq*D rows) with an output gate
     o: torch.Tensor  # (hidden, Hq*D)
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
@@ -98,6 +99,13 @@ class Qwen3AttentionLayer:
     def release_state(self, state: AttnLayerState) -> None:
         """Nothing to free: the sequence's blocks are released by the cache's owner."""
 
+    def free_states(self) -> int | None:
+        """No per-sequence state outside the KV cache: no limit here."""
+        return None
+
+    def state_bytes(self) -> int:
+        return 0
+
     def decode_graph_unsupported(self) -> str | None:
         """The cuda kernels read every step input from device buffers; the torch references
         gather each sequence's context with host-side lengths, which a graph would freeze."""
@@ -148,8 +156,8 @@ class Qwen3AttentionLayer:
         """One token through the fused GEMVs: returns (hidden + attention + FFN, None)."""
         w, ops = self.weights, self.ops
         qkv, stream = ops.gemv_norm(hidden, residual, self.input_norm, self.eps, w.qkv)
-        out = self._decode_attention(qkv, ctx)
-        stream = ops.gemv_add(out.reshape(1, self.spec.attention.q_size), w.o, stream)
+        out = self._gated(self._decode_attention(qkv, ctx), qkv)
+        stream = ops.gemv_add(out, w.o, stream)
         return self.ffn.add_row(stream, self.ffn_norm, self.eps), None
 
     def _attention(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -161,7 +169,14 @@ class Qwen3AttentionLayer:
             out = restore_output(self.ops, out, self.kv.v)
         else:
             out = self._decode_attention(qkv, ctx)
-        return F.linear(out.reshape(x.shape[0], self.spec.attention.q_size), w.o, w.o_bias)
+        return F.linear(self._gated(out, qkv), w.o, w.o_bias)
+
+    def _gated(self, out: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """out (T, Hq, D) -> (T, Hq*D), times sigmoid(gate) with an output gate (HF's order: in the
+        activations' dtype, before o_proj)."""
+        a = self.spec.attention
+        out = out.reshape(qkv.shape[0], a.q_size)
+        return out * torch.sigmoid(qkv[:, -a.q_size:]) if a.output_gate else out
 
     def _decode_attention(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """One token per sequence: QK-norm, RoPE, the cache write and paged decode -> (B, Hq, D).
@@ -178,9 +193,9 @@ class Qwen3AttentionLayer:
         return restore_output(self.ops, out, kv.v)
 
     def _split(self, qkv: torch.Tensor):
-        """A fused projection's output -> q (T, Hq, D), k, v (T, Hk, D): views."""
+        """A fused projection's output -> q (T, Hq, D), k, v (T, Hk, D): views (past a gate's rows)."""
         a, tokens = self.spec.attention, qkv.shape[0]
-        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q, k, v = qkv[:, : a.q_size + 2 * a.kv_size].split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         d = a.head_dim
         return q.view(tokens, a.num_heads, d), k.view(tokens, a.num_kv_heads, d), v.view(tokens, a.num_kv_heads, d)
 

@@ -33,6 +33,13 @@ class Layer(Protocol):
     def release_state(self, state: LayerState) -> None:
         """Free what ``state`` holds; the engine calls it when the sequence ends."""
 
+    def free_states(self) -> int | None:
+        """How many more sequences this layer can hold state for (a recurrent layer's pool of
+        ``max_num_seqs`` slots); None when it keeps none outside the KV cache."""
+
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's state outside the KV cache (0 for full attention)."""
+
     def prefill(self, hidden: torch.Tensor, residual: torch.Tensor | None, state: LayerState,
                 ctx: ForwardContext) -> Hidden:
         """One chunk of one sequence. hidden / residual: (T, hidden); residual None on layer 0.

@@ -88,39 +88,85 @@ class FfnSpec:
 
 
 @dataclass(frozen=True)
-class LayerSpec:
-    """One layer: its mixer (``attention``), its FFN, the norms around each sub-layer, its KV dtype.
+class GdnSpec:
+    """A Gated DeltaNet linear-attention mixer (Qwen3-Next / Qwen3.5 ``linear_attention`` layers):
+    ``num_k_heads`` query / key heads of ``head_k_dim``, ``num_v_heads`` value heads of
+    ``head_v_dim`` (a multiple of the key heads: each key head serves ``num_v_heads //
+    num_k_heads`` value heads), a causal depthwise conv of ``conv_kernel`` taps over q, k and v.
+    Per sequence it keeps the conv's last ``conv_kernel - 1`` inputs and a (head_k_dim, head_v_dim)
+    state per value head, both fp32."""
 
-    Every layer has a pre-norm before each sub-layer (HF's input_layernorm and
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's state: the conv window and the recurrent state, fp32."""
+        return 4 * (self.conv_dim * (self.conv_kernel - 1) + self.num_v_heads * self.head_k_dim * self.head_v_dim)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer: its mixer, its FFN, the norms around each sub-layer, its KV dtype.
+
+    ``mixer`` ``attention``: full attention as ``attention`` says, its K / V in the paged cache;
+    ``gdn``: Gated DeltaNet as ``gdn`` says (``attention`` None), a recurrent state per sequence
+    and no KV cache. Every layer has a pre-norm before each sub-layer (HF's input_layernorm and
     post_attention_layernorm); ``post_attention_norm`` / ``post_ffn_norm`` are the extra norms of
     sandwich-norm families on each sub-layer's output. ``kv_dtype`` is set by the run's plan
-    (``ModelConfig.planned``); bf16 until then.
+    (``ModelConfig.planned``); bf16 until then, and unused by a layer without KV.
     """
 
     index: int
-    attention: AttentionSpec
+    attention: AttentionSpec | None
     ffn: FfnSpec
     eps: float
     mixer: str = "attention"
+    gdn: GdnSpec | None = None
     post_attention_norm: bool = False
     post_ffn_norm: bool = False
     layer_scalar: float | None = None  # hidden *= scalar at the end of the layer
     kv_dtype: KvCacheDtype = KvCacheDtype.BF16
 
+    def __post_init__(self):
+        if (self.mixer == "attention" and self.attention is None) or (self.mixer == "gdn" and self.gdn is None):
+            raise ValueError(f"layer {self.index}: a {self.mixer!r} mixer comes with its spec")
+
+    @property
+    def has_kv(self) -> bool:
+        """Whether this layer keeps K / V in the paged cache (full attention does, GDN does not)."""
+        return self.attention is not None
+
 
 @dataclass(frozen=True)
 class _Unserved:
-    """A spec field and the reason no kernel or layer serves a non-default value of it yet."""
+    """A spec field and the reason no kernel or layer serves a value of it other than ``default``
+    (or one of ``served``) yet."""
 
     path: str
     why: str
     default: object = field(default=None)
+    served: tuple = ()
 
 
 UNSERVED = (
-    _Unserved("mixer", "only full-attention layers are built", "attention"),
+    _Unserved("mixer", "only full-attention and Gated DeltaNet layers are built", "attention", ("gdn",)),
     _Unserved("attention.sliding_window", "no attention kernel applies a sliding window yet"),
-    _Unserved("attention.output_gate", "the gated attention output is not built yet", False),
     _Unserved("attention.k_eq_v", "K=V attention is not built yet", False),
     _Unserved("attention.v_norm", "the V-head norm is not built yet", False),
     _Unserved("attention.rope.proportional", "proportional RoPE is not built yet", False),
@@ -131,10 +177,15 @@ UNSERVED = (
 
 
 def _value(spec: LayerSpec, path: str):
+    """The field at ``path``; None where the path goes through an absent mixer spec."""
     value = spec
     for name in path.split("."):
-        value = getattr(value, name)
+        value = getattr(value, name) if value is not None else None
     return value
+
+
+def _is_served(rule: _Unserved, value) -> bool:
+    return value is None or value == rule.default or value in rule.served
 
 
 def unserved(specs: tuple[LayerSpec, ...]) -> list[str]:
@@ -142,7 +193,7 @@ def unserved(specs: tuple[LayerSpec, ...]) -> list[str]:
     how many more, the value and why."""
     lines = []
     for rule in UNSERVED:
-        layers = [s.index for s in specs if _value(s, rule.path) != rule.default]
+        layers = [s.index for s in specs if not _is_served(rule, _value(s, rule.path))]
         if layers:
             more = f" (and {len(layers) - 1} more)" if len(layers) > 1 else ""
             value = _value(specs[layers[0]], rule.path)

@@ -16,12 +16,12 @@ from metrale_cli.kv.calibration import KvCalibration
 from metrale_cli.kv.fp8 import Fp8ScalePolicy
 from metrale_cli.kv.innerq import InnerQPolicy, InnerQSettings
 from metrale_cli.kv.paged import KvLayerShape, KvLayout, PagedKvCache
-from metrale_cli.models import llama, qwen_moe
+from metrale_cli.models import llama, qwen3_next, qwen_moe
 from metrale_cli.models.family import BuildParts, Family
 from metrale_cli.models.model import CausalLM
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.LLAMA, llama.QWEN2, llama.QWEN3, qwen_moe.QWEN2_MOE,
-                                                         qwen_moe.QWEN3_MOE)}
+                                                         qwen_moe.QWEN3_MOE, qwen3_next.QWEN3_NEXT)}
 
 
 def family_of(model_type: str | None) -> Family:
@@ -38,17 +38,18 @@ def model_config(raw: dict) -> ModelConfig:
 
 
 def kv_layout(cfg: ModelConfig) -> KvLayout:
-    """What the cache stores for each layer of a planned config."""
-    return KvLayout(tuple(KvLayerShape(s.kv_dtype, s.attention.num_kv_heads, s.attention.head_dim)
-                          for s in cfg.layers))
+    """What the cache stores for each layer of a planned config (nothing for a layer without KV)."""
+    return KvLayout(tuple(KvLayerShape(s.kv_dtype, s.attention.num_kv_heads, s.attention.head_dim) if s.has_kv
+                          else None for s in cfg.layers))
 
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], ops: Ops, num_blocks: int, max_seq_len: int,
                 fp8_calibration_tokens: int, device: torch.device,
-                innerq: InnerQSettings = InnerQSettings()) -> CausalLM:
+                innerq: InnerQSettings = InnerQSettings(), max_seqs: int = 8) -> CausalLM:
     """Build a planned config's layer stack (each layer in its spec's KV dtype) and its paged KV
-    cache of ``num_blocks`` blocks. ``tensors`` is consumed (entries popped)."""
+    cache of ``num_blocks`` blocks; a recurrent layer holds state for ``max_seqs`` sequences at
+    once. ``tensors`` is consumed (entries popped)."""
     kv = PagedKvCache(kv_layout(cfg), num_blocks, device)
     calibration = KvCalibration(Fp8ScalePolicy(kv, tensors, fp8_calibration_tokens), InnerQPolicy(kv, innerq))
-    parts = BuildParts(ops, kv, calibration, max_seq_len, cfg.max_position_embeddings)
+    parts = BuildParts(ops, kv, calibration, max_seq_len, cfg.max_position_embeddings, max_seqs)
     return family_of(cfg.family).build(cfg, tensors, parts)

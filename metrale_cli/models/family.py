@@ -38,14 +38,16 @@ class GgufArch:
 @dataclass
 class BuildParts:
     """What every family's builder takes besides its config and tensors: the backend, the KV
-    cache (a LayerKv per layer, in each layer's planned dtype), its calibrations, and RoPE tables
-    for ``max_seq_len`` positions (computed once per distinct RoPE and head_dim)."""
+    cache (a LayerKv per layer, in each layer's planned dtype), its calibrations, RoPE tables
+    for ``max_seq_len`` positions (computed once per distinct RoPE and head_dim), and how many
+    sequences a recurrent layer's state pool holds (``max_seqs``)."""
 
     ops: Ops
     kv: PagedKvCache
     calibration: KvCalibration
     max_seq_len: int
     model_max_positions: int
+    max_seqs: int = 8
     _tables: dict = field(default_factory=dict)
 
     def rope(self, rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

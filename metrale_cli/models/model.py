@@ -34,6 +34,16 @@ class CausalLM:
             layer.release_state(state)
         states.clear()
 
+    def free_state_slots(self) -> int | None:
+        """How many more sequences the layers can hold state for (their fullest pool); None when
+        no layer keeps state outside the KV cache."""
+        free = [n for layer in self.layers if (n := layer.free_states()) is not None]
+        return min(free) if free else None
+
+    def state_bytes_per_sequence(self) -> int:
+        """Bytes of one sequence's state outside the KV cache, over every layer."""
+        return sum(layer.state_bytes() for layer in self.layers)
+
     def decode_graph_unsupported(self) -> str | None:
         """The first layer's reason its decode step cannot be graph-captured, else None."""
         return next((f"layer {i}: {why}" for i, layer in enumerate(self.layers)

@@ -31,23 +31,24 @@ from metrale_cli.models.model import CausalLM
 _PER_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight")
 
 
-def _moe_spec(r: ConfigReader, family: str) -> MoeSpec:
+def _moe_spec(r: ConfigReader, shared_expert: bool) -> MoeSpec:
     # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts (its attribute_map)
     key = "num_local_experts" if r.get("num_experts") is None and r.get("num_local_experts") else "num_experts"
     experts, top_k = r.positive_int(key), r.positive_int("num_experts_per_tok")
     if top_k > experts:
         raise MetraleError(f"config.json num_experts_per_tok ({top_k}) exceeds {key} ({experts})")
-    shared = r.positive_int("shared_expert_intermediate_size") if family == "qwen2_moe" else 0
+    shared = r.positive_int("shared_expert_intermediate_size") if shared_expert else 0
     return MoeSpec(experts, top_k, r.positive_int("moe_intermediate_size"), r.flag("norm_topk_prob"), shared)
 
 
-def _ffns(r: ConfigReader, family: str, layers: int) -> list[FfnSpec]:
-    """Each layer's FFN as transformers picks it (Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer)."""
+def ffn_specs(r: ConfigReader, layers: int, shared_expert: bool) -> list[FfnSpec]:
+    """Each layer's FFN as transformers picks it (Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer /
+    Qwen3NextDecoderLayer); ``shared_expert``: the MoE has one (Qwen2-MoE, Qwen3-Next)."""
     dense_layers, step = r.get("mlp_only_layers", []), r.positive_int("decoder_sparse_step", 1)
     if not isinstance(dense_layers, list) or not all(isinstance(i, int) for i in dense_layers):
         raise MetraleError(f"config.json mlp_only_layers must be a list of layer indices, got {dense_layers!r}")
     sparse = [i not in dense_layers and (i + 1) % step == 0 for i in range(layers)]
-    moe = FfnSpec("moe", 0, _moe_spec(r, family))
+    moe = FfnSpec("moe", 0, _moe_spec(r, shared_expert))
     dense = FfnSpec("swiglu", r.positive_int("intermediate_size")) if not all(sparse) else None
     return [moe if s else dense for s in sparse]
 
@@ -63,11 +64,12 @@ def _config(r: ConfigReader, family: str) -> ModelConfig:
         windows = decoder.windows(r, layers, lambda i, max_window: i % 2 == 0 and i < max_window)
         attention = decoder.attention_specs(r, windows, qkv_bias=bool(r.get("qkv_bias", True)))
     eps = float(r.get("rms_norm_eps", 1e-6))
-    ffns = _ffns(r, family, layers)
+    ffns = ffn_specs(r, layers, shared_expert=family == "qwen2_moe")
     return ModelConfig.read(r, family, tuple(LayerSpec(i, a, f, eps) for i, (a, f) in enumerate(zip(attention, ffns))))
 
 
-def _ffn_tensors(spec: LayerSpec, h: int) -> dict[str, tuple[int, ...]]:
+def ffn_tensors(spec: LayerSpec, h: int) -> dict[str, tuple[int, ...]]:
+    """The layer's FFN tensors (``mlp.*``: dense, or the MoE's stacked experts), with their shapes."""
     p, m = f"model.layers.{spec.index}.mlp.", spec.ffn.moe
     if m is None:
         return decoder.swiglu_tensors(p, spec.ffn.intermediate_size, h)
@@ -85,7 +87,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     transformers 5 holds them (a checkpoint's per-expert tensors are stacked by :func:`fuse_experts`)."""
     shapes, h = decoder.model_tensors(cfg), cfg.hidden_size
     for spec in cfg.layers:
-        shapes |= decoder.attention_tensors(spec, h) | _ffn_tensors(spec, h)
+        shapes |= decoder.attention_tensors(spec, h) | ffn_tensors(spec, h)
     return shapes
 
 
@@ -116,7 +118,8 @@ def fuse_experts(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
         tensors[prefix + "gate_up_proj"], tensors[prefix + "down_proj"] = gate_up, down
 
 
-def _ffn(spec: LayerSpec, t: dict[str, torch.Tensor], parts: BuildParts):
+def ffn(spec: LayerSpec, t: dict[str, torch.Tensor], parts: BuildParts):
+    """The layer's FFN component, its tensors popped from ``t``."""
     p, m = f"model.layers.{spec.index}.mlp.", spec.ffn.moe
     if m is None:
         return decoder.swiglu(p, t, parts.ops)
@@ -130,7 +133,7 @@ def build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], parts: BuildParts)
     """The layer stack from HF-named ``tensors`` (consumed: entries popped), per-expert or stacked."""
     fuse_experts(cfg, tensors)
     check_tensors(cfg, tensors, expected_tensors(cfg))
-    layers = [decoder.attention_layer(spec, tensors, _ffn(spec, tensors, parts), parts) for spec in cfg.layers]
+    layers = [decoder.attention_layer(spec, tensors, ffn(spec, tensors, parts), parts) for spec in cfg.layers]
     return decoder.causal_lm(cfg, tensors, layers, parts)
 
 
