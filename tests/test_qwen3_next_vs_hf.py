@@ -232,8 +232,7 @@ def test_more_sequences_than_state_slots_wait_and_an_exhausted_pool_is_one_error
     held = [model.alloc_states(), model.alloc_states()]
     with pytest.raises(MetraleError) as info:
         model.alloc_states()
-    assert info.value.message == ("GDN state pool exhausted: all 2 state slots of layer 0 are held by running "
-                                  "sequences")
+    assert info.value.message == "recurrent state pool exhausted: all 2 state slots are held by running sequences"
     assert len(held) == 2
 
 
@@ -285,7 +284,7 @@ def test_a_saved_folder_generates_hf_tokens(tmp_path):
     assert got == hf_folder_greedy(folder, prompt, 32)
     kv_line, state_line = llm.messages[0], llm.messages[1]
     assert "bytes/token over the 1 attention layers of 4" in kv_line
-    per = 3 * 4 * ((2 * 32 + 32) * 3 + 4 * 16 * 8)  # 3 GDN layers: conv window + state, fp32
+    per = 3 * 4 * ((2 * 32 + 32) * 4 + 4 * 16 * 8)  # 3 GDN layers: the conv's last 4 inputs + state, fp32
     assert state_line.startswith(f"recurrent state: {per} bytes/sequence") and "2 sequences at once" in state_line
 
 

@@ -40,7 +40,11 @@ class DecodeGraphs:
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         b = max_batch
         self.step = StepBuffers.zeros(b, max_blocks, dev)
-        self._host = np.zeros((b, 4 + max_blocks), dtype=np.int64)
+        pool = model.ssm_pool
+        self.scratch_slot = None if pool is None else pool.scratch
+        # each row's slot of a hybrid's recurrent-state pool (the scratch slot for padding)
+        self.ssm_slots = None if pool is None else torch.full((b,), pool.scratch, dtype=torch.int32, device=dev)
+        self._host = np.zeros((b, 5 + max_blocks), dtype=np.int64)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.advance_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (bucket, greedy)
         self.logits: torch.Tensor | None = None  # the last forward's (bucket, vocab) logits
@@ -65,7 +69,8 @@ class DecodeGraphs:
     def fill(self, tokens, positions, slots, block_tables, states: list[list] | None = None) -> None:
         """Load one step's inputs from the host (one copy); rows past them become padding.
         ``states``: each sequence's layer states (a captured graph replays without them: a layer
-        whose state is host-side says so in ``decode_graph_unsupported``)."""
+        whose state is host-side says so in ``decode_graph_unsupported``); a hybrid's rows' pool
+        slots go to the ``ssm_slots`` buffer."""
         n = len(tokens)
         self.states = list(states or [[] for _ in range(n)])
         b = self.bucket(n)
@@ -73,15 +78,22 @@ class DecodeGraphs:
         host[:] = 0
         host[:n, 0], host[:n, 1], host[:n, 2], host[:n, 3] = tokens, positions, slots, 1
         host[n:, 2] = -1
+        if self.ssm_slots is not None:
+            host[:, 4] = self.scratch_slot
+            for i, seq_states in enumerate(self.states):
+                slot = self.model.ssm_slot(seq_states)
+                host[i, 4] = self.scratch_slot if slot is None else slot
         for i, table in enumerate(block_tables):
-            host[i, 4 : 4 + len(table)] = table
+            host[i, 5 : 5 + len(table)] = table
         staged = torch.from_numpy(host).to(self.model.device, non_blocking=False)
         self.step.tokens[:b].copy_(staged[:, 0])
         self.step.positions[:b].copy_(staged[:, 1])
         self.step.slots[:b].copy_(staged[:, 2])
         self.step.live[:b].copy_(staged[:, 3])
         self.step.seq_lens[:b].copy_(staged[:, 1] + 1)
-        self.step.tables[:b].copy_(staged[:, 4:])
+        self.step.tables[:b].copy_(staged[:, 5:])
+        if self.ssm_slots is not None:
+            self.ssm_slots[:b].copy_(staged[:, 4])
 
     def forward(self, n: int) -> torch.Tensor:
         """One step over the buffers' first n rows -> (n, vocab) float32 logits."""
@@ -121,7 +133,8 @@ class DecodeGraphs:
         padding = [[] for _ in range(b - len(self.states))]
         ctx = ForwardContext("decode", self.step.positions[:b], self.step.slots[:b],
                              block_tables=self.step.tables[:b], seq_lens=self.step.seq_lens[:b],
-                             states=self.states[:b] + padding)
+                             states=self.states[:b] + padding,
+                             ssm_slots=None if self.ssm_slots is None else self.ssm_slots[:b])
         return self.step.tokens[:b], ctx, None  # every row's logits
 
     def _advance(self, b: int, greedy: bool) -> None:

@@ -12,12 +12,21 @@ computes the same outputs and final state a chunk of up to 64 tokens at a time i
 form (prefill), as HF transformers' ``torch_chunk_gated_delta_rule`` and FLA's kernels do. Both take
 the state as a tensor they update in place, so a prefill chunk continues where the last one stopped.
 Everything is computed in fp32; outputs are returned in the inputs' dtype.
+
+:func:`decode` and :func:`prefill` are the torch backend's ``Ops.gdn_decode`` / ``Ops.gdn_prefill``:
+the whole mixer between the in-projection and the out-projection (conv over the pooled window,
+the rule over the pooled state, the gated norm), reading and writing a :class:`~metrale_cli.kernels.ops.GdnTensors`'
+pools. The conv pool keeps the last K inputs of a sequence, the input at position p in entry p % K:
+a decode step reads entries p-K+1 .. p-1 and writes entry p, so the kernel's CTAs that share a
+channel's window never race.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from metrale_cli.kernels.ops import GdnTensors
 
 CHUNK = 64
 
@@ -117,3 +126,57 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (weight * normed * F.silu(z.float())).to(x.dtype)
+
+
+# --- the mixer over pooled state (Ops.gdn_decode / Ops.gdn_prefill) -------------------------------
+def _window_entries(positions: torch.Tensor, taps: int) -> torch.Tensor:
+    """(B,) positions p -> (B, taps - 1) conv-pool entries of positions p-taps+1 .. p-1, oldest first."""
+    offsets = torch.arange(1 - taps, 0, device=positions.device)
+    return (positions.long()[:, None] + offsets) % taps
+
+
+def mix(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, layer: GdnTensors,
+        state: torch.Tensor, rule) -> torch.Tensor:
+    """After the conv: mixed (B, T, conv_dim) = [q; k; v], z (B*T, value_dim), b / a (B, T, Hv),
+    state (B, Hv, Dk, Dv) fp32 (updated in place by ``rule``) -> the gated norm's output
+    (B*T, value_dim) in mixed's dtype. Key heads are repeated to the value heads they serve."""
+    rows, tokens = mixed.shape[:2]
+    heads_v, dk, dv = state.shape[1:]
+    heads_k = layer.num_k_heads
+    q, k, v = mixed.split([heads_k * dk, heads_k * dk, heads_v * dv], -1)
+    q, k = (t.reshape(rows, tokens, heads_k, dk).repeat_interleave(heads_v // heads_k, dim=2) for t in (q, k))
+    v = v.reshape(rows, tokens, heads_v, dv)
+    g = -layer.a_log.exp() * F.softplus(a.float() + layer.dt_bias)
+    out = rule(q, k, v, g, b.sigmoid(), state)
+    return gated_rms_norm(out.reshape(-1, dv), z.reshape(-1, dv), layer.norm, layer.eps).reshape(rows * tokens, -1)
+
+
+def decode(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, layer: GdnTensors,
+           slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One token per row: mixed (B, conv_dim) (the in-projection's [q; k; v]), z (B, value_dim),
+    b / a (B, Hv); row i continues pool slot ``slots[i]`` at position ``positions[i]`` -> (B,
+    value_dim). No host sync: every index stays on the device."""
+    taps = layer.conv.shape[1]
+    rows = slots.long()
+    windows = layer.conv_pool[rows[:, None], _window_entries(positions, taps)]  # (B, K-1, C)
+    conv = torch.einsum("bkc,ck->bc", torch.cat([windows, mixed.float()[:, None]], dim=1), layer.conv.float())
+    layer.conv_pool[rows, positions.long() % taps] = mixed.float()
+    state = layer.recurrent_pool[rows]
+    out = mix(F.silu(conv).to(mixed.dtype)[:, None], z, b[:, None], a[:, None], layer, state,
+              recurrent_gated_delta_rule)
+    layer.recurrent_pool[rows] = state
+    return out
+
+
+def prefill(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, layer: GdnTensors,
+            slot: int, start_pos: int) -> torch.Tensor:
+    """T tokens of one sequence at positions start_pos .. start_pos+T-1, continuing pool slot
+    ``slot`` (zeroed by the caller at a sequence's start): mixed (T, conv_dim), z (T, value_dim),
+    b / a (T, Hv) -> (T, value_dim), the chunked rule."""
+    taps, tokens = layer.conv.shape[1], mixed.shape[0]
+    pool = layer.conv_pool[slot]
+    window = pool[_window_entries(torch.tensor([start_pos], device=pool.device), taps)[0]]
+    conv = causal_conv1d(mixed, window, layer.conv)  # window: now the last K-1 inputs
+    last = torch.arange(start_pos + tokens - taps + 1, start_pos + tokens, device=pool.device) % taps
+    pool[last] = window
+    return mix(conv[None], z, b[None], a[None], layer, layer.recurrent_pool[slot : slot + 1], chunked_gated_delta_rule)

@@ -57,6 +57,22 @@ class StepBuffers:
                    torch.zeros(rows, **i32))
 
 
+@dataclass
+class GdnTensors:
+    """One Gated DeltaNet layer's mixer as :meth:`Ops.gdn_decode` / :meth:`Ops.gdn_prefill` take
+    it: its parameters and its share of the recurrent-state pool (S sequences + a scratch slot).
+    Hk key heads of Dk, Hv value heads of Dv; C = conv channels = 2*Hk*Dk + Hv*Dv."""
+
+    conv: torch.Tensor  # (C, K) the depthwise conv's taps, model dtype
+    a_log: torch.Tensor  # (Hv,) float32
+    dt_bias: torch.Tensor  # (Hv,) float32
+    norm: torch.Tensor  # (Dv,) the gated norm's weight, model dtype
+    eps: float
+    num_k_heads: int
+    conv_pool: torch.Tensor  # (S+1, K, C) float32: entry p % K of a slot holds the input at position p
+    recurrent_pool: torch.Tensor  # (S+1, Hv, Dk, Dv) float32
+
+
 class Ops(Protocol):
     name: str
 
@@ -99,6 +115,23 @@ class Ops(Protocol):
         [residual +] sum over the row's :meth:`moe_route` choice of weight * down_e(silu(gate_e x) *
         up_e x), the weight rounded to x's dtype first (HF). ``experts_read`` ((1,) int64), when
         given, grows by the number of distinct experts the call read, on the device."""
+
+    def gdn_decode(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                   layer: GdnTensors, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One decode token per row through a Gated DeltaNet mixer, between its in- and
+        out-projections: mixed (B, C) = [q; k; v] (the in-projection's), z (B, Hv*Dv), b / a (B, Hv),
+        all in the model dtype; row i continues slot ``slots[i]`` (int32, the scratch slot for a
+        padding row) at position ``positions[i]`` (int32). Causal conv over the slot's window and
+        SiLU (rounded to the model dtype), L2-normalised q / k with q scaled by Dk ** -0.5, key heads
+        repeated to the value heads, g = -exp(a_log) * softplus(a + dt_bias), beta = sigmoid(b), the
+        gated delta rule over the slot's fp32 state, then HF's gated RMSNorm with z -> (B, Hv*Dv)
+        in the model dtype; the slot's conv entry and state are updated in place. No host sync
+        (``kernels/gdn_reference.py: decode`` is the oracle)."""
+
+    def gdn_prefill(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                    layer: GdnTensors, slot: int, start_pos: int) -> torch.Tensor:
+        """:meth:`gdn_decode` for T tokens of one sequence at positions start_pos .. start_pos+T-1:
+        mixed (T, C) ... -> (T, Hv*Dv), the rule in its chunked form (``gdn_reference.prefill``)."""
 
     def paged_attention(self, dtype: KvCacheDtype, head_dim: int) -> PagedAttention:
         """The paged-cache attention of one KV dtype at one head_dim, its kernels resolved now (a

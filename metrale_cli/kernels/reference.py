@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from metrale_cli.kernels import gdn_reference
 from metrale_cli.kernels.ops import StepBuffers
 from metrale_cli.kv import formats
 from metrale_cli.kv.dtypes import KvCacheDtype
@@ -210,6 +211,8 @@ class TorchOps:
     decode_advance = staticmethod(decode_advance)
     moe_route = staticmethod(moe_route)
     moe = staticmethod(moe)
+    gdn_decode = staticmethod(gdn_reference.decode)
+    gdn_prefill = staticmethod(gdn_reference.prefill)
 
     @staticmethod
     def paged_attention(dtype: KvCacheDtype, head_dim: int) -> TorchPagedAttention:

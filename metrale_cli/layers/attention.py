@@ -93,7 +93,13 @@ class Qwen3AttentionLayer:
         )
 
     # --- the layer protocol -------------------------------------------------------------
-    def alloc_state(self) -> AttnLayerState:
+    def is_ssm_layer(self) -> bool:
+        return False
+
+    def uses_ssm_pool(self) -> bool:
+        return False
+
+    def alloc_state(self, ssm_slot: int | None = None) -> AttnLayerState:
         return AttnLayerState()
 
     def release_state(self, state: AttnLayerState) -> None:

@@ -17,7 +17,9 @@ class ForwardContext:
     ``slot_mapping``: (T,) int32 cache slots to write (-1 = already cached, skip).
     ``states``: per sequence of the step (one for a prefill, B for a decode), its list of layer
     states (``Layer.alloc_state``), indexed by layer; empty where the caller keeps none (a padding
-    row, a kernel test).
+    row, a kernel test). ``ssm_slots``: a decode step's rows' slots of the model's recurrent-state
+    pool (``SsmStatePool``) on the device, the scratch slot for a padding row; None where the
+    layers take them from ``states``.
     """
 
     kind: str
@@ -28,6 +30,7 @@ class ForwardContext:
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     states: list[list] = field(default_factory=list)
+    ssm_slots: torch.Tensor | None = None  # decode: (B,) int32 each row's recurrent-state slot
 
     @property
     def is_prefill(self) -> bool:

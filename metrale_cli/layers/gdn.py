@@ -5,13 +5,13 @@ conv1d + SiLU over q, k, v (its last K-1 inputs kept per sequence) -> the gated 
 L2-normalised q / k (key heads repeated to the value heads), decay g = -exp(A_log) *
 softplus(a + dt_bias), rate beta = sigmoid(b), a (head_k_dim, head_v_dim) fp32 state per value
 head and sequence -> RMSNorm gated by silu(z) -> out_proj -> residual add + the pre-FFN norm ->
-FFN component. No KV cache: a sequence's conv window and recurrent state live in this layer's
-:class:`GdnStatePool`, a slot per sequence (``alloc_state`` / ``release_state``).
+FFN component. No KV cache: a sequence's conv window and recurrent state live in the model's
+:class:`SsmStatePool` (``uses_ssm_pool``), one slot per sequence shared by every GDN layer,
+taken and given back by the model for the sequence (``CausalLM.alloc_states``).
 
-Prefill runs the chunked (WY) form and decode the token-by-token form of
-``kernels/gdn_reference.py`` on either backend: the math is torch ops on the activations'
-device (no CUDA kernel serves it yet), and decode reads each sequence's slot from the host, so
-its step is not graph-captured (:meth:`decode_graph_unsupported`).
+The mixer between the projections is the backend's (``Ops.gdn_prefill``: the chunked form;
+``Ops.gdn_decode``: one token per row, its slots and positions read from device buffers, so a
+decode step is graph-captured like an attention one).
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ import torch
 import torch.nn.functional as F
 
 from metrale_cli.errors import MetraleError
-from metrale_cli.kernels import gdn_reference as gdn
-from metrale_cli.kernels.ops import Ops
+from metrale_cli.kernels.ops import GdnTensors, Ops
 from metrale_cli.layers.context import ForwardContext
 from metrale_cli.layers.protocols import FfnComponent
-from metrale_cli.layers.spec import GdnSpec, LayerSpec
+from metrale_cli.layers.spec import LayerSpec
 
 
 @dataclass
 class GdnWeights:
     """``in_proj``: (2*key_dim + 2*value_dim + 2*Hv, hidden), rows [q; k; v; z; b; a], each part
     head-major (HF's per-key-head interleaving undone at load); ``conv``: (conv_dim, K) over
-    [q; k; v]; ``out``: (hidden, value_dim)."""
+    [q; k; v]; ``out``: (hidden, value_dim); ``dt_bias`` / ``a_log`` float32 (HF adds and exps
+    them in fp32)."""
 
     in_proj: torch.Tensor
     conv: torch.Tensor
@@ -45,20 +45,23 @@ class GdnWeights:
 
 @dataclass
 class GdnState:
-    """A sequence's state of one GDN layer: its slot in the layer's pool."""
+    """A sequence's state of one GDN layer: its slot in the model's :class:`SsmStatePool`."""
 
     slot: int
 
 
-class GdnStatePool:
-    """``slots`` sequences' conv windows (slots + 1, K-1, conv_dim) and recurrent states
-    (slots + 1, Hv, Dk, Dv), fp32, allocated once; the extra last slot is scratch for padding rows
-    and for a forward given no state."""
+class SsmStatePool:
+    """The recurrent state of every GDN layer of a model, ``slots`` sequences at once: per layer
+    the conv's last K inputs (slots + 1, K, conv_dim) (the input at position p in entry p % K) and
+    the rule's state (slots + 1, Hv, Dk, Dv), fp32, allocated once. A sequence holds one slot in
+    every layer (so a decode step's rows name their slots in one device buffer); the extra last
+    slot is scratch for padding rows and for a forward given no state."""
 
-    def __init__(self, spec: GdnSpec, slots: int, layer: int, device: torch.device):
-        self.layer, self.slots = layer, slots
-        self.conv = torch.zeros(slots + 1, spec.conv_kernel - 1, spec.conv_dim, device=device)
-        self.recurrent = torch.zeros(slots + 1, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim, device=device)
+    def __init__(self, specs: list[LayerSpec], slots: int, device: torch.device):
+        self.slots = slots
+        self.conv = {s.index: torch.zeros(slots + 1, s.gdn.conv_kernel, s.gdn.conv_dim, device=device) for s in specs}
+        self.recurrent = {s.index: torch.zeros(slots + 1, s.gdn.num_v_heads, s.gdn.head_k_dim, s.gdn.head_v_dim,
+                                               device=device) for s in specs}
         self._free = list(range(slots - 1, -1, -1))
 
     @property
@@ -69,19 +72,21 @@ class GdnStatePool:
     def free(self) -> int:
         return len(self._free)
 
-    def alloc(self) -> GdnState:
+    def bytes_per_sequence(self) -> int:
+        return sum((self.conv[i][0].numel() + self.recurrent[i][0].numel()) * 4 for i in self.conv)
+
+    def alloc(self) -> int:
         if not self._free:
-            raise MetraleError(f"GDN state pool exhausted: all {self.slots} state slots of layer {self.layer} "
-                               "are held by running sequences",
-                               hint="run fewer sequences at once or raise max_num_seqs (--batch for bench)")
-        return GdnState(self._free.pop())
+            raise MetraleError(f"recurrent state pool exhausted: all {self.slots} state slots are held by running "
+                               "sequences", hint="run fewer sequences at once or raise max_num_seqs (--batch for bench)")
+        return self._free.pop()
 
-    def release(self, state: GdnState) -> None:
-        self._free.append(state.slot)
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
 
-    def reset(self, slot: int) -> None:
-        self.conv[slot].zero_()
-        self.recurrent[slot].zero_()
+    def reset(self, layer: int, slot: int) -> None:
+        self.conv[layer][slot].zero_()
+        self.recurrent[layer][slot].zero_()
 
 
 class GatedDeltaNetLayer:
@@ -89,28 +94,39 @@ class GatedDeltaNetLayer:
     ``pool``, then the pre-norm FFN component ``ffn``."""
 
     def __init__(self, spec: LayerSpec, weights: GdnWeights, input_norm: torch.Tensor, ffn_norm: torch.Tensor,
-                 ffn: FfnComponent, ops: Ops, pool: GdnStatePool):
-        self.spec, self.weights, self.ffn, self.ops, self.pool = spec, weights, ffn, ops, pool
+                 ffn: FfnComponent, ops: Ops, pool: SsmStatePool):
+        self.spec, self.weights, self.ffn, self.ops, self.ssm_pool = spec, weights, ffn, ops, pool
         self.input_norm, self.ffn_norm, self.eps = input_norm, ffn_norm, spec.eps
         self.gdn = spec.gdn
+        self.mixer = GdnTensors(weights.conv, weights.a_log, weights.dt_bias, weights.norm, spec.eps,
+                                spec.gdn.num_k_heads, pool.conv[spec.index], pool.recurrent[spec.index])
 
     # --- the layer protocol -------------------------------------------------------------
-    def alloc_state(self) -> GdnState:
-        return self.pool.alloc()
+    def is_ssm_layer(self) -> bool:
+        return True
+
+    def uses_ssm_pool(self) -> bool:
+        return True
+
+    def alloc_state(self, ssm_slot: int | None = None) -> GdnState:
+        """The sequence's slot of the model's pool (``CausalLM.alloc_states`` takes it)."""
+        if ssm_slot is None:
+            raise MetraleError("a Gated DeltaNet layer's state is a slot of the model's state pool",
+                               hint="allocate sequence states with CausalLM.alloc_states")
+        return GdnState(ssm_slot)
 
     def release_state(self, state: GdnState) -> None:
-        self.pool.release(state)
+        """Nothing of its own: the model gives the slot back to the pool."""
 
     def free_states(self) -> int:
-        """How many more sequences this layer can hold state for."""
-        return self.pool.free
+        return self.ssm_pool.free
 
     def state_bytes(self) -> int:
         """Bytes of one sequence's state in this layer."""
         return self.gdn.state_bytes()
 
     def decode_graph_unsupported(self) -> str | None:
-        return "the Gated DeltaNet layer runs its torch reference, reading each sequence's state slot on the host"
+        return None
 
     def tensors(self) -> list[torch.Tensor]:
         w = self.weights
@@ -122,18 +138,24 @@ class GatedDeltaNetLayer:
 
     def prefill(self, hidden, residual, state: GdnState | None, ctx: ForwardContext):
         """One chunk of one sequence; at ``start_pos`` 0 the sequence starts from a zero state."""
-        return self._forward(hidden, residual, ctx, lambda x: self._sequence(x, state, fresh=ctx.start_pos == 0))
+        return self._forward(hidden, residual, ctx, lambda x: self._sequence(x, state, ctx.start_pos))
 
     def decode_batched(self, hidden, residual, state: GdnState, ctx: ForwardContext):
-        """K tokens of one sequence, continuing its state (no rollback: a rejected draft token
-        would need the state before it)."""
-        return self._forward(hidden, residual, ctx, lambda x: self._sequence(x, state, fresh=False))
+        """K tokens of one sequence, continuing its state from ``ctx.start_pos`` (no rollback: a
+        rejected draft token would need the state before it)."""
+        return self._forward(hidden, residual, ctx, lambda x: self._sequence(x, state, ctx.start_pos))
 
     def decode(self, hidden, residual, state: GdnState, ctx: ForwardContext):
         return self.decode_multi_seq(hidden, residual, [state], ctx)
 
     def decode_multi_seq(self, hidden, residual, states: list[GdnState | None], ctx: ForwardContext):
-        return self._forward(hidden, residual, ctx, lambda x: self._step(x, states))
+        """One token per sequence; the rows' slots from ``ctx.ssm_slots`` (a decode step's device
+        buffer), else from ``states``."""
+        slots = ctx.ssm_slots
+        if slots is None:
+            slots = torch.tensor([self.ssm_pool.scratch if s is None else s.slot for s in states],
+                                 dtype=torch.int32, device=hidden.device)
+        return self._forward(hidden, residual, ctx, lambda x: self._step(x, slots, ctx.positions))
 
     # --- the body -------------------------------------------------------------------------
     def _forward(self, hidden, residual, ctx: ForwardContext, mixer):
@@ -149,37 +171,14 @@ class GatedDeltaNetLayer:
         s = self.gdn
         return F.linear(x, self.weights.in_proj).split([s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads], -1)
 
-    def _sequence(self, x: torch.Tensor, state: GdnState | None, fresh: bool) -> torch.Tensor:
-        """T tokens of one sequence: the conv over its window, the chunked rule over its state."""
-        slot = self.pool.scratch if state is None else state.slot
-        if fresh or state is None:
-            self.pool.reset(slot)
-        mixed, z, b, a = self._project(x)
-        mixed = gdn.causal_conv1d(mixed, self.pool.conv[slot], self.weights.conv)
-        recurrent = self.pool.recurrent[slot : slot + 1]
-        return self._mix(mixed[None], z, b[None], a[None], recurrent, gdn.chunked_gated_delta_rule)
+    def _sequence(self, x: torch.Tensor, state: GdnState | None, start_pos: int) -> torch.Tensor:
+        """T tokens of one sequence from ``start_pos``: the chunked rule over its slot."""
+        slot = self.ssm_pool.scratch if state is None else state.slot
+        if start_pos == 0 or state is None:
+            self.ssm_pool.reset(self.spec.index, slot)
+        out = self.ops.gdn_prefill(*self._project(x), self.mixer, slot, start_pos if state is not None else 0)
+        return F.linear(out, self.weights.out)
 
-    def _step(self, x: torch.Tensor, states: list[GdnState | None]) -> torch.Tensor:
-        """One token per sequence: each row's window and state gathered from its slot and written back."""
-        slots = torch.tensor([self.pool.scratch if s is None else s.slot for s in states], device=x.device)
-        mixed, z, b, a = self._project(x)
-        mixed, windows = gdn.causal_conv1d_step(mixed, self.pool.conv[slots], self.weights.conv)
-        self.pool.conv[slots] = windows
-        recurrent = self.pool.recurrent[slots]
-        out = self._mix(mixed[:, None], z, b[:, None], a[:, None], recurrent, gdn.recurrent_gated_delta_rule)
-        self.pool.recurrent[slots] = recurrent
-        return out
-
-    def _mix(self, mixed, z, b, a, recurrent, rule) -> torch.Tensor:
-        """mixed: (B, T, conv_dim) after the conv; z: (B*T, value_dim); b, a: (B, T, Hv) ->
-        (B*T, hidden). ``recurrent`` (B, Hv, Dk, Dv) is updated in place by ``rule``."""
-        s, w = self.gdn, self.weights
-        rows, tokens = mixed.shape[:2]
-        q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], -1)
-        group = s.num_v_heads // s.num_k_heads
-        q, k = (t.reshape(rows, tokens, s.num_k_heads, s.head_k_dim).repeat_interleave(group, dim=2) for t in (q, k))
-        v = v.reshape(rows, tokens, s.num_v_heads, s.head_v_dim)
-        g = -w.a_log.float().exp() * F.softplus(a.float() + w.dt_bias)
-        out = rule(q, k, v, g, b.sigmoid(), recurrent)
-        out = gdn.gated_rms_norm(out.reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim), w.norm, self.eps)
-        return F.linear(out.reshape(rows * tokens, s.value_dim), w.out)
+    def _step(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token per row, each continuing its slot."""
+        return F.linear(self.ops.gdn_decode(*self._project(x), self.mixer, slots, positions), self.weights.out)

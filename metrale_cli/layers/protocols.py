@@ -27,15 +27,24 @@ class LayerState(Protocol):
 class Layer(Protocol):
     spec: LayerSpec
 
-    def alloc_state(self) -> LayerState:
-        """A new sequence's state of this layer; the engine calls it when a sequence is admitted."""
+    def is_ssm_layer(self) -> bool:
+        """Whether this is a recurrent (state-space / linear-attention) layer: a fixed-size state
+        per sequence, no KV cache."""
+
+    def uses_ssm_pool(self) -> bool:
+        """Whether its recurrent state lives in the model's shared pool (``ssm_pool``), a slot per
+        sequence shared by every such layer."""
+
+    def alloc_state(self, ssm_slot: int | None = None) -> LayerState:
+        """A new sequence's state of this layer; the model calls it for every layer when a
+        sequence is admitted, with the sequence's pool slot (``CausalLM.alloc_states``)."""
 
     def release_state(self, state: LayerState) -> None:
         """Free what ``state`` holds; the engine calls it when the sequence ends."""
 
     def free_states(self) -> int | None:
-        """How many more sequences this layer can hold state for (a recurrent layer's pool of
-        ``max_num_seqs`` slots); None when it keeps none outside the KV cache."""
+        """How many more sequences this layer can hold state for (the shared pool's free
+        slots); None when it keeps none outside the KV cache."""
 
     def state_bytes(self) -> int:
         """Bytes of one sequence's state outside the KV cache (0 for full attention)."""

@@ -93,8 +93,9 @@ class GdnSpec:
     ``num_k_heads`` query / key heads of ``head_k_dim``, ``num_v_heads`` value heads of
     ``head_v_dim`` (a multiple of the key heads: each key head serves ``num_v_heads //
     num_k_heads`` value heads), a causal depthwise conv of ``conv_kernel`` taps over q, k and v.
-    Per sequence it keeps the conv's last ``conv_kernel - 1`` inputs and a (head_k_dim, head_v_dim)
-    state per value head, both fp32."""
+    Per sequence it keeps the conv's last ``conv_kernel`` inputs (``conv_kernel - 1`` are read, one
+    more so a decode step's writes never race its reads) and a (head_k_dim, head_v_dim) state per
+    value head, both fp32."""
 
     num_k_heads: int
     num_v_heads: int
@@ -117,7 +118,7 @@ class GdnSpec:
 
     def state_bytes(self) -> int:
         """Bytes of one sequence's state: the conv window and the recurrent state, fp32."""
-        return 4 * (self.conv_dim * (self.conv_kernel - 1) + self.num_v_heads * self.head_k_dim * self.head_v_dim)
+        return 4 * (self.conv_dim * self.conv_kernel + self.num_v_heads * self.head_k_dim * self.head_v_dim)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class BuildParts:
     max_seq_len: int
     model_max_positions: int
     max_seqs: int = 8
+    ssm_pool: object = None  # a hybrid's SsmStatePool, made by its family's build before its layers
     _tables: dict = field(default_factory=dict)
 
     def rope(self, rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,20 +25,35 @@ class CausalLM:
         self.kv_cache = kv_cache
         self.calibration = calibration
 
+    @property
+    def ssm_pool(self):
+        """The recurrent-state pool the layers share (``Layer.uses_ssm_pool``), None without one."""
+        return next((layer.ssm_pool for layer in self.layers if layer.uses_ssm_pool()), None)
+
     def alloc_states(self) -> list[LayerState]:
-        """A new sequence's state of every layer (``Layer.alloc_state``)."""
-        return [layer.alloc_state() for layer in self.layers]
+        """A new sequence's state of every layer (``Layer.alloc_state``), with one slot of the
+        recurrent-state pool for all its recurrent layers (an exhausted pool raises)."""
+        pool = self.ssm_pool
+        slot = pool.alloc() if pool is not None else None
+        return [layer.alloc_state(slot) for layer in self.layers]
+
+    def ssm_slot(self, states: list[LayerState]) -> int | None:
+        """The pool slot a sequence's ``states`` hold, None for a model without the pool (or no
+        states: a padding row)."""
+        return next((state.slot for layer, state in zip(self.layers, states) if layer.uses_ssm_pool()), None)
 
     def release_states(self, states: list[LayerState]) -> None:
+        slot, pool = self.ssm_slot(states), self.ssm_pool
         for layer, state in zip(self.layers, states):
             layer.release_state(state)
+        if slot is not None:
+            pool.release(slot)
         states.clear()
 
     def free_state_slots(self) -> int | None:
-        """How many more sequences the layers can hold state for (their fullest pool); None when
-        no layer keeps state outside the KV cache."""
-        free = [n for layer in self.layers if (n := layer.free_states()) is not None]
-        return min(free) if free else None
+        """How many more sequences the recurrent-state pool can hold; None without one."""
+        pool = self.ssm_pool
+        return None if pool is None else pool.free
 
     def state_bytes_per_sequence(self) -> int:
         """Bytes of one sequence's state outside the KV cache, over every layer."""

@@ -24,7 +24,7 @@ import torch
 from metrale_cli.config import ConfigReader, ModelConfig
 from metrale_cli.errors import MetraleError
 from metrale_cli.layers.attention import AttentionWeights, Qwen3AttentionLayer
-from metrale_cli.layers.gdn import GatedDeltaNetLayer, GdnStatePool, GdnWeights
+from metrale_cli.layers.gdn import GatedDeltaNetLayer, GdnWeights, SsmStatePool
 from metrale_cli.layers.spec import AttentionSpec, FfnSpec, GdnSpec, LayerSpec
 from metrale_cli.models import decoder, qwen_moe
 from metrale_cli.models.family import BuildParts, Family, check_tensors
@@ -156,8 +156,9 @@ def _gdn_weights(spec: LayerSpec, t: dict[str, torch.Tensor]) -> GdnWeights:
     parts = [*qkvz.split([g.head_k_dim, g.head_k_dim, r * g.head_v_dim, r * g.head_v_dim], dim=1),
              *ba.split([r, r], dim=1)]
     in_proj = torch.cat([x.reshape(-1, x.shape[-1]) for x in parts])
-    return GdnWeights(in_proj=in_proj, conv=t.pop(p + "conv1d.weight")[:, 0], dt_bias=t.pop(p + "dt_bias"),
-                      a_log=t.pop(p + "A_log"), norm=t.pop(p + "norm.weight"), out=t.pop(p + "out_proj.weight"))
+    return GdnWeights(in_proj=in_proj, conv=t.pop(p + "conv1d.weight")[:, 0], dt_bias=t.pop(p + "dt_bias").float(),
+                      a_log=t.pop(p + "A_log").float(), norm=t.pop(p + "norm.weight"),
+                      out=t.pop(p + "out_proj.weight"))
 
 
 def _layer(spec: LayerSpec, t: dict[str, torch.Tensor], parts: BuildParts):
@@ -169,9 +170,8 @@ def _layer(spec: LayerSpec, t: dict[str, torch.Tensor], parts: BuildParts):
         a = spec.attention
         return Qwen3AttentionLayer(spec, weights, *norms, ffn, parts.ops, parts.kv.layers[spec.index],
                                    parts.rope(a.rope, a.head_dim), parts.calibration)
-    pool = GdnStatePool(spec.gdn, parts.max_seqs, spec.index, parts.kv.device)
     weights = _gdn_weights(spec, t)
-    return GatedDeltaNetLayer(spec, weights, *norms, qwen_moe.ffn(spec, t, parts), parts.ops, pool)
+    return GatedDeltaNetLayer(spec, weights, *norms, qwen_moe.ffn(spec, t, parts), parts.ops, parts.ssm_pool)
 
 
 def build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], parts: BuildParts) -> CausalLM:
@@ -180,6 +180,7 @@ def build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], parts: BuildParts)
     check_tensors(cfg, tensors, expected_tensors(cfg))
     for name in zero_centred_norms(cfg):
         tensors[name] = (tensors[name].float() + 1.0).to(tensors[name].dtype)
+    parts.ssm_pool = SsmStatePool([s for s in cfg.layers if s.gdn is not None], parts.max_seqs, parts.kv.device)
     layers = [_layer(spec, tensors, parts) for spec in cfg.layers]
     return decoder.causal_lm(cfg, tensors, layers, parts)
 
