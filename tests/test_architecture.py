@@ -240,7 +240,7 @@ class _Counted:
     def __init__(self, model):
         self.allocated, self.released = [], []
         for i, layer in enumerate(model.layers):
-            layer.alloc_state = lambda i=i: self.allocated.append(i) or {"layer": i}
+            layer.alloc_state = lambda slot=None, i=i: self.allocated.append(i) or {"layer": i}
             layer.release_state = lambda state, i=i: self.released.append((i, state["layer"]))
 
 
