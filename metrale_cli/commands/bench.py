@@ -4,8 +4,10 @@ Decode steps are timed as ``generate`` runs them (greedy sampling on the device,
 step t's tokens while the GPU runs step t + 1), with CUDA events on a GPU. The roofline of a decode step is the bytes it must read:
 every weight it uses whole once (the layers, the final norm, the LM head; an untied input
 embedding gives one row per token, left out), the routed experts of a MoE model that the step
-actually read (counted on the device), plus each sequence's cached K/V, over the peak
-bandwidth (measured as a device-to-device copy unless given).
+actually read (counted on the device), plus each sequence's cached K/V and, in a hybrid, the
+recurrent state its Gated DeltaNet layers read (the conv's K - 1 inputs and the fp32 state; the
+state written back is not counted), over the peak bandwidth (measured as a device-to-device copy
+unless given).
 """
 
 from __future__ import annotations
@@ -109,10 +111,10 @@ def profile_run(runner, opts: BenchOptions, rows: int = 15) -> str:
 
 def _step_bytes(runner, opts: BenchOptions) -> float:
     """Bytes one decode step reads at the middle of the tg run: the weights it reads whole +
-    every sequence's KV (the routed experts it read are counted by the run)."""
+    every sequence's KV and recurrent state (the routed experts it read are counted by the run)."""
     ctx = opts.n_prompt + opts.n_gen // 2
-    layout = runner.model.kv_cache.layout
-    return runner.model.weight_bytes() + opts.batch * ctx * layout.bytes_per_token()
+    model = runner.model
+    return model.weight_bytes() + opts.batch * (ctx * model.kv_cache.layout.bytes_per_token() + model.state_read_bytes())
 
 
 def bench_metrale(runner, opts: BenchOptions, peak: float | None) -> list[dict]:

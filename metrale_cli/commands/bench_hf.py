@@ -94,8 +94,10 @@ def bench_hf(raw: dict, tensors: dict[str, torch.Tensor], opts, device: torch.de
     if "lm_head.weight" in tensors:  # untied: the input embedding is gathered a row per token
         embed = tensors["model.embed_tokens.weight"]
         weight_bytes -= embed.numel() * embed.element_size()
-    kv_bytes = sum(2 * s.attention.kv_size * 2 for s in model_config(raw).layers if s.has_kv)  # K and V in bf16
-    step_bytes = weight_bytes + opts.batch * (opts.n_prompt + opts.n_gen // 2) * kv_bytes
+    layers = model_config(raw).layers
+    kv_bytes = sum(2 * s.attention.kv_size * 2 for s in layers if s.has_kv)  # K and V in bf16
+    state_bytes = sum(s.gdn.step_read_bytes() for s in layers if s.gdn is not None)  # the same state reads as ours
+    step_bytes = weight_bytes + opts.batch * ((opts.n_prompt + opts.n_gen // 2) * kv_bytes + state_bytes)
     name = "HF transformers (eager)"
     return [
         timing_row(name, f"pp{opts.n_prompt}", [r[0] for r in runs], opts.n_prompt, None, peak),

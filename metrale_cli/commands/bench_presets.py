@@ -56,12 +56,16 @@ PRESETS: dict[str, dict] = {
 
 
 def random_weights(raw: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
-    """HF-named tensors: N(0, 0.02) matrices, ones for norm weights, zeros for biases."""
+    """HF-named tensors: N(0, 0.02) matrices, ones for norm weights, zeros for biases; a Gated
+    DeltaNet's decay parameters as HF initialises them (A_log = log U(1, 16), dt_bias ones)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
     cfg = model_config(raw)
     for name, shape in family_of(cfg.family).expected_tensors(cfg).items():
-        if name.endswith("norm.weight"):
+        if name.endswith(".A_log"):
+            t = torch.empty(shape, dtype=torch.float32, device=device).uniform_(1.0, 16.0, generator=gen)
+            tensors[name] = t.log().to(dtype)
+        elif name.endswith("norm.weight") or name.endswith(".dt_bias"):
             tensors[name] = torch.ones(shape, dtype=dtype, device=device)
         elif name.endswith(".bias"):
             tensors[name] = torch.zeros(shape, dtype=dtype, device=device)

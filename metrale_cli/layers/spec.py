@@ -120,6 +120,11 @@ class GdnSpec:
         """Bytes of one sequence's state: the conv window and the recurrent state, fp32."""
         return 4 * (self.conv_dim * self.conv_kernel + self.num_v_heads * self.head_k_dim * self.head_v_dim)
 
+    def step_read_bytes(self) -> int:
+        """Bytes of a sequence's state one decode step reads: the conv's K - 1 earlier inputs and
+        the recurrent state (it writes the state back and one conv input)."""
+        return 4 * (self.conv_dim * (self.conv_kernel - 1) + self.num_v_heads * self.head_k_dim * self.head_v_dim)
+
 
 @dataclass(frozen=True)
 class LayerSpec:

@@ -59,6 +59,10 @@ class CausalLM:
         """Bytes of one sequence's state outside the KV cache, over every layer."""
         return sum(layer.state_bytes() for layer in self.layers)
 
+    def state_read_bytes(self) -> int:
+        """Bytes of one sequence's recurrent state a decode step reads, over every layer."""
+        return sum(s.gdn.step_read_bytes() for s in self.cfg.layers if s.gdn is not None)
+
     def decode_graph_unsupported(self) -> str | None:
         """The first layer's reason its decode step cannot be graph-captured, else None."""
         return next((f"layer {i}: {why}" for i, layer in enumerate(self.layers)

@@ -1,0 +1,66 @@
+"""The chunked gated delta rule with every chunk's own work batched (the cuda backend's prefill).
+
+:func:`~metrale_cli.kernels.gdn_reference.chunked_gated_delta_rule` walks the chunks one by one,
+each with a dozen small launches. Only one part of a chunk depends on the chunks before it: the
+state it starts from. Here everything else runs for all chunks at once, as batched GEMMs:
+
+- per chunk (cumulative decay c, D[i, j] = exp(c_i - c_j) for j <= i): the UT transform
+  T = (I + A)^-1 with A = strictly-lower(beta k k^T * D), then W = T (beta k * exp(c)) and
+  U = T (beta v), and the intra-chunk scores P = (q k^T) * D;
+- the walk over the chunks, three launches a chunk: u_n = U_n - W_n S, then
+  S <- exp(c_last) S + (k * exp(c_last - c))^T u_n, keeping each chunk's starting state;
+- then every chunk's output at once: o = (q * exp(c)) S_start + P u.
+
+The math is the reference's (its docstring derives it); the sums run in another order, so the
+two agree to fp32 rounding, not bit for bit. A last partial chunk is padded with tokens that
+neither decay nor write (g = 0, beta = 0, k = q = 0), whose outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from metrale_cli.kernels.gdn_reference import CHUNK, _prepare
+
+
+def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """Same contract as ``gdn_reference.chunked_gated_delta_rule``: q, k (B, T, H, Dk), v (B, T, H,
+    Dv), g, beta (B, T, H), state (B, H, Dk, Dv) fp32 updated in place -> (B, T, H, Dv) in v's dtype."""
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)  # (B, H, T, .) fp32
+    batch, heads, tokens, dk = q.shape
+    dv = v.shape[-1]
+    pad = -tokens % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (tokens + pad) // chunk
+    q, k, v = (x.reshape(batch * heads, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(batch * heads, n, chunk), beta.reshape(batch * heads, n, chunk)
+
+    c = g.cumsum(-1)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    system = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1) + torch.eye(chunk, device=q.device)
+    t = torch.linalg.solve_triangular(system, torch.eye(chunk, device=q.device).expand_as(system), upper=False,
+                                      unitriangular=True)
+    w = t @ (k_beta * c.exp()[..., None])  # (BH, n, L, Dk)
+    u = t @ (v * beta[..., None])  # (BH, n, L, Dv): becomes the corrections in the walk
+    scores = (q @ k.transpose(-1, -2)) * decay
+    last = c[..., -1]  # (BH, n)
+    k_tail = (k * (last[..., None] - c).exp()[..., None]).transpose(-1, -2).contiguous()  # (BH, n, Dk, L)
+    gamma = last.exp()[..., None, None]
+
+    s = state.float().reshape(batch * heads, dk, dv).clone()
+    starts = torch.empty(batch * heads, n, dk, dv, device=q.device)
+    for i in range(n):
+        starts[:, i] = s
+        u[:, i].baddbmm_(w[:, i], s, alpha=-1.0)
+        s = torch.baddbmm(s * gamma[:, i], k_tail[:, i], u[:, i])
+    out = (q * c.exp()[..., None]) @ starts + scores @ u
+    state.copy_(s.reshape(batch, heads, dk, dv))
+    out = out.reshape(batch, heads, n * chunk, dv)[:, :, :tokens]
+    return out.transpose(1, 2).to(dtype)
