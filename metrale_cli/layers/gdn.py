@@ -100,6 +100,11 @@ class GatedDeltaNetLayer:
         self.gdn = spec.gdn
         self.mixer = GdnTensors(weights.conv, weights.a_log, weights.dt_bias, weights.norm, spec.eps,
                                 spec.gdn.num_k_heads, pool.conv[spec.index], pool.recurrent[spec.index])
+        w = weights
+        # batch-1 decode through the fused GEMVs (as Qwen3AttentionLayer): norm + in_proj, out_proj
+        # + the residual add, the FFN's own row path
+        self.fused_decode = (ffn.fuses_row and all(t.dtype == torch.bfloat16 for t in (w.in_proj, w.out))
+                             and all(ops.gemv_fits(k) for k in (w.in_proj.shape[1], w.out.shape[1])))
 
     # --- the layer protocol -------------------------------------------------------------
     def is_ssm_layer(self) -> bool:
@@ -155,7 +160,17 @@ class GatedDeltaNetLayer:
         if slots is None:
             slots = torch.tensor([self.ssm_pool.scratch if s is None else s.slot for s in states],
                                  dtype=torch.int32, device=hidden.device)
+        if self.fused_decode and hidden.shape[0] == 1:
+            return self._decode_one(hidden, residual, slots, ctx.positions)
         return self._forward(hidden, residual, ctx, lambda x: self._step(x, slots, ctx.positions))
+
+    def _decode_one(self, hidden, residual, slots, positions):
+        """One token through the fused GEMVs: returns (hidden + mixer + FFN, None)."""
+        w, ops, s = self.weights, self.ops, self.gdn
+        projected, stream = ops.gemv_norm(hidden, residual, self.input_norm, self.eps, w.in_proj)
+        parts = projected.split([s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads], -1)
+        stream = ops.gemv_add(ops.gdn_decode(*parts, self.mixer, slots, positions), w.out, stream)
+        return self.ffn.add_row(stream, self.ffn_norm, self.eps), None
 
     # --- the body -------------------------------------------------------------------------
     def _forward(self, hidden, residual, ctx: ForwardContext, mixer):
