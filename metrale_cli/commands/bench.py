@@ -25,6 +25,7 @@ from metrale_cli.engine.sequence import Sequence
 from metrale_cli.engine.source import ModelSource
 from metrale_cli.errors import MetraleError
 from metrale_cli.kv.dtypes import AUTO, KvCacheDtype, parse_kv_cache_dtype
+from metrale_cli.layers.gdn import GDN_RANGE
 from metrale_cli.output import Output
 
 
@@ -109,6 +110,36 @@ def profile_run(runner, opts: BenchOptions, rows: int = 15) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
+GEMM_KERNELS = ("gemm", "cutlass", "nvjet", "xmma", "grouped_mm")  # cuBLAS / CUTLASS kernel names
+
+
+def prefill_split(runner, n_prompt: int, seed: int = 98) -> dict:
+    """One more prefill of ``n_prompt`` tokens under the torch profiler, its device time split
+    three ways: the Gated DeltaNet mixers (``Ops.gdn_prefill``: conv, the chunked rule, the gated
+    norm, its batched GEMMs included), the GEMMs outside them (projections, experts, LM head), and
+    the rest (attention, norms, routing, copies). Seconds; a cuda run of a hybrid only."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(seed)
+    seq = Sequence(0, torch.randint(0, runner.config.vocab_size, (n_prompt,), generator=gen).tolist(), 2)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner.engine.prefill(seq)
+        torch.cuda.synchronize()
+    runner.engine.release(seq)
+    split = {"gdn_mixer_s": 0.0, "gemm_s": 0.0, "other_s": 0.0}
+    for event in prof.events():
+        if not event.kernels:
+            continue
+        inside, parent = False, event
+        while parent is not None and not inside:
+            inside, parent = parent.name == GDN_RANGE, parent.cpu_parent
+        for kernel in event.kernels:
+            key = "gdn_mixer_s" if inside else "gemm_s" if any(n in kernel.name.lower() for n in GEMM_KERNELS) \
+                else "other_s"
+            split[key] += kernel.duration / 1e6
+    return split
+
+
 def _step_bytes(runner, opts: BenchOptions) -> float:
     """Bytes one decode step reads at the middle of the tg run: the weights it reads whole +
     every sequence's KV and recurrent state (the routed experts it read are counted by the run)."""
@@ -128,6 +159,8 @@ def bench_metrale(runner, opts: BenchOptions, peak: float | None) -> list[dict]:
         _PROFILES[name] = profile_run(runner, opts)
     rows = [] if opts.synthetic_context else [
         timing_row(name, f"pp{opts.n_prompt}", [r[0] for r in runs], opts.n_prompt, None, peak)]
+    if rows and runner.model.ssm_pool is not None and runner.model.device.type == "cuda":
+        rows[0] |= prefill_split(runner, opts.n_prompt)
     rows.append(timing_row(name, f"tg{opts.n_gen} b{opts.batch} @{opts.n_prompt}", [r[1] for r in runs],
                      opts.batch, step_bytes, peak) | ({"routed_bytes_per_step": routed} if routed else {}))
     memory = kv_memory(runner)
@@ -224,6 +257,14 @@ def run_bench_cmd(out: Output, opts: BenchOptions) -> dict:
         f"; roofline bandwidth {peak:.0f} GB/s" if peak else "")
     out.table(f"metrale bench: {result['model']}",
               ["engine", "test", "t/s", "GB/s", "% roofline", "vs HF", "KV B/token", "KV tokens"], rows, caption)
+    for r in result["rows"]:
+        if "gdn_mixer_s" in r:
+            parts = {k: r[k] for k in ("gdn_mixer_s", "gemm_s", "other_s")}
+            total = sum(parts.values())
+            out.text(f"{r['engine']} {r['test']}: device time of one prefill {total * 1e3:.1f} ms = Gated DeltaNet "
+                     f"mixers {parts['gdn_mixer_s'] * 1e3:.1f} ms ({100 * parts['gdn_mixer_s'] / total:.0f}%), GEMMs "
+                     f"{parts['gemm_s'] * 1e3:.1f} ms ({100 * parts['gemm_s'] / total:.0f}%), other "
+                     f"{parts['other_s'] * 1e3:.1f} ms")
     for name, table in result["profiles"].items():
         out.text(f"top kernels, {name} (one pp + tg repetition):\n{table}")
     return result

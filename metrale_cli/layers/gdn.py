@@ -28,6 +28,9 @@ from metrale_cli.layers.protocols import FfnComponent
 from metrale_cli.layers.spec import LayerSpec
 
 
+GDN_RANGE = "gdn mixer"  # the profiler range around a prefill's mixer (bench's prefill split)
+
+
 @dataclass
 class GdnWeights:
     """``in_proj``: (2*key_dim + 2*value_dim + 2*Hv, hidden), rows [q; k; v; z; b; a], each part
@@ -191,7 +194,8 @@ class GatedDeltaNetLayer:
         slot = self.ssm_pool.scratch if state is None else state.slot
         if start_pos == 0 or state is None:
             self.ssm_pool.reset(self.spec.index, slot)
-        out = self.ops.gdn_prefill(*self._project(x), self.mixer, slot, start_pos if state is not None else 0)
+        with torch.profiler.record_function(GDN_RANGE):
+            out = self.ops.gdn_prefill(*self._project(x), self.mixer, slot, start_pos if state is not None else 0)
         return F.linear(out, self.weights.out)
 
     def _step(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
