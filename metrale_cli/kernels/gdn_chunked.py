@@ -7,8 +7,9 @@ state it starts from. Here everything else runs for all chunks at once, as batch
 - per chunk (cumulative decay c, D[i, j] = exp(c_i - c_j) for j <= i): the UT transform
   T = (I + A)^-1 with A = strictly-lower(beta k k^T * D), then W = T (beta k * exp(c)) and
   U = T (beta v), and the intra-chunk scores P = (q k^T) * D;
-- the walk over the chunks, three launches a chunk: u_n = U_n - W_n S, then
-  S <- exp(c_last) S + (k * exp(c_last - c))^T u_n, keeping each chunk's starting state;
+- the walk over the chunks: u_n = U_n - W_n S, then S <- exp(c_last) S + (k * exp(c_last - c))^T u_n,
+  keeping each chunk's starting state (:func:`torch_walk`: three launches a chunk; the cuda backend
+  passes ``kernels_cu/gdn_prefill.cu``'s one launch for all of them);
 - then every chunk's output at once: o = (q * exp(c)) S_start + P u.
 
 The math is the reference's (its docstring derives it); the sums run in another order, so the
@@ -24,10 +25,24 @@ import torch.nn.functional as F
 from metrale_cli.kernels.gdn_reference import CHUNK, _prepare
 
 
+def torch_walk(w: torch.Tensor, u: torch.Tensor, k_tail: torch.Tensor, gamma: torch.Tensor, state: torch.Tensor,
+               starts: torch.Tensor) -> None:
+    """The walk over n chunks of BH (sequence, head) pairs, fp32: w (BH, n, L, Dk), u (BH, n, L, Dv)
+    (U in, the corrections out), k_tail (BH, n, Dk, L), gamma (BH, n), state (BH, Dk, Dv) (the
+    start in, the end out), starts (BH, n, Dk, Dv) (out: the state each chunk starts from)."""
+    s = state.clone()
+    for i in range(w.shape[1]):
+        starts[:, i] = s
+        u[:, i].baddbmm_(w[:, i], s, alpha=-1.0)
+        s = torch.baddbmm(s * gamma[:, i, None, None], k_tail[:, i], u[:, i])
+    state.copy_(s)
+
+
 def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                             beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+                             beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK, walk=torch_walk) -> torch.Tensor:
     """Same contract as ``gdn_reference.chunked_gated_delta_rule``: q, k (B, T, H, Dk), v (B, T, H,
-    Dv), g, beta (B, T, H), state (B, H, Dk, Dv) fp32 updated in place -> (B, T, H, Dv) in v's dtype."""
+    Dv), g, beta (B, T, H), state (B, H, Dk, Dv) fp32 updated in place -> (B, T, H, Dv) in v's dtype.
+    ``walk``: :func:`torch_walk` or a function with its contract."""
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)  # (B, H, T, .) fp32
     batch, heads, tokens, dk = q.shape
@@ -48,18 +63,13 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     t = torch.linalg.solve_triangular(system, torch.eye(chunk, device=q.device).expand_as(system), upper=False,
                                       unitriangular=True)
     w = t @ (k_beta * c.exp()[..., None])  # (BH, n, L, Dk)
-    u = t @ (v * beta[..., None])  # (BH, n, L, Dv): becomes the corrections in the walk
+    u = (t @ (v * beta[..., None])).contiguous()  # (BH, n, L, Dv): becomes the corrections in the walk
     scores = (q @ k.transpose(-1, -2)) * decay
     last = c[..., -1]  # (BH, n)
     k_tail = (k * (last[..., None] - c).exp()[..., None]).transpose(-1, -2).contiguous()  # (BH, n, Dk, L)
-    gamma = last.exp()[..., None, None]
-
-    s = state.float().reshape(batch * heads, dk, dv).clone()
+    s = state.float().reshape(batch * heads, dk, dv).contiguous()
     starts = torch.empty(batch * heads, n, dk, dv, device=q.device)
-    for i in range(n):
-        starts[:, i] = s
-        u[:, i].baddbmm_(w[:, i], s, alpha=-1.0)
-        s = torch.baddbmm(s * gamma[:, i], k_tail[:, i], u[:, i])
+    walk(w.contiguous(), u, k_tail, last.exp().contiguous(), s, starts)
     out = (q * c.exp()[..., None]) @ starts + scores @ u
     state.copy_(s.reshape(batch, heads, dk, dv))
     out = out.reshape(batch, heads, n * chunk, dv)[:, :, :tokens]

@@ -1,0 +1,53 @@
+"""gdn_prefill.cu's walk over a prefill's chunks, emulated on the CPU against gdn_chunked.torch_walk.
+
+``kernels_cu/host/gdn_prefill_host.cpp`` runs the kernel over the grid the cuda backend launches:
+a CTA per (sequence x head, 16 state columns), so value head widths of 8 (a part-filled tile), 16
+and 24 (one full, one part-filled) and key widths of 16 and 32, over 1 and 3 chunks. The kernel
+sums in index order and torch's GEMMs in theirs: equal to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from host_build import build_host_library
+from metrale_cli.kernels.gdn_chunked import torch_walk
+
+_LIB: list[ctypes.CDLL] = []
+CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory) -> ctypes.CDLL:
+    if not _LIB:
+        handle = build_host_library("gdn_prefill_host.cpp", tmp_path_factory.mktemp("gdn_walk"))
+        handle.host_gdn_chunk_walk.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4
+        _LIB.append(handle)
+    return _LIB[0]
+
+
+def _walk_inputs(pairs, chunks, dk, dv, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = 0.2 * torch.randn(pairs, chunks, CHUNK, dk, generator=g)
+    u = torch.randn(pairs, chunks, CHUNK, dv, generator=g)
+    k_tail = 0.2 * torch.randn(pairs, chunks, dk, CHUNK, generator=g)
+    gamma = torch.rand(pairs, chunks, generator=g)
+    state = torch.randn(pairs, dk, dv, generator=g)
+    return w, u, k_tail, gamma, state
+
+
+@pytest.mark.parametrize("pairs, chunks, dk, dv", [(1, 1, 16, 8), (3, 3, 32, 16), (2, 3, 16, 24)])
+def test_the_walk_equals_the_torch_walk(lib, pairs, chunks, dk, dv):
+    w, u, k_tail, gamma, state = _walk_inputs(pairs, chunks, dk, dv)
+    want_u, want_state, want_starts = u.clone(), state.clone(), torch.empty(pairs, chunks, dk, dv)
+    torch_walk(w, want_u, k_tail, gamma, want_state, want_starts)
+    got_u, got_state, got_starts = u.clone(), state.clone(), torch.full((pairs, chunks, dk, dv), float("nan"))
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    lib.host_gdn_chunk_walk(ptr(w), ptr(got_u), ptr(k_tail), ptr(gamma), ptr(got_state), ptr(got_starts), pairs,
+                            chunks, dk, dv)
+    for got, want in ((got_u, want_u), (got_state, want_state), (got_starts, want_starts)):
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max().clamp(min=1)
+    assert torch.equal(got_starts[:, 0], state)  # the first chunk starts from the given state, as given
