@@ -265,3 +265,11 @@ inline void run_block(EmulatedIndex block, unsigned threads, const std::function
 
 // Run fn on the 32 lanes of one emulated warp.
 inline void run_warp(const std::function<void()>& fn) { run_block({0, 0, 0}, 32, fn); }
+
+// Run fn on every block of a (gx, gy) grid of `threads`-thread blocks, one block after another.
+inline void run_grid(unsigned gx, unsigned gy, unsigned threads, const std::function<void()>& fn) {
+    gridDim = {gx, gy, 1};
+    for (unsigned y = 0; y < gy; ++y)
+        for (unsigned x = 0; x < gx; ++x) run_block({x, y, 0}, threads, fn);
+    gridDim = {1, 1, 1};
+}

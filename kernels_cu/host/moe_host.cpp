@@ -4,13 +4,6 @@
 #include "emulate.h"
 #include "../moe.cu"
 
-static void run_grid(unsigned gx, unsigned gy, unsigned threads, const std::function<void()>& fn) {
-    gridDim = {gx, gy, 1};
-    for (unsigned y = 0; y < gy; ++y)
-        for (unsigned x = 0; x < gx; ++x) run_block({x, y, 0}, threads, fn);
-    gridDim = {1, 1, 1};
-}
-
 extern "C" void host_moe_route(const bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read,
                                int rows, int num_experts, int top_k, int normalize, int threads) {
     run_grid(1, 1, threads, [&] { moe_route_bf16(logits, ids, weights, plan, experts_read, rows, num_experts, top_k, normalize); });
