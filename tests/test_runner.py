@@ -1,17 +1,22 @@
 """The runner's entry point: the decode mode line (CUDA graphs, or eager and why), the options it
-checks before anything is read, and the bytes a decode step reads (the roofline's)."""
+checks before anything is read, the bytes a decode step reads (the roofline's), and the kernels
+the cuda backend's start-up check loads."""
 
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import pytest
 import torch
 
 from metrale_cli.commands.bench_presets import random_weights
-from metrale_cli.engine.runner import RunnerOptions, open_runner
+from metrale_cli.engine.runner import RunnerOptions, check_kernels, open_runner, plan
 from metrale_cli.engine.source import ModelSource
 from metrale_cli.errors import MetraleError
+from metrale_cli.kernels import loader
+from metrale_cli.kernels.table import GDN_KERNELS
+from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.models import family_of, model_config
 
 TINY = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -56,3 +61,27 @@ def test_decode_reads_every_weight_but_an_untied_embedding_table(tie):
     embed = 2 * math.prod(shapes["model.embed_tokens.weight"])
     assert ("lm_head.weight" in shapes) == (not tie)
     assert _runner(raw).model.weight_bytes() == total - (0 if tie else embed)
+
+
+HYBRID = TINY | {"model_type": "qwen3_next", "num_hidden_layers": 4, "full_attention_interval": 4,
+                 "partial_rotary_factor": 0.25, "intermediate_size": 128, "num_experts": 0, "mlp_only_layers": [],
+                 "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+                 "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4}
+
+
+class _RecordingLoader:
+    """Stands in for the CuPy loader of the start-up check: every kernel it was asked for loads."""
+
+    asked: ClassVar[list] = []
+
+    def function(self, spec, device):
+        self.asked.append(spec)
+
+
+@pytest.mark.parametrize("raw, gdn", [(TINY, False), (HYBRID, True)])
+def test_the_cuda_start_up_check_loads_the_gdn_kernels_of_a_hybrid(monkeypatch, raw, gdn):
+    monkeypatch.setattr(loader, "KernelLoader", _RecordingLoader)
+    monkeypatch.setattr(_RecordingLoader, "asked", [])
+    check_kernels(plan(model_config(raw), KvCacheDtype.BF16, RunnerOptions()), "cuda", torch.device("cpu"))
+    asked = set(_RecordingLoader.asked)
+    assert asked and (set(GDN_KERNELS) <= asked) == gdn

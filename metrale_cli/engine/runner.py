@@ -136,7 +136,7 @@ def check_kernels(cfg: ModelConfig, backend: str, device: torch.device, requeste
     the cuda backend every kernel they launch compiles and loads through CuPy, all problems
     reported in one message. Returns the kernel loader (cuda)."""
     from metrale_cli.kernels.kv_kernels import layer_kernels
-    from metrale_cli.kernels.table import MOE_KERNELS
+    from metrale_cli.kernels.table import GDN_KERNELS, MOE_KERNELS
     from metrale_cli.kernels.requirements import validate_required_kv_kernels
 
     kv_layers = [s for s in cfg.layers if s.has_kv]
@@ -166,6 +166,8 @@ def check_kernels(cfg: ModelConfig, backend: str, device: torch.device, requeste
     specs = dict.fromkeys(spec for d, head_dim in used for spec in layer_kernels(d, head_dim))
     if any(s.ffn.kind == "moe" for s in cfg.layers):
         specs.update(dict.fromkeys(MOE_KERNELS))
+    if any(s.mixer == "gdn" for s in cfg.layers):
+        specs.update(dict.fromkeys(GDN_KERNELS))
     problems = {str(spec): why for spec in specs if (why := load(spec))}
     if problems:
         raise MetraleError(f"the cuda backend needs kernel(s) that do not load: {', '.join(problems)}",

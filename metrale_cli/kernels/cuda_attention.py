@@ -12,7 +12,7 @@ import torch
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import cuda_launch
-from metrale_cli.kernels.cuda_launch import CudaLauncher, _ready
+from metrale_cli.kernels.cuda_launch import CudaLauncher, _head_rows, _ready
 from metrale_cli.kernels.kv_kernels import KvKernels
 from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
 from metrale_cli.kernels.table import (
@@ -20,18 +20,6 @@ from metrale_cli.kernels.table import (
     TC_MIN_KEYS_PER_SPLIT, TC_ROWS, decode_rows, rows_per_cta,
 )
 from metrale_cli.kv.pool import LayerKv
-
-
-def _head_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(T, H, D) whose heads are contiguous within a token (a view into a fused qkv output)
-    -> (a contiguous 1-D view from its first element to its last, the token stride), so no
-    copy is launched; a copy (``_ready``) only for another layout or a misaligned start."""
-    tokens, heads, d = x.shape
-    stride = x.stride(0) if tokens > 1 else heads * d
-    if (x.stride(2) == 1 and (heads == 1 or x.stride(1) == d) and heads * d <= stride < 2**31
-            and x.data_ptr() % 16 == 0):
-        return x.as_strided(((tokens - 1) * stride + heads * d,), (1,)), stride
-    return _ready(x), heads * d
 
 
 class CudaPagedAttention:

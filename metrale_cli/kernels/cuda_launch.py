@@ -1,5 +1,6 @@
 """What every CuPy-launched op shares: the loader's typed launch, the device's SM count, aligned
-inputs, and the zeroed counters the one-launch decode attention leaves zero."""
+inputs (rows of a fused projection passed without a copy), and the zeroed counters the one-launch
+decode attention leaves zero."""
 
 from __future__ import annotations
 
@@ -14,6 +15,18 @@ def _ready(t: torch.Tensor) -> torch.Tensor:
     """Contiguous and 16-byte aligned, copying only when it is not."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _head_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(T, H, D) whose heads are contiguous within a token (a view into a fused qkv output)
+    -> (a contiguous 1-D view from its first element to its last, the token stride), so no
+    copy is launched; a copy (``_ready``) only for another layout or a misaligned start."""
+    tokens, heads, d = x.shape
+    stride = x.stride(0) if tokens > 1 else heads * d
+    if (x.stride(2) == 1 and (heads == 1 or x.stride(1) == d) and heads * d <= stride < 2**31
+            and x.data_ptr() % 16 == 0):
+        return x.as_strided(((tokens - 1) * stride + heads * d,), (1,)), stride
+    return _ready(x), heads * d
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,6 +16,7 @@ import torch
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import cuda_launch
 from metrale_cli.kernels.cuda_attention import CudaPagedAttention
+from metrale_cli.kernels.cuda_gdn import CudaGdn
 from metrale_cli.kernels.cuda_launch import CudaLauncher, _ready
 from metrale_cli.kernels.cuda_moe import CudaMoe
 from metrale_cli.kernels.kv_kernels import WHT_KERNELS, kv_kernels
@@ -30,7 +31,7 @@ from metrale_cli.kernels.table import (
 from metrale_cli.kv.dtypes import KvCacheDtype
 
 
-class CudaOps(CudaMoe, CudaLauncher):
+class CudaOps(CudaMoe, CudaGdn, CudaLauncher):
     """The CUDA backend of the kernel contract (see ``ops.py`` for shapes and dtypes)."""
 
     name = "cuda"

@@ -28,6 +28,7 @@ KERNELS_DIR = _kernels_dir()
 INCLUDE_DIR = KERNELS_DIR / "include"
 ARCH = "sm_90"  # the H200
 TC_HEAD_DIMS = (64, 128)  # the tensor-core decode's (paged_decode_tc.cu)
+GDN_HEAD_K_DIMS = (16, 32, 64, 128)  # the Gated DeltaNet decode's key head dims (gdn.cu)
 
 
 @dataclass(frozen=True, order=True)
@@ -115,6 +116,8 @@ MODULES: dict[str, KernelModule] = {
         KernelModule("decode_step", "decode_step.cu", (), ("decode_advance",)),
         # The routed experts of a MoE FFN for a few rows: routing, gate/up, down + the weighted sum.
         KernelModule("moe", "moe.cu", (), ("moe_route_bf16", "moe_gate_up_bf16", "moe_down_bf16")),
+        # A Gated DeltaNet mixer's decode step: conv, the gated delta rule and the gated norm.
+        KernelModule("gdn", "gdn.cu", (), ("gdn_decode_bf16",), head_dims=GDN_HEAD_K_DIMS),
         KernelModule("wht_bf16", "wht_bf16.cu", (), ("wht_bf16_inplace", "wht_bf16_inplace_inv"),
                      EXACT, HEAD_DIMS),
         KernelModule("reshape_and_cache", "reshape_and_cache.cu", (), _writes("reshape_and_cache"), EXACT),

@@ -98,6 +98,22 @@ MOE_MAX_PAIRS = 1024  # rows x top_k of one routing launch
 MOE_MAX_TOP_K = 32  # a lane per slot
 MOE_STAGE_ELEMS = 16384  # the widest input row its expert CTAs stage
 MOE_DECODE_ROWS = 64
+# A Gated DeltaNet mixer's decode step, one launch (gdn.cu): a CTA per (value head, row), a thread
+# per state column; its key head dims are the gdn module's head_dims.
+GDN_DECODE = K("gdn::gdn_decode_bf16"), Signature.parse(
+    "mixed: bf16*, z: bf16*, b: bf16*, a: bf16*, conv: bf16*, a_log: f32*, dt_bias: f32*, norm: bf16*, "
+    "conv_pool: f32*, state_pool: f32*, slots: i32*, positions: i32*, out: bf16*, mixed_stride: i32, z_stride: i32, "
+    "b_stride: i32, a_stride: i32, num_k_heads: i32, num_v_heads: i32, head_k_dim: i32, head_v_dim: i32, taps: i32, "
+    "eps: f32"
+)
+GDN_KERNELS = (GDN_DECODE[0],)
+GDN_MAX_DV = 256  # GDN_MAX_THREADS in gdn.cu
+
+
+def gdn_threads(head_v_dim: int) -> int:
+    """gdn_decode_bf16's CTA: a thread per state column, rounded up to whole warps."""
+    return 32 * -(-head_v_dim // 32)
+
 
 WHT_SIG = Signature.parse("x: bf16*, signs: f32*, rows: i32, head_dim: i32")
 

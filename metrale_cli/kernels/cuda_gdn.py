@@ -1,0 +1,68 @@
+"""The cuda backend's Gated DeltaNet mixer (:meth:`~metrale_cli.kernels.ops.Ops.gdn_decode`).
+
+A decode step is one launch of gdn.cu: a CTA per (value head, row) runs the conv over the slot's
+window, the gated delta rule over the slot's state and the gated norm, reading each row's slot and
+position on the device, so it neither syncs with the host nor allocates anything but its output,
+and a CUDA graph captures it. The four inputs are read in place when they are rows of one
+projection (the layer's split), copied only when misaligned. Prefill is the torch reference's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale_cli.errors import MetraleError
+from metrale_cli.kernels import gdn_reference
+from metrale_cli.kernels.cuda_launch import CudaLauncher, _head_rows, _ready
+from metrale_cli.kernels.ops import GdnTensors
+from metrale_cli.kernels.registry import GDN_HEAD_K_DIMS
+from metrale_cli.kernels.table import GDN_DECODE, GDN_MAX_DV, gdn_threads
+
+
+def check_gdn_shapes(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                     layer: GdnTensors) -> None:
+    """What gdn_decode_bf16 serves: bf16 activations and weights, fp32 parameters and contiguous
+    fp32 pools (updated in place: never a copy), Dk of its instantiations, Dv up to a CTA."""
+    hv, dk, dv = layer.recurrent_pool.shape[1:]
+    hk, rows = layer.num_k_heads, mixed.shape[0]
+    if any(t.dtype != torch.bfloat16 for t in (mixed, z, b, a, layer.conv, layer.norm)):
+        raise MetraleError(f"the cuda backend's Gated DeltaNet decode takes bf16 activations and weights, not "
+                           f"{mixed.dtype} / {layer.conv.dtype}", hint="load the model in bf16, or use --backend torch")
+    if mixed.shape != (rows, layer.conv.shape[0]) or z.shape != (rows, hv * dv) or b.shape != (rows, hv) \
+            or a.shape != (rows, hv):
+        raise MetraleError(f"gdn_decode takes mixed (B, C), z (B, Hv*Dv), b / a (B, Hv) for C = {layer.conv.shape[0]}, "
+                           f"Hv = {hv}, Dv = {dv}, not {[tuple(t.shape) for t in (mixed, z, b, a)]}")
+    pools = (layer.a_log, layer.dt_bias, layer.conv_pool, layer.recurrent_pool)
+    if any(t.dtype != torch.float32 for t in pools) or not all(t.is_contiguous() for t in pools[2:]):
+        raise MetraleError("the cuda backend's Gated DeltaNet decode takes float32 A_log / dt_bias and contiguous "
+                           "float32 state pools", hint="allocate the pools as SsmStatePool does")
+    if dk not in GDN_HEAD_K_DIMS or not 0 < dv <= GDN_MAX_DV or hk <= 0 or hv % hk \
+            or layer.conv.shape[0] != 2 * hk * dk + hv * dv:
+        raise MetraleError(f"the cuda backend's Gated DeltaNet decode serves key head dims {GDN_HEAD_K_DIMS}, value "
+                           f"head dims up to {GDN_MAX_DV} and value heads a multiple of the key heads, not "
+                           f"{hk} x {dk} key and {hv} x {dv} value heads", hint="use --backend torch")
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(B, n) rows with unit column stride -> (what the kernel reads, the row stride)."""
+    return _head_rows(x[:, None])
+
+
+class CudaGdn:
+    """The Gated DeltaNet part of ``CudaOps`` (mixed into it)."""
+
+    def gdn_decode(self: CudaLauncher, mixed, z, b, a, layer: GdnTensors, slots, positions):
+        check_gdn_shapes(mixed, z, b, a, layer)
+        rows = mixed.shape[0]
+        hv, dk, dv = layer.recurrent_pool.shape[1:]
+        out = torch.empty(rows, hv * dv, dtype=mixed.dtype, device=mixed.device)
+        if rows:
+            (m, m_stride), (zs, z_stride), (bs, b_stride), (as_, a_stride) = (_rows(t) for t in (mixed, z, b, a))
+            self._launch(GDN_DECODE, (hv, rows), (gdn_threads(dv),), m, zs, bs, as_, _ready(layer.conv),
+                         _ready(layer.a_log), _ready(layer.dt_bias), _ready(layer.norm), layer.conv_pool,
+                         layer.recurrent_pool, _ready(slots), _ready(positions), out, m_stride, z_stride, b_stride,
+                         a_stride, layer.num_k_heads, hv, dk, dv, layer.conv.shape[1], layer.eps, pdl=True)
+        return out
+
+    def gdn_prefill(self, mixed, z, b, a, layer: GdnTensors, slot: int, start_pos: int):
+        return gdn_reference.prefill(mixed, z, b, a, layer, slot, start_pos)
