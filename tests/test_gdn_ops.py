@@ -106,3 +106,25 @@ def test_decode_rows_continue_their_own_slots(device):
         for row, w in enumerate(want):
             assert (out[row] - w[t]).abs().max() < 1e-4
     assert (alone.recurrent_pool - batched.recurrent_pool).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 7, 63, 64, 65, 999])
+def test_the_cuda_prefill_equals_the_reference(tokens):
+    """CudaOps.gdn_prefill (batched chunks, gdn_prefill.cu's walk) against gdn_reference.prefill at
+    Qwen3-Next's head shape, from a state a first chunk left, in bf16."""
+    from metrale_cli.kernels.cuda_ops import CudaOps
+
+    dev = _device("cuda")
+    ops = CudaOps()
+    ours, want = (_mixer(dev, hk=4, hv=8, dk=128, dv=128) for _ in range(2))
+    for layer in (ours, want):
+        layer.conv, layer.norm = layer.conv.bfloat16(), layer.norm.bfloat16()
+    first, rest = (_inputs(n, ours, dev, seed=s) for n, s in ((37, 5), (tokens, 6)))
+    first, rest = ([t.bfloat16() for t in x] for x in (first, rest))
+    for layer, prefill in ((ours, ops.gdn_prefill), (want, gdn_reference.prefill)):
+        prefill(*first, layer, 2, 0)
+    got, expected = ops.gdn_prefill(*rest, ours, 2, 37), gdn_reference.prefill(*rest, want, 2, 37)
+    assert (got.float() - expected.float()).abs().max() <= 2e-2 * expected.float().abs().max()
+    assert (ours.recurrent_pool - want.recurrent_pool).abs().max() < 1e-3
+    assert torch.equal(ours.conv_pool, want.conv_pool)

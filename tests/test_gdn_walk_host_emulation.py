@@ -51,3 +51,13 @@ def test_the_walk_equals_the_torch_walk(lib, pairs, chunks, dk, dv):
     for got, want in ((got_u, want_u), (got_state, want_state), (got_starts, want_starts)):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max().clamp(min=1)
     assert torch.equal(got_starts[:, 0], state)  # the first chunk starts from the given state, as given
+
+
+def test_the_table_mirrors_the_kernel_source():
+    from metrale_cli.kernels import table
+    from metrale_cli.kernels.registry import KERNELS_DIR
+
+    source = (KERNELS_DIR / "gdn_prefill.cu").read_text()
+    for name in ("GDN_WALK_THREADS", "GDN_WALK_COLS", "GDN_WALK_MAX_DK"):
+        assert f"#define {name} {getattr(table, name)}\n" in source
+    assert f"#define GDN_CHUNK {CHUNK}\n" in source

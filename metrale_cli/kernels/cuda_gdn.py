@@ -4,19 +4,25 @@ A decode step is one launch of gdn.cu: a CTA per (value head, row) runs the conv
 window, the gated delta rule over the slot's state and the gated norm, reading each row's slot and
 position on the device, so it neither syncs with the host nor allocates anything but its output,
 and a CUDA graph captures it. The four inputs are read in place when they are rows of one
-projection (the layer's split), copied only when misaligned. Prefill is the torch reference's.
+projection (the layer's split), copied only when misaligned. Prefill is the chunked form of
+``gdn_chunked``: batched GEMMs for every chunk's own work, the walk over the chunks one launch of
+gdn_prefill.cu.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from metrale_cli.errors import MetraleError
-from metrale_cli.kernels import gdn_reference
+from metrale_cli.kernels import gdn_chunked, gdn_reference
 from metrale_cli.kernels.cuda_launch import CudaLauncher, _head_rows, _ready
 from metrale_cli.kernels.ops import GdnTensors
 from metrale_cli.kernels.registry import GDN_HEAD_K_DIMS
-from metrale_cli.kernels.table import GDN_DECODE, GDN_MAX_DV, gdn_threads
+from metrale_cli.kernels.table import (
+    GDN_CHUNK_WALK, GDN_DECODE, GDN_MAX_DV, GDN_WALK_COLS, GDN_WALK_MAX_DK, GDN_WALK_THREADS, gdn_threads,
+)
 
 
 def check_gdn_shapes(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
@@ -65,4 +71,18 @@ class CudaGdn:
         return out
 
     def gdn_prefill(self, mixed, z, b, a, layer: GdnTensors, slot: int, start_pos: int):
-        return gdn_reference.prefill(mixed, z, b, a, layer, slot, start_pos)
+        """The chunked form with every chunk's own work as batched GEMMs and the walk over the
+        chunks in one launch of gdn_prefill.cu (``gdn_chunked``)."""
+        hv, dk, dv = layer.recurrent_pool.shape[1:]
+        if dk > GDN_WALK_MAX_DK:
+            raise MetraleError(f"the cuda backend's Gated DeltaNet prefill serves key head dims up to {GDN_WALK_MAX_DK}, "
+                               f"not {dk}", hint="use --backend torch")
+        rule = functools.partial(gdn_chunked.chunked_gated_delta_rule, walk=self._gdn_walk)
+        return gdn_reference.prefill(mixed, z, b, a, layer, slot, start_pos, rule=rule)
+
+    def _gdn_walk(self: CudaLauncher, w, u, k_tail, gamma, state, starts) -> None:
+        """``gdn_chunked.torch_walk``'s contract, one launch (all tensors contiguous fp32)."""
+        pairs, chunks, _, dk = w.shape
+        dv = u.shape[-1]
+        self._launch(GDN_CHUNK_WALK, (-(-dv // GDN_WALK_COLS), pairs), (GDN_WALK_THREADS,), w, u, k_tail, gamma,
+                     state, starts, chunks, dk, dv)

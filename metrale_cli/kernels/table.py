@@ -106,7 +106,16 @@ GDN_DECODE = K("gdn::gdn_decode_bf16"), Signature.parse(
     "b_stride: i32, a_stride: i32, num_k_heads: i32, num_v_heads: i32, head_k_dim: i32, head_v_dim: i32, taps: i32, "
     "eps: f32"
 )
-GDN_KERNELS = (GDN_DECODE[0],)
+# The walk over a prefill's chunks of the chunked gated delta rule (gdn_prefill.cu): a CTA per
+# (sequence x head, GDN_WALK_COLS state columns); the rest of the chunked form is torch's GEMMs.
+GDN_CHUNK_WALK = K("gdn_prefill::gdn_chunk_walk_f32"), Signature.parse(
+    "w: f32*, u: f32*, k_tail: f32*, gamma: f32*, state: f32*, starts: f32*, chunks: i32, head_k_dim: i32, "
+    "head_v_dim: i32"
+)
+GDN_WALK_THREADS = 256
+GDN_WALK_COLS = 16
+GDN_WALK_MAX_DK = 256
+GDN_KERNELS = (GDN_DECODE[0], GDN_CHUNK_WALK[0])
 GDN_MAX_DV = 256  # GDN_MAX_THREADS in gdn.cu
 
 
