@@ -81,6 +81,17 @@ class ConfigReader:
             extra["freq_factors"] = tuple(float(f) for f in params["freq_factors"])
         return RopeConfig(theta=float(theta), rope_type=rope_type, partial_rotary_factor=partial, **extra)
 
+    def text_config(self, tie_default: bool) -> ConfigReader:
+        """A composite (vision-language) config's text model: the keys of ``text_config`` over the
+        top level's, but the composite's own ``tie_word_embeddings`` (``tie_default``, its config
+        class's default, when absent): transformers' ``*ForConditionalGeneration`` ties its LM
+        head by the top level's key, whatever ``text_config`` says."""
+        text = self.require("text_config")
+        if not isinstance(text, dict):
+            raise MetraleError(f"config.json text_config must be an object, got {text!r}")
+        outer = {k: v for k, v in self.raw.items() if k not in ("text_config", "vision_config")}
+        return ConfigReader(outer | text | {"tie_word_embeddings": bool(outer.get("tie_word_embeddings", tie_default))})
+
     def eos_ids(self) -> tuple[int, ...]:
         eos = self.raw.get("eos_token_id")
         if eos is None:

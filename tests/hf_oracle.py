@@ -9,6 +9,7 @@ import transformers as T
 
 from metrale_cli.config import ModelConfig
 from metrale_cli.engine.generate import Engine
+from metrale_cli.engine.sampler import SamplingParams
 from metrale_cli.engine.sequence import Sequence
 from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.kv.dtypes import KvCacheDtype
@@ -16,7 +17,8 @@ from metrale_cli.layers.context import ForwardContext
 from metrale_cli.models import build_model, model_config
 
 CONFIGS = {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config, "qwen3_moe": T.Qwen3MoeConfig,
-           "qwen2_moe": T.Qwen2MoeConfig, "qwen3_next": T.Qwen3NextConfig}
+           "qwen2_moe": T.Qwen2MoeConfig, "qwen3_next": T.Qwen3NextConfig, "qwen3_5_text": T.Qwen3_5TextConfig,
+           "qwen3_5_moe_text": T.Qwen3_5MoeTextConfig}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=384, max_position_embeddings=512, initializer_range=0.2)
 
@@ -120,3 +122,47 @@ def check_batch_decodes_as_alone(engine: Engine, prompts: list[list[int]], param
         got_logits = teacher_forced(engine, p + got)[len(p) - 1 : -1]
         alone_logits = teacher_forced(engine, p + alone)[len(p) - 1 : -1]
         check_logprobs_close(got, got_logits, alone, alone_logits)
+
+
+def check_fp32_greedy_equals_hf(hf, raw: dict, prompt: list[int], n: int, chunk: int) -> None:
+    """Our fp32 greedy tokens (prefill chunks of ``chunk``) equal HF's fp32 ones, ``n`` of each,
+    HF's K/V rounded to bf16 as our cache stores them."""
+    with hf_kv_rounded_to_bf16():
+        ref_ids, _ = hf_greedy(hf, prompt, n)
+    engine = ours(hf, raw, dtype=torch.float32, chunk=chunk)
+    assert engine.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))[0][0].output_ids == ref_ids
+
+
+def check_bf16_logits_near_hf(hf, raw: dict, ids: list[int]) -> None:
+    """Our bf16 logits of ``ids`` against HF fp32, on each position's max |error|: the 90th
+    percentile within 1.5x HF's own bf16 path's plus 0.05, and at most 5% of positions further off
+    than HF's bf16 path at its worst (at a near-tie of a router's top-k, bf16 rounding picks other
+    experts at a few positions and the logits there move by whole units; HF's bf16 path does too)."""
+    ref32 = hf_logits(hf, ids)
+    floor = (hf_logits(as_dtype(hf, torch.bfloat16), ids) - ref32).abs().amax(-1)
+    err = (teacher_forced(ours(hf, raw), ids) - ref32).abs().amax(-1)
+    q90, floor90 = err.quantile(0.9).item(), floor.quantile(0.9).item()
+    assert q90 <= 1.5 * floor90 + 0.05, f"90th percentile |logit err| {q90:.3f}, HF bf16 {floor90:.3f}"
+    assert (err > floor.max()).float().mean().item() <= 0.05
+
+
+def check_bf16_greedy_near_hf(hf, raw: dict, prompt: list[int], n: int, chunk: int) -> None:
+    """Our bf16 greedy tokens (prefill chunks of ``chunk``) against HF bf16's, ``n`` of each, by
+    check_logprobs_close."""
+    ref_ids, ref_logits = hf_greedy(as_dtype(hf, torch.bfloat16), prompt, n)
+    engine = ours(hf, raw, chunk=chunk)
+    got_ids = engine.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))[0][0].output_ids
+    assert len(got_ids) == n
+    got_logits = teacher_forced(engine, prompt + got_ids)[len(prompt) - 1 : -1]
+    check_logprobs_close(got_ids, got_logits, ref_ids, ref_logits)
+
+
+def check_chunked_prefill(hf, raw: dict, ids: list[int], chunk: int, hf_tolerance: float) -> None:
+    """fp32 logits of ``ids`` prefilled in chunks of ``chunk`` equal one prefill's (a recurrent
+    layer carries its state across chunks; the fp32 rounding of its chunked form differs, no more),
+    and one prefill's are within ``hf_tolerance`` of HF's, K/V rounded to bf16 as ours."""
+    whole = ours(hf, raw, dtype=torch.float32).teacher_forced(ids)
+    chunked = ours(hf, raw, dtype=torch.float32, chunk=chunk).teacher_forced(ids)
+    assert (chunked - whole).abs().max() < 1e-3
+    with hf_kv_rounded_to_bf16():
+        assert (whole - hf_logits(hf, ids)).abs().max() < hf_tolerance

@@ -24,11 +24,11 @@ import transformers as T
 from helpers_checkpoints import make_hf_checkpoint, write_gguf
 from hf_oracle import (
     as_dtype,
+    check_bf16_logits_near_hf,
+    check_fp32_greedy_equals_hf,
     check_logprobs_close,
     hf_folder_greedy,
     hf_greedy,
-    hf_kv_rounded_to_bf16,
-    hf_logits,
     make_hf,
     ours,
     planned,
@@ -102,14 +102,7 @@ def test_logits_match_hf(case):
     router's top-k, bf16 rounding picks other experts at a few positions, and the logits there
     move by whole units (HF's own bf16 path does so too); at most 5% of positions may be further
     off than HF's bf16 path at its worst."""
-    hf, raw = _hf(case)
-    ids = _ids(151)
-    ref32 = hf_logits(hf, ids)
-    floor = (hf_logits(as_dtype(hf, torch.bfloat16), ids) - ref32).abs().amax(-1)
-    err = (teacher_forced(ours(hf, raw), ids) - ref32).abs().amax(-1)
-    q90, floor90 = err.quantile(0.9).item(), floor.quantile(0.9).item()
-    assert q90 <= 1.5 * floor90 + 0.05, f"{case}: 90th percentile |logit err| {q90:.3f}, HF bf16 {floor90:.3f}"
-    assert (err > floor.max()).float().mean().item() <= 0.05
+    check_bf16_logits_near_hf(*_hf(case), _ids(151))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -126,12 +119,7 @@ def test_greedy_matches_hf_in_bf16(case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_equal_to_hf_for_32_tokens_in_fp32(case):
-    hf, raw = _hf(case)
-    prompt = _ids(21, seed=3)
-    with hf_kv_rounded_to_bf16():
-        ref_ids, _ = hf_greedy(hf, prompt, 32)
-    engine = ours(hf, raw, dtype=torch.float32, chunk=9)
-    assert engine.generate([prompt], SamplingParams(max_new_tokens=32, ignore_eos=True))[0][0].output_ids == ref_ids
+    check_fp32_greedy_equals_hf(*_hf(case), _ids(21, seed=3), 32, chunk=9)
 
 
 @pytest.mark.parametrize("case", ["qwen2_moe", "qwen3_moe-mlp-only"])

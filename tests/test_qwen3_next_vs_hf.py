@@ -17,12 +17,11 @@ import torch
 import transformers as T
 from helpers_checkpoints import make_hf_checkpoint
 from hf_oracle import (
-    as_dtype,
-    check_logprobs_close,
+    check_bf16_greedy_near_hf,
+    check_bf16_logits_near_hf,
+    check_chunked_prefill,
+    check_fp32_greedy_equals_hf,
     hf_folder_greedy,
-    hf_greedy,
-    hf_kv_rounded_to_bf16,
-    hf_logits,
     make_hf,
     ours,
     teacher_forced,
@@ -154,12 +153,7 @@ def test_layer_specs_are_the_layers_hf_builds(case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_equal_to_hf_for_40_tokens_in_fp32(case):
-    hf, raw = _hf(case)
-    prompt = _ids(21, seed=3)
-    with hf_kv_rounded_to_bf16():
-        ref_ids, _ = hf_greedy(hf, prompt, 40)
-    engine = ours(hf, raw, dtype=torch.float32, chunk=9)
-    assert engine.generate([prompt], SamplingParams(max_new_tokens=40, ignore_eos=True))[0][0].output_ids == ref_ids
+    check_fp32_greedy_equals_hf(*_hf(case), _ids(21, seed=3), 40, chunk=9)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -167,14 +161,7 @@ def test_bf16_logits_match_hf(case):
     """test_moe_vs_hf's rule on the 90th percentile of each position's max |error| against HF
     fp32: within 1.5x HF's own bf16 path plus 0.05, and at most 5% of positions further off than
     HF's bf16 path at its worst (router near-ties flip experts under bf16 rounding, in HF too)."""
-    hf, raw = _hf(case)
-    ids = _ids(120)
-    ref32 = hf_logits(hf, ids)
-    floor = (hf_logits(as_dtype(hf, torch.bfloat16), ids) - ref32).abs().amax(-1)
-    err = (teacher_forced(ours(hf, raw), ids) - ref32).abs().amax(-1)
-    q90, floor90 = err.quantile(0.9).item(), floor.quantile(0.9).item()
-    assert q90 <= 1.5 * floor90 + 0.05, f"{case}: 90th percentile |logit err| {q90:.3f}, HF bf16 {floor90:.3f}"
-    assert (err > floor.max()).float().mean().item() <= 0.05
+    check_bf16_logits_near_hf(*_hf(case), _ids(120))
 
 
 @pytest.mark.parametrize("seed", [2, 3, 4])
@@ -182,25 +169,12 @@ def test_greedy_matches_hf_in_bf16(seed):
     """vLLM's check_logprobs_close against HF bf16, on the mixed-dense case: on hybrid-moe HF's
     own bf16 tokens fail that check against its fp32 tokens on half the prompts (a random 4-layer
     MoE hybrid is all near-ties in bf16), so there it would test the prompt, not the code."""
-    hf, raw = _hf("mixed-dense")
-    prompt = _ids(23, seed=seed)
-    ref_ids, ref_logits = hf_greedy(as_dtype(hf, torch.bfloat16), prompt, 40)
-    engine = ours(hf, raw, chunk=10)
-    got_ids = engine.generate([prompt], SamplingParams(max_new_tokens=40, ignore_eos=True))[0][0].output_ids
-    assert len(got_ids) == 40
-    got_logits = teacher_forced(engine, prompt + got_ids)[len(prompt) - 1 : -1]
-    check_logprobs_close(got_ids, got_logits, ref_ids, ref_logits)
+    check_bf16_greedy_near_hf(*_hf("mixed-dense"), _ids(23, seed=seed), 40, chunk=10)
 
 
 def test_chunked_prefill_equals_one_prefill_and_hfs_logits():
     """Prefill chunks of 7 carry each GDN layer's conv window and state into the next chunk."""
-    hf, raw = _hf("hybrid-moe")
-    ids = _ids(75, seed=4)
-    whole = ours(hf, raw, dtype=torch.float32).teacher_forced(ids)
-    chunked = ours(hf, raw, dtype=torch.float32, chunk=7).teacher_forced(ids)
-    assert (chunked - whole).abs().max() < 1e-3  # the WY chunks fall elsewhere: fp32 rounding only
-    with hf_kv_rounded_to_bf16():
-        assert (whole - hf_logits(hf, ids)).abs().max() < 1e-3
+    check_chunked_prefill(*_hf("hybrid-moe"), _ids(75, seed=4), chunk=7, hf_tolerance=1e-3)
 
 
 def test_batch_equals_each_alone_and_states_go_back():

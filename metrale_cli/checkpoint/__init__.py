@@ -17,6 +17,7 @@ from metrale_cli.checkpoint.gguf_io import gguf_cache_path, load_gguf, read_gguf
 from metrale_cli.checkpoint.resolve import Format, ModelLocation, default_model_path, locate
 from metrale_cli.checkpoint.safetensors_io import Progress, load_hf_folder_tensors, read_hf_config
 from metrale_cli.checkpoint.tokenizer import Tokenizer
+from metrale_cli.models import unused_tensors
 
 __all__ = ["Checkpoint", "load_checkpoint", "read_config", "read_tokenizer", "default_model_path",
            "gguf_cache_path"]
@@ -30,7 +31,9 @@ class Checkpoint:
     tensors: HF names -> tensors on the target device; floats in the target dtype, integer and
         fp8 tensors (quantized data) as stored.
     tokenizer: the model's tokenizer.
-    source: what was loaded, for messages, e.g. "SmolLM2-135M-Instruct (gguf Q4_1, /path)".
+    source: what was loaded, for messages, e.g. "SmolLM2-135M-Instruct (gguf Q4_1, /path)"; for
+        an HF folder it also names the tensors its family does not load, left unread ("...; not
+        loaded: the vision tower (model.visual.*: N tensors, X MiB)").
     """
 
     config: dict
@@ -42,8 +45,9 @@ class Checkpoint:
 def _load_hf_folder(where: ModelLocation, device, dtype, progress) -> Checkpoint:
     config = read_hf_config(where.path)
     tokenizer = Tokenizer.from_hf_folder(where.path)
-    tensors = load_hf_folder_tensors(where.path, device, dtype, progress)
-    return Checkpoint(config, tensors, tokenizer, f"{where.name} (safetensors, {where.path})")
+    tensors, unread = load_hf_folder_tensors(where.path, device, dtype, progress, unused_tensors(config))
+    return Checkpoint(config, tensors, tokenizer, f"{where.name} (safetensors, {where.path}"
+                      + (f"; {unread}" if unread else "") + ")")
 
 
 def _load_gguf(where: ModelLocation, device, dtype, progress) -> Checkpoint:

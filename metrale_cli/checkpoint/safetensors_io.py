@@ -129,12 +129,14 @@ def target_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
 
 
 def load_tensors(headers: list[ShardHeader], device: torch.device, dtype: torch.dtype,
-                 progress: Progress | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of ``headers`` on ``device``; floats cast to ``dtype`` (see target_dtype)."""
-    total, done, tensors = sum(h.nbytes for h in headers), 0, {}
-    for header in headers:
+                 progress: Progress | None = None, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """Every tensor of ``headers`` on ``device`` but those whose names start with one of ``skip``
+    (not read); floats cast to ``dtype`` (see target_dtype)."""
+    wanted = [(h, [n for n in h.entries if not n.startswith(skip)]) for h in headers]
+    total, done, tensors = sum(h.entries[n][2] for h, names in wanted for n in names), 0, {}
+    for header, names in wanted:
         with safe_open(str(header.path), framework="pt", device="cpu") as handle:
-            for name in header.entries:
+            for name in names:
                 tensor = handle.get_tensor(name)
                 tensors[name] = tensor.to(device=device, dtype=target_dtype(tensor.dtype, dtype))
                 done += header.entries[name][2]
@@ -144,6 +146,20 @@ def load_tensors(headers: list[ShardHeader], device: torch.device, dtype: torch.
 
 
 def load_hf_folder_tensors(folder: pathlib.Path, device: torch.device, dtype: torch.dtype,
-                           progress: Progress | None = None) -> dict[str, torch.Tensor]:
-    """All weights of an HF folder (single file or sharded), integrity-checked first."""
-    return load_tensors(weight_headers(folder), device, dtype, progress)
+                           progress: Progress | None = None,
+                           unused: tuple[tuple[str, str], ...] = ()) -> tuple[dict[str, torch.Tensor], str]:
+    """The weights of an HF folder (single file or sharded), integrity-checked first, but those
+    under the ``unused`` (name prefix, what it is) pairs, which are not read; and the line that
+    says what was left unread (empty when nothing was)."""
+    headers = weight_headers(folder)
+    tensors = load_tensors(headers, device, dtype, progress, skip=tuple(prefix for prefix, _ in unused))
+    return tensors, _unread_line(headers, unused)
+
+
+def _unread_line(headers: list[ShardHeader], unused: tuple[tuple[str, str], ...]) -> str:
+    parts = []
+    for prefix, what in unused:
+        sizes = [entry[2] for h in headers for name, entry in h.entries.items() if name.startswith(prefix)]
+        if sizes:
+            parts.append(f"the {what} ({prefix}*: {len(sizes)} tensors, {sum(sizes) / 2**20:.1f} MiB)")
+    return "not loaded: " + ", ".join(parts) if parts else ""

@@ -16,12 +16,14 @@ from metrale_cli.kv.calibration import KvCalibration
 from metrale_cli.kv.fp8 import Fp8ScalePolicy
 from metrale_cli.kv.innerq import InnerQPolicy, InnerQSettings
 from metrale_cli.kv.paged import KvLayerShape, KvLayout, PagedKvCache
-from metrale_cli.models import llama, qwen3_next, qwen_moe
+from metrale_cli.models import llama, qwen3_5, qwen3_next, qwen_moe
 from metrale_cli.models.family import BuildParts, Family
 from metrale_cli.models.model import CausalLM
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.LLAMA, llama.QWEN2, llama.QWEN3, qwen_moe.QWEN2_MOE,
-                                                         qwen_moe.QWEN3_MOE, qwen3_next.QWEN3_NEXT)}
+                                                         qwen_moe.QWEN3_MOE, qwen3_next.QWEN3_NEXT,
+                                                         qwen3_5.QWEN3_5_TEXT, qwen3_5.QWEN3_5_MOE_TEXT,
+                                                         qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE)}
 
 
 def family_of(model_type: str | None) -> Family:
@@ -35,6 +37,13 @@ def family_of(model_type: str | None) -> Family:
 def model_config(raw: dict) -> ModelConfig:
     """The frozen config of an HF ``config.json`` dict, read by its family."""
     return family_of(raw.get("model_type")).config(ConfigReader(raw))
+
+
+def unused_tensors(raw: dict) -> tuple[tuple[str, str], ...]:
+    """The (name prefix, what it is) of the checkpoint tensors an HF config's family does not
+    load (``Family.unused``); none for a model type no family serves."""
+    family = FAMILIES.get(raw.get("model_type"))
+    return family.unused if family is not None else ()
 
 
 def kv_layout(cfg: ModelConfig) -> KvLayout:

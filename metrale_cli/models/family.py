@@ -71,6 +71,10 @@ class Family:
     # A checkpoint's tensors -> the names ``expected_tensors`` lists, in place (stacking a MoE
     # checkpoint's per-expert tensors); None when they are the same.
     canonical: Callable[[ModelConfig, dict], None] | None = None
+    # Checkpoint tensors the family does not load, by name prefix, each with what it is (a
+    # vision-language checkpoint's vision tower, a multi-token-prediction head): an HF folder's
+    # loader leaves them unread and says so in one line.
+    unused: tuple[tuple[str, str], ...] = ()
 
 
 # Checkpoint tensors that are not weights (online-KV scales are read by kv/fp8.py).

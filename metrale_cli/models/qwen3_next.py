@@ -18,6 +18,8 @@ head (``mtp.*``), which HF also skips, is not loaded.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -73,20 +75,30 @@ def _gdn(r: ConfigReader) -> GdnSpec:
     return spec
 
 
-def _config(r: ConfigReader) -> ModelConfig:
+def hybrid_config(r: ConfigReader, family: str,
+                  ffn_specs: Callable[[ConfigReader, int], list[FfnSpec]]) -> ModelConfig:
+    """A Qwen3-Next-style hybrid's config (its mixers as the module docstring says), each
+    layer's FFN as the family's ``ffn_specs(r, layers)`` says."""
     r.refuse("hidden_act", ("silu",), "only SiLU (SwiGLU) FFNs and SiLU convs are built")
-    r.refuse("attention_bias", (False,), "Qwen3-Next's attention has no biases; biased q/k/v/o are not built")
+    r.refuse("attention_bias", (False,), "the hybrids' gated attention is built without q/k/v/o biases")
     layers = r.positive_int("num_hidden_layers")
     mixers, eps = _mixers(r, layers), float(r.get("rms_norm_eps", 1e-6))
     attention = _attention(r) if "attention" in mixers else None
     gdn = _gdn(r) if "gdn" in mixers else None
-    if r.get("num_experts") == 0:  # Qwen3NextDecoderLayer: no experts, a dense MLP everywhere
-        ffns = [FfnSpec("swiglu", r.positive_int("intermediate_size"))] * layers
-    else:
-        ffns = qwen_moe.ffn_specs(r, layers, shared_expert=True)
+    ffns = ffn_specs(r, layers)
     specs = tuple(LayerSpec(i, attention if m == "attention" else None, f, eps, mixer=m,
                             gdn=gdn if m == "gdn" else None) for i, (m, f) in enumerate(zip(mixers, ffns)))
-    return ModelConfig.read(r, "qwen3_next", specs)
+    return ModelConfig.read(r, family, specs)
+
+
+def _ffn_specs(r: ConfigReader, layers: int) -> list[FfnSpec]:
+    if r.get("num_experts") == 0:  # Qwen3NextDecoderLayer: no experts, a dense MLP everywhere
+        return [FfnSpec("swiglu", r.positive_int("intermediate_size"))] * layers
+    return qwen_moe.ffn_specs(r, layers, shared_expert=True)
+
+
+def _config(r: ConfigReader) -> ModelConfig:
+    return hybrid_config(r, "qwen3_next", _ffn_specs)
 
 
 # --- tensors ----------------------------------------------------------------------------------------
@@ -96,22 +108,51 @@ def _attention_tensors(spec: LayerSpec, h: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _gdn_tensors(spec: LayerSpec, h: int) -> dict[str, tuple[int, ...]]:
+@dataclass(frozen=True)
+class GdnInProj:
+    """How a hybrid's checkpoint stores a GDN layer's input projection: ``shapes(gdn, prefix, h)``
+    names its tensors under ``prefix`` (``model.layers.N.linear_attn.``) with their shapes;
+    ``rows(gdn, prefix, t)`` pops them from ``t`` as ``GdnWeights.in_proj``, rows [q; k; v; z; b; a]
+    head-major."""
+
+    shapes: Callable[[GdnSpec, str, int], dict[str, tuple[int, ...]]]
+    rows: Callable[[GdnSpec, str, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def _qkvz_ba_shapes(g: GdnSpec, a: str, h: int) -> dict[str, tuple[int, ...]]:
+    return {a + "in_proj_qkvz.weight": (2 * g.key_dim + 2 * g.value_dim, h),
+            a + "in_proj_ba.weight": (2 * g.num_v_heads, h)}
+
+
+def _qkvz_ba_rows(g: GdnSpec, a: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """HF's in_proj_qkvz rows are grouped per key head, [q (Dk); k (Dk); v (r*Dv); z (r*Dv)] for
+    each of Hk groups (r = Hv / Hk), and in_proj_ba's [b (r); a (r)]: regrouped head-major into
+    one projection [q; k; v; z; b; a] (q, k, v then in the conv's channel order)."""
+    r = g.num_v_heads // g.num_k_heads
+    qkvz = t.pop(a + "in_proj_qkvz.weight").view(g.num_k_heads, 2 * g.head_k_dim + 2 * r * g.head_v_dim, -1)
+    ba = t.pop(a + "in_proj_ba.weight").view(g.num_k_heads, 2 * r, -1)
+    parts = [*qkvz.split([g.head_k_dim, g.head_k_dim, r * g.head_v_dim, r * g.head_v_dim], dim=1),
+             *ba.split([r, r], dim=1)]
+    return torch.cat([x.reshape(-1, x.shape[-1]) for x in parts])
+
+
+INTERLEAVED = GdnInProj(_qkvz_ba_shapes, _qkvz_ba_rows)  # Qwen3-Next's in_proj_qkvz + in_proj_ba
+
+
+def _gdn_tensors(spec: LayerSpec, h: int, in_proj: GdnInProj) -> dict[str, tuple[int, ...]]:
     g, p = spec.gdn, f"model.layers.{spec.index}."
     a = p + "linear_attn."
     return {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            a + "in_proj_qkvz.weight": (2 * g.key_dim + 2 * g.value_dim, h),
-            a + "in_proj_ba.weight": (2 * g.num_v_heads, h),
-            a + "conv1d.weight": (g.conv_dim, 1, g.conv_kernel),
+            **in_proj.shapes(g, a, h), a + "conv1d.weight": (g.conv_dim, 1, g.conv_kernel),
             a + "dt_bias": (g.num_v_heads,), a + "A_log": (g.num_v_heads,),
             a + "norm.weight": (g.head_v_dim,), a + "out_proj.weight": (h, g.value_dim)}
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_tensors(cfg: ModelConfig, in_proj: GdnInProj = INTERLEAVED) -> dict[str, tuple[int, ...]]:
     """Every tensor name the model is built from, with its shape (experts stacked)."""
     shapes, h = decoder.model_tensors(cfg), cfg.hidden_size
     for spec in cfg.layers:
-        mixer = _attention_tensors(spec, h) if spec.has_kv else _gdn_tensors(spec, h)
+        mixer = _attention_tensors(spec, h) if spec.has_kv else _gdn_tensors(spec, h, in_proj)
         shapes |= mixer | qwen_moe.ffn_tensors(spec, h)
     return shapes
 
@@ -145,23 +186,14 @@ def _gated_attention_weights(spec: LayerSpec, t: dict[str, torch.Tensor]) -> Att
                             k_norm=t.pop(p + "k_norm.weight"))
 
 
-def _gdn_weights(spec: LayerSpec, t: dict[str, torch.Tensor]) -> GdnWeights:
-    """HF's in_proj_qkvz rows are grouped per key head, [q (Dk); k (Dk); v (r*Dv); z (r*Dv)] for
-    each of Hk groups (r = Hv / Hk), and in_proj_ba's [b (r); a (r)]: regrouped head-major into
-    one projection [q; k; v; z; b; a] (q, k, v then in the conv's channel order)."""
+def _gdn_weights(spec: LayerSpec, t: dict[str, torch.Tensor], in_proj: GdnInProj) -> GdnWeights:
     g, p = spec.gdn, f"model.layers.{spec.index}.linear_attn."
-    r = g.num_v_heads // g.num_k_heads
-    qkvz = t.pop(p + "in_proj_qkvz.weight").view(g.num_k_heads, 2 * g.head_k_dim + 2 * r * g.head_v_dim, -1)
-    ba = t.pop(p + "in_proj_ba.weight").view(g.num_k_heads, 2 * r, -1)
-    parts = [*qkvz.split([g.head_k_dim, g.head_k_dim, r * g.head_v_dim, r * g.head_v_dim], dim=1),
-             *ba.split([r, r], dim=1)]
-    in_proj = torch.cat([x.reshape(-1, x.shape[-1]) for x in parts])
-    return GdnWeights(in_proj=in_proj, conv=t.pop(p + "conv1d.weight")[:, 0], dt_bias=t.pop(p + "dt_bias").float(),
-                      a_log=t.pop(p + "A_log").float(), norm=t.pop(p + "norm.weight"),
-                      out=t.pop(p + "out_proj.weight"))
+    return GdnWeights(in_proj=in_proj.rows(g, p, t), conv=t.pop(p + "conv1d.weight")[:, 0],
+                      dt_bias=t.pop(p + "dt_bias").float(), a_log=t.pop(p + "A_log").float(),
+                      norm=t.pop(p + "norm.weight"), out=t.pop(p + "out_proj.weight"))
 
 
-def _layer(spec: LayerSpec, t: dict[str, torch.Tensor], parts: BuildParts):
+def _layer(spec: LayerSpec, t: dict[str, torch.Tensor], parts: BuildParts, in_proj: GdnInProj):
     p = f"model.layers.{spec.index}."
     norms = t.pop(p + "input_layernorm.weight"), t.pop(p + "post_attention_layernorm.weight")
     if spec.has_kv:
@@ -170,18 +202,25 @@ def _layer(spec: LayerSpec, t: dict[str, torch.Tensor], parts: BuildParts):
         a = spec.attention
         return Qwen3AttentionLayer(spec, weights, *norms, ffn, parts.ops, parts.kv.layers[spec.index],
                                    parts.rope(a.rope, a.head_dim), parts.calibration)
-    weights = _gdn_weights(spec, t)
+    weights = _gdn_weights(spec, t, in_proj)
     return GatedDeltaNetLayer(spec, weights, *norms, qwen_moe.ffn(spec, t, parts), parts.ops, parts.ssm_pool)
 
 
 def build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], parts: BuildParts) -> CausalLM:
     """The layer stack from HF-named ``tensors`` (consumed: entries popped), per-expert or stacked."""
     canonical(cfg, tensors)
-    check_tensors(cfg, tensors, expected_tensors(cfg))
+    return build_layers(cfg, tensors, parts, INTERLEAVED)
+
+
+def build_layers(cfg: ModelConfig, tensors: dict[str, torch.Tensor], parts: BuildParts,
+                 in_proj: GdnInProj) -> CausalLM:
+    """A hybrid's layer stack from ``tensors`` under the names ``expected_tensors(cfg, in_proj)``
+    lists (a family's canonical names; consumed)."""
+    check_tensors(cfg, tensors, expected_tensors(cfg, in_proj))
     for name in zero_centred_norms(cfg):
         tensors[name] = (tensors[name].float() + 1.0).to(tensors[name].dtype)
     parts.ssm_pool = SsmStatePool([s for s in cfg.layers if s.gdn is not None], parts.max_seqs, parts.kv.device)
-    layers = [_layer(spec, tensors, parts) for spec in cfg.layers]
+    layers = [_layer(spec, tensors, parts, in_proj) for spec in cfg.layers]
     return decoder.causal_lm(cfg, tensors, layers, parts)
 
 
