@@ -30,11 +30,12 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
 
 import metrale_cli.api as metrale
 from metrale_cli.checkpoint import load_checkpoint
+from metrale_cli.commands.bench_presets import DESCRIPTIONS, PRESETS
 from metrale_cli.engine.sampler import SamplingParams
 from metrale_cli.errors import MetraleError
 from metrale_cli.layers.rope import rope_tables
 from metrale_cli.layers.spec import unserved
-from metrale_cli.models import model_config
+from metrale_cli.models import family_of, model_config
 
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 # case -> (family, config overrides, each layer's mixer); hidden 64, 4 heads, head_dim != 64 / 4
@@ -298,3 +299,23 @@ def test_a_vision_language_config_is_read_from_its_text_config():
     with pytest.raises(MetraleError) as info:
         model_config({"model_type": "qwen3_5_moe", "text_config": text | {"norm_topk_prob": False}})
     assert info.value.message == "config.json norm_topk_prob=False is not supported"
+
+
+# --- bench presets at the published shapes ----------------------------------------------------------
+def _gigabytes(raw: dict) -> float:
+    cfg = model_config(raw)
+    return round(sum(2 * torch.Size(s).numel() for s in family_of(cfg.family).expected_tensors(cfg).values()) / 1e9, 1)
+
+
+def test_the_hybrid_presets_hold_the_bytes_their_descriptions_say():
+    """bf16 weights of the random-weight presets (never allocated here): Qwen3.5-27B's text model,
+    and Qwen3-Next-80B-A3B cut to the most layers (a multiple of 4) leaving 20 GB of an H200's 141."""
+    q35, cut = PRESETS["qwen3.5-27b"], PRESETS["qwen3-next-80b-a3b-36l"]
+    hf_cfg = T.Qwen3_5TextConfig(**{k: v for k, v in q35.items() if k != "model_type"})
+    assert [s.mixer == "attention" for s in model_config(q35).layers] == [
+        t == "full_attention" for t in hf_cfg.layer_types]
+    assert _gigabytes(q35) == 53.8 and "53.8 GB" in DESCRIPTIONS["qwen3.5-27b"]
+    whole = {layers: _gigabytes(cut | {"num_hidden_layers": layers}) for layers in (36, 40, 48)}
+    assert whole == {36: 119.8, 40: 133.0, 48: 159.3} and 141 - whole[36] >= 20 > 141 - whole[40]
+    assert [s.mixer for s in model_config(cut).layers] == ["gdn", "gdn", "gdn", "attention"] * 9
+    assert "cut to 36 of its 48 layers" in DESCRIPTIONS["qwen3-next-80b-a3b-36l"]

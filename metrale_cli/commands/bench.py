@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metrale_cli.commands.bench_presets import PRESETS, random_weights
+from metrale_cli.commands.bench_presets import DESCRIPTIONS, PRESETS, random_weights
 from metrale_cli.commands.timing import Timer, measure_copy_bandwidth, timing_row
 from metrale_cli.engine.runner import DTYPES, RunnerOptions, open_runner, resolve_backend
 from metrale_cli.engine.sampler import Sampler, SamplingParams
@@ -186,8 +186,9 @@ def bench_source(opts: BenchOptions, device: torch.device) -> ModelSource:
     if opts.preset:
         if opts.preset not in PRESETS:
             raise MetraleError(f"unknown --preset '{opts.preset}'", hint="presets: " + ", ".join(PRESETS))
-        raw = PRESETS[opts.preset]
-        return ModelSource.loaded(raw, random_weights(raw, device, dtype), None, f"{opts.preset} (random weights)")
+        raw, about = PRESETS[opts.preset], DESCRIPTIONS.get(opts.preset)
+        name = f"{opts.preset} (random weights{'; ' + about if about else ''})"
+        return ModelSource.loaded(raw, random_weights(raw, device, dtype), None, name)
     checkpoint = ModelSource.checkpoint(opts.model)
     weights = checkpoint.load(device, dtype, None)
     return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name)

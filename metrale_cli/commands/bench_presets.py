@@ -52,6 +52,40 @@ PRESETS: dict[str, dict] = {
                    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
                    "vocab_size": 152064, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
                    "max_position_embeddings": 32768, "tie_word_embeddings": False, "hidden_act": "silu"},
+    # Hybrids: three Gated DeltaNet layers, then gated full attention (full_attention_interval 4).
+    # Qwen3.5-27B's text model (the text_config of https://huggingface.co/Qwen/Qwen3.5-27B/blob/main/config.json,
+    # read from stored copies of it; no vision tower, no MTP head): 53.8 GB in bf16.
+    "qwen3.5-27b": {"model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408,
+                    "num_hidden_layers": 64, "full_attention_interval": 4, "num_attention_heads": 24,
+                    "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16,
+                    "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                    "linear_conv_kernel_dim": 4, "vocab_size": 248320, "rms_norm_eps": 1e-6,
+                    "max_position_embeddings": 262144, "tie_word_embeddings": False, "hidden_act": "silu",
+                    "attention_bias": False, "eos_token_id": 248044,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                        "mrope_section": [11, 11, 10], "mrope_interleaved": True}},
+    # Qwen3-Next-80B-A3B (https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json)
+    # cut from 48 layers to 36: 4 layers (3 GDN + 1 attention, each with 512 experts) are 13.18 GB
+    # in bf16, the embedding and LM head 1.24 GB, so 48 layers are 159.3 GB, 40 are 133.0 GB
+    # (8 GB left of an H200's 141 GB) and 36 are 119.8 GB, leaving 21 GB for KV, recurrent state
+    # and activations.
+    "qwen3-next-80b-a3b-36l": {"model_type": "qwen3_next", "hidden_size": 2048, "intermediate_size": 5120,
+                               "num_hidden_layers": 36, "full_attention_interval": 4, "num_attention_heads": 16,
+                               "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+                               "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                               "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 512,
+                               "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                               "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+                               "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+                               "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "rope_theta": 1e7,
+                               "partial_rotary_factor": 0.25, "tie_word_embeddings": False, "hidden_act": "silu",
+                               "attention_bias": False, "eos_token_id": 151645},
+}
+# What a preset's name alone does not say, printed with it by the bench.
+DESCRIPTIONS: dict[str, str] = {
+    "qwen3.5-27b": "Qwen3.5-27B's text model, 53.8 GB in bf16",
+    "qwen3-next-80b-a3b-36l": "Qwen3-Next-80B-A3B cut to 36 of its 48 layers (27 GDN + 9 attention, "
+                              "119.8 GB in bf16 of the whole model's 159.3 GB) to fit one H200",
 }
 
 
