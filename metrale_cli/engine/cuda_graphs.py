@@ -152,7 +152,11 @@ class DecodeGraphs:
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         args = self._args(b)
+        pool = self.model.ssm_pool
+        saved = None if pool is None else pool.save(self.ssm_slots[:b])
         self._warm(lambda: self.model.forward(*args))
+        if saved is not None:  # the warm-up stepped the rows' recurrent states: undo it (a KV write is idempotent)
+            pool.restore(saved)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self.model.forward(*args)

@@ -87,6 +87,16 @@ class SsmStatePool:
     def release(self, slot: int) -> None:
         self._free.append(slot)
 
+    def save(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """A copy of the given slots' state in every layer (for :meth:`restore`)."""
+        rows = slots.long()
+        return [(rows, self.conv[i][rows], self.recurrent[i][rows]) for i in self.conv]
+
+    def restore(self, saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        for i, (rows, conv, recurrent) in zip(self.conv, saved):
+            self.conv[i][rows] = conv
+            self.recurrent[i][rows] = recurrent
+
     def reset(self, layer: int, slot: int) -> None:
         self.conv[layer][slot].zero_()
         self.recurrent[layer][slot].zero_()
