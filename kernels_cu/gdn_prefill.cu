@@ -18,16 +18,22 @@
 #define GDN_WALK_THREADS 256
 #define GDN_WALK_COLS 16
 #define GDN_CHUNK 64
-#define GDN_WALK_MAX_DK 256
+#define GDN_WALK_MAX_DK 128  // a chunk's W (L x Dk) or k_tail (Dk x L) staged in shared memory: 32 KB
 
 // w: (BH, n, L, dk); u: (BH, n, L, dv), U in, u out; k_tail: (BH, n, dk, L); gamma: (BH, n);
-// state: (BH, dk, dv) in / out; starts: (BH, n, dk, dv) out. Grid (ceil(dv / 16), BH).
+// state: (BH, dk, dv) in / out; starts: (BH, n, dk, dv) out. Grid (ceil(dv / 16), BH); dk a
+// multiple of 4 up to GDN_WALK_MAX_DK.
+//
+// Per chunk: W_n is staged in shared memory (coalesced 16-byte loads), each thread computes one
+// row of 4 columns of u_n (a float4 of S's slice and one W value a step); then k_tail_n is staged in
+// the same buffer and each thread updates two rows of 4 columns of S.
 extern "C" __global__ void __launch_bounds__(GDN_WALK_THREADS)
 gdn_chunk_walk_f32(const float* __restrict__ w, float* __restrict__ u, const float* __restrict__ k_tail,
                    const float* __restrict__ gamma, float* __restrict__ state, float* __restrict__ starts,
                    int chunks, int dk, int dv) {
-    __shared__ float s[GDN_WALK_MAX_DK * GDN_WALK_COLS];  // this CTA's columns of S, row-major
-    __shared__ float corr[GDN_CHUNK * GDN_WALK_COLS];  // u_n's columns
+    __shared__ __align__(16) float stage[GDN_CHUNK * GDN_WALK_MAX_DK];  // W_n, then k_tail_n
+    __shared__ __align__(16) float s[GDN_WALK_MAX_DK * GDN_WALK_COLS];  // this CTA's columns of S, row-major
+    __shared__ __align__(16) float corr[GDN_CHUNK * GDN_WALK_COLS];  // u_n's columns
     const int bh = blockIdx.y, col0 = blockIdx.x * GDN_WALK_COLS, tid = threadIdx.x;
     const int cols = min(GDN_WALK_COLS, dv - col0);
     float* state_bh = state + (long long)bh * dk * dv;
@@ -35,39 +41,53 @@ gdn_chunk_walk_f32(const float* __restrict__ w, float* __restrict__ u, const flo
         const int i = e / GDN_WALK_COLS, c = e % GDN_WALK_COLS;
         s[e] = c < cols ? state_bh[(long long)i * dv + col0 + c] : 0.0f;
     }
-    __syncthreads();
+    const int quads = dk * GDN_CHUNK / 4;
+    // phase 1: thread -> row r of u_n, columns c4 .. c4+3; phase 2: rows i, i + dk/2 of S
+    const int r = tid / 4, c4 = (tid % 4) * 4;
     for (int n = 0; n < chunks; ++n) {
         const long long chunk = (long long)bh * chunks + n;
+        const float4* w_n = reinterpret_cast<const float4*>(w + chunk * GDN_CHUNK * dk);
+        for (int e = tid; e < quads; e += GDN_WALK_THREADS) reinterpret_cast<float4*>(stage)[e] = w_n[e];
+        __syncthreads();  // W_n staged; S (and corr) as the last chunk left them
         float* start = starts + chunk * dk * dv;
         for (int e = tid; e < dk * GDN_WALK_COLS; e += GDN_WALK_THREADS) {
             const int i = e / GDN_WALK_COLS, c = e % GDN_WALK_COLS;
             if (c < cols) start[(long long)i * dv + col0 + c] = s[e];
         }
-        // u_n = U_n - W_n S: a (L x 16) block, each thread 4 of its entries
-        const float* w_n = w + chunk * GDN_CHUNK * dk;
-        float* u_n = u + chunk * GDN_CHUNK * dv;
-        for (int e = tid; e < GDN_CHUNK * GDN_WALK_COLS; e += GDN_WALK_THREADS) {
-            const int r = e / GDN_WALK_COLS, c = e % GDN_WALK_COLS;
-            float acc = 0.0f;
-            for (int i = 0; i < dk; ++i) acc = fmaf(w_n[r * dk + i], s[i * GDN_WALK_COLS + c], acc);
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int i = 0; i < dk; ++i) {
+            const float x = stage[r * dk + i];
+            const float4 y = reinterpret_cast<const float4*>(s)[(i * GDN_WALK_COLS + c4) / 4];
+            acc.x = fmaf(x, y.x, acc.x), acc.y = fmaf(x, y.y, acc.y), acc.z = fmaf(x, y.z, acc.z), acc.w = fmaf(x, y.w, acc.w);
+        }
+        float* u_row = u + (chunk * GDN_CHUNK + r) * dv + col0;
+        const float got[4] = {acc.x, acc.y, acc.z, acc.w};
+        for (int c = 0; c < 4; ++c) {
             float value = 0.0f;
-            if (c < cols) {
-                value = u_n[(long long)r * dv + col0 + c] - acc;
-                u_n[(long long)r * dv + col0 + c] = value;
+            if (c4 + c < cols) {
+                value = u_row[c4 + c] - got[c];
+                u_row[c4 + c] = value;
             }
-            corr[e] = value;
+            corr[r * GDN_WALK_COLS + c4 + c] = value;
         }
+        __syncthreads();  // u_n complete; W_n no longer read
+        const float4* kt_n = reinterpret_cast<const float4*>(k_tail + chunk * dk * GDN_CHUNK);
+        for (int e = tid; e < quads; e += GDN_WALK_THREADS) reinterpret_cast<float4*>(stage)[e] = kt_n[e];
         __syncthreads();
-        // S = gamma_n S + k_tail_n u_n: a (dk x 16) block
-        const float* kt_n = k_tail + chunk * dk * GDN_CHUNK;
         const float decay = gamma[chunk];
-        for (int e = tid; e < dk * GDN_WALK_COLS; e += GDN_WALK_THREADS) {
-            const int i = e / GDN_WALK_COLS, c = e % GDN_WALK_COLS;
-            float acc = 0.0f;
-            for (int j = 0; j < GDN_CHUNK; ++j) acc = fmaf(kt_n[i * GDN_CHUNK + j], corr[j * GDN_WALK_COLS + c], acc);
-            s[e] = fmaf(decay, s[e], acc);
+        for (int i = tid / 4; i < dk; i += GDN_WALK_THREADS / 4) {
+            float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int j = 0; j < GDN_CHUNK; ++j) {
+                const float x = stage[i * GDN_CHUNK + j];
+                const float4 y = reinterpret_cast<const float4*>(corr)[(j * GDN_WALK_COLS + c4) / 4];
+                sum.x = fmaf(x, y.x, sum.x), sum.y = fmaf(x, y.y, sum.y), sum.z = fmaf(x, y.z, sum.z), sum.w = fmaf(x, y.w, sum.w);
+            }
+            float4* row = reinterpret_cast<float4*>(s) + (i * GDN_WALK_COLS + c4) / 4;
+            const float4 old = *row;
+            *row = make_float4(fmaf(decay, old.x, sum.x), fmaf(decay, old.y, sum.y), fmaf(decay, old.z, sum.z),
+                               fmaf(decay, old.w, sum.w));
         }
-        __syncthreads();
+        __syncthreads();  // S updated; k_tail_n no longer read
     }
     for (int e = tid; e < dk * GDN_WALK_COLS; e += GDN_WALK_THREADS) {
         const int i = e / GDN_WALK_COLS, c = e % GDN_WALK_COLS;

@@ -242,7 +242,7 @@ def test_decode_gemvs_launch_two_ctas_per_sm_programmatically(ops):
     assert [c[3]["n"] for c in calls] == [24, 12, 5] and calls[0][3]["sum_out"] is None
     assert calls[1][3]["sum_out"] is not None and calls[1][3]["residual"] is x
     assert ops.loader.programmatic == [c[0] for c in calls]
-    assert not ops.gemv_fits(12) and ops.gemv_fits(16384) and not ops.gemv_fits(16392)
+    assert not ops.gemv_fits(12) and ops.gemv_fits(20480) and not ops.gemv_fits(20488)
 
 
 def test_tensor_core_decode_waves_count_its_residency(ops):

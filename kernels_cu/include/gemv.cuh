@@ -7,7 +7,7 @@
 
 #define GEMV_THREADS 256
 #define GEMV_WARPS (GEMV_THREADS / 32)
-#define GEMV_MAX_K 16384  // x is staged in shared memory as bf16: 32 KB
+#define GEMV_MAX_K 20480  // x is staged in shared memory as bf16: 40 KB (FFN widths up to 20480: 17408 is Qwen3-14B's and Qwen3.5-27B's)
 
 typedef Words<4> Chunk;  // 8 bf16
 

@@ -74,9 +74,9 @@ class CudaGdn:
         """The chunked form with every chunk's own work as batched GEMMs and the walk over the
         chunks in one launch of gdn_prefill.cu (``gdn_chunked``)."""
         hv, dk, dv = layer.recurrent_pool.shape[1:]
-        if dk > GDN_WALK_MAX_DK:
-            raise MetraleError(f"the cuda backend's Gated DeltaNet prefill serves key head dims up to {GDN_WALK_MAX_DK}, "
-                               f"not {dk}", hint="use --backend torch")
+        if dk > GDN_WALK_MAX_DK or dk % 4:
+            raise MetraleError(f"the cuda backend's Gated DeltaNet prefill serves key head dims that are multiples of 4 "
+                               f"up to {GDN_WALK_MAX_DK}, not {dk}", hint="use --backend torch")
         rule = functools.partial(gdn_chunked.chunked_gated_delta_rule, walk=self._gdn_walk)
         return gdn_reference.prefill(mixed, z, b, a, layer, slot, start_pos, rule=rule)
 

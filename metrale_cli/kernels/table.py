@@ -72,7 +72,7 @@ STEP_THREADS = 256  # decode_step.cu's CTA
 STEP_SLICE = 2048
 GEMV_THREADS = 256  # gemv.cu's CTA
 GEMV_CTAS_PER_SM = 2  # its __launch_bounds__ minimum; the grid is this many CTAs per SM
-GEMV_MAX_K = 16384  # its shared-memory row of x
+GEMV_MAX_K = 20480  # its shared-memory row of x (gemv.cuh)
 # Launched by every layer (decode_advance: by every decode step) whatever the KV dtype.
 COMMON_KERNELS = tuple(k[0] for k in (RMS_NORM, ADD_RMS_NORM, ROPE, SILU_AND_MUL, GEMV_NORM, GEMV_NORM_LOGITS,
                                       GEMV_NORM_SWIGLU, GEMV_ADD, DECODE_ADVANCE))
@@ -114,7 +114,7 @@ GDN_CHUNK_WALK = K("gdn_prefill::gdn_chunk_walk_f32"), Signature.parse(
 )
 GDN_WALK_THREADS = 256
 GDN_WALK_COLS = 16
-GDN_WALK_MAX_DK = 256
+GDN_WALK_MAX_DK = 128
 GDN_KERNELS = (GDN_DECODE[0], GDN_CHUNK_WALK[0])
 GDN_MAX_DV = 256  # GDN_MAX_THREADS in gdn.cu
 
