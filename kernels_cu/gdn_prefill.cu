@@ -18,7 +18,8 @@
 #define GDN_WALK_THREADS 256
 #define GDN_WALK_COLS 16
 #define GDN_CHUNK 64
-#define GDN_WALK_MAX_DK 128  // a chunk's W (L x Dk) or k_tail (Dk x L) staged in shared memory: 32 KB
+#define GDN_WALK_MAX_DK 128  // a chunk's W (L x Dk) or k_tail (Dk x L) staged in shared memory: 34 KB
+#define GDN_WALK_PAD 4  // floats after each staged row: the 8 rows a warp reads at once fall in 8 banks
 
 // w: (BH, n, L, dk); u: (BH, n, L, dv), U in, u out; k_tail: (BH, n, dk, L); gamma: (BH, n);
 // state: (BH, dk, dv) in / out; starts: (BH, n, dk, dv) out. Grid (ceil(dv / 16), BH); dk a
@@ -26,12 +27,14 @@
 //
 // Per chunk: W_n is staged in shared memory (coalesced 16-byte loads), each thread computes one
 // row of 4 columns of u_n (a float4 of S's slice and one W value a step); then k_tail_n is staged in
-// the same buffer and each thread updates two rows of 4 columns of S.
+// the same buffer and each thread updates two rows of 4 columns of S. Staged rows are padded by
+// GDN_WALK_PAD floats: a warp reads 8 rows at a time, which unpadded (a multiple of 32 floats
+// apart) would all hit one bank.
 extern "C" __global__ void __launch_bounds__(GDN_WALK_THREADS)
 gdn_chunk_walk_f32(const float* __restrict__ w, float* __restrict__ u, const float* __restrict__ k_tail,
                    const float* __restrict__ gamma, float* __restrict__ state, float* __restrict__ starts,
                    int chunks, int dk, int dv) {
-    __shared__ __align__(16) float stage[GDN_CHUNK * GDN_WALK_MAX_DK];  // W_n, then k_tail_n
+    __shared__ __align__(16) float stage[GDN_WALK_MAX_DK * (GDN_CHUNK + GDN_WALK_PAD)];  // W_n, then k_tail_n
     __shared__ __align__(16) float s[GDN_WALK_MAX_DK * GDN_WALK_COLS];  // this CTA's columns of S, row-major
     __shared__ __align__(16) float corr[GDN_CHUNK * GDN_WALK_COLS];  // u_n's columns
     const int bh = blockIdx.y, col0 = blockIdx.x * GDN_WALK_COLS, tid = threadIdx.x;
@@ -42,12 +45,16 @@ gdn_chunk_walk_f32(const float* __restrict__ w, float* __restrict__ u, const flo
         s[e] = c < cols ? state_bh[(long long)i * dv + col0 + c] : 0.0f;
     }
     const int quads = dk * GDN_CHUNK / 4;
+    const int w_pitch = dk + GDN_WALK_PAD, kt_pitch = GDN_CHUNK + GDN_WALK_PAD;  // staged rows, floats
     // phase 1: thread -> row r of u_n, columns c4 .. c4+3; phase 2: rows i, i + dk/2 of S
     const int r = tid / 4, c4 = (tid % 4) * 4;
     for (int n = 0; n < chunks; ++n) {
         const long long chunk = (long long)bh * chunks + n;
         const float4* w_n = reinterpret_cast<const float4*>(w + chunk * GDN_CHUNK * dk);
-        for (int e = tid; e < quads; e += GDN_WALK_THREADS) reinterpret_cast<float4*>(stage)[e] = w_n[e];
+        for (int e = tid; e < quads; e += GDN_WALK_THREADS) {
+            const int row = e / (dk / 4), quad = e % (dk / 4);
+            reinterpret_cast<float4*>(stage + row * w_pitch)[quad] = w_n[e];
+        }
         __syncthreads();  // W_n staged; S (and corr) as the last chunk left them
         float* start = starts + chunk * dk * dv;
         for (int e = tid; e < dk * GDN_WALK_COLS; e += GDN_WALK_THREADS) {
@@ -56,7 +63,7 @@ gdn_chunk_walk_f32(const float* __restrict__ w, float* __restrict__ u, const flo
         }
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         for (int i = 0; i < dk; ++i) {
-            const float x = stage[r * dk + i];
+            const float x = stage[r * w_pitch + i];
             const float4 y = reinterpret_cast<const float4*>(s)[(i * GDN_WALK_COLS + c4) / 4];
             acc.x = fmaf(x, y.x, acc.x), acc.y = fmaf(x, y.y, acc.y), acc.z = fmaf(x, y.z, acc.z), acc.w = fmaf(x, y.w, acc.w);
         }
@@ -72,13 +79,16 @@ gdn_chunk_walk_f32(const float* __restrict__ w, float* __restrict__ u, const flo
         }
         __syncthreads();  // u_n complete; W_n no longer read
         const float4* kt_n = reinterpret_cast<const float4*>(k_tail + chunk * dk * GDN_CHUNK);
-        for (int e = tid; e < quads; e += GDN_WALK_THREADS) reinterpret_cast<float4*>(stage)[e] = kt_n[e];
+        for (int e = tid; e < quads; e += GDN_WALK_THREADS) {
+            const int row = e / (GDN_CHUNK / 4), quad = e % (GDN_CHUNK / 4);
+            reinterpret_cast<float4*>(stage + row * kt_pitch)[quad] = kt_n[e];
+        }
         __syncthreads();
         const float decay = gamma[chunk];
         for (int i = tid / 4; i < dk; i += GDN_WALK_THREADS / 4) {
             float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             for (int j = 0; j < GDN_CHUNK; ++j) {
-                const float x = stage[i * GDN_CHUNK + j];
+                const float x = stage[i * kt_pitch + j];
                 const float4 y = reinterpret_cast<const float4*>(corr)[(j * GDN_WALK_COLS + c4) / 4];
                 sum.x = fmaf(x, y.x, sum.x), sum.y = fmaf(x, y.y, sum.y), sum.z = fmaf(x, y.z, sum.z), sum.w = fmaf(x, y.w, sum.w);
             }
@@ -92,5 +102,48 @@ gdn_chunk_walk_f32(const float* __restrict__ w, float* __restrict__ u, const flo
     for (int e = tid; e < dk * GDN_WALK_COLS; e += GDN_WALK_THREADS) {
         const int i = e / GDN_WALK_COLS, c = e % GDN_WALK_COLS;
         if (c < cols) state_bh[(long long)i * dv + col0 + c] = s[e];
+    }
+}
+
+// The chunked rule's inputs for one sequence's T tokens, in the walk's layout, in one pass
+// (gdn_chunked's torch preparation does it in about a dozen): from the conv's output (T, C) =
+// [q (Hk*Dk); k (Hk*Dk); v (Hv*Dv)] (bf16, after SiLU) and the gates b, a (T, Hv), per value head h
+// (key head h / (Hv / Hk)) and token t of the padded length n*L:
+//   q[h, t] = l2norm(q_kh) * Dk^-0.5, k[h, t] = l2norm(k_kh) (x * rsqrt(sum x^2 + 1e-6), fp32),
+//   v[h, t] = v_h, g[h, t] = -exp(A_log) * softplus(a + dt_bias) (threshold 20),
+//   beta[h, t] = bf16(sigmoid(b)),
+// zeros for t >= T (a padding token neither decays nor writes). Grid (n*L, Hv); a thread per
+// element of the wider of Dk and Dv (threads = that, rounded up to warps, at most 256).
+#include "numeric.cuh"
+#include "reduce.cuh"
+
+extern "C" __global__ void __launch_bounds__(GDN_WALK_THREADS)
+gdn_chunk_inputs_bf16(const bf16_t* __restrict__ conv, const bf16_t* __restrict__ b, const bf16_t* __restrict__ a,
+                      const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ q,
+                      float* __restrict__ k, float* __restrict__ v, float* __restrict__ g, float* __restrict__ beta,
+                      int tokens, int conv_stride, int b_stride, int a_stride, int num_k_heads, int num_v_heads, int dk,
+                      int dv) {
+    const int t = blockIdx.x, h = blockIdx.y, padded = gridDim.x, tid = threadIdx.x;
+    const int kh = h / (num_v_heads / num_k_heads);
+    const long long row_k = ((long long)h * padded + t) * dk, row_v = ((long long)h * padded + t) * dv;
+    const bool live = t < tokens;  // uniform over the CTA
+    const bf16_t* in = conv + (long long)t * conv_stride;
+    const float qx = live && tid < dk ? bf16_to_f32(in[kh * dk + tid]) : 0.0f;
+    const float kx = live && tid < dk ? bf16_to_f32(in[(num_k_heads + kh) * dk + tid]) : 0.0f;
+    const float rq = 1.0f / sqrtf(block_sum(qx * qx) + 1e-6f), rk = 1.0f / sqrtf(block_sum(kx * kx) + 1e-6f);
+    if (tid < dk) {
+        q[row_k + tid] = live ? (qx * rq) * (1.0f / sqrtf((float)dk)) : 0.0f;
+        k[row_k + tid] = live ? kx * rk : 0.0f;
+    }
+    if (tid < dv) v[row_v + tid] = live ? bf16_to_f32(in[2 * num_k_heads * dk + h * dv + tid]) : 0.0f;
+    if (tid == 0) {
+        const long long at = (long long)h * padded + t;
+        if (live) {
+            const float x = bf16_to_f32(a[(long long)t * a_stride + h]) + dt_bias[h];
+            g[at] = -expf(a_log[h]) * (x > 20.0f ? x : log1pf(expf(x)));
+            beta[at] = round_bf16(1.0f / (1.0f + expf(-bf16_to_f32(b[(long long)t * b_stride + h]))));
+        } else {
+            g[at] = 0.0f, beta[at] = 0.0f;
+        }
     }
 }

@@ -11,8 +11,6 @@ gdn_prefill.cu.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from metrale_cli.errors import MetraleError
@@ -21,7 +19,8 @@ from metrale_cli.kernels.cuda_launch import CudaLauncher, _head_rows, _ready
 from metrale_cli.kernels.ops import GdnTensors
 from metrale_cli.kernels.registry import GDN_HEAD_K_DIMS
 from metrale_cli.kernels.table import (
-    GDN_CHUNK_WALK, GDN_DECODE, GDN_MAX_DV, GDN_WALK_COLS, GDN_WALK_MAX_DK, GDN_WALK_THREADS, gdn_threads,
+    GDN_CHUNK_INPUTS, GDN_CHUNK_WALK, GDN_DECODE, GDN_MAX_DV, GDN_WALK_COLS, GDN_WALK_MAX_DK, GDN_WALK_THREADS,
+    gdn_threads,
 )
 
 
@@ -77,8 +76,27 @@ class CudaGdn:
         if dk > GDN_WALK_MAX_DK or dk % 4:
             raise MetraleError(f"the cuda backend's Gated DeltaNet prefill serves key head dims that are multiples of 4 "
                                f"up to {GDN_WALK_MAX_DK}, not {dk}", hint="use --backend torch")
-        rule = functools.partial(gdn_chunked.chunked_gated_delta_rule, walk=self._gdn_walk)
-        return gdn_reference.prefill(mixed, z, b, a, layer, slot, start_pos, rule=rule)
+        if dv > GDN_WALK_THREADS or mixed.dtype != torch.bfloat16:
+            raise MetraleError(f"the cuda backend's Gated DeltaNet prefill takes bf16 activations and value head dims up "
+                               f"to {GDN_WALK_THREADS}, not {mixed.dtype} and {dv}", hint="use --backend torch")
+        return gdn_reference.prefill(mixed, z, b, a, layer, slot, start_pos, mixer=self._gdn_chunked)
+
+    def _gdn_chunked(self: CudaLauncher, conv, z, b, a, layer: GdnTensors, state):
+        """After the conv: the rule's inputs in one launch, gdn_chunked's batched chunks and walk,
+        the gated norm -> (T, Hv*Dv), as ``gdn_reference.mix``."""
+        tokens = conv.shape[0]
+        hv, dk, dv = state.shape[1:]
+        padded = -(-tokens // gdn_chunked.CHUNK) * gdn_chunked.CHUNK
+        f32 = dict(dtype=torch.float32, device=conv.device)
+        q, k = torch.empty(hv, padded, dk, **f32), torch.empty(hv, padded, dk, **f32)
+        v, g, beta = torch.empty(hv, padded, dv, **f32), torch.empty(hv, padded, **f32), torch.empty(hv, padded, **f32)
+        (c, c_stride), (bs, b_stride), (as_, a_stride) = (_rows(t) for t in (conv, b, a))
+        self._launch(GDN_CHUNK_INPUTS, (padded, hv), (gdn_threads(max(dk, dv)),), c, bs, as_, _ready(layer.a_log),
+                     _ready(layer.dt_bias), q, k, v, g, beta, tokens, c_stride, b_stride, a_stride, layer.num_k_heads,
+                     hv, dk, dv)
+        out = gdn_chunked.chunks(q, k, v, g, beta, state.view(hv, dk, dv), walk=self._gdn_walk)
+        out = out[:, :tokens].transpose(0, 1).to(conv.dtype).reshape(-1, dv)
+        return gdn_reference.gated_rms_norm(out, z.reshape(-1, dv), layer.norm, layer.eps).reshape(tokens, -1)
 
     def _gdn_walk(self: CudaLauncher, w, u, k_tail, gamma, state, starts) -> None:
         """``gdn_chunked.torch_walk``'s contract, one launch (all tensors contiguous fp32)."""

@@ -46,15 +46,26 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)  # (B, H, T, .) fp32
     batch, heads, tokens, dk = q.shape
-    dv = v.shape[-1]
     pad = -tokens % chunk
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-    n = (tokens + pad) // chunk
-    q, k, v = (x.reshape(batch * heads, n, chunk, x.shape[-1]) for x in (q, k, v))
-    g, beta = g.reshape(batch * heads, n, chunk), beta.reshape(batch * heads, n, chunk)
+    flat = [x.reshape(batch * heads, -1, x.shape[-1]) for x in (q, k, v)] + [x.reshape(batch * heads, -1) for x in (g, beta)]
+    s = state.float().reshape(batch * heads, dk, v.shape[-1]).contiguous()
+    out = chunks(*flat, s, chunk, walk)
+    state.copy_(s.reshape(state.shape))
+    return out.reshape(batch, heads, -1, v.shape[-1])[:, :, :tokens].transpose(1, 2).to(dtype)
 
+
+def chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+           chunk: int = CHUNK, walk=torch_walk) -> torch.Tensor:
+    """The rule over prepared inputs (q L2-normalised and scaled, k L2-normalised; padded to whole
+    chunks with tokens of g = beta = 0): q, k (BH, n*L, Dk), v (BH, n*L, Dv), g, beta (BH, n*L),
+    fp32; state (BH, Dk, Dv) fp32 contiguous, updated in place -> out (BH, n*L, Dv) fp32."""
+    pairs, padded, dk = q.shape
+    dv, n = v.shape[-1], padded // chunk
+    q, k, v = (x.view(pairs, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.view(pairs, n, chunk), beta.view(pairs, n, chunk)
     c = g.cumsum(-1)
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()
@@ -67,10 +78,7 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     scores = (q @ k.transpose(-1, -2)) * decay
     last = c[..., -1]  # (BH, n)
     k_tail = (k * (last[..., None] - c).exp()[..., None]).transpose(-1, -2).contiguous()  # (BH, n, Dk, L)
-    s = state.float().reshape(batch * heads, dk, dv).contiguous()
-    starts = torch.empty(batch * heads, n, dk, dv, device=q.device)
-    walk(w.contiguous(), u, k_tail, last.exp().contiguous(), s, starts)
+    starts = torch.empty(pairs, n, dk, dv, device=q.device)
+    walk(w.contiguous(), u, k_tail, last.exp().contiguous(), state, starts)
     out = (q * c.exp()[..., None]) @ starts + scores @ u
-    state.copy_(s.reshape(batch, heads, dk, dv))
-    out = out.reshape(batch, heads, n * chunk, dv)[:, :, :tokens]
-    return out.transpose(1, 2).to(dtype)
+    return out.view(pairs, padded, dv)

@@ -112,10 +112,16 @@ GDN_CHUNK_WALK = K("gdn_prefill::gdn_chunk_walk_f32"), Signature.parse(
     "w: f32*, u: f32*, k_tail: f32*, gamma: f32*, state: f32*, starts: f32*, chunks: i32, head_k_dim: i32, "
     "head_v_dim: i32"
 )
+# The chunked rule's inputs of one sequence in the walk's layout, one pass (gdn_prefill.cu).
+GDN_CHUNK_INPUTS = K("gdn_prefill::gdn_chunk_inputs_bf16"), Signature.parse(
+    "conv: bf16*, b: bf16*, a: bf16*, a_log: f32*, dt_bias: f32*, q: f32*, k: f32*, v: f32*, g: f32*, beta: f32*, "
+    "tokens: i32, conv_stride: i32, b_stride: i32, a_stride: i32, num_k_heads: i32, num_v_heads: i32, head_k_dim: i32, "
+    "head_v_dim: i32"
+)
 GDN_WALK_THREADS = 256
 GDN_WALK_COLS = 16
 GDN_WALK_MAX_DK = 128
-GDN_KERNELS = (GDN_DECODE[0], GDN_CHUNK_WALK[0])
+GDN_KERNELS = (GDN_DECODE[0], GDN_CHUNK_WALK[0], GDN_CHUNK_INPUTS[0])
 GDN_MAX_DV = 256  # GDN_MAX_THREADS in gdn.cu
 
 
