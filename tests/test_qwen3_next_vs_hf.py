@@ -309,3 +309,22 @@ def test_defaults_follow_qwen3_next_config():
     assert [{"gdn": "linear_attention", "attention": "full_attention"}[s.mixer] for s in cfg.layers] == hf_cfg.layer_types
     dense = model_config(BASE | {"num_experts": 0})
     assert {s.ffn.kind for s in dense.layers} == {"swiglu"}
+
+
+def test_a_decode_steps_roofline_counts_the_recurrent_state_it_reads():
+    """bench's bytes of a decode step: the weights, each sequence's KV at the run's middle, and
+    each sequence's GDN state read (the conv's K - 1 inputs and the fp32 state of every GDN layer)."""
+    from metrale_cli.commands.bench import BenchOptions, _step_bytes
+    from metrale_cli.engine.runner import open_runner
+    from metrale_cli.engine.source import ModelSource
+
+    hf, raw = _hf("hybrid-moe")
+    tensors = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    opts = RunnerOptions(backend="torch", max_seq_len=64, max_num_seqs=2, reserve_all_memory=False)
+    runner = open_runner(opts, ModelSource.loaded(raw, tensors, None, "qwen3_next"))
+    bench = BenchOptions(n_prompt=8, n_gen=4, batch=2)
+    conv_dim = 2 * 2 * 16 + 4 * 8  # GDN: 2 key heads of 16, 4 value heads of 8
+    state = 3 * 4 * (conv_dim * 3 + 4 * 16 * 8)  # 3 GDN layers, fp32
+    kv = runner.model.kv_cache.layout.bytes_per_token()
+    assert kv == 2 * 2 * 32 * 2  # K and V of the one attention layer (2 KV heads of 32), bf16 cache
+    assert _step_bytes(runner, bench) == runner.model.weight_bytes() + 2 * ((8 + 2) * kv + state)
