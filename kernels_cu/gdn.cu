@@ -2,7 +2,10 @@
 // between the in- and out-projections, in one launch: gdn_reference.decode's arithmetic, rounded
 // where it rounds to bf16.
 //
-// A CTA per (value head h, row b), a thread per state column j < Dv (Dv rounded up to warps):
+// A CTA per (value head h, row b), GDN_SPLIT = 4 threads per state column j < Dv: thread t serves
+// column j = t / 4, quarter t % 4 (lane = column_in_warp * 4 + quarter: a warp covers 8 columns,
+// its state loads 4 runs of 8 consecutive floats); the block is 4 Dv rounded up to warps (1024 at
+// GDN_MAX_DV 256; at most 64 registers a thread by __launch_bounds__):
 //   1. the causal depthwise conv + SiLU, rounded to bf16, of the channels the head reads: the Dk q
 //      and Dk k channels of its key head kh = h / (Hv / Hk) (each CTA of the group computes them)
 //      and its own Dv v channels, over the slot's window: the conv pool keeps the input of
@@ -11,17 +14,28 @@
 //      CTA writes an entry another one reads in the same launch;
 //   2. q and k L2-normalised over Dk in fp32 (x * (1 / sqrt(sum x^2 + 1e-6))), q then divided by
 //      sqrt(Dk); beta = bf16(sigmoid(b)), g = -exp(A_log) * softplus(a + dt_bias) (threshold 20);
-//   3. thread j holds state column S[:, j] (Dk fp32, registers): S *= exp(g), delta = beta *
-//      (v_j - S[:, j] . k), S[:, j] += k delta, o_j = S[:, j] . q, rounded to bf16; S stored back;
+//   3. the 4 threads of column j hold S[:, j] (Dk/4 fp32 each, registers: rows quarter, quarter
+//      + 4, ...): S *= exp(g), delta = beta * (v_j - S[:, j] . k), S[:, j] += k delta, o_j =
+//      S[:, j] . q, rounded to bf16; S stored back. A dot is each thread's partial sum in row
+//      order, combined (p0 + p1) + (p2 + p3) by xor shuffles: one thread's four interleaved
+//      partial sums over the column, the same bits in all four threads;
 //   4. the gated RMSNorm over the head's Dv outputs: bf16(bf16(w * bf16(o * r)) * silu(z)).
-// Columns are independent in the delta rule, so a thread needs no other thread's state; the sums
-// over Dk (q, k norms) and over Dv (the gated norm) are block reductions.
+// Columns are independent in the delta rule, so a column's threads need no other column's state;
+// the sums over Dk (q, k norms) and over Dv (the gated norm) are block reductions. The q / k conv
+// channels are a thread each (2 Dk threads); each thread of a column computes its v (the column's
+// first, the lead, stores the input and writes the output).
+// Measured on an H200 (Qwen3.5-27B: Hk 16, Hv 48, Dk = Dv = 128, CUDA graph, back to back): one row
+// 7.7 us a launch (7.9 with a thread per column), 16 rows 37.2 (37.2): the launch is a chain of
+// dependent latencies (slots -> window -> conv -> norms -> state -> dots -> norm), not the state
+// traffic. Loading the state before the conv was slower here (9.3 us: 36 bytes of spills at Dk 128).
 #include "numeric.cuh"
 #include "pdl.cuh"
 #include "reduce.cuh"
 #include "rms_row.cuh"
 
-#define GDN_MAX_THREADS 256  // the largest Dv served: a thread per state column
+#define GDN_SPLIT 4            // threads per state column
+#define GDN_MAX_DV 256         // the largest Dv served
+#define GDN_MAX_THREADS 1024   // GDN_SPLIT * GDN_MAX_DV: the block of the largest Dv
 
 struct GdnArgs {
     const bf16_t *mixed, *z, *b, *a;  // rows of [q; k; v] (C), Hv*Dv, Hv, Hv at the given strides
@@ -36,6 +50,14 @@ struct GdnArgs {
     float eps;
 };
 
+// x, hidden from the compiler's common subexpressions (no instruction on the GPU).
+__device__ __forceinline__ long long opaque(long long x) {
+#if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__)
+    asm volatile("" : "+l"(x));
+#endif
+    return x;
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
 // Conv channel c of row `in` over the slot's `window` (K entries of C channels) at position p:
@@ -47,6 +69,7 @@ __device__ __forceinline__ float conv_channel(const GdnArgs& g, const bf16_t* in
     const bf16_t* w = g.conv + (long long)c * taps;
     const float x = bf16_to_f32(in[c]);
     float acc = 0.0f;
+#pragma unroll 4
     for (int t = 0; t < taps - 1; ++t)  // entries of positions p-K+1 .. p-1
         acc += window[(long long)((p + 1 + t) % taps) * channels + c] * bf16_to_f32(w[t]);
     acc += x * bf16_to_f32(w[taps - 1]);
@@ -54,75 +77,83 @@ __device__ __forceinline__ float conv_channel(const GdnArgs& g, const bf16_t* in
     return round_bf16(silu(acc));
 }
 
-// s . x over DK elements in four interleaved partial sums (fewer dependent adds).
+// A column's dot s . x over Dk, its rows split over the column's GDN_SPLIT threads: thread
+// `quarter` holds rows quarter, quarter + 4, ... (s[r] is row 4r + quarter) and sums its products
+// in row order; the four partial sums are combined as (p0 + p1) + (p2 + p3) by two xor shuffles
+// (fp addition commutes exactly, so all four threads get the same bits): the summation order of
+// one thread's four interleaved partial sums over the whole column. Every lane of the warp calls it.
 template <int DK>
-__device__ __forceinline__ float column_dot(const float* s, const float* x) {
-    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+__device__ __forceinline__ float column_dot(const float* s, const float* x, int quarter) {
+    float part = 0.0f;
 #pragma unroll
-    for (int i = 0; i < DK; ++i) part[i & 3] += s[i] * x[i];
-    return (part[0] + part[1]) + (part[2] + part[3]);
+    for (int r = 0; r < DK / GDN_SPLIT; ++r) part += s[r] * x[r * GDN_SPLIT + quarter];
+    part += __shfl_xor_sync(0xffffffffu, part, 1);
+    return part + __shfl_xor_sync(0xffffffffu, part, 2);
 }
 
 template <int DK>
 __device__ void gdn_head(const GdnArgs& g) {
+    constexpr int ROWS = DK / GDN_SPLIT;  // state rows per thread
     __shared__ float qs[DK], ks[DK];
-    const int h = blockIdx.x, row = blockIdx.y, j = threadIdx.x;
+    const int h = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
+    const int j = tid / GDN_SPLIT, quarter = tid % GDN_SPLIT;  // lane = column_in_warp * 4 + quarter
     const int hk = g.num_k_heads, hv = g.num_v_heads, dv = g.head_v_dim, group = hv / hk, kh = h / group;
     const int channels = 2 * hk * DK + hv * dv;
-    const bool column = j < dv;
+    const bool column = j < dv, lead = column && quarter == 0;  // lead: the column's conv store and output
     // Before the wait only what no launch writes: the head's parameters.
-    const float w_norm = column ? bf16_to_f32(g.norm[j]) : 0.0f;
+    const float w_norm = lead ? bf16_to_f32(g.norm[j]) : 0.0f;
     const float a_log = g.a_log[h], dt_bias = g.dt_bias[h];
     pdl_wait();
     pdl_launch_dependents();
     const int slot = g.slots[row], p = g.positions[row];
     float* window = g.conv_pool + (long long)slot * g.taps * channels;
-    float* state = g.state_pool + ((long long)slot * hv + h) * DK * dv + j;
-    float s[DK];
-    if (column) {
-#pragma unroll
-        for (int i = 0; i < DK; ++i) s[i] = state[(long long)i * dv];
-    }
+    float* state = g.state_pool + ((long long)slot * hv + h) * DK * dv + (long long)quarter * dv + j;
     const bf16_t* in = g.mixed + (long long)row * g.mixed_stride;
     const bool writer = h % group == 0;
     float qq = 0.0f, kk = 0.0f;
-    for (int i = j; i < DK; i += blockDim.x) {
-        const float q = conv_channel(g, in, window, kh * DK + i, channels, p, writer);
-        const float k = conv_channel(g, in, window, (hk + kh) * DK + i, channels, p, writer);
-        qs[i] = q, ks[i] = k;
-        qq += q * q, kk += k * k;
+    for (int i = tid; i < 2 * DK; i += blockDim.x) {  // q's channels, then k's: a thread each
+        const bool is_k = i >= DK;
+        const int c = is_k ? i - DK : i;
+        const float x = conv_channel(g, in, window, ((is_k ? hk : 0) + kh) * DK + c, channels, p, writer);
+        (is_k ? ks : qs)[c] = x;
+        (is_k ? kk : qq) += x * x;
     }
-    const float v = column ? conv_channel(g, in, window, 2 * hk * DK + h * dv + j, channels, p, true) : 0.0f;
-    const float z = column ? bf16_to_f32(g.z[(long long)row * g.z_stride + h * dv + j]) : 0.0f;
+    // Each of the column's threads computes v (the same bits); only the lead stores the input (the
+    // entry p % K it writes is none of the K-1 entries the others read).
+    const float v = column ? conv_channel(g, in, window, 2 * hk * DK + h * dv + j, channels, p, lead) : 0.0f;
+    float s[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) s[r] = column ? state[(long long)r * GDN_SPLIT * dv] : 0.0f;
+    const float z = lead ? bf16_to_f32(g.z[(long long)row * g.z_stride + h * dv + j]) : 0.0f;
     const float rq = 1.0f / sqrtf(block_sum(qq) + 1e-6f), rk = 1.0f / sqrtf(block_sum(kk) + 1e-6f);
     const float root_dk = sqrtf((float)DK);
-    for (int i = j; i < DK; i += blockDim.x) qs[i] = qs[i] * rq / root_dk, ks[i] *= rk;
+    for (int i = tid; i < DK; i += blockDim.x) qs[i] = qs[i] * rq / root_dk, ks[i] *= rk;
     const float beta = round_bf16(1.0f / (1.0f + expf(-bf16_to_f32(g.b[(long long)row * g.b_stride + h]))));
     const float x = bf16_to_f32(g.a[(long long)row * g.a_stride + h]) + dt_bias;
     const float decay = expf(-expf(a_log) * (x > 20.0f ? x : log1pf(expf(x))));
     __syncthreads();
-    float delta = 0.0f, o = 0.0f;
-    if (column) {
 #pragma unroll
-        for (int i = 0; i < DK; ++i) s[i] *= decay;
-        delta = (v - column_dot<DK>(s, ks)) * beta;
-    }
-    // A barrier between the two passes over k: without it the compiler keeps k's Dk values in
-    // registers for the second pass besides the column's Dk (at Dk 128: 255 registers and 232
-    // bytes of spills; with it none spilled, about 200 registers needed).
+    for (int r = 0; r < ROWS; ++r) s[r] *= decay;
+    const float delta = (v - column_dot<DK>(s, ks, quarter)) * beta;
+    // A barrier between the two passes over k: without it the compiler keeps the thread's Dk/4
+    // k values in registers for the second pass besides its Dk/4 state rows (at Dk 128 and 64
+    // registers: 144 bytes of spills; with it none).
     __syncthreads();
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) s[r] += ks[r * GDN_SPLIT + quarter] * delta;
+    const float o = round_bf16(column_dot<DK>(s, qs, quarter));
     if (column) {
+        // The stores' addresses from an opaque copy of the row stride, so that the compiler need
+        // not keep the loads' Dk/4 64-bit addresses live (no measured effect on the registers).
+        const long long stride = opaque((long long)GDN_SPLIT * dv);
 #pragma unroll
-        for (int i = 0; i < DK; ++i) s[i] += ks[i] * delta;
-        o = round_bf16(column_dot<DK>(s, qs));
-#pragma unroll
-        for (int i = 0; i < DK; ++i) state[(long long)i * dv] = s[i];
+        for (int r = 0; r < ROWS; ++r) state[r * stride] = s[r];
     }
-    const float r = inv_rms(block_sum(o * o), dv, g.eps);
-    if (column) g.out[((long long)row * hv + h) * dv + j] = f32_to_bf16(round_bf16(rms_scaled(o, w_norm, r)) * silu(z));
+    const float r = inv_rms(block_sum(lead ? o * o : 0.0f), dv, g.eps);
+    if (lead) g.out[((long long)row * hv + h) * dv + j] = f32_to_bf16(round_bf16(rms_scaled(o, w_norm, r)) * silu(z));
 }
 
-// grid = (Hv, B), block = Dv rounded up to a multiple of 32 (Dv <= GDN_MAX_THREADS). head_k_dim:
+// grid = (Hv, B), block = GDN_SPLIT * Dv rounded up to a multiple of 32 (Dv <= GDN_MAX_DV). head_k_dim:
 // 16, 32, 64 or 128; Hv a multiple of Hk. mixed / z / b / a: row r at r * its stride. Pools are
 // updated in place at the rows' slots (padding rows may share one scratch slot, whose contents
 // are then unspecified). Launched programmatically: waits before reading anything a launch

@@ -26,7 +26,7 @@ from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.cuda_ops import CudaOps
 from metrale_cli.kernels.loader import pointer_dtypes
 from metrale_cli.kernels.registry import GDN_HEAD_K_DIMS, KERNELS_DIR
-from metrale_cli.kernels.table import GDN_DECODE, GDN_MAX_DV
+from metrale_cli.kernels.table import GDN_DECODE, GDN_MAX_DV, GDN_SPLIT, gdn_threads
 
 EQUAL_SHARE = 0.99
 _LIB: list[ctypes.CDLL] = []
@@ -89,4 +89,6 @@ def test_unserved_shapes_are_refused_with_a_hint(ops):
 def test_the_host_mirrors_equal_the_kernel_source():
     text = (KERNELS_DIR / "gdn.cu").read_text()
     assert re.findall(r"case (\d+): gdn_head<(\d+)>", text) == [(str(d), str(d)) for d in GDN_HEAD_K_DIMS]
-    assert re.search(r"#define GDN_MAX_THREADS (\d+)", text)[1] == str(GDN_MAX_DV)
+    assert re.search(r"#define GDN_MAX_DV (\d+)", text)[1] == str(GDN_MAX_DV)
+    assert re.search(r"#define GDN_SPLIT (\d+)", text)[1] == str(GDN_SPLIT)
+    assert re.search(r"#define GDN_MAX_THREADS (\d+)", text)[1] == str(gdn_threads(GDN_MAX_DV)) == "1024"

@@ -98,7 +98,7 @@ MOE_MAX_PAIRS = 1024  # rows x top_k of one routing launch
 MOE_MAX_TOP_K = 32  # a lane per slot
 MOE_STAGE_ELEMS = 16384  # the widest input row its expert CTAs stage
 MOE_DECODE_ROWS = 64
-# A Gated DeltaNet mixer's decode step, one launch (gdn.cu): a CTA per (value head, row), a thread
+# A Gated DeltaNet mixer's decode step, one launch (gdn.cu): a CTA per (value head, row), 4 threads
 # per state column; its key head dims are the gdn module's head_dims.
 GDN_DECODE = K("gdn::gdn_decode_bf16"), Signature.parse(
     "mixed: bf16*, z: bf16*, b: bf16*, a: bf16*, conv: bf16*, a_log: f32*, dt_bias: f32*, norm: bf16*, "
@@ -122,12 +122,14 @@ GDN_WALK_THREADS = 256
 GDN_WALK_COLS = 16
 GDN_WALK_MAX_DK = 128
 GDN_KERNELS = (GDN_DECODE[0], GDN_CHUNK_WALK[0], GDN_CHUNK_INPUTS[0])
-GDN_MAX_DV = 256  # GDN_MAX_THREADS in gdn.cu
+GDN_MAX_DV = 256  # GDN_MAX_DV in gdn.cu
+GDN_SPLIT = 4  # gdn.cu's threads per state column (GDN_SPLIT)
 
 
 def gdn_threads(head_v_dim: int) -> int:
-    """gdn_decode_bf16's CTA: a thread per state column, rounded up to whole warps."""
-    return 32 * -(-head_v_dim // 32)
+    """gdn_decode_bf16's CTA: GDN_SPLIT threads per state column (a warp: 8 columns), rounded up
+    to whole warps: 1024 at GDN_MAX_DV."""
+    return 32 * -(-GDN_SPLIT * head_v_dim // 32)
 
 
 WHT_SIG = Signature.parse("x: bf16*, signs: f32*, rows: i32, head_dim: i32")
