@@ -91,7 +91,7 @@ class CudaGdn:
         q, k = torch.empty(hv, padded, dk, **f32), torch.empty(hv, padded, dk, **f32)
         v, g, beta = torch.empty(hv, padded, dv, **f32), torch.empty(hv, padded, **f32), torch.empty(hv, padded, **f32)
         (c, c_stride), (bs, b_stride), (as_, a_stride) = (_rows(t) for t in (conv, b, a))
-        self._launch(GDN_CHUNK_INPUTS, (padded, hv), (gdn_threads(max(dk, dv)),), c, bs, as_, _ready(layer.a_log),
+        self._launch(GDN_CHUNK_INPUTS, (padded, hv), (32 * -(-max(dk, dv) // 32),), c, bs, as_, _ready(layer.a_log),
                      _ready(layer.dt_bias), q, k, v, g, beta, tokens, c_stride, b_stride, a_stride, layer.num_k_heads,
                      hv, dk, dv)
         out = gdn_chunked.chunks(q, k, v, g, beta, state.view(hv, dk, dv), walk=self._gdn_walk)
