@@ -18,6 +18,19 @@ from metrale_cli.kernels import gdn_reference
 from metrale_cli.kernels.ops import GdnTensors
 from metrale_cli.kernels.tolerances import bounds
 
+def rule_inputs(tokens: int, seed: int = 0, batch: int = 2, heads: int = 4, dk: int = 16, dv: int = 8,
+                device="cpu") -> list[torch.Tensor]:
+    """Random inputs of the gated delta rule: q, k (B, T, H, Dk), v (B, T, H, Dv), decay g <= 0
+    and beta in (0, 1) (B, T, H), a non-zero state (B, H, Dk, Dv)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(batch, tokens, heads, dk, generator=g) for _ in range(2))
+    v = torch.randn(batch, tokens, heads, dv, generator=g)
+    decay = -torch.rand(batch, tokens, heads, generator=g) * 2
+    beta = torch.rand(batch, tokens, heads, generator=g)
+    state = 0.3 * torch.randn(batch, heads, dk, dv, generator=g)
+    return [t.to(device) for t in (q, k, v, decay, beta, state)]
+
+
 # (rows, key heads, value heads per key head, Dk, Dv, conv taps)
 CASES = [
     (1, 1, 1, 16, 16, 4),

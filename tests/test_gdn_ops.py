@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gdn_cases import rule_inputs
 from metrale_cli.kernels import gdn_chunked, gdn_reference
 from metrale_cli.kernels.ops import GdnTensors
 
@@ -25,20 +26,12 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _rule_inputs(tokens, device, batch=1, heads=4, dk=16, dv=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(batch, tokens, heads, dk, generator=g) for _ in range(2))
-    v = torch.randn(batch, tokens, heads, dv, generator=g)
-    decay = -torch.rand(batch, tokens, heads, generator=g) * 2
-    beta = torch.rand(batch, tokens, heads, generator=g)
-    state = 0.3 * torch.randn(batch, heads, dk, dv, generator=g)
-    return [t.to(device) for t in (q, k, v, decay, beta, state)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tokens", [1, 7, 63, 64, 65, 999])
 def test_the_batched_chunks_equal_the_reference_forms(device, tokens):
-    q, k, v, g, beta, state = _rule_inputs(tokens, _device(device), heads=2 if tokens == 999 else 4)
+    q, k, v, g, beta, state = rule_inputs(tokens, batch=1, heads=2 if tokens == 999 else 4, device=_device(device))
     fast, chunked, recurrent = state.clone(), state.clone(), state.clone()
     out = gdn_chunked.chunked_gated_delta_rule(q, k, v, g, beta, fast)
     want = gdn_reference.chunked_gated_delta_rule(q, k, v, g, beta, chunked)

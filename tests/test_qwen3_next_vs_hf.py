@@ -15,6 +15,7 @@ import itertools
 import pytest
 import torch
 import transformers as T
+from gdn_cases import rule_inputs
 from helpers_checkpoints import make_hf_checkpoint
 from hf_oracle import (
     check_bf16_greedy_near_hf,
@@ -71,19 +72,11 @@ def _ids(n: int, seed: int = 1, vocab: int = 384) -> list[int]:
 
 
 # --- the GDN math on its own ------------------------------------------------------------------------
-def _rule_inputs(tokens: int, seed: int = 0, batch: int = 2, heads: int = 4, dk: int = 16, dv: int = 8):
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(batch, tokens, heads, dk, generator=g) for _ in range(2))
-    v = torch.randn(batch, tokens, heads, dv, generator=g)
-    decay = -torch.rand(batch, tokens, heads, generator=g) * 2
-    beta = torch.rand(batch, tokens, heads, generator=g)
-    state = 0.3 * torch.randn(batch, heads, dk, dv, generator=g)
-    return q, k, v, decay, beta, state
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 63, 64, 65, 200])
 def test_the_recurrent_and_chunked_forms_agree_and_equal_hfs(tokens):
-    q, k, v, g, beta, state = _rule_inputs(tokens, seed=tokens)
+    q, k, v, g, beta, state = rule_inputs(tokens, seed=tokens)
     s_rec, s_chunk = state.clone(), state.clone()
     rec = gdn.recurrent_gated_delta_rule(q, k, v, g, beta, s_rec)
     chunk = gdn.chunked_gated_delta_rule(q, k, v, g, beta, s_chunk)
@@ -96,7 +89,7 @@ def test_the_recurrent_and_chunked_forms_agree_and_equal_hfs(tokens):
 
 
 def test_the_chunked_form_continues_a_state_across_calls():
-    q, k, v, g, beta, state = _rule_inputs(150, seed=3)
+    q, k, v, g, beta, state = rule_inputs(150, seed=3)
     whole_state, parts_state = state.clone(), state.clone()
     whole = gdn.chunked_gated_delta_rule(q, k, v, g, beta, whole_state)
     cuts = [0, 7, 71, 72, 150]
