@@ -145,7 +145,8 @@ def _step_bytes(runner, opts: BenchOptions) -> float:
     every sequence's KV and recurrent state (the routed experts it read are counted by the run)."""
     ctx = opts.n_prompt + opts.n_gen // 2
     model = runner.model
-    return model.weight_bytes() + opts.batch * (ctx * model.kv_cache.layout.bytes_per_token() + model.state_read_bytes())
+    per_sequence = ctx * model.kv_cache.layout.bytes_per_token() + model.state_read_bytes()
+    return model.weight_bytes() + opts.batch * per_sequence
 
 
 def bench_metrale(runner, opts: BenchOptions, peak: float | None) -> list[dict]:

@@ -256,7 +256,8 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     layout = kv_layout(cfg)
     blocks = pool_blocks(layout, opts, max_seq_len, device)
     model = build_model(cfg, dict(weights.tensors), make_ops(backend, loader), blocks, max_seq_len,
-                        opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq(), max_seqs=max(1, opts.max_num_seqs))
+                        opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq(),
+                        max_seqs=max(1, opts.max_num_seqs))
     capture, decode_mode = _decode_mode(model, opts)
     graphs = DecodeGraphs(model, max(1, opts.max_num_seqs), blocks_for(max_seq_len), capture)
     runner = Runner(model, Engine(model, max_seq_len, opts.prefill_chunk, graphs), weights.tokenizer, backend,

@@ -74,11 +74,11 @@ class CudaGdn:
         chunks in one launch of gdn_prefill.cu (``gdn_chunked``)."""
         hv, dk, dv = layer.recurrent_pool.shape[1:]
         if dk > GDN_WALK_MAX_DK or dk % 4:
-            raise MetraleError(f"the cuda backend's Gated DeltaNet prefill serves key head dims that are multiples of 4 "
-                               f"up to {GDN_WALK_MAX_DK}, not {dk}", hint="use --backend torch")
+            raise MetraleError(f"the cuda backend's Gated DeltaNet prefill serves key head dims that are multiples "
+                               f"of 4 up to {GDN_WALK_MAX_DK}, not {dk}", hint="use --backend torch")
         if dv > GDN_WALK_THREADS or mixed.dtype != torch.bfloat16:
-            raise MetraleError(f"the cuda backend's Gated DeltaNet prefill takes bf16 activations and value head dims up "
-                               f"to {GDN_WALK_THREADS}, not {mixed.dtype} and {dv}", hint="use --backend torch")
+            raise MetraleError(f"the cuda backend's Gated DeltaNet prefill takes bf16 activations and value head dims "
+                               f"up to {GDN_WALK_THREADS}, not {mixed.dtype} and {dv}", hint="use --backend torch")
         return gdn_reference.prefill(mixed, z, b, a, layer, slot, start_pos, mixer=self._gdn_chunked)
 
     def _gdn_chunked(self: CudaLauncher, conv, z, b, a, layer: GdnTensors, state):

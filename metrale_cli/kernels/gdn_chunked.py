@@ -39,7 +39,8 @@ def torch_walk(w: torch.Tensor, u: torch.Tensor, k_tail: torch.Tensor, gamma: to
 
 
 def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                             beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK, walk=torch_walk) -> torch.Tensor:
+                             beta: torch.Tensor, state: torch.Tensor, chunk: int = CHUNK,
+                             walk=torch_walk) -> torch.Tensor:
     """Same contract as ``gdn_reference.chunked_gated_delta_rule``: q, k (B, T, H, Dk), v (B, T, H,
     Dv), g, beta (B, T, H), state (B, H, Dk, Dv) fp32 updated in place -> (B, T, H, Dv) in v's dtype.
     ``walk``: :func:`torch_walk` or a function with its contract."""
@@ -50,7 +51,8 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-    flat = [x.reshape(batch * heads, -1, x.shape[-1]) for x in (q, k, v)] + [x.reshape(batch * heads, -1) for x in (g, beta)]
+    flat = [x.reshape(batch * heads, -1, x.shape[-1]) for x in (q, k, v)]
+    flat += [x.reshape(batch * heads, -1) for x in (g, beta)]
     s = state.float().reshape(batch * heads, dk, v.shape[-1]).contiguous()
     out = chunks(*flat, s, chunk, walk)
     state.copy_(s.reshape(state.shape))

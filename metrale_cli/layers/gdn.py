@@ -81,7 +81,8 @@ class SsmStatePool:
     def alloc(self) -> int:
         if not self._free:
             raise MetraleError(f"recurrent state pool exhausted: all {self.slots} state slots are held by running "
-                               "sequences", hint="run fewer sequences at once or raise max_num_seqs (--batch for bench)")
+                               "sequences",
+                               hint="run fewer sequences at once or raise max_num_seqs (--batch for bench)")
         return self._free.pop()
 
     def release(self, slot: int) -> None:
