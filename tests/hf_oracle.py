@@ -19,6 +19,30 @@ from metrale_cli.models import build_model, model_config
 CONFIGS = {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config, "qwen3_moe": T.Qwen3MoeConfig,
            "qwen2_moe": T.Qwen2MoeConfig, "qwen3_next": T.Qwen3NextConfig, "qwen3_5_text": T.Qwen3_5TextConfig,
            "qwen3_5_moe_text": T.Qwen3_5MoeTextConfig}
+def random_ids(n: int, seed: int = 1, vocab: int = 384) -> list[int]:
+    """n random token ids below ``vocab`` (TINY's), reproducible by ``seed``."""
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def loaded_runner(raw: dict, weights: dict, backend: str, kv: KvCacheDtype, graphs: str = "full"):
+    """A runner over in-memory HF-named ``weights`` (the GPU model tests'): prefill chunks of 37
+    tokens, 4 sequences, context 256, calibrations over 64 tokens, no boundary-layer promotion."""
+    from metrale_cli.engine.runner import RunnerOptions, open_runner
+    from metrale_cli.engine.source import ModelSource
+
+    opts = RunnerOptions(backend=backend, kv_cache_dtype=kv, max_seq_len=256, max_num_seqs=4,
+                         reserve_all_memory=False, prefill_chunk=37, fp8_kv_calibration_tokens=64,
+                         cuda_graph_mode=graphs, kv_promote_minimum=False, innerq_calibration_tokens=64)
+    return open_runner(opts, ModelSource.loaded(raw, dict(weights), None, raw["model_type"]))
+
+
+def greedy_and_logits(runner, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """n greedy tokens after ``prompt`` and the teacher-forced logits that chose them."""
+    seqs, _ = runner.engine.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))
+    ids = seqs[0].output_ids
+    return ids, teacher_forced(runner.engine, prompt + ids)[len(prompt) - 1 : -1]
+
+
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=384, max_position_embeddings=512, initializer_range=0.2)
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hf_oracle import (as_dtype, check_logprobs_close, hf_greedy, hf_kv_rounded_to_bf16, hf_logits,
-                       make_hf, ours, planned, teacher_forced)
+                       make_hf, ours, planned, random_ids, teacher_forced)
 from metrale_cli.engine.sampler import SamplingParams
 from metrale_cli.engine.sequence import Sequence
 from metrale_cli.kernels.reference import TorchOps
@@ -36,15 +36,11 @@ CASES = {
 }
 
 
-def _ids(n: int, seed: int = 1, vocab: int = 384) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_hf(case):
     family, overrides = CASES[case]
     hf, raw = make_hf(family, **overrides)
-    ids = _ids(150)
+    ids = random_ids(150)
     ref32 = hf_logits(hf, ids)
     noise_floor = (hf_logits(as_dtype(hf, torch.bfloat16), ids) - ref32).abs().max().item()
     got = teacher_forced(ours(hf, raw), ids)
@@ -57,7 +53,7 @@ def test_greedy_matches_hf(case):
     family, overrides = CASES[case]
     hf, raw = make_hf(family, **overrides)
     hf16 = as_dtype(hf, torch.bfloat16)
-    prompt = _ids(24, seed=2)
+    prompt = random_ids(24, seed=2)
     ref_ids, ref_logits = hf_greedy(hf16, prompt, 40)
     engine = ours(hf, raw, chunk=10)
     seqs, _ = engine.generate([prompt], SamplingParams(max_new_tokens=40, ignore_eos=True))
@@ -73,7 +69,7 @@ def test_greedy_equal_for_32_tokens(case):
     is left is fp32 summation order, far below the logit margins, so the tokens are equal."""
     family, overrides = CASES[case]
     hf, raw = make_hf(family, **overrides)
-    prompt = _ids(20, seed=3)
+    prompt = random_ids(20, seed=3)
     with hf_kv_rounded_to_bf16():
         ref_ids, _ = hf_greedy(hf, prompt, 32)
     engine = ours(hf, raw, dtype=torch.float32, chunk=9)
@@ -89,7 +85,7 @@ def _nmse(a, b) -> float:
 @pytest.mark.parametrize("calibration", [0, 256])
 def test_fp8_kv_within_budget(family, calibration):
     hf, raw = make_hf(family)
-    ids = _ids(100)
+    ids = random_ids(100)
     engine = ours(hf, raw, kv=KvCacheDtype.FP8, calibration=calibration)
     got = teacher_forced(engine, ids)
     assert _nmse(got, hf_logits(hf, ids)) <= 5e-2
@@ -114,7 +110,7 @@ def test_fp8_kv_scales_from_checkpoint():
 
 def test_chunked_prefill_equals_whole():
     hf, raw = make_hf("qwen3", head_dim=32)
-    ids = _ids(90)
+    ids = random_ids(90)
     whole = teacher_forced(ours(hf, raw, chunk=512), ids)
     chunked_engine = ours(hf, raw, chunk=7)
     seqs, _ = chunked_engine.generate([ids], SamplingParams(max_new_tokens=16, ignore_eos=True))
@@ -127,7 +123,7 @@ def test_chunked_prefill_equals_whole():
 
 def test_batch_equals_each_alone():
     hf, raw = make_hf("qwen2")
-    ids = _ids(60)
+    ids = random_ids(60)
     prompts = [ids[:20], ids[30:45], ids[5:50], ids[:3]]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     alone = [ours(hf, raw).generate([p], params)[0][0].output_ids for p in prompts]
@@ -162,7 +158,7 @@ def test_fused_batch1_decode_equals_the_unfused_path(family):
         for name, weight in hf.named_parameters():
             if "norm" in name:
                 weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
-    ids, params = _ids(40, seed=3), SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ids, params = random_ids(40, seed=3), SamplingParams(max_new_tokens=24, ignore_eos=True)
     fused_ops = _FusedReferences()
     fused = ours(hf, raw, ops=fused_ops).generate([ids], params)[0][0].output_ids
     assert fused == ours(hf, raw).generate([ids], params)[0][0].output_ids

@@ -32,6 +32,7 @@ from hf_oracle import (
     make_hf,
     ours,
     planned,
+    random_ids,
     teacher_forced,
 )
 from safetensors.torch import load_file, save_file
@@ -71,10 +72,6 @@ def _hf(case: str):
     return make_hf(family, **overrides)
 
 
-def _ids(n: int, seed: int = 1, vocab: int = 384) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_layer_specs_are_the_layers_hf_builds(case):
     hf, raw = _hf(case)
@@ -102,13 +99,13 @@ def test_logits_match_hf(case):
     router's top-k, bf16 rounding picks other experts at a few positions, and the logits there
     move by whole units (HF's own bf16 path does so too); at most 5% of positions may be further
     off than HF's bf16 path at its worst."""
-    check_bf16_logits_near_hf(*_hf(case), _ids(151))
+    check_bf16_logits_near_hf(*_hf(case), random_ids(151))
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_matches_hf_in_bf16(case):
     hf, raw = _hf(case)
-    prompt = _ids(23, seed=2)
+    prompt = random_ids(23, seed=2)
     ref_ids, ref_logits = hf_greedy(as_dtype(hf, torch.bfloat16), prompt, 40)
     engine = ours(hf, raw, chunk=10)
     got_ids = engine.generate([prompt], SamplingParams(max_new_tokens=40, ignore_eos=True))[0][0].output_ids
@@ -119,13 +116,13 @@ def test_greedy_matches_hf_in_bf16(case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_equal_to_hf_for_32_tokens_in_fp32(case):
-    check_fp32_greedy_equals_hf(*_hf(case), _ids(21, seed=3), 32, chunk=9)
+    check_fp32_greedy_equals_hf(*_hf(case), random_ids(21, seed=3), 32, chunk=9)
 
 
 @pytest.mark.parametrize("case", ["qwen2_moe", "qwen3_moe-mlp-only"])
 def test_batch_equals_each_alone(case):
     hf, raw = _hf(case)
-    ids = _ids(60)
+    ids = random_ids(60)
     prompts = [ids[:21], ids[30:45], ids[5:50], ids[:3]]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     alone = [ours(hf, raw).generate([p], params)[0][0].output_ids for p in prompts]
@@ -141,7 +138,7 @@ def test_fused_and_per_expert_tensors_build_the_same_model(tmp_path):
     assert "model.layers.1.mlp.experts.5.up_proj.weight" in per_expert
     assert "model.layers.1.mlp.experts.gate_up_proj" in hf.state_dict()
     fused = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    ids = _ids(33)
+    ids = random_ids(33)
     logits = []
     for tensors in (fused, per_expert):
         tensors = {k: v.to(torch.bfloat16) for k, v in tensors.items()}
@@ -230,16 +227,16 @@ def tiny_moe():
 
 @pytest.fixture(scope="module")
 def bf16_kv_logits(tiny_moe):
-    return teacher_forced(ours(*tiny_moe, blocks=32), _ids(60, seed=5))
+    return teacher_forced(ours(*tiny_moe, blocks=32), random_ids(60, seed=5))
 
 
 @pytest.mark.parametrize("dtype", list(KvCacheDtype), ids=lambda d: d.value)
 def test_every_kv_dtype_runs_the_moe_model(tiny_moe, bf16_kv_logits, dtype):
     engine = ours(*tiny_moe, kv=dtype, blocks=32, chunk=16)
-    out = engine.generate([_ids(40)], SamplingParams(max_new_tokens=8, ignore_eos=True))[0][0].output_ids
+    out = engine.generate([random_ids(40)], SamplingParams(max_new_tokens=8, ignore_eos=True))[0][0].output_ids
     assert len(out) == 8 and all(0 <= t < 384 for t in out)
     assert [kv.dtype for kv in engine.model.kv_cache.layers] == [dtype] * 3
-    got = teacher_forced(ours(*tiny_moe, kv=dtype, blocks=32, chunk=16), _ids(60, seed=5))
+    got = teacher_forced(ours(*tiny_moe, kv=dtype, blocks=32, chunk=16), random_ids(60, seed=5))
     assert torch.isfinite(got).all()
     nmse = ((got - bf16_kv_logits).pow(2).sum() / bf16_kv_logits.pow(2).sum()).item()
     assert nmse <= max(SIDE_NMSE[side] for side in kv_pair(dtype)), f"{dtype.value}: {nmse:.3e}"

@@ -24,6 +24,7 @@ from hf_oracle import (
     hf_logits,
     make_hf,
     ours,
+    random_ids,
     teacher_forced,
 )
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
@@ -71,10 +72,6 @@ def _hf(case: str, seed: int = 0):
     hf, raw = make_hf(family, seed=seed, **overrides)
     _perturb_norms(hf, seed)
     return hf, raw
-
-
-def _ids(n: int, seed: int = 1, vocab: int = 384) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 # --- the config -------------------------------------------------------------------------------------
@@ -145,33 +142,33 @@ def test_defaults_follow_transformers_configs():
 # --- the model against HF -----------------------------------------------------------------------------
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_equal_to_hf_for_40_tokens_in_fp32(case):
-    check_fp32_greedy_equals_hf(*_hf(case), _ids(21, seed=3), 40, chunk=9)
+    check_fp32_greedy_equals_hf(*_hf(case), random_ids(21, seed=3), 40, chunk=9)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bf16_logits_match_hf(case):
     hf, raw = _hf(case)
-    check_bf16_logits_near_hf(hf, raw, _ids(101))
+    check_bf16_logits_near_hf(hf, raw, random_ids(101))
 
 
 @pytest.mark.parametrize("seed", [2, 3])
 def test_greedy_matches_hf_in_bf16(seed):
     """On the dense case: a random MoE hybrid is all router near-ties in bf16 (there HF's own
     bf16 tokens leave its fp32 ones)."""
-    check_bf16_greedy_near_hf(*_hf("dense"), _ids(19, seed=seed), 32, chunk=10)
+    check_bf16_greedy_near_hf(*_hf("dense"), random_ids(19, seed=seed), 32, chunk=10)
 
 
 def test_chunked_prefill_equals_one_prefill_and_hfs_logits():
     """Prefill chunks of 7 carry each GDN layer's conv window and state into the next chunk. HF's
     K/V rounded to bf16 round either way of an fp32 ulp: against its fp64 path (K/V rounded too),
     HF's own fp32 logits are 7e-4 off here, ours 1.2e-3."""
-    check_chunked_prefill(*_hf("moe"), _ids(61, seed=4), chunk=7, hf_tolerance=3e-3)
+    check_chunked_prefill(*_hf("moe"), random_ids(61, seed=4), chunk=7, hf_tolerance=3e-3)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_batch_decodes_as_each_alone_and_states_go_back(case):
     hf, raw = _hf(case)
-    ids = _ids(60)
+    ids = random_ids(60)
     engine = ours(hf, raw)
     check_batch_decodes_as_alone(engine, [ids[:21], ids[30:45], ids[5:50], ids[:3]],
                                  SamplingParams(max_new_tokens=12, ignore_eos=True))
@@ -251,7 +248,7 @@ def test_a_vision_language_state_dict_builds_the_text_model():
                                   initializer_range=0.2).to_dict()
     hf = model_cls(config_cls(text_config=text, vision_config=VISION)).eval()
     _perturb_norms(hf, 1)
-    ids = _ids(33, seed=6)
+    ids = random_ids(33, seed=6)
     with hf_kv_rounded_to_bf16():
         want = hf_logits(hf, ids)
     got = teacher_forced(ours(hf, hf.config.to_dict(), dtype=torch.float32), ids)

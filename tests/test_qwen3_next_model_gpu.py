@@ -16,11 +16,9 @@ import functools
 import pytest
 import torch
 
-from hf_oracle import check_batch_decodes_as_alone, check_logprobs_close, teacher_forced
+from hf_oracle import check_batch_decodes_as_alone, check_logprobs_close, greedy_and_logits, loaded_runner
 from metrale_cli.commands.bench_presets import random_weights
-from metrale_cli.engine.runner import RunnerOptions, open_runner
 from metrale_cli.engine.sampler import SamplingParams
-from metrale_cli.engine.source import ModelSource
 from metrale_cli.kv.dtypes import KvCacheDtype
 
 pytestmark = pytest.mark.gpu
@@ -48,17 +46,11 @@ def _model():
 
 
 def _runner(backend: str, kv: KvCacheDtype, graphs: str = "full"):
-    raw, weights = _model()
-    opts = RunnerOptions(backend=backend, kv_cache_dtype=kv, max_seq_len=256, max_num_seqs=4,
-                         reserve_all_memory=False, prefill_chunk=37, fp8_kv_calibration_tokens=64,
-                         cuda_graph_mode=graphs, kv_promote_minimum=False, innerq_calibration_tokens=64)
-    return open_runner(opts, ModelSource.loaded(raw, dict(weights), None, raw["model_type"]))
+    return loaded_runner(*_model(), backend, kv, graphs)
 
 
 def _greedy(runner, prompt):
-    seqs, _ = runner.engine.generate([prompt], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-    ids = seqs[0].output_ids
-    return ids, teacher_forced(runner.engine, prompt + ids)[PROMPT_LEN - 1 : -1]
+    return greedy_and_logits(runner, prompt, NEW)
 
 
 @pytest.mark.parametrize("kv", list(KvCacheDtype))

@@ -25,6 +25,7 @@ from hf_oracle import (
     hf_folder_greedy,
     make_hf,
     ours,
+    random_ids,
     teacher_forced,
 )
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next
@@ -65,10 +66,6 @@ def _hf(case: str, seed: int = 0):
             if "norm" in name:
                 param.add_(0.1 * torch.randn(param.shape, generator=gen))
     return hf, raw
-
-
-def _ids(n: int, seed: int = 1, vocab: int = 384) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 # --- the GDN math on its own ------------------------------------------------------------------------
@@ -146,7 +143,7 @@ def test_layer_specs_are_the_layers_hf_builds(case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_equal_to_hf_for_40_tokens_in_fp32(case):
-    check_fp32_greedy_equals_hf(*_hf(case), _ids(21, seed=3), 40, chunk=9)
+    check_fp32_greedy_equals_hf(*_hf(case), random_ids(21, seed=3), 40, chunk=9)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -154,7 +151,7 @@ def test_bf16_logits_match_hf(case):
     """test_moe_vs_hf's rule on the 90th percentile of each position's max |error| against HF
     fp32: within 1.5x HF's own bf16 path plus 0.05, and at most 5% of positions further off than
     HF's bf16 path at its worst (router near-ties flip experts under bf16 rounding, in HF too)."""
-    check_bf16_logits_near_hf(*_hf(case), _ids(120))
+    check_bf16_logits_near_hf(*_hf(case), random_ids(120))
 
 
 @pytest.mark.parametrize("seed", [2, 3, 4])
@@ -162,17 +159,17 @@ def test_greedy_matches_hf_in_bf16(seed):
     """vLLM's check_logprobs_close against HF bf16, on the mixed-dense case: on hybrid-moe HF's
     own bf16 tokens fail that check against its fp32 tokens on half the prompts (a random 4-layer
     MoE hybrid is all near-ties in bf16), so there it would test the prompt, not the code."""
-    check_bf16_greedy_near_hf(*_hf("mixed-dense"), _ids(23, seed=seed), 40, chunk=10)
+    check_bf16_greedy_near_hf(*_hf("mixed-dense"), random_ids(23, seed=seed), 40, chunk=10)
 
 
 def test_chunked_prefill_equals_one_prefill_and_hfs_logits():
     """Prefill chunks of 7 carry each GDN layer's conv window and state into the next chunk."""
-    check_chunked_prefill(*_hf("hybrid-moe"), _ids(75, seed=4), chunk=7, hf_tolerance=1e-3)
+    check_chunked_prefill(*_hf("hybrid-moe"), random_ids(75, seed=4), chunk=7, hf_tolerance=1e-3)
 
 
 def test_batch_equals_each_alone_and_states_go_back():
     hf, raw = _hf("hybrid-moe")
-    ids = _ids(60)
+    ids = random_ids(60)
     prompts = [ids[:21], ids[30:45], ids[5:50], ids[:3]]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     alone = [ours(hf, raw, dtype=torch.float32).generate([p], params)[0][0].output_ids for p in prompts]
@@ -192,7 +189,7 @@ def test_more_sequences_than_state_slots_wait_and_an_exhausted_pool_is_one_error
     tensors = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     model = build_model(planned(raw), tensors, TorchOps(), 64, 512, 0, torch.device("cpu"), max_seqs=2)
     engine = Engine(model, 512)
-    prompts = [_ids(9, seed=s) for s in range(5)]
+    prompts = [random_ids(9, seed=s) for s in range(5)]
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     batch = [s.output_ids for s in engine.generate(prompts, params)[0]]
     assert batch == [engine.generate([p], params)[0][0].output_ids for p in prompts]
@@ -210,18 +207,18 @@ def kv_model():
 
 @pytest.fixture(scope="module")
 def bf16_kv_logits(kv_model):
-    return teacher_forced(ours(*kv_model, blocks=32), _ids(50, seed=5))
+    return teacher_forced(ours(*kv_model, blocks=32), random_ids(50, seed=5))
 
 
 @pytest.mark.parametrize("dtype", list(KvCacheDtype), ids=lambda d: d.value)
 def test_every_kv_dtype_runs_with_kv_on_the_attention_layers_only(kv_model, bf16_kv_logits, dtype):
     engine = ours(*kv_model, kv=dtype, blocks=32, chunk=16)
-    out = engine.generate([_ids(30)], SamplingParams(max_new_tokens=6, ignore_eos=True))[0][0].output_ids
+    out = engine.generate([random_ids(30)], SamplingParams(max_new_tokens=6, ignore_eos=True))[0][0].output_ids
     assert len(out) == 6 and all(0 <= t < 384 for t in out)
     cache = engine.model.kv_cache
     assert [None if kv is None else kv.dtype for kv in cache.layers] == [dtype, None, None, None, dtype]
     assert cache.layout.kv_layers == (0, 4)
-    got = teacher_forced(engine, _ids(50, seed=5))
+    got = teacher_forced(engine, random_ids(50, seed=5))
     assert torch.isfinite(got).all()
     nmse = ((got - bf16_kv_logits).pow(2).sum() / bf16_kv_logits.pow(2).sum()).item()
     assert nmse <= 1.0, f"{dtype.value}: {nmse:.3e}"  # sane, not a budget: test_kv_model holds those

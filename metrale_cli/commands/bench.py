@@ -87,7 +87,7 @@ def fill_context(runner, seq: Sequence, gen: torch.Generator, chunk: int = 4096)
         pos = torch.arange(start, min(n, start + chunk))
         slots = (table[pos // 16] * 16 + pos % 16).to(torch.int32).to(model.device)
         for layer in model.layers:
-            if getattr(layer, "kv", None) is None:  # a recurrent layer: no KV to fill
+            if not layer.spec.has_kv:  # a recurrent layer: no KV to fill
                 continue
             shape = (len(pos), layer.kv.num_kv_heads, layer.kv.head_dim)
             k = torch.randn(shape, device=model.device, dtype=model.dtype)

@@ -1,9 +1,9 @@
 """The generation loop: chunked prefill per sequence, then batched decode of every running one.
 
 Sequences are admitted while the pool can reserve their whole budget
-(prompt + max_new_tokens, capped by max_seq_len) and every recurrent layer has a state slot free,
-so a running sequence never meets an exhausted pool; the rest wait for blocks and slots to be
-released. A sequence that could never fit is an
+(prompt + max_new_tokens, capped by max_seq_len) and, in a hybrid, a slot of the recurrent-state
+pool is free, so a running sequence never meets an exhausted pool; the rest wait for blocks and
+slots to be released. A sequence that could never fit is an
 error up front. Each admitted sequence gets its layers' states (``Layer.alloc_state``), released
 with its blocks when it ends. :meth:`Engine.stream` yields the text as it is decoded;
 :meth:`Engine.generate` runs the same loop to the end.
@@ -313,7 +313,7 @@ class Engine:
                     yield seq.index, delta
 
     def _admissible(self, waiting: list[Sequence]) -> bool:
-        """The next waiting sequence fits: its blocks, and a state slot in every recurrent layer."""
+        """The next waiting sequence fits: its blocks, and a slot of the recurrent-state pool."""
         slots = self.model.free_state_slots()
         return (bool(waiting) and self._budget(waiting[0]) <= self.model.kv_cache.allocator.free_blocks
                 and (slots is None or slots > 0))

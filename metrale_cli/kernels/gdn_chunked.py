@@ -72,7 +72,7 @@ def chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()
     k_beta = k * beta[..., None]
-    system = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1) + torch.eye(chunk, device=q.device)
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # I + its strict lower part: the solve reads no more
     t = torch.linalg.solve_triangular(system, torch.eye(chunk, device=q.device).expand_as(system), upper=False,
                                       unitriangular=True)
     w = t @ (k_beta * c.exp()[..., None])  # (BH, n, L, Dk)

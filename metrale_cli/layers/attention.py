@@ -105,10 +105,6 @@ class Qwen3AttentionLayer:
     def release_state(self, state: AttnLayerState) -> None:
         """Nothing to free: the sequence's blocks are released by the cache's owner."""
 
-    def free_states(self) -> int | None:
-        """No per-sequence state outside the KV cache: no limit here."""
-        return None
-
     def state_bytes(self) -> int:
         return 0
 

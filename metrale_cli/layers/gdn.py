@@ -75,9 +75,6 @@ class SsmStatePool:
     def free(self) -> int:
         return len(self._free)
 
-    def bytes_per_sequence(self) -> int:
-        return sum((self.conv[i][0].numel() + self.recurrent[i][0].numel()) * 4 for i in self.conv)
-
     def alloc(self) -> int:
         if not self._free:
             raise MetraleError(f"recurrent state pool exhausted: all {self.slots} state slots are held by running "
@@ -136,9 +133,6 @@ class GatedDeltaNetLayer:
 
     def release_state(self, state: GdnState) -> None:
         """Nothing of its own: the model gives the slot back to the pool."""
-
-    def free_states(self) -> int:
-        return self.ssm_pool.free
 
     def state_bytes(self) -> int:
         """Bytes of one sequence's state in this layer."""

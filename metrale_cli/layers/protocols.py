@@ -42,10 +42,6 @@ class Layer(Protocol):
     def release_state(self, state: LayerState) -> None:
         """Free what ``state`` holds; the engine calls it when the sequence ends."""
 
-    def free_states(self) -> int | None:
-        """How many more sequences this layer can hold state for (the shared pool's free
-        slots); None when it keeps none outside the KV cache."""
-
     def state_bytes(self) -> int:
         """Bytes of one sequence's state outside the KV cache (0 for full attention)."""
 

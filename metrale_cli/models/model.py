@@ -24,11 +24,8 @@ class CausalLM:
         self.ops = ops
         self.kv_cache = kv_cache
         self.calibration = calibration
-
-    @property
-    def ssm_pool(self):
-        """The recurrent-state pool the layers share (``Layer.uses_ssm_pool``), None without one."""
-        return next((layer.ssm_pool for layer in self.layers if layer.uses_ssm_pool()), None)
+        # the recurrent-state pool the layers share (Layer.uses_ssm_pool), None without one
+        self.ssm_pool = next((layer.ssm_pool for layer in layers if layer.uses_ssm_pool()), None)
 
     def alloc_states(self) -> list[LayerState]:
         """A new sequence's state of every layer (``Layer.alloc_state``), with one slot of the
