@@ -172,7 +172,8 @@ def validate_kernels(
 def bench(
     model: ModelOpt = None,
     preset: Annotated[Optional[str], typer.Option(help="random weights at a real model's shapes "
-                                                   "(qwen3-0.6b, qwen3-8b, qwen3-30b-a3b, smollm2, ...)")] = None,
+                                                   "(qwen3-0.6b, qwen3-8b, qwen3-30b-a3b, qwen3.5-27b, "
+                                                   "smollm2, ...)")] = None,
     n_prompt: Annotated[int, typer.Option("--n-prompt", "-p", help="prompt tokens (pp test)")] = 512,
     n_gen: Annotated[int, typer.Option("--n-gen", "-n", help="generated tokens (tg test)")] = 128,
     batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
@@ -211,6 +212,7 @@ def bench(
     Examples:
       metrale bench --preset qwen3-8b --compare-hf
       metrale bench --preset qwen3-30b-a3b -p 512 -n 128
+      metrale bench --preset qwen3.5-27b -p 4096 -n 8 --compare-hf
       metrale bench --preset qwen3-0.6b -p 512 -n 128 --batch 16 --kv-cache-dtype bf16 --kv-cache-dtype fp8
       metrale bench -m ./my-model --json
       metrale bench --kv-quality --backend torch
