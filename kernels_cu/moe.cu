@@ -5,29 +5,32 @@
 //                      the lower expert id, as torch.topk), renormalized when asked; then the
 //                      plan: the experts some row chose, ascending, and each one's (row, slot)
 //                      pairs; and the count of experts read.
-//   moe_gate_up_bf16   per chosen expert and 8 columns of its width: silu(gate·x) * (up·x) for
-//                      every pair that chose it (the x rows staged in shared memory) -> act.
-//   moe_down_bf16      per chosen expert and 32 hidden columns: w * (down·act) for each pair -> y;
+//   moe_gate_up_bf16   per chosen expert and 16 columns of its width: silu(gate·x) * (up·x) for
+//                      every pair that chose it -> act (tensor cores).
+//   moe_down_bf16      per chosen expert and 16 hidden columns: w * (down·act) for each pair -> y;
 //                      the last CTA of a column tile sums each row's top-k slots in slot order
-//                      [+ residual] -> out.
+//                      [+ residual] -> out (tensor cores).
 // Every output of a pair depends on that pair's row alone, and each row's sum runs in slot order,
 // so a row's result does not depend on the other rows of the batch. Rounding follows HF's bf16
 // expert loop where it stores: gate, up, silu(gate), the product, down's output, its product with
 // the bf16 weight; the k products are summed in fp32 and rounded once (HF adds them in bf16).
 //
+// Prefill chunks (more rows) group their pairs by expert for torch's grouped GEMMs, with two launches
+// of their own around them:
+//   moe_route_rows_bf16  a warp per row: route_row's softmax and top-k, each expert's pair count.
+//   moe_combine_bf16     a CTA per row: the row's top-k outputs, found in the grouped order,
+//                        weighted and summed in slot order [+ residual] -> out.
+//
 // The plan (int32): plan[0] = chosen experts n; plan[1 .. 1+E) their ids, ascending; plan[1+E ..
 // 2+2E) offsets (n + 1 entries) into the pairs plan[2+2E ..), each the index row * top_k + slot.
 #include "gemv.cuh"
+#include "mma.cuh"
 #include "pdl.cuh"
 
-#define MOE_THREADS 256  // the expert kernels' CTA: a warp per output column
-#define MOE_WARPS (MOE_THREADS / 32)
+#define MOE_THREADS 256  // moe_combine_bf16's CTA
 #define MOE_ROUTE_THREADS 512
 #define MOE_MAX_EXPERTS 1024
 #define MOE_MAX_PAIRS 1024  // rows * top_k of one launch
-#define MOE_STAGE_ELEMS 16384  // the staged input rows: 32 KB of bf16
-#define MOE_MAX_ROWS_PER_PASS 8
-#define MOE_DOWN_COLS 4  // hidden columns per warp of moe_down_bf16
 
 // Warp arg-max: the larger value, on ties the lower index (torch.topk's order).
 __device__ __forceinline__ void warp_argmax(float& v, int& i) {
@@ -140,162 +143,235 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
     for (int q = threadIdx.x; q < rows * top_k; q += blockDim.x) pairs[atomicAdd(&fill[chosen[q]], 1u)] = q;
 }
 
-enum MoeEpilogue { GATE_UP, DOWN };
+// logits (rows, E) bf16 -> ids (rows, k) int32, weights (rows, k) fp32 as moe_route_bf16's; counts[e]
+// += the pairs that chose e (zeroed by the caller). E <= MOE_MAX_EXPERTS, k <= min(E, 32). grid
+// ceil(rows / (block / 32)), block a multiple of 32: a warp per row.
+extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
+    moe_route_rows_bf16(const bf16_t* logits, int* ids, float* weights, unsigned* counts, int rows, int num_experts,
+                        int top_k, int normalize) {
+    const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int per_lane = (num_experts + 31) / 32;
+    pdl_wait();
+    pdl_launch_dependents();
+    if (r >= rows) return;
+    if (per_lane <= 4) route_row<4>(logits, ids, weights, ids, counts, r, num_experts, top_k, normalize);
+    else if (per_lane <= 8) route_row<8>(logits, ids, weights, ids, counts, r, num_experts, top_k, normalize);
+    else if (per_lane <= 16) route_row<16>(logits, ids, weights, ids, counts, r, num_experts, top_k, normalize);
+    else route_row<32>(logits, ids, weights, ids, counts, r, num_experts, top_k, normalize);
+}
 
-// What a CTA of the expert kernels works on: chosen expert `e` (slot blockIdx.y of the plan) and
-// the pairs [lo, hi) that chose it, over output columns in tiles of MOE_WARPS * COLS (a warp: COLS
-// columns); the CTA takes tiles blockIdx.x, + gridDim.x, ... GATE_UP (COLS 1): w (E, 2n, kdim),
-// column j reads rows j and n + j; the input row of pair q is row q / top_k of `in`; out: act
-// (pairs, n) bf16. DOWN: w (E, n, kdim), columns j * COLS ..; input row q of `in` (act); out:
-// y (pairs, n) fp32.
-template <MoeEpilogue EPI, int COLS>
-struct ExpertWork {
-    static constexpr int R = EPI == GATE_UP ? 2 : COLS;  // weight rows per warp
-    const bf16_t* w;
+// out (rows, hidden) = bf16(sum over slots s, in order, of bf16(ys[where[r * k + s]] * bf16(weights[r *
+// k + s]))) [then bf16(residual + that)]: the rounding of moe_down_bf16's epilogue and its sum.
+// ys (rows * k, hidden) bf16, the pairs' expert outputs in the grouped order; where: each pair's
+// row in it. hidden % 8 == 0; out may alias residual. grid rows, block a multiple of 32.
+extern "C" __global__ void __launch_bounds__(MOE_THREADS)
+    moe_combine_bf16(const bf16_t* ys, const int* where, const float* weights, const bf16_t* residual, bf16_t* out,
+                     int hidden, int top_k) {
+    const long long r = blockIdx.x;
+    pdl_wait();
+    pdl_launch_dependents();
+    for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {
+        float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int q = 0; q < top_k; ++q) {
+            const float wq = round_bf16(weights[r * top_k + q]);
+            float y[8];
+            load_vec<8>(ys + (long long)where[r * top_k + q] * hidden + c, y);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s[i] += round_bf16(y[i] * wq);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] = round_bf16(s[i]);
+        if (residual != nullptr) {
+            float res[8];
+            load_vec<8>(residual + r * hidden + c, res);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s[i] += res[i];
+        }
+        store_vec<8>(out + r * hidden + c, s);
+    }
+}
+
+// The expert kernels' dot products run on tensor cores. A CTA takes 16 weight rows of its expert
+// (16 columns of its width for gate/up, of hidden for down) and every pair that chose the expert,
+// a pass of up to MOE_TC_PAIRS pairs at a time; its MOE_TC_WARPS warps split the K dimension in blocks of 64 (warp w: blocks w, w + 4, ..)
+// and warp 0 adds their sums in warp order. A warp's m16n8k16 step: A = 16 weight rows, B = 8
+// pairs' input rows. Lane 4g + c loads the 16 elements 16c .. 16c + 15 of a 64-element block of
+// weight rows g and g + 8 and of pair g's input row; its four steps of the block take elements
+// 4i .. 4i + 3 of those (logical k 2c, 2c + 1, 2c + 8, 2c + 9 of step i): a permutation of K that
+// A and B share, so the loads stay 16 bytes wide and no operand is shuffled.
+#define MOE_TC_WARPS 4
+#define MOE_TC_THREADS (MOE_TC_WARPS * 32)
+#define MOE_TC_ROWS 16  // weight rows (output columns) per CTA
+#define MOE_TC_NT 2  // 8-pair tiles per pass
+#define MOE_TC_PAIRS (8 * MOE_TC_NT)
+
+struct Block16 {  // a lane's 16 elements of a 64-element K block: two 16-byte chunks
+    Chunk c[2];
+};
+
+__device__ __forceinline__ Block16 load_block(const bf16_t* row, int k0, int kdim, bool valid, bool stream) {
+    Block16 b;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int k = k0 + 8 * h;
+        if (valid && k < kdim) b.c[h] = stream ? load_weights(row + k) : *reinterpret_cast<const Chunk*>(row + k);
+        else b.c[h] = Chunk{{0u, 0u, 0u, 0u}};
+    }
+    return b;
+}
+
+// Words 2i and 2i + 1 of the lane's 16 elements: step i's k pairs (2c, 2c + 1) and (2c + 8, 2c + 9).
+__device__ __forceinline__ unsigned block_word(const Block16& b, int w) { return b.c[w >> 2].w[w & 3]; }
+
+// TILES weight tiles of 16 rows share the B operand (gate/up: the gate rows and the up rows).
+template <int TILES>
+struct TcWork {
+    const bf16_t* w;     // the expert's weight rows (kdim elements each)
+    const bf16_t* in;    // input rows
     const int* pairs;
-    int lo, hi, n, kdim, chunks, top_k;
+    int row0[TILES];     // first weight row of each tile
+    int rows_valid;      // weight rows of a tile in range: j0 + g < n
+    int j0, n, kdim, top_k, lo, hi;
+    bool input_by_row;   // gate/up: a pair's input is row q / top_k of `in`; down: row q
 
-    __device__ int row_of(int j, int h) const { return EPI == GATE_UP ? j + h * n : j * COLS + h; }
-    __device__ bool busy(int j) const { return EPI == GATE_UP ? j < n : j * COLS < n; }
-    __device__ bool has(int j, int h) const { return busy(j) && (EPI == GATE_UP || row_of(j, h) < n); }
-
-    template <int U>
-    __device__ void load(Chunk (&wc)[U][R], int j, int c0) const {
+    // acc[t][nt][4]: the warp's sums over its K blocks for the pass's pairs [base, base + MOE_TC_PAIRS).
+    __device__ void pass(int base, float (&acc)[TILES][MOE_TC_NT][4]) const {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+        const int blocks = (kdim + 63) / 64;
+        const int npairs = min(MOE_TC_PAIRS, hi - base);
+        const bf16_t* xrow[MOE_TC_NT];
 #pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-            for (int h = 0; h < R; ++h)
-                if (has(j, h) && c0 + 32 * u < chunks)
-                    wc[u][h] = load_weights(w + (long long)row_of(j, h) * kdim + (c0 + 32 * u) * 8);
-    }
-
-    // Stage the input rows of pairs [base, base + rows) in xs.
-    __device__ void stage(Chunk* xs, const bf16_t* in, int base, int rows) const {
-        for (int c = threadIdx.x; c < rows * chunks; c += blockDim.x) {
-            const int q = pairs[base + c / chunks];
-            const long long row = EPI == GATE_UP ? q / top_k : q;
-            xs[c] = *reinterpret_cast<const Chunk*>(in + row * kdim + (c % chunks) * 8);
+        for (int nt = 0; nt < MOE_TC_NT; ++nt) {
+            const int p = base + nt * 8 + g;
+            const int q = p < hi ? pairs[p] : 0;
+            xrow[nt] = p < hi ? in + (long long)(input_by_row ? q / top_k : q) * kdim : nullptr;
         }
-    }
-
-    template <int U>
-    __device__ void accumulate(const Chunk (&wc)[U][R], const Chunk* xs, int c0, int rows,
-                               float (&acc)[MOE_MAX_ROWS_PER_PASS][R]) const {
+        const bf16_t* wrow[TILES][2];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int c = c0 + 32 * u;
-            if (c >= chunks) continue;
+        for (int t = 0; t < TILES; ++t)
 #pragma unroll
-            for (int r = 0; r < MOE_MAX_ROWS_PER_PASS; ++r) {
-                if (r >= rows) continue;
-                const Chunk xv = xs[r * chunks + c];
+            for (int h = 0; h < 2; ++h) wrow[t][h] = w + (long long)(row0[t] + g + 8 * h) * kdim;
+        const bool valid[2] = {g < rows_valid, g + 8 < rows_valid};
+        for (int kb = warp; kb < blocks; kb += MOE_TC_WARPS) {
+            const int k0 = kb * 64 + 16 * c;
+            Block16 a[TILES][2];
 #pragma unroll
-                for (int h = 0; h < R; ++h) acc[r][h] = dot8(wc[u][h], xv, acc[r][h]);
-            }
-        }
-    }
-
-    // The warp's sums of column j for pairs [base, base + rows): reduced, stored, reset.
-    __device__ void finish(float (&acc)[MOE_MAX_ROWS_PER_PASS][R], int j, int base, int rows, const float* weights,
-                           void* out) const {
-        const int lane = threadIdx.x & 31;
+            for (int t = 0; t < TILES; ++t)
 #pragma unroll
-        for (int r = 0; r < MOE_MAX_ROWS_PER_PASS; ++r) {
-            if (r >= rows) continue;
+                for (int h = 0; h < 2; ++h) a[t][h] = load_block(wrow[t][h], k0, kdim, valid[h], true);
 #pragma unroll
-            for (int h = 0; h < R; ++h) acc[r][h] = warp_sum(acc[r][h]);
-            if (lane == 0) {
-                const int q = pairs[base + r];
-                if constexpr (EPI == GATE_UP) {
-                    const float g = round_bf16(acc[r][0]), u = round_bf16(acc[r][1]);
-                    reinterpret_cast<bf16_t*>(out)[(long long)q * n + j] =
-                        f32_to_bf16(round_bf16(g / (1.0f + expf(-g))) * u);
-                } else {
-                    const float wq = round_bf16(weights[q]);
+            for (int nt = 0; nt < MOE_TC_NT; ++nt) {
+                if (nt * 8 >= npairs) continue;  // warp-uniform
+                const Block16 b = load_block(xrow[nt], k0, kdim, xrow[nt] != nullptr, false);
 #pragma unroll
-                    for (int h = 0; h < R; ++h)
-                        if (has(j, h))
-                            reinterpret_cast<float*>(out)[(long long)q * n + row_of(j, h)] =
-                                round_bf16(round_bf16(acc[r][h]) * wq);
+                for (int i = 0; i < 4; ++i) {
+                    const unsigned bw[2] = {block_word(b, 2 * i), block_word(b, 2 * i + 1)};
+#pragma unroll
+                    for (int t = 0; t < TILES; ++t) {
+                        const unsigned aw[4] = {block_word(a[t][0], 2 * i), block_word(a[t][1], 2 * i),
+                                                block_word(a[t][0], 2 * i + 1), block_word(a[t][1], 2 * i + 1)};
+                        mma_bf16_16816(acc[t][nt], aw, bw);
+                    }
                 }
             }
-#pragma unroll
-            for (int h = 0; h < R; ++h) acc[r][h] = 0.0f;
         }
     }
 };
 
-// Per tile, the expert's pairs a pass at a time (all of them in one pass for up to
-// MOE_MAX_ROWS_PER_PASS rows), the weights read in batches of 32 * U chunks of a row.
-template <MoeEpilogue EPI, int COLS, int U>
-__device__ void expert_passes(const ExpertWork<EPI, COLS>& x, Chunk* xs, const bf16_t* in, const float* weights,
-                              void* out, int tiles, int per_pass) {
-    constexpr int R = ExpertWork<EPI, COLS>::R;
+// The warps' sums added in warp order into warp 0's acc (the other warps' acc are left as they were).
+template <int TILES>
+__device__ void tc_reduce(float (&acc)[TILES][MOE_TC_NT][4], float* red) {
+    constexpr int N = TILES * MOE_TC_NT * 4;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-        const int j = t * MOE_WARPS + warp;
-        for (int base = x.lo; base < x.hi; base += per_pass) {
-            const int rows = min(per_pass, x.hi - base);
-            __syncthreads();  // the previous pass has read xs
-            x.stage(xs, in, base, rows);
-            __syncthreads();
-            if (!x.busy(j)) continue;
-            float acc[MOE_MAX_ROWS_PER_PASS][R];
+    if (warp > 0) {
 #pragma unroll
-            for (int r = 0; r < MOE_MAX_ROWS_PER_PASS; ++r)
+        for (int t = 0; t < TILES; ++t)
 #pragma unroll
-                for (int h = 0; h < R; ++h) acc[r][h] = 0.0f;
-            for (int c0 = lane; c0 < x.chunks; c0 += 32 * U) {
-                Chunk wc[U][R];
-                x.load(wc, j, c0);
-                x.accumulate(wc, xs, c0, rows, acc);
-            }
-            x.finish(acc, j, base, rows, weights, out);
-        }
+            for (int nt = 0; nt < MOE_TC_NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) red[((warp - 1) * N + (t * MOE_TC_NT + nt) * 4 + i) * 32 + lane] = acc[t][nt][i];
     }
+    __syncthreads();
+    if (warp == 0) {
+        for (int w = 1; w < MOE_TC_WARPS; ++w)
+#pragma unroll
+            for (int t = 0; t < TILES; ++t)
+#pragma unroll
+                for (int nt = 0; nt < MOE_TC_NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        acc[t][nt][i] += red[((w - 1) * N + (t * MOE_TC_NT + nt) * 4 + i) * 32 + lane];
+    }
+    __syncthreads();  // red is free for the next pass
 }
 
-// The CTA's expert and pairs from the plan; false when its slot is past the chosen experts.
-template <MoeEpilogue EPI, int COLS, int U>
-__device__ bool run_expert(const bf16_t* w_all, const bf16_t* in, const int* plan, const float* weights, void* out,
-                           int n, int kdim, int num_experts, int top_k) {
-    __shared__ Chunk xs[MOE_STAGE_ELEMS / 8];
-    const int slot = blockIdx.y, chosen = plan[0];
-    const int e = plan[1 + slot], lo = plan[1 + num_experts + slot], hi = plan[2 + num_experts + slot];
-    if (slot >= chosen) return false;  // the whole CTA: no barrier is skipped by part of it
-    ExpertWork<EPI, COLS> x{w_all + (long long)e * (EPI == GATE_UP ? 2 : 1) * n * kdim, plan + 2 + 2 * num_experts,
-                            lo, hi, n, kdim, kdim / 8, top_k};
-    const int tiles = (n + MOE_WARPS * COLS - 1) / (MOE_WARPS * COLS);
-    const int per_pass = min(MOE_MAX_ROWS_PER_PASS, MOE_STAGE_ELEMS / kdim);
-    expert_passes<EPI, COLS, U>(x, xs, in, weights, out, tiles, per_pass);
-    return true;
-}
-
-// act (rows * top_k, inter) = silu(gate_e · x) * (up_e · x) for each pair's expert e.
-// gate_up (E, 2 * inter, hidden); hidden % 8 == 0, hidden <= MOE_STAGE_ELEMS.
-// grid (any up to ceil(inter / MOE_WARPS), min(E, rows * top_k)), block MOE_THREADS.
-extern "C" __global__ void __launch_bounds__(MOE_THREADS)
+// act (rows * top_k, inter) = silu(gate_e · x) * (up_e · x) for each pair's expert e. gate_up (E, 2 * inter, hidden); hidden % 8 == 0. grid (ceil(inter / 16),
+// min(E, rows * top_k)), block MOE_TC_THREADS.
+extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
     moe_gate_up_bf16(const bf16_t* x, const bf16_t* gate_up, const int* plan, bf16_t* act, int hidden, int inter,
-                     int num_experts, int top_k) {
+                        int num_experts, int top_k) {
+    __shared__ float red[(MOE_TC_WARPS - 1) * 2 * MOE_TC_NT * 4 * 32];
     pdl_wait();
     pdl_launch_dependents();
-    run_expert<GATE_UP, 1, 4>(gate_up, x, plan, nullptr, act, inter, hidden, num_experts, top_k);
+    const int slot = blockIdx.y;
+    if (slot >= plan[0]) return;
+    const int e = plan[1 + slot], lo = plan[1 + num_experts + slot], hi = plan[2 + num_experts + slot];
+    const int j0 = blockIdx.x * MOE_TC_ROWS;
+    TcWork<2> wk{gate_up + (long long)e * 2 * inter * hidden, x, plan + 2 + 2 * num_experts, {j0, inter + j0},
+                 inter - j0, j0, inter, hidden, top_k, lo, hi, true};
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    for (int base = lo; base < hi; base += MOE_TC_PAIRS) {
+        float acc[2][MOE_TC_NT][4] = {};
+        wk.pass(base, acc);
+        tc_reduce<2>(acc, red);
+        if ((threadIdx.x >> 5) != 0) continue;
+#pragma unroll
+        for (int nt = 0; nt < MOE_TC_NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int j = j0 + g + (i >= 2 ? 8 : 0), p = base + nt * 8 + 2 * c + (i & 1);
+                if (j >= inter || p >= hi) continue;
+                const float gv = round_bf16(acc[0][nt][i]), uv = round_bf16(acc[1][nt][i]);
+                act[(long long)wk.pairs[p] * inter + j] = f32_to_bf16(round_bf16(gv / (1.0f + expf(-gv))) * uv);
+            }
+    }
 }
 
 // y (rows * top_k, hidden) fp32 = bf16(bf16(down_e · act) * bf16(weight)) for each pair; then the
 // last CTA of each blockIdx.x to finish (counters: zeroed words, one per blockIdx.x, left zero)
 // writes out (rows, hidden) = bf16(sum over the row's slots of y, in slot order) [then
-// bf16(residual + that)] for the columns of its tiles. out may alias residual. down (E, hidden,
-// inter); inter % 8 == 0, inter <= MOE_STAGE_ELEMS. grid (any up to ceil(hidden / (MOE_WARPS *
-// MOE_DOWN_COLS)), min(E, rows * top_k)), block MOE_THREADS.
-extern "C" __global__ void __launch_bounds__(MOE_THREADS)
+// bf16(residual + that)] for its 16 columns. out may alias residual. down (E, hidden, inter);
+// inter % 8 == 0. grid (ceil(hidden / 16), min(E, rows * top_k)), block MOE_TC_THREADS.
+extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
     moe_down_bf16(const bf16_t* act, const bf16_t* down, const int* plan, const float* weights, float* y,
-                  const bf16_t* residual, bf16_t* out, unsigned* counters, int rows, int hidden, int inter,
-                  int num_experts, int top_k) {
+                     const bf16_t* residual, bf16_t* out, unsigned* counters, int rows, int hidden, int inter,
+                     int num_experts, int top_k) {
+    __shared__ float red[(MOE_TC_WARPS - 1) * MOE_TC_NT * 4 * 32];
     __shared__ bool last;
     pdl_wait();
     pdl_launch_dependents();
-    if (!run_expert<DOWN, MOE_DOWN_COLS, 3>(down, act, plan, weights, y, hidden, inter, num_experts, top_k)) return;
+    const int slot = blockIdx.y;
+    if (slot >= plan[0]) return;
+    const int e = plan[1 + slot], lo = plan[1 + num_experts + slot], hi = plan[2 + num_experts + slot];
+    const int j0 = blockIdx.x * MOE_TC_ROWS;
+    TcWork<1> wk{down + (long long)e * hidden * inter, act, plan + 2 + 2 * num_experts, {j0}, hidden - j0, j0,
+                 hidden, inter, top_k, lo, hi, false};
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    for (int base = lo; base < hi; base += MOE_TC_PAIRS) {
+        float acc[1][MOE_TC_NT][4] = {};
+        wk.pass(base, acc);
+        tc_reduce<1>(acc, red);
+        if ((threadIdx.x >> 5) != 0) continue;
+#pragma unroll
+        for (int nt = 0; nt < MOE_TC_NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int j = j0 + g + (i >= 2 ? 8 : 0), p = base + nt * 8 + 2 * c + (i & 1);
+                if (j >= hidden || p >= hi) continue;
+                const int q = wk.pairs[p];
+                y[(long long)q * hidden + j] = round_bf16(round_bf16(acc[0][nt][i]) * round_bf16(weights[q]));
+            }
+    }
     __syncthreads();  // this CTA's y is written
     if (threadIdx.x == 0) {
         __threadfence();
@@ -304,16 +380,14 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
     __syncthreads();
     if (!last) return;
     __threadfence();
-    const int width = MOE_WARPS * MOE_DOWN_COLS, tiles = (hidden + width - 1) / width;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x)
-        for (int i = threadIdx.x; i < rows * width; i += blockDim.x) {
-            const int r = i / width, c = t * width + i % width;
-            if (c >= hidden) continue;
-            float s = 0.0f;
-            for (int q = 0; q < top_k; ++q) s += __ldcg(y + ((long long)r * top_k + q) * hidden + c);
-            s = round_bf16(s);
-            if (residual != nullptr) s = bf16_to_f32(residual[(long long)r * hidden + c]) + s;
-            out[(long long)r * hidden + c] = f32_to_bf16(s);
-        }
+    for (int i = threadIdx.x; i < rows * MOE_TC_ROWS; i += blockDim.x) {
+        const int r = i / MOE_TC_ROWS, col = j0 + i % MOE_TC_ROWS;
+        if (col >= hidden) continue;
+        float s = 0.0f;
+        for (int q = 0; q < top_k; ++q) s += __ldcg(y + ((long long)r * top_k + q) * hidden + col);
+        s = round_bf16(s);
+        if (residual != nullptr) s = bf16_to_f32(residual[(long long)r * hidden + col]) + s;
+        out[(long long)r * hidden + col] = f32_to_bf16(s);
+    }
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }

@@ -17,6 +17,7 @@ CASES = [
     (19, 1024, 2, 64, 8, "few"),
     (2, 8, 2, 1288, 784, "random"),  # rows of several 16-byte chunk batches per lane
     (9, 8, 2, 1288, 784, "all"),  # more rows than one pass stages
+    (40, 8, 2, 200, 48, "all"),  # one expert's 40 pairs: three passes of the tensor-core kernels
 ]
 
 

@@ -28,6 +28,8 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
         handle = build_host_library("moe_host.cpp", tmp_path_factory.mktemp("moe"))
         handle.host_moe_route.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
         handle.host_moe_experts.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5
+        handle.host_moe_route_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+        handle.host_moe_combine.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
         _LIB.append(handle)
     return _LIB[0]
 
@@ -115,3 +117,47 @@ def test_a_row_is_the_same_alone_and_in_a_batch(lib):
                              _p(out), _p(counters), n, 64, 24, 16, 4)
         outs.append(out)
     assert torch.equal(outs[0][3:4], outs[1])
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_prefill_routing_is_torch_topk_and_counts_every_pair(lib, case, normalize):
+    """moe_route_rows_bf16, a warp per row over CTAs of 2 warps: the decode routing's ids and
+    weights, and each expert's number of pairs."""
+    rows, experts, top_k = case[:3]
+    t = moe_case(*case)
+    ids = torch.full((rows, top_k), -1, dtype=torch.int32)
+    weights = torch.full((rows, top_k), float("nan"))
+    counts = torch.zeros(experts, dtype=torch.int32)
+    lib.host_moe_route_rows(_p(t["logits"]), _p(ids), _p(weights), _p(counts), rows, experts, top_k,
+                            int(normalize), 64)
+    want_ids, want_w = stable_route(t["logits"], top_k, normalize)
+    assert torch.equal(ids, want_ids)
+    close(weights, want_w, "moe route")
+    assert torch.equal(counts, torch.bincount(want_ids.flatten(), minlength=experts).to(torch.int32))
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("shape", [(1, 1, 8), (7, 4, 1288), (33, 8, 64), (5, 3, 2056)])
+def test_prefill_combine_weights_and_sums_each_rows_slots_in_order(lib, shape, with_residual):
+    """moe_combine_bf16: out[r] = bf16(sum in slot order of bf16(ys[where[r, s]] * bf16(w[r, s])))
+    [then bf16(residual + that)], bit for bit, with ys in a shuffled (grouped) order and hidden
+    sizes that leave threads idle or loop."""
+    rows, top_k, hidden = shape
+    g = torch.Generator().manual_seed(rows * 31 + hidden)
+    pairs = rows * top_k
+    ys = torch.randn(pairs, hidden, generator=g).to(torch.bfloat16)
+    where = torch.randperm(pairs, generator=g).to(torch.int32)
+    weights = torch.rand(rows, top_k, generator=g)
+    residual = torch.randn(rows, hidden, generator=g).to(torch.bfloat16) if with_residual else None
+    out = torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16)
+    lib.host_moe_combine(_p(ys), _p(where), _p(weights), _p(residual), _p(out), rows, hidden, top_k, 128)
+    y = ys[where.long()].view(rows, top_k, hidden)
+    w = weights.to(torch.bfloat16)
+    want = torch.zeros(rows, hidden)
+    for s in range(top_k):  # fp32 adds in slot order
+        want += (y[:, s] * w[:, s, None]).float()
+    want = want.to(torch.bfloat16)
+    if residual is not None:
+        want = residual + want
+    assert torch.equal(out, want)

@@ -1,5 +1,5 @@
-// moe.cu's four kernels as a host library, each over the grid CudaOps launches, so the tests can
-// hold the routing, the plan, the expert CTAs and the weighted sum to the torch reference on a CPU:
+// moe.cu's kernels as a host library, each over the grid CudaOps launches, so the tests can hold
+// the routing, the plan, the expert CTAs and the weighted sums to the torch reference on a CPU:
 //   g++ -std=c++20 -O1 -ffp-contract=off -shared -fPIC -I../include moe_host.cpp -o moe.so
 #include "emulate.h"
 #include "../moe.cu"
@@ -9,16 +9,29 @@ extern "C" void host_moe_route(const bf16_t* logits, int* ids, float* weights, i
     run_grid(1, 1, threads, [&] { moe_route_bf16(logits, ids, weights, plan, experts_read, rows, num_experts, top_k, normalize); });
 }
 
-// The expert kernels over a grid of `chosen` = min(E, rows * top_k) expert slots, as CudaOps;
-// counters: one zeroed word per column tile of moe_down_bf16.
+// The prefill chunk's routing: a warp per row over ceil(rows / (threads / 32)) CTAs, as CudaOps.
+extern "C" void host_moe_route_rows(const bf16_t* logits, int* ids, float* weights, unsigned* counts, int rows,
+                                    int num_experts, int top_k, int normalize, int threads) {
+    const int per_cta = threads / 32;
+    run_grid((rows + per_cta - 1) / per_cta, 1, threads,
+             [&] { moe_route_rows_bf16(logits, ids, weights, counts, rows, num_experts, top_k, normalize); });
+}
+
+// The prefill chunk's weighted sum: a CTA per row.
+extern "C" void host_moe_combine(const bf16_t* ys, const int* where, const float* weights, const bf16_t* residual,
+                                 bf16_t* out, int rows, int hidden, int top_k, int threads) {
+    run_grid(rows, 1, threads, [&] { moe_combine_bf16(ys, where, weights, residual, out, hidden, top_k); });
+}
+
+// The expert kernels over a grid of `chosen` = min(E, rows * top_k) expert slots and 16 weight rows
+// a CTA, as CudaOps; counters: one zeroed word per column tile of moe_down_bf16.
 extern "C" void host_moe_experts(const bf16_t* x, const bf16_t* gate_up, const bf16_t* down, const int* plan,
                                  const float* weights, const bf16_t* residual, bf16_t* act, float* y, bf16_t* out,
                                  unsigned* counters, int rows, int hidden, int inter, int num_experts, int top_k) {
     const unsigned chosen = (unsigned)min(num_experts, rows * top_k);
-    run_grid((inter + MOE_WARPS - 1) / MOE_WARPS, chosen, MOE_THREADS,
+    run_grid((inter + MOE_TC_ROWS - 1) / MOE_TC_ROWS, chosen, MOE_TC_THREADS,
              [&] { moe_gate_up_bf16(x, gate_up, plan, act, hidden, inter, num_experts, top_k); });
-    const int tile = MOE_WARPS * MOE_DOWN_COLS;
-    run_grid((hidden + tile - 1) / tile, chosen, MOE_THREADS, [&] {
+    run_grid((hidden + MOE_TC_ROWS - 1) / MOE_TC_ROWS, chosen, MOE_TC_THREADS, [&] {
         moe_down_bf16(act, down, plan, weights, y, residual, out, counters, rows, hidden, inter, num_experts, top_k);
     });
 }

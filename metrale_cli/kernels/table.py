@@ -77,7 +77,7 @@ GEMV_MAX_K = 20480  # its shared-memory row of x (gemv.cuh)
 COMMON_KERNELS = tuple(k[0] for k in (RMS_NORM, ADD_RMS_NORM, ROPE, SILU_AND_MUL, GEMV_NORM, GEMV_NORM_LOGITS,
                                       GEMV_NORM_SWIGLU, GEMV_ADD, DECODE_ADVANCE))
 # The routed experts of a MoE FFN for up to MOE_DECODE_ROWS rows (moe.cu); more rows run
-# grouped GEMMs (torch._grouped_mm) instead.
+# grouped GEMMs (torch._grouped_mm) between moe.cu's routing of many rows and its combine.
 MOE_ROUTE = K("moe::moe_route_bf16"), Signature.parse(
     "logits: bf16*, ids: i32*, weights: f32*, plan: i32*, experts_read: i64*?, rows: i32, num_experts: i32, "
     "top_k: i32, normalize: i32"
@@ -89,14 +89,20 @@ MOE_DOWN = K("moe::moe_down_bf16"), Signature.parse(
     "act: bf16*, down: bf16*, plan: i32*, weights: f32*, y: f32*, residual: bf16*?, out: bf16*, counters: i32*, "
     "rows: i32, hidden: i32, inter: i32, num_experts: i32, top_k: i32"
 )
-MOE_KERNELS = tuple(k[0] for k in (MOE_ROUTE, MOE_GATE_UP, MOE_DOWN))
-MOE_THREADS = 256  # moe.cu's expert CTA: a warp per output column
+MOE_ROUTE_ROWS = K("moe::moe_route_rows_bf16"), Signature.parse(
+    "logits: bf16*, ids: i32*, weights: f32*, counts: i32*, rows: i32, num_experts: i32, top_k: i32, normalize: i32"
+)
+MOE_COMBINE = K("moe::moe_combine_bf16"), Signature.parse(
+    "ys: bf16*, where: i32*, weights: f32*, residual: bf16*?, out: bf16*, hidden: i32, top_k: i32"
+)
+MOE_KERNELS = tuple(k[0] for k in (MOE_ROUTE, MOE_GATE_UP, MOE_DOWN, MOE_ROUTE_ROWS, MOE_COMBINE))
+MOE_TC_THREADS = 128  # moe.cu's expert CTA: 4 warps splitting K
+MOE_TC_ROWS = 16  # the weight rows (output columns) of one expert CTA
+MOE_THREADS = 256  # moe.cu's prefill routing (a warp per row) and combine CTAs
 MOE_WARPS = MOE_THREADS // 32
-MOE_DOWN_COLS = 4  # hidden columns per warp of moe_down_bf16
 MOE_MAX_EXPERTS = 1024  # its routing CTA's
 MOE_MAX_PAIRS = 1024  # rows x top_k of one routing launch
 MOE_MAX_TOP_K = 32  # a lane per slot
-MOE_STAGE_ELEMS = 16384  # the widest input row its expert CTAs stage
 MOE_DECODE_ROWS = 64
 # A Gated DeltaNet mixer's decode step, one launch (gdn.cu): a CTA per (value head, row), 4 threads
 # per state column; its key head dims are the gdn module's head_dims.
