@@ -116,6 +116,7 @@ gdn_chunk_walk_f32(const float* __restrict__ w, float* __restrict__ u, const flo
 // element of the wider of Dk and Dv (threads = that, rounded up to warps, at most 256).
 #include "numeric.cuh"
 #include "reduce.cuh"
+#include "rms_row.cuh"
 
 extern "C" __global__ void __launch_bounds__(GDN_WALK_THREADS)
 gdn_chunk_inputs_bf16(const bf16_t* __restrict__ conv, const bf16_t* __restrict__ b, const bf16_t* __restrict__ a,
@@ -146,4 +147,73 @@ gdn_chunk_inputs_bf16(const bf16_t* __restrict__ conv, const bf16_t* __restrict_
             g[at] = 0.0f, beta[at] = 0.0f;
         }
     }
+}
+
+// The causal depthwise conv + SiLU of one sequence's T new tokens (gdn_reference.causal_conv1d):
+// out[i, c] = bf16(silu(sum over taps t < K-1 of x[p-K+1+t, c] w[c, t] + x[p, c] w[c, K-1])) at
+// position p = start_pos + i, fp32, taps oldest first. Inputs before start_pos come from the
+// slot's conv window (K entries of C fp32 channels, position p in entry p % K), the rest from
+// mixed (T rows of C bf16 at mixed_stride). Then the window holds the last K-1 inputs: the CTAs of
+// token block 0 read the window at their start and write it at their end, a thread per channel,
+// so no entry is written while another thread reads it. Grid (ceil(C / 256), ceil(T /
+// GDN_CONV_TOKENS)), block 256; taps <= GDN_MAX_TAPS.
+#define GDN_CONV_THREADS 256
+#define GDN_CONV_TOKENS 64  // tokens a thread walks, its window in registers
+#define GDN_MAX_TAPS 8
+
+__device__ __forceinline__ float gdn_silu(float x) { return x / (1.0f + expf(-x)); }
+
+extern "C" __global__ void __launch_bounds__(GDN_CONV_THREADS)
+gdn_conv_bf16(const bf16_t* __restrict__ mixed, const bf16_t* __restrict__ weight, float* __restrict__ window,
+              bf16_t* __restrict__ out, int tokens, int start_pos, int mixed_stride, int channels, int taps) {
+    const int c = blockIdx.x * GDN_CONV_THREADS + threadIdx.x, t0 = blockIdx.y * GDN_CONV_TOKENS;
+    if (c >= channels) return;
+    float w[GDN_MAX_TAPS], win[GDN_MAX_TAPS];  // win[t]: the input of position p - K + 1 + t
+#pragma unroll
+    for (int t = 0; t < GDN_MAX_TAPS; ++t) {
+        w[t] = t < taps ? bf16_to_f32(weight[(long long)c * taps + t]) : 0.0f;
+        win[t] = 0.0f;
+        if (t >= taps - 1) continue;
+        const int i = t0 - taps + 1 + t;  // the token index of that input (negative: before start_pos)
+        if (i >= 0) win[t] = bf16_to_f32(mixed[(long long)i * mixed_stride + c]);
+        else win[t] = window[(long long)(((start_pos + i) % taps + taps) % taps) * channels + c];
+    }
+    const int t1 = min(tokens, t0 + GDN_CONV_TOKENS);
+    for (int i = t0; i < t1; ++i) {
+        const float x = bf16_to_f32(mixed[(long long)i * mixed_stride + c]);
+        float acc = 0.0f;
+#pragma unroll
+        for (int t = 0; t < GDN_MAX_TAPS; ++t)
+            if (t < taps - 1) acc += win[t] * w[t];
+        acc += x * w[taps - 1];
+        out[(long long)i * channels + c] = f32_to_bf16(gdn_silu(acc));
+#pragma unroll
+        for (int t = 0; t + 1 < GDN_MAX_TAPS; ++t)
+            if (t + 1 < taps - 1) win[t] = win[t + 1];
+        if (taps >= 2) {
+#pragma unroll
+            for (int t = 0; t < GDN_MAX_TAPS; ++t)
+                if (t == taps - 2) win[t] = x;
+        }
+    }
+    if (blockIdx.y != 0) return;
+    for (int i = max(0, tokens - taps + 1); i < tokens; ++i)  // the new inputs among the last K-1
+        window[(long long)((start_pos + i) % taps) * channels + c] = bf16_to_f32(mixed[(long long)i * mixed_stride + c]);
+}
+
+// The gated RMSNorm after the rule (gdn_reference.gated_rms_norm, as gdn_decode_bf16's step 4):
+// out[t, h*Dv + j] = bf16(bf16(w_j * bf16(x * r)) * silu(z)) with x = bf16(o[h, t, j]) and r =
+// 1 / sqrt(sum over the head of x^2 / Dv + eps). o: the rule's fp32 output (Hv, padded, Dv); z: T
+// rows of Hv*Dv bf16 at z_stride. Grid (T, Hv), block Dv rounded up to warps.
+extern "C" __global__ void __launch_bounds__(GDN_WALK_THREADS)
+gdn_gated_norm_bf16(const float* __restrict__ o, const bf16_t* __restrict__ z, const bf16_t* __restrict__ norm,
+                    bf16_t* __restrict__ out, int padded, int z_stride, int num_v_heads, int dv, float eps) {
+    const int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+    const bool live = j < dv;
+    const float x = live ? round_bf16(o[((long long)h * padded + t) * dv + j]) : 0.0f;
+    const float r = inv_rms(block_sum(x * x), dv, eps);
+    if (!live) return;
+    const float zf = bf16_to_f32(z[(long long)t * z_stride + h * dv + j]);
+    out[((long long)t * num_v_heads + h) * dv + j] =
+        f32_to_bf16(round_bf16(rms_scaled(x, bf16_to_f32(norm[j]), r)) * gdn_silu(zf));
 }

@@ -3,6 +3,7 @@
 - the cuda backend's prefill rule (``gdn_chunked``: every chunk's own work batched, a walk of three
   launches a chunk) against the reference's chunked form and its token-by-token form, at the
   lengths that break chunking (1, 7, 63, 64, 65, 999), from a non-zero state;
+- the cuda prefill reads nothing back from the device;
 - ``gdn_reference.prefill`` and ``decode`` over a pool: a prefill, then decode steps, then another
   prefill chunk of the same sequence give what one prefill of everything gives (the conv entries
   kept by position wrap around), and a row's slot is the only one that changes.
@@ -121,3 +122,25 @@ def test_the_cuda_prefill_equals_the_reference(tokens):
     assert (got.float() - expected.float()).abs().max() <= 2e-2 * expected.float().abs().max()
     assert (ours.recurrent_pool - want.recurrent_pool).abs().max() < 1e-3
     assert torch.equal(ours.conv_pool, want.conv_pool)
+
+
+@pytest.mark.gpu
+def test_the_cuda_prefill_never_waits_for_the_gpu():
+    """A prefill chunk reads nothing back from the device (a sync a layer would stall the launches
+    of a long prompt): CudaOps.gdn_prefill under torch's sync check, equal to an unchecked run."""
+    from metrale_cli.kernels.cuda_ops import CudaOps
+
+    dev = _device("cuda")
+    ops = CudaOps()
+    layers = [_mixer(dev, hk=2, hv=4, dk=128, dv=128) for _ in range(2)]
+    for layer in layers:
+        layer.conv, layer.norm = layer.conv.bfloat16(), layer.norm.bfloat16()
+    rest = [t.bfloat16() for t in _inputs(70, layers[0], dev, seed=7)]
+    want = ops.gdn_prefill(*rest, layers[0], 1, 5)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = ops.gdn_prefill(*rest, layers[1], 1, 5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want) and torch.equal(layers[0].conv_pool, layers[1].conv_pool)

@@ -1,6 +1,8 @@
 """gdn_prefill.cu emulated on the CPU: the walk over a prefill's chunks against gdn_chunked.torch_walk,
-and the chunked rule's inputs against the reference's preparation (gdn_reference: the key heads
-repeated to the value heads, q / k L2-normalised, q scaled, the gates, zero padding).
+the chunked rule's inputs against the reference's preparation (gdn_reference: the key heads
+repeated to the value heads, q / k L2-normalised, q scaled, the gates, zero padding), the conv
+against gdn_reference.causal_conv1d over a window of the pool, and the gated norm against
+gdn_reference.gated_rms_norm.
 
 ``kernels_cu/host/gdn_prefill_host.cpp`` runs the kernel over the grid the cuda backend launches:
 a CTA per (sequence x head, 16 state columns), so value head widths of 8 (a part-filled tile), 16
@@ -29,6 +31,8 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
         handle = build_host_library("gdn_prefill_host.cpp", tmp_path_factory.mktemp("gdn_walk"))
         handle.host_gdn_chunk_walk.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4
         handle.host_gdn_chunk_inputs.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 10
+        handle.host_gdn_conv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+        handle.host_gdn_gated_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.c_float]
         _LIB.append(handle)
     return _LIB[0]
 
@@ -63,7 +67,8 @@ def test_the_table_mirrors_the_kernel_source():
 
     source = (KERNELS_DIR / "gdn_prefill.cu").read_text()
     defines = dict(re.findall(r"^#define (\w+) (\d+)", source, re.MULTILINE))
-    for name in ("GDN_WALK_THREADS", "GDN_WALK_COLS", "GDN_WALK_MAX_DK"):
+    for name in ("GDN_WALK_THREADS", "GDN_WALK_COLS", "GDN_WALK_MAX_DK", "GDN_CONV_THREADS", "GDN_CONV_TOKENS",
+                 "GDN_MAX_TAPS"):
         assert int(defines[name]) == getattr(table, name)
     assert int(defines["GDN_CHUNK"]) == CHUNK
 
@@ -97,3 +102,55 @@ def test_the_chunk_inputs_equal_the_reference_preparation(lib, tokens, hk, hv, d
     for name, x, y in zip("qkvgb", got, want):
         assert (x - y).abs().max() <= 2e-6 * max(1.0, y.abs().max().item()), name
     assert not got[3][:, tokens:].any() and not got[4][:, tokens:].any()
+
+
+def ptr(t):
+    return ctypes.c_void_p(t.data_ptr())
+
+
+@pytest.mark.parametrize("tokens, start_pos, taps, channels", [
+    (1, 0, 4, 40), (2, 5, 4, 300), (3, 9, 4, 64), (70, 0, 4, 260), (130, 37, 4, 64), (5, 2, 2, 33), (9, 11, 8, 17)])
+def test_the_conv_equals_the_reference_over_the_pools_window(lib, tokens, start_pos, taps, channels):
+    """gdn_conv_bf16 against causal_conv1d over the K-1 entries before start_pos (position p in
+    entry p % K), a token block and a channel block part-filled, fewer tokens than taps; the window
+    is then the reference's, bit for bit (the last K-1 inputs at their entries)."""
+    from metrale_cli.kernels import gdn_reference
+
+    g = torch.Generator().manual_seed(tokens * 7 + taps)
+    projected = torch.randn(tokens, channels + 5, generator=g).bfloat16()  # rows of a wider projection
+    mixed = projected[:, :channels]
+    weight = (0.5 * torch.randn(channels, taps, generator=g)).bfloat16()
+    pool = torch.randn(taps, channels, generator=g).bfloat16().float()  # the slot's entries, as inputs
+    want_pool = pool.clone()
+    window = want_pool.roll(-((start_pos + 1) % taps), 0)[: taps - 1]
+    want = gdn_reference.causal_conv1d(mixed, window, weight)
+    want_pool[torch.arange(start_pos + tokens - taps + 1, start_pos + tokens) % taps] = window
+    got = torch.full((tokens, channels), float("nan")).bfloat16()
+    lib.host_gdn_conv(ptr(projected), ptr(weight), ptr(pool), ptr(got), tokens, start_pos, projected.shape[1],
+                      channels, taps)
+    assert torch.equal(pool, want_pool)
+    err = (got.float() - want.float()).abs()
+    assert (err <= 8e-3 * want.float().abs().clamp(min=1)).all()  # a bf16 rounding edge at most
+    assert (got == want).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("tokens, hv, dv", [(1, 1, 16), (7, 3, 128), (65, 2, 40)])
+def test_the_gated_norm_equals_the_reference(lib, tokens, hv, dv):
+    """gdn_gated_norm_bf16 over the rule's (Hv, padded, Dv) fp32 output and z rows of a wider
+    projection, against gated_rms_norm of the output rounded to bf16."""
+    from metrale_cli.kernels import gdn_reference
+
+    g = torch.Generator().manual_seed(tokens + dv)
+    padded = -(-tokens // CHUNK) * CHUNK
+    o = torch.randn(hv, padded, dv, generator=g)
+    projected = torch.randn(tokens, hv * dv + 3, generator=g).bfloat16()
+    z = projected[:, :hv * dv]
+    norm = (1 + 0.1 * torch.randn(dv, generator=g)).bfloat16()
+    got = torch.full((tokens, hv * dv), float("nan")).bfloat16()
+    lib.host_gdn_gated_norm(ptr(o), ptr(projected), ptr(norm), ptr(got), tokens, padded, projected.shape[1], hv, dv,
+                            1e-6)
+    x = o[:, :tokens].transpose(0, 1).bfloat16().reshape(-1, dv)
+    want = gdn_reference.gated_rms_norm(x, z.reshape(-1, dv), norm, 1e-6).reshape(tokens, -1)
+    err = (got.float() - want.float()).abs()
+    assert (err <= 8e-3 * want.float().abs().clamp(min=1)).all()
+    assert (got == want).float().mean() >= 0.99

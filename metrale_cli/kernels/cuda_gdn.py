@@ -5,8 +5,8 @@ window, the gated delta rule over the slot's state and the gated norm, reading e
 position on the device, so it neither syncs with the host nor allocates anything but its output,
 and a CUDA graph captures it. The four inputs are read in place when they are rows of one
 projection (the layer's split), copied only when misaligned. Prefill is the chunked form of
-``gdn_chunked``: batched GEMMs for every chunk's own work, the walk over the chunks one launch of
-gdn_prefill.cu.
+``gdn_chunked``: gdn_prefill.cu's conv over the slot's window, its launch for the rule's inputs,
+batched GEMMs for every chunk's own work, its walk over the chunks and its gated norm.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from __future__ import annotations
 import torch
 
 from metrale_cli.errors import MetraleError
-from metrale_cli.kernels import gdn_chunked, gdn_reference
+from metrale_cli.kernels import gdn_chunked
 from metrale_cli.kernels.cuda_launch import CudaLauncher, _head_rows, _ready
 from metrale_cli.kernels.ops import GdnTensors
 from metrale_cli.kernels.registry import GDN_HEAD_K_DIMS
 from metrale_cli.kernels.table import (
-    GDN_CHUNK_INPUTS, GDN_CHUNK_WALK, GDN_DECODE, GDN_MAX_DV, GDN_WALK_COLS, GDN_WALK_MAX_DK, GDN_WALK_THREADS,
-    gdn_threads,
+    GDN_CHUNK_INPUTS, GDN_CHUNK_WALK, GDN_CONV, GDN_CONV_THREADS, GDN_CONV_TOKENS, GDN_DECODE, GDN_GATED_NORM,
+    GDN_MAX_DV, GDN_MAX_TAPS, GDN_WALK_COLS, GDN_WALK_MAX_DK, GDN_WALK_THREADS, gdn_threads,
 )
 
 
@@ -79,13 +79,27 @@ class CudaGdn:
         if dv > GDN_WALK_THREADS or mixed.dtype != torch.bfloat16:
             raise MetraleError(f"the cuda backend's Gated DeltaNet prefill takes bf16 activations and value head dims "
                                f"up to {GDN_WALK_THREADS}, not {mixed.dtype} and {dv}", hint="use --backend torch")
-        return gdn_reference.prefill(mixed, z, b, a, layer, slot, start_pos, mixer=self._gdn_chunked)
+        channels, taps = layer.conv.shape
+        if not 0 < taps <= GDN_MAX_TAPS or layer.conv_pool.dtype != torch.float32 \
+                or not layer.conv_pool.is_contiguous():
+            raise MetraleError(f"the cuda backend's Gated DeltaNet prefill serves convs of up to {GDN_MAX_TAPS} taps "
+                               f"over a contiguous fp32 window pool, not {taps}", hint="use --backend torch")
+        tokens = mixed.shape[0]
+        conv = torch.empty(tokens, channels, dtype=mixed.dtype, device=mixed.device)
+        if tokens:
+            m, m_stride = _rows(mixed)
+            self._launch(GDN_CONV, (-(-channels // GDN_CONV_THREADS), -(-tokens // GDN_CONV_TOKENS)),
+                         (GDN_CONV_THREADS,), m, _ready(layer.conv), layer.conv_pool[slot], conv, tokens, start_pos,
+                         m_stride, channels, taps)
+        return self._gdn_chunked(conv, z, b, a, layer, layer.recurrent_pool[slot : slot + 1])
 
     def _gdn_chunked(self: CudaLauncher, conv, z, b, a, layer: GdnTensors, state):
         """After the conv: the rule's inputs in one launch, gdn_chunked's batched chunks and walk,
-        the gated norm -> (T, Hv*Dv), as ``gdn_reference.mix``."""
+        the gated norm in one launch -> (T, Hv*Dv), as ``gdn_reference.mix``."""
         tokens = conv.shape[0]
         hv, dk, dv = state.shape[1:]
+        if not tokens:
+            return torch.empty(0, hv * dv, dtype=conv.dtype, device=conv.device)
         padded = -(-tokens // gdn_chunked.CHUNK) * gdn_chunked.CHUNK
         f32 = dict(dtype=torch.float32, device=conv.device)
         q, k = torch.empty(hv, padded, dk, **f32), torch.empty(hv, padded, dk, **f32)
@@ -94,9 +108,12 @@ class CudaGdn:
         self._launch(GDN_CHUNK_INPUTS, (padded, hv), (32 * -(-max(dk, dv) // 32),), c, bs, as_, _ready(layer.a_log),
                      _ready(layer.dt_bias), q, k, v, g, beta, tokens, c_stride, b_stride, a_stride, layer.num_k_heads,
                      hv, dk, dv)
-        out = gdn_chunked.chunks(q, k, v, g, beta, state.view(hv, dk, dv), walk=self._gdn_walk)
-        out = out[:, :tokens].transpose(0, 1).to(conv.dtype).reshape(-1, dv)
-        return gdn_reference.gated_rms_norm(out, z.reshape(-1, dv), layer.norm, layer.eps).reshape(tokens, -1)
+        o = gdn_chunked.chunks(q, k, v, g, beta, state.view(hv, dk, dv), walk=self._gdn_walk)
+        out = torch.empty(tokens, hv * dv, dtype=conv.dtype, device=conv.device)
+        zs, z_stride = _rows(z)
+        self._launch(GDN_GATED_NORM, (tokens, hv), (32 * -(-dv // 32),), o, zs, _ready(layer.norm), out, padded,
+                     z_stride, hv, dv, layer.eps)
+        return out
 
     def _gdn_walk(self: CudaLauncher, w, u, k_tail, gamma, state, starts) -> None:
         """``gdn_chunked.torch_walk``'s contract, one launch (all tensors contiguous fp32)."""

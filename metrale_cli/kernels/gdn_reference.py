@@ -169,19 +169,16 @@ def decode(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tenso
 
 
 def prefill(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, layer: GdnTensors,
-            slot: int, start_pos: int, rule=chunked_gated_delta_rule, mixer=None) -> torch.Tensor:
+            slot: int, start_pos: int, rule=chunked_gated_delta_rule) -> torch.Tensor:
     """T tokens of one sequence at positions start_pos .. start_pos+T-1, continuing pool slot
     ``slot`` (zeroed by the caller at a sequence's start): mixed (T, conv_dim), z (T, value_dim),
     b / a (T, Hv) -> (T, value_dim), the chunked ``rule`` (this module's, or one with its contract).
-    ``mixer``: what follows the conv, in :func:`mix`'s place, called as mixer(conv (T, C), z, b,
-    a, layer, state (1, Hv, Dk, Dv))."""
+    Reads nothing from the device on the host."""
     taps, tokens = layer.conv.shape[1], mixed.shape[0]
     pool = layer.conv_pool[slot]
-    window = pool[_window_entries(torch.tensor([start_pos], device=pool.device), taps)[0]]
+    window = pool.roll(-((start_pos + 1) % taps), 0)[: taps - 1]  # positions start_pos-K+1 .. start_pos-1
     conv = causal_conv1d(mixed, window, layer.conv)  # window: now the last K-1 inputs
     last = torch.arange(start_pos + tokens - taps + 1, start_pos + tokens, device=pool.device) % taps
     pool[last] = window
     state = layer.recurrent_pool[slot : slot + 1]
-    if mixer is not None:
-        return mixer(conv, z, b, a, layer, state)
     return mix(conv[None], z, b[None], a[None], layer, state, rule)

@@ -124,10 +124,23 @@ GDN_CHUNK_INPUTS = K("gdn_prefill::gdn_chunk_inputs_bf16"), Signature.parse(
     "tokens: i32, conv_stride: i32, b_stride: i32, a_stride: i32, num_k_heads: i32, num_v_heads: i32, head_k_dim: i32, "
     "head_v_dim: i32"
 )
+# A prefill's causal conv + SiLU over the slot's window, and the gated norm after the rule
+# (gdn_prefill.cu).
+GDN_CONV = K("gdn_prefill::gdn_conv_bf16"), Signature.parse(
+    "mixed: bf16*, weight: bf16*, window: f32*, out: bf16*, tokens: i32, start_pos: i32, mixed_stride: i32, "
+    "channels: i32, taps: i32"
+)
+GDN_GATED_NORM = K("gdn_prefill::gdn_gated_norm_bf16"), Signature.parse(
+    "o: f32*, z: bf16*, norm: bf16*, out: bf16*, padded: i32, z_stride: i32, num_v_heads: i32, head_v_dim: i32, "
+    "eps: f32"
+)
 GDN_WALK_THREADS = 256
 GDN_WALK_COLS = 16
 GDN_WALK_MAX_DK = 128
-GDN_KERNELS = (GDN_DECODE[0], GDN_CHUNK_WALK[0], GDN_CHUNK_INPUTS[0])
+GDN_CONV_THREADS = 256  # gdn_conv_bf16's CTA: a thread per channel
+GDN_CONV_TOKENS = 64  # the tokens each of its threads walks
+GDN_MAX_TAPS = 8
+GDN_KERNELS = (GDN_DECODE[0], GDN_CHUNK_WALK[0], GDN_CHUNK_INPUTS[0], GDN_CONV[0], GDN_GATED_NORM[0])
 GDN_MAX_DV = 256  # GDN_MAX_DV in gdn.cu
 GDN_SPLIT = 4  # gdn.cu's threads per state column (GDN_SPLIT)
 
