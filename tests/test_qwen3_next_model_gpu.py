@@ -4,9 +4,9 @@ Four layers, three Gated DeltaNet then gated full attention (head_dim 256, a qua
 rotated, GQA 4), MoE FFNs with a shared expert, the GDN heads at the real model's shape (Dk = Dv
 = 128, two value heads per key head). Greedy on both backends from the same bf16 weights: decode
 steps through ``Ops.gdn_decode`` and the attention kernels in CUDA graphs, prefill chunks of 37
-tokens (the conv window and state carried across chunks). Two bf16 paths: tokens compared with
-check_logprobs_close. Every one of the 16 KV dtypes runs on the attention layer; a batch of
-ragged prompts decodes as each alone; graphs replay as eager.
+tokens (the conv window and state carried across chunks). Two bf16 paths: each cuda token held
+to the torch backend's logits on the same context (_margin). Every one of the 16 KV dtypes runs on
+the attention layer; a batch of ragged prompts decodes as each alone; graphs replay as eager.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import functools
 import pytest
 import torch
 
-from hf_oracle import check_batch_decodes_as_alone, check_logprobs_close, greedy_and_logits, loaded_runner
+from hf_oracle import (check_batch_decodes_as_alone, check_logprobs_close, greedy_and_logits, loaded_runner,
+                       teacher_forced)
 from metrale_cli.commands.bench_presets import random_weights
 from metrale_cli.engine.sampler import SamplingParams
 from metrale_cli.kv.dtypes import KvCacheDtype
@@ -53,15 +54,28 @@ def _greedy(runner, prompt):
     return greedy_and_logits(runner, prompt, NEW)
 
 
+# How far below the torch backend's best logit, on the same context (teacher-forced), each greedy
+# token of the cuda decode may be. This model's next-token logits are flat (its top six often
+# within 0.1 at logits near 4), so where the two bf16 paths part is a matter of single bf16 steps,
+# and a rule on ranks (check_logprobs_close's top-5) or on the equal prefix would test luck:
+# measured on an H200, bf16 and fp8 KV stayed within 0.016 (one bf16 step), while the lossy
+# dtypes' codes flip where the paths' inputs differ by a step (turbo2, turbo3, nvfp4,
+# bf16k_turbo2v: 0.42 to 0.59). A wrong kernel picks tokens several logits down.
+def _margin(kv: KvCacheDtype) -> float:
+    return 0.1 if kv in (KvCacheDtype.BF16, KvCacheDtype.FP8) else 1.5
+
+
 @pytest.mark.parametrize("kv", list(KvCacheDtype))
 def test_cuda_greedy_matches_torch(kv):
+    """Every one of the cuda decode's greedy tokens is within _margin(kv) of the torch backend's
+    best logit at its step, the torch backend reading the same tokens."""
     prompt = torch.randint(0, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
-    c_ids, c_logits = _greedy(_runner("cuda", kv), prompt)
-    t_ids, t_logits = _greedy(_runner("torch", kv), prompt)
-    assert len(c_ids) == NEW
-    same = check_logprobs_close(c_ids, c_logits, t_ids, t_logits)
-    if kv == KvCacheDtype.BF16:
-        assert same >= 8, f"only {same} equal tokens on bf16 KV"
+    ids, _ = _greedy(_runner("cuda", kv), prompt)
+    assert len(ids) == NEW
+    logits = teacher_forced(_runner("torch", kv).engine, prompt + ids)[PROMPT_LEN - 1 : -1]
+    chosen = logits.gather(1, torch.tensor(ids, device=logits.device)[:, None])[:, 0]
+    deficit = logits.max(-1).values - chosen
+    assert deficit.max().item() <= _margin(kv), f"step {int(deficit.argmax())}: {deficit.max().item():.3f} below"
 
 
 def test_cuda_decode_is_graph_captured():
