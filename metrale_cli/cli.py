@@ -46,8 +46,12 @@ def _kv_dtypes(values: list[str] | None) -> list[KvCacheDtype | str] | None:
 # the valid ones (KV_DTYPES.md).
 KvOpt = Annotated[str, typer.Option(
     "--kv-cache-dtype", callback=_kv_dtype, metavar="DTYPE", help="KV-cache dtype: " + ", ".join(valid_names()))]
-DtypeOpt = Annotated[str, typer.Option(help="weights/activations dtype: bf16 | fp16 | fp32")]
-MaxSeqOpt = Annotated[Optional[int], typer.Option(help="context length of the KV pool (default: model's, at most 8192)")]
+DtypeOpt = Annotated[str, typer.Option(
+    help="weights/activations dtype: bf16 | fp16 | fp32 | auto (the checkpoint's bf16 or fp16, else bf16); "
+    "also spelled bfloat16, float16, half, float32")]
+MaxSeqOpt = Annotated[Optional[int], typer.Option(
+    "--max-seq-len", "--max-model-len", help="context length of the KV pool (default: model's, at most 8192)")]
+EagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="vLLM's spelling of --cuda-graph-mode disabled")]
 GpuMemOpt = Annotated[float, typer.Option(help="fraction of GPU memory for weights + KV pool")]
 CalibOpt = Annotated[int, typer.Option(
     "--fp8-kv-calibration-tokens", help="fp8 KV: calibrate scales over the first N tokens (0 = off) "
@@ -79,6 +83,17 @@ def _run(out: Output, debug: bool, fn, *args, **kwargs):
         raise typer.Exit(130) from None
 
 
+def _read_prompt_file(out: Output, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        out.error(f"prompt file not found: {path}")
+    except (OSError, UnicodeDecodeError) as e:
+        out.error(f"cannot read the prompt file {path}: {e}", "give a UTF-8 text file")
+    raise typer.Exit(1)
+
+
 @app.command()
 def generate(
     prompt: Annotated[Optional[list[str]], typer.Argument(
@@ -101,8 +116,11 @@ def generate(
     fp8_kv_calibration_tokens: CalibOpt = 256,
     prefill_chunk: Annotated[int, typer.Option(help="tokens per prefill chunk")] = 512,
     cuda_graph_mode: GraphOpt = "full",
+    enforce_eager: EagerOpt = False,
     kv_high_precision_layers: HighPrecOpt = "0",
     innerq_calibration_tokens: InnerQOpt = None,
+    prompt_file: Annotated[Optional[str], typer.Option(
+        "--file", "-f", help="read the prompt from this UTF-8 text file")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="print KV and load details")] = False,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
@@ -120,16 +138,30 @@ def generate(
 
     out = Output(json_mode=json_out)
     prompts = list(prompt or [])
+    if prompt_file is not None:
+        if prompts:
+            out.error("give the prompt as an argument or with --file, not both")
+            raise typer.Exit(1)
+        prompts = [_read_prompt_file(out, prompt_file)]
     if not prompts or prompts == ["-"]:
         if sys.stdin is None or sys.stdin.isatty():
             out.error("no prompt given", "pass a prompt argument or pipe one on stdin")
             raise typer.Exit(1)
         prompts = [sys.stdin.read()]
+    empty = [i + 1 for i, p in enumerate(prompts) if not p.strip()]
+    if empty:
+        out.error(f"prompt {empty[0]} is empty", "give the model some text to answer or continue")
+        raise typer.Exit(1)
+    if system is not None and no_chat_template:
+        out.error("--system needs the chat template, and --no-chat-template sends the raw prompt",
+                  "drop one of the two (or write the system text into the prompt)")
+        raise typer.Exit(1)
     opts = RunnerOptions(backend=backend, kv_cache_dtype=kv_cache_dtype, dtype=dtype,
                          max_seq_len=max_seq_len, max_num_seqs=len(prompts),
                          gpu_memory_utilization=gpu_memory_utilization,
                          fp8_kv_calibration_tokens=fp8_kv_calibration_tokens, prefill_chunk=prefill_chunk,
-                         cuda_graph_mode=cuda_graph_mode, kv_high_precision_layers=kv_high_precision_layers,
+                         cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode,
+                         kv_high_precision_layers=kv_high_precision_layers,
                          innerq_calibration_tokens=innerq_calibration_tokens)
     _run(out, debug, lambda: run_generate(
         out, model, opts, prompts,
@@ -188,6 +220,7 @@ def bench(
     compare_hf: Annotated[bool, typer.Option("--compare-hf", help="also time HF transformers on the same weights")] = False,
     gpu_memory_utilization: GpuMemOpt = 0.9,
     cuda_graph_mode: GraphOpt = "full",
+    enforce_eager: EagerOpt = False,
     profile: Annotated[bool, typer.Option("--profile", help="print the top kernels by time (torch profiler)")] = False,
     synthetic_context: Annotated[bool, typer.Option(
         "--synthetic-context", help="fill the -p context with random K/V through the cache-write kernels "
@@ -233,15 +266,54 @@ def bench(
                         repetitions=repetitions, kv_cache_dtypes=tuple(kv_cache_dtype or ("auto",)),
                         backend=backend, dtype=dtype, peak_bandwidth_gbs=peak_bandwidth,
                         compare_hf=compare_hf, gpu_memory_utilization=gpu_memory_utilization,
-                        cuda_graph_mode=cuda_graph_mode, profile=profile, synthetic_context=synthetic_context,
+                        cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode, profile=profile, synthetic_context=synthetic_context,
                         kv_high_precision_layers=kv_high_precision_layers,
                         innerq_calibration_tokens=innerq_calibration_tokens)
     _run(out, debug, run_bench_cmd, out, opts)
 
 
-def main() -> None:
+def _version(value: bool) -> None:
+    if value:
+        from metrale_cli import __version__
+
+        print(f"metrale {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="print the version and exit")] = False) -> None:
+    """Run large language models on NVIDIA GPUs (and their torch reference on the CPU)."""
+
+
+def _click_exceptions():
+    """The exceptions typer's parser raises: its own copy of click's (typer 0.2x vendors click),
+    else click's."""
     try:
-        app()
+        from typer._click import exceptions
+    except ImportError:
+        from click import exceptions
+    return exceptions
+
+
+def main() -> None:
+    """The console entry point: typer parses, every failure is one error line and exit code 1
+    (usage errors included: an unknown option, a value that is not a number)."""
+    click = _click_exceptions()
+    out = Output(json_mode="--json" in sys.argv[1:])
+    try:
+        code = app(standalone_mode=False)
     except MetraleError as e:  # raised while typer parses (option callbacks)
-        Output().error(e.message, e.hint)
+        out.error(e.message, e.hint)
         sys.exit(1)
+    except click.UsageError as e:
+        command = e.ctx.command_path if e.ctx is not None else "metrale"
+        out.error(e.format_message(), f"see '{command} --help'")
+        sys.exit(1)
+    except click.ClickException as e:
+        out.error(e.format_message())
+        sys.exit(1)
+    except (typer.Abort, KeyboardInterrupt):
+        out.error("interrupted")
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

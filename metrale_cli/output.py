@@ -28,6 +28,10 @@ class Output:
             self.err.print(f"[dim]{message}[/dim]" if self.err.is_terminal else message, markup=self.err.is_terminal)
 
     def error(self, message: str, hint: str | None = None) -> None:
+        """One ``error:`` line (and a ``hint:``) on stderr; with --json one JSON object there."""
+        if self.json_mode:
+            sys.stderr.write(json.dumps({"error": message, "hint": hint}) + "\n")
+            return
         self.err.print(f"error: {message}", style="bold red", markup=False)
         if hint:
             self.err.print(f"hint: {hint}", style="yellow", markup=False)

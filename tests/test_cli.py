@@ -256,3 +256,136 @@ def test_bench_counts_the_experts_a_moe_decode_step_reads(tmp_path):
     assert [r["engine"] for r in tg] == ["metrale torch eager kv=bf16", "HF transformers (eager)"]
     assert [r["routed_bytes_per_step"] for r in tg] == [want, want]
     assert all(r["roofline_pct"] > 0 for r in tg)
+
+
+# --- bad input: one line each, before any weight is read -------------------------------------
+def _json_error(result) -> dict:
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    return json.loads(result.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("prompt, raw", [("", True), ("  \n", False)])
+def test_an_empty_prompt_is_refused(tiny, prompt, raw):
+    args = ["generate", "-m", str(tiny), *(["--no-chat-template"] if raw else []), prompt]
+    assert_one_line_error(metrale(*args), "prompt 1 is empty")
+
+
+def test_errors_under_json_are_one_json_object_on_stderr(tiny):
+    payload = _json_error(metrale("generate", "-m", str(tiny), "--json", "--no-chat-template", ""))
+    assert payload == {"error": "prompt 1 is empty", "hint": "give the model some text to answer or continue"}
+
+
+def test_a_value_that_is_not_a_number_is_one_line_not_a_usage_box():
+    result = metrale("generate", "-n", "abc", "hi")
+    assert_one_line_error(result, "Invalid value for '--max-new-tokens'", "hint: see ")
+    assert "╭" not in result.stderr
+    assert "'--max-new-tokens'" in _json_error(metrale("generate", "--json", "-n", "abc", "hi"))["error"]
+
+
+def test_an_unknown_option_and_an_unknown_command_are_one_line():
+    assert_one_line_error(metrale("generate", "--no-such-option", "hi"), "No such option: --no-such-option")
+    assert_one_line_error(metrale("no-such-command"), "No such command 'no-such-command'")
+
+
+def test_a_system_message_without_the_chat_template_is_refused(tiny):
+    result = metrale("generate", "-m", str(tiny), "--no-chat-template", "--system", "be brief", "hi")
+    assert_one_line_error(result, "--system needs the chat template")
+
+
+def test_a_context_past_the_models_is_refused(tiny):
+    result = metrale("generate", "-m", str(tiny), "--max-seq-len", "100000", "hi")
+    assert_one_line_error(result, "--max-seq-len 100000 is past the model's context of 256 tokens",
+                          "use --max-seq-len 256 or less")
+
+
+def test_a_negative_innerq_calibration_count_is_refused(tiny):
+    result = metrale("generate", "-m", str(tiny), "--innerq-calibration-tokens", "-2", "hi")
+    assert_one_line_error(result, "--innerq-calibration-tokens must not be negative")
+
+
+def test_bench_refuses_a_bandwidth_that_is_not_positive_and_a_model_beside_a_preset(tiny):
+    assert_one_line_error(metrale("bench", "-m", str(tiny), "--peak-bandwidth", "-1"),
+                          "--peak-bandwidth must be a positive GB/s figure")
+    assert_one_line_error(metrale("bench", "-m", str(tiny), "--preset", "qwen3-0.6b"),
+                          "give -m (a checkpoint) or --preset")
+
+
+def test_version():
+    from metrale_cli import __version__
+
+    result = metrale("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"metrale {__version__}"
+
+
+def test_a_tokenizer_json_the_library_cannot_read_is_one_line(tiny, tmp_path):
+    broken = tmp_path / "bad-tokenizer"
+    broken.mkdir()
+    for f in tiny.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "tokenizer.json").write_text('{"valid": "json", "but": "no tokenizer"}')
+    result = metrale("generate", "-m", str(broken), "hi")
+    assert_one_line_error(result, "tokenizer.json is not a tokenizer the tokenizers library reads")
+
+
+def test_the_speed_line_counts_the_tokens_json_counts(tiny):
+    args = ["generate", "-m", str(tiny), "--no-chat-template", "--ignore-eos", "-n", "7", "hello"]
+    text, payload = metrale(*args), json.loads(metrale(*args, "--json").stdout)
+    assert text.returncode == 0, text.stderr
+    (result,) = payload["results"]
+    assert result["completion_tokens"] == 7 and payload["decode_tokens"] == 6
+    assert "completion: 7 tokens (1 from the prefill, 6 decoded at " in text.stderr
+
+
+def test_an_unwritable_cache_folder_only_costs_the_next_check_a_compile(monkeypatch):
+    """compile.check_module with METRALE_CACHE_DIR under /proc: the compile's outcome, nothing
+    cached, no error (the verdict store does the same)."""
+    from metrale_cli.kernels import compile as kc
+    from metrale_cli.kernels.registry import MODULES
+
+    if kc.compiler_id() is None:
+        pytest.skip("no CUDA compiler here")
+    monkeypatch.setenv("METRALE_CACHE_DIR", "/proc/metrale-cannot-write-here")
+    result = kc.check_module(MODULES["activation"])
+    assert result.ok and not result.cached and "silu_and_mul_bf16" in result.symbols
+
+
+# --- the spellings of vLLM and of torch -------------------------------------------------------
+def _tokens(*args: str) -> list[int]:
+    result = metrale(*args, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["results"][0]["token_ids"]
+
+
+def test_the_dtype_spellings_of_torch_and_vllm_are_metrales(tiny):
+    base = ["generate", "-m", str(tiny), "--no-chat-template", "--ignore-eos", "-n", "6", "hello there"]
+    assert _tokens(*base, "--dtype", "float32") == _tokens(*base, "--dtype", "fp32")
+    assert _tokens(*base, "--dtype", "bfloat16") == _tokens(*base, "--dtype", "bf16")
+    assert_one_line_error(metrale(*base, "--dtype", "int4"), "unknown --dtype 'int4'", "half")
+
+
+def test_dtype_auto_says_what_it_chose(tiny):
+    result = metrale("generate", "-m", str(tiny), "--no-chat-template", "-n", "2", "--dtype", "auto", "hello")
+    assert result.returncode == 0, result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("dtype auto:")]
+    assert json.loads((tiny / "config.json").read_text())["dtype"] == "bfloat16"
+    assert line == "dtype auto: bf16 (the checkpoint's bfloat16)"
+
+
+def test_max_model_len_enforce_eager_and_fp8_e4m3_are_accepted(tiny):
+    assert_one_line_error(metrale("generate", "-m", str(tiny), "--max-model-len", "100000", "hi"),
+                          "past the model's context of 256 tokens")
+    base = ["generate", "-m", str(tiny), "--no-chat-template", "--ignore-eos", "-n", "5", "hello there"]
+    assert _tokens(*base, "--enforce-eager", "--kv-cache-dtype", "fp8_e4m3") == _tokens(*base, "--kv-cache-dtype",
+                                                                                          "fp8")
+
+
+def test_a_prompt_from_a_file(tiny, tmp_path):
+    path = tmp_path / "prompt.txt"
+    path.write_text("hello there", encoding="utf-8")
+    base = ["generate", "-m", str(tiny), "--no-chat-template", "--ignore-eos", "-n", "4"]
+    assert _tokens(*base, "-f", str(path)) == _tokens(*base, "hello there")
+    assert_one_line_error(metrale(*base, "-f", str(tmp_path / "none.txt")), "prompt file not found")
+    assert_one_line_error(metrale(*base, "-f", str(path), "hi"), "not both")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00bad")
+    assert_one_line_error(metrale(*base, "-f", str(tmp_path / "binary.txt")), "cannot read the prompt file")

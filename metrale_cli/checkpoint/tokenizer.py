@@ -144,7 +144,11 @@ class Tokenizer:
         if not (folder / "tokenizer.json").is_file():
             raise MetraleError(f"{folder} has no tokenizer.json",
                                "metrale reads fast tokenizers only (tokenizer.json)")
-        backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises a bare Exception for any bad file
+            raise MetraleError(f"{folder / 'tokenizer.json'} is not a tokenizer the tokenizers library reads: {e}",
+                               "re-download the checkpoint's tokenizer.json") from None
         tok_config = _read_json(folder / "tokenizer_config.json")
         special = {k: _token_text(tok_config[k]) for k in SPECIAL_TOKEN_KEYS if tok_config.get(k)}
         eos_ids = _id_list(_read_json(folder / "config.json").get("eos_token_id"))

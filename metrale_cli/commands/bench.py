@@ -19,7 +19,7 @@ import torch
 
 from metrale_cli.commands.bench_presets import DESCRIPTIONS, PRESETS, random_weights
 from metrale_cli.commands.timing import Timer, measure_copy_bandwidth, timing_row
-from metrale_cli.engine.runner import DTYPES, RunnerOptions, open_runner, resolve_backend
+from metrale_cli.engine.runner import DTYPES, RunnerOptions, open_runner, resolve_backend, resolve_dtype
 from metrale_cli.engine.sampler import Sampler, SamplingParams
 from metrale_cli.engine.sequence import Sequence
 from metrale_cli.engine.source import ModelSource
@@ -181,30 +181,35 @@ def kv_memory(runner) -> dict:
 
 def bench_source(opts: BenchOptions, device: torch.device) -> ModelSource:
     """A preset's random weights at a real model's shapes, or a checkpoint loaded once for every dtype."""
-    dtype = DTYPES.get(opts.dtype)
-    if dtype is None:
-        raise MetraleError(f"unknown --dtype '{opts.dtype}'", hint="choose one of: " + ", ".join(DTYPES))
     if opts.preset:
         if opts.preset not in PRESETS:
             raise MetraleError(f"unknown --preset '{opts.preset}'", hint="presets: " + ", ".join(PRESETS))
         raw, about = PRESETS[opts.preset], DESCRIPTIONS.get(opts.preset)
         name = f"{opts.preset} (random weights{'; ' + about if about else ''})"
-        return ModelSource.loaded(raw, random_weights(raw, device, dtype), None, name)
+        return ModelSource.loaded(raw, random_weights(raw, device, DTYPES[resolve_dtype(opts.dtype, raw)[0]]), None,
+                                  name)
     checkpoint = ModelSource.checkpoint(opts.model)
-    weights = checkpoint.load(device, dtype, None)
+    weights = checkpoint.load(device, DTYPES[resolve_dtype(opts.dtype, checkpoint.config)[0]], None)
     return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name)
 
 
 def run_bench(opts: BenchOptions, out: Output | None = None) -> dict:
     if min(opts.n_prompt, opts.n_gen, opts.batch, opts.repetitions) < 1:
         raise MetraleError("-p, -n, --batch and --repetitions must all be at least 1")
+    if opts.peak_bandwidth_gbs is not None and not opts.peak_bandwidth_gbs > 0:
+        raise MetraleError(f"--peak-bandwidth must be a positive GB/s figure, got {opts.peak_bandwidth_gbs:g}",
+                           hint="leave it out to measure the device-to-device copy")
+    if opts.preset and opts.model:
+        raise MetraleError("give -m (a checkpoint) or --preset (random weights at a model's shapes), not both")
     requested = [parse_kv_cache_dtype(name) for name in opts.kv_cache_dtypes]
     backend, device = resolve_backend(opts.backend)
+    resolve_dtype(opts.dtype, None)  # an unknown --dtype is refused before anything is read
     source = bench_source(opts, device)
+    dtype, _ = resolve_dtype(opts.dtype, source.config)
     peak = opts.peak_bandwidth_gbs or measure_copy_bandwidth(device)
     rows = []
     for kv in requested:
-        ropts = RunnerOptions(backend=backend, kv_cache_dtype=kv, dtype=opts.dtype, max_num_seqs=opts.batch,
+        ropts = RunnerOptions(backend=backend, kv_cache_dtype=kv, dtype=dtype, max_num_seqs=opts.batch,
                               max_seq_len=opts.n_prompt + opts.n_gen + 1, reserve_all_memory=False,
                               prefill_chunk=max(opts.n_prompt, 1), fp8_kv_calibration_tokens=256,
                               cuda_graph_mode=opts.cuda_graph_mode,
@@ -217,7 +222,7 @@ def run_bench(opts: BenchOptions, out: Output | None = None) -> dict:
         del runner
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    weights = source.load(device, DTYPES[opts.dtype], None)
+    weights = source.load(device, DTYPES[dtype], None)
     if opts.compare_hf:
         from metrale_cli.commands.bench_hf import bench_hf
 

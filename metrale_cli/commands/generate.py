@@ -34,7 +34,7 @@ def run_generate(out: Output, model: str | None, opts: RunnerOptions, prompts: l
                 "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids), "token_ids": c.token_ids}
                for c in done]
     if out.json_mode:
-        out.json({"results": results, "prompt_tokens_per_s": stats.prompt_tps,
+        out.json({"results": results, "prompt_tokens_per_s": stats.prompt_tps, "decode_tokens": stats.decode_tokens,
                   "decode_tokens_per_s": stats.decode_tps})
         return results
     if single:
@@ -42,9 +42,10 @@ def run_generate(out: Output, model: str | None, opts: RunnerOptions, prompts: l
     else:
         for i, r in enumerate(results):
             out.text(f"--- [{i + 1}] {r['text']}")
-    out.info(f"prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s · decode: "
-             f"{stats.decode_tokens} tokens, {stats.decode_tps:.1f} tok/s · finish: "
-             + ", ".join(sorted({r['finish_reason'] for r in results})))
+    completion = sum(r["completion_tokens"] for r in results)
+    out.info(f"prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s · completion: {completion} "
+             f"tokens ({completion - stats.decode_tokens} from the prefill, {stats.decode_tokens} decoded at "
+             f"{stats.decode_tps:.1f} tok/s) · finish: " + ", ".join(sorted({r['finish_reason'] for r in results})))
     innerq = runner.model.calibration.innerq.outcome()
     if innerq:
         out.info(innerq)

@@ -18,7 +18,7 @@ from importlib import resources
 
 import torch
 
-from metrale_cli.engine.runner import DTYPES, RunnerOptions, open_runner, resolve_backend
+from metrale_cli.engine.runner import DTYPES, RunnerOptions, open_runner, resolve_backend, resolve_dtype
 from metrale_cli.engine.source import ModelSource
 from metrale_cli.errors import MetraleError
 from metrale_cli.kv.dtypes import KvCacheDtype, concrete
@@ -87,13 +87,14 @@ def run_quality(opts: QualityOptions, out: Output | None = None) -> dict:
     dtypes = _dtypes(opts.kv_cache_dtypes)
     backend, device = resolve_backend(opts.backend)
     checkpoint = ModelSource.checkpoint(opts.model)
-    weights = checkpoint.load(device, DTYPES.get(opts.dtype, torch.bfloat16), None)
+    dtype, _ = resolve_dtype(opts.dtype, checkpoint.config)
+    weights = checkpoint.load(device, DTYPES[dtype], None)
     if weights.tokenizer is None:
         raise MetraleError("--kv-quality needs a model with a tokenizer")
     source = ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name)
     text, corpus_name = corpus_text(opts.corpus)
     cuts = windows(weights.tokenizer.encode(text, add_special_tokens=False), opts.window)
-    base = RunnerOptions(backend=backend, dtype=opts.dtype, max_seq_len=opts.window, reserve_all_memory=False,
+    base = RunnerOptions(backend=backend, dtype=dtype, max_seq_len=opts.window, reserve_all_memory=False,
                          prefill_chunk=CHUNK, cuda_graph_mode="disabled",
                          kv_high_precision_layers=opts.kv_high_precision_layers,
                          innerq_calibration_tokens=opts.innerq_calibration_tokens)

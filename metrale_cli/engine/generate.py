@@ -47,8 +47,10 @@ class GenerationStats:
 
 
 def check_prompt_lengths(prompts: list[list[int]], max_seq_len: int) -> None:
-    """Every prompt must leave room for one generated token in the context."""
+    """Every prompt has a token and leaves room for one generated token in the context."""
     for i, ids in enumerate(prompts):
+        if not ids:
+            raise MetraleError(f"prompt {i + 1} has no tokens", hint="give the model some text")
         if len(ids) >= max_seq_len:
             raise MetraleError(
                 f"prompt {i + 1} has {len(ids)} tokens; the context is {max_seq_len} tokens (--max-seq-len)",

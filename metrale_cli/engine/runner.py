@@ -9,6 +9,7 @@ the plan launches (before any weight is read), then load the weights, size the p
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +33,25 @@ from metrale_cli.models.model import CausalLM
 BACKENDS = ("auto", "cuda", "torch")
 GRAPH_MODES = ("disabled", "full")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# --dtype as vLLM and torch spell it, besides metrale's own names; "auto" is resolved by resolve_dtype.
+DTYPE_SPELLINGS = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+AUTO_DTYPE = "auto"
+
+
+def resolve_dtype(name: str, config: dict | None) -> tuple[str, str | None]:
+    """A --dtype value -> (bf16 | fp16 | fp32, the line that says what ``auto`` chose, or None).
+    ``auto``: the checkpoint's own bf16 or fp16 (config ``torch_dtype`` / ``dtype``), else bf16."""
+    key = DTYPE_SPELLINGS.get(name.strip().lower(), name.strip().lower())
+    if key in DTYPES:
+        return key, None
+    if key != AUTO_DTYPE:
+        raise MetraleError(f"unknown --dtype '{name}'",
+                           hint="choose one of: " + ", ".join([*DTYPES, *DTYPE_SPELLINGS, AUTO_DTYPE]))
+    declared = str((config or {}).get("torch_dtype") or (config or {}).get("dtype") or "").removeprefix("torch.")
+    chosen = {"bfloat16": "bf16", "float16": "fp16"}.get(declared, "bf16")
+    why = f"the checkpoint's {declared}" if declared in ("bfloat16", "float16") else \
+        (f"the checkpoint declares {declared}; bf16 is used" if declared else "the checkpoint declares none")
+    return chosen, f"dtype auto: {chosen} ({why})"
 
 
 @dataclass(frozen=True)
@@ -79,6 +99,9 @@ class RunnerOptions:
             raise MetraleError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
         if self.fp8_kv_calibration_tokens < 0:
             raise MetraleError("--fp8-kv-calibration-tokens must not be negative")
+        if self.innerq_calibration_tokens is not None and self.innerq_calibration_tokens < 0:
+            raise MetraleError(f"--innerq-calibration-tokens must not be negative, got {self.innerq_calibration_tokens}",
+                               hint="0 turns InnerQ off")
 
 
 @dataclass
@@ -176,7 +199,11 @@ def check_kernels(cfg: ModelConfig, backend: str, device: torch.device, requeste
 
 
 def context_length(cfg: ModelConfig, opts: RunnerOptions) -> int:
-    """--max-seq-len, else the model's context capped at 8192 tokens."""
+    """--max-seq-len, else the model's context capped at 8192 tokens; never past the model's."""
+    if opts.max_seq_len is not None and opts.max_seq_len > cfg.max_position_embeddings:
+        raise MetraleError(f"--max-seq-len {opts.max_seq_len} is past the model's context of "
+                           f"{cfg.max_position_embeddings} tokens (max_position_embeddings)",
+                           hint=f"use --max-seq-len {cfg.max_position_embeddings} or less")
     return opts.max_seq_len or min(cfg.max_position_embeddings, 8192)
 
 
@@ -242,6 +269,8 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
 
     ``before_weights(tokenizer, context_length)`` runs after the kernel check and before any
     weight is read (e.g. to refuse a prompt that cannot fit)."""
+    dtype, dtype_line = resolve_dtype(opts.dtype, source.config)
+    opts = dataclasses.replace(opts, dtype=dtype)
     opts.check()
     backend, device = resolve_backend(opts.backend)
     cfg = model_config(source.config)
@@ -269,4 +298,6 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
         runner.messages.append(f"compiled {len(cold)} kernel module(s) in "
                                f"{sum(e.seconds for e in cold):.1f} s (cached for the next start)")
     runner.messages.append(decode_mode)
+    if dtype_line:
+        runner.messages.append(dtype_line)
     return runner

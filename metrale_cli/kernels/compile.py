@@ -171,10 +171,13 @@ def check_module(module: KernelModule, arch: str = ARCH, compiler: str | None = 
     cubin, log = compile_cubin(module, arch, ident.split("-")[0])
     seconds = time.perf_counter() - start
     symbols = function_symbols(cubin) if cubin is not None else ()
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = entry.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"ok": cubin is not None, "symbols": symbols, "log": log}))
-    tmp.replace(entry)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"ok": cubin is not None, "symbols": symbols, "log": log}))
+        tmp.replace(entry)
+    except OSError:  # an unwritable cache (METRALE_CACHE_DIR): the next check compiles again
+        pass
     return CompileResult(module.name, cubin is not None, symbols, log, ident, seconds, False)
 
 

@@ -183,6 +183,7 @@ if set(KV_DTYPES) != set(KvCacheDtype):  # a dtype without a row is a build erro
     raise ImportError(f"KV_DTYPES has no row for {sorted(set(KvCacheDtype) - set(KV_DTYPES))}")
 
 ALIASES: dict[str, KvCacheDtype] = {row.alias: d for d, row in KV_DTYPES.items() if row.alias}
+ALIASES["fp8_e4m3"] = KvCacheDtype.FP8  # vLLM's spelling of the same e4m3 cache
 
 AUTO = "auto"
 
