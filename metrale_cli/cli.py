@@ -206,9 +206,13 @@ def bench(
     preset: Annotated[Optional[str], typer.Option(help="random weights at a real model's shapes "
                                                    "(qwen3-0.6b, qwen3-8b, qwen3-30b-a3b, qwen3.5-27b, "
                                                    "smollm2, ...)")] = None,
-    n_prompt: Annotated[int, typer.Option("--n-prompt", "-p", help="prompt tokens (pp test)")] = 512,
-    n_gen: Annotated[int, typer.Option("--n-gen", "-n", help="generated tokens (tg test)")] = 128,
-    batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
+    n_prompt: Annotated[str, typer.Option(
+        "--n-prompt", "-p", help="prompt tokens (pp test); a comma list sweeps, e.g. 128,512")] = "512",
+    n_gen: Annotated[str, typer.Option(
+        "--n-gen", "-n", help="generated tokens (tg test); a comma list sweeps")] = "128",
+    batch: Annotated[str, typer.Option(help="sequences decoded together; a comma list sweeps")] = "1",
+    output: Annotated[str, typer.Option(
+        "--output", "-o", help="table | md | csv | json | jsonl (llama-bench's formats; --json = json)")] = "table",
     repetitions: Annotated[int, typer.Option("--repetitions", "-r")] = 3,
     kv_cache_dtype: Annotated[Optional[list[str]], typer.Option(
         "--kv-cache-dtype", callback=_kv_dtypes, metavar="DTYPE",
@@ -248,6 +252,7 @@ def bench(
       metrale bench --preset qwen3.5-27b -p 4096 -n 8 --compare-hf
       metrale bench --preset qwen3-0.6b -p 512 -n 128 --batch 16 --kv-cache-dtype bf16 --kv-cache-dtype fp8
       metrale bench -m ./my-model --json
+      metrale bench --preset smollm2 -p 128,512 -n 32 -o md
       metrale bench --kv-quality --backend torch
     """
     out = Output(json_mode=json_out)
@@ -262,14 +267,32 @@ def bench(
         return
     from metrale_cli.commands.bench import BenchOptions, run_bench_cmd
 
-    opts = BenchOptions(model=model, preset=preset, n_prompt=n_prompt, n_gen=n_gen, batch=batch,
+    sweep = _run(out, debug, _sweep, n_prompt, n_gen, batch)
+    opts = BenchOptions(model=model, preset=preset, n_prompt=sweep[0][0], n_gen=sweep[0][1], batch=sweep[0][2],
                         repetitions=repetitions, kv_cache_dtypes=tuple(kv_cache_dtype or ("auto",)),
                         backend=backend, dtype=dtype, peak_bandwidth_gbs=peak_bandwidth,
                         compare_hf=compare_hf, gpu_memory_utilization=gpu_memory_utilization,
                         cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode, profile=profile, synthetic_context=synthetic_context,
                         kv_high_precision_layers=kv_high_precision_layers,
                         innerq_calibration_tokens=innerq_calibration_tokens)
-    _run(out, debug, run_bench_cmd, out, opts)
+    _run(out, debug, run_bench_cmd, out, opts, sweep, output.strip().lower())
+
+
+def _counts(flag: str, value: str) -> list[int]:
+    """A comma list of positive counts (bench's sweeps)."""
+    try:
+        counts = [int(v) for v in value.split(",")]
+    except ValueError:
+        raise MetraleError(f"{flag} takes a count or a comma list of counts, not '{value}'",
+                           hint=f"e.g. {flag} 128,512") from None
+    if min(counts) < 1:
+        raise MetraleError(f"{flag} counts must all be at least 1, got '{value}'")
+    return counts
+
+
+def _sweep(n_prompt: str, n_gen: str, batch: str) -> list[tuple[int, int, int]]:
+    """Every (-p, -n, --batch) combination, -p slowest."""
+    return [(p, n, b) for p in _counts("-p", n_prompt) for n in _counts("-n", n_gen) for b in _counts("--batch", batch)]
 
 
 def _version(value: bool) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 
@@ -44,3 +45,26 @@ def _number(name: str, kind: type, default):
 def innerq_env() -> tuple[int, float]:
     """(calibration tokens, strength) from TURBO_INNERQ / TURBO_INNERQ_STRENGTH."""
     return _number("TURBO_INNERQ", int, 0), _number("TURBO_INNERQ_STRENGTH", float, 0.5)
+
+
+@functools.lru_cache(maxsize=1)
+def build_info() -> dict:
+    """{"version", "commit"}: the package's version and, in a git checkout, the commit it runs
+    (with "+dirty" for uncommitted changes to tracked files); commit None elsewhere."""
+    import subprocess
+
+    from metrale_cli import __version__
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    commit = None
+    if (root / ".git").exists():
+        try:
+            run = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True,  # noqa: E731
+                                            timeout=10)
+            head = run("rev-parse", "--short=12", "HEAD")
+            if head.returncode == 0:
+                dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+                commit = head.stdout.strip() + ("+dirty" if dirty else "")
+        except (OSError, subprocess.SubprocessError):
+            commit = None
+    return {"version": __version__, "commit": commit}

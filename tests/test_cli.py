@@ -389,3 +389,37 @@ def test_a_prompt_from_a_file(tiny, tmp_path):
     assert_one_line_error(metrale(*base, "-f", str(path), "hi"), "not both")
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00bad")
     assert_one_line_error(metrale(*base, "-f", str(tmp_path / "binary.txt")), "cannot read the prompt file")
+
+
+# --- bench output users can paste ---------------------------------------------------------------
+def test_bench_sweeps_and_llama_bench_outputs(tiny):
+    """-p 4,8 -n 2 sweeps two cases on one load; md / csv / jsonl carry the model's size and
+    parameters in every row and the build (version, commit) beside them; json has it too."""
+    import csv
+    import io
+
+    from metrale_cli import __version__
+
+    base = ["bench", "-m", str(tiny), "--backend", "torch", "-p", "4,8", "-n", "2", "-r", "1"]
+    tests = ["pp4", "tg2 b1 @4", "pp8", "tg2 b1 @8"]
+    payload = json.loads(metrale(*base, "--json").stdout)
+    assert [r["test"] for r in payload["rows"]] == tests
+    assert payload["build"]["version"] == __version__ and payload["params"] > 0
+    params = f"{payload['params'] / 1e9:.2f} B"
+    md = metrale(*base, "-o", "md")
+    assert md.returncode == 0, md.stderr
+    lines = md.stdout.strip().splitlines()
+    assert lines[0].startswith("| model | size | params | engine | test | t/s |")
+    assert [line.split(" | ")[4] for line in lines[2:6]] == tests and all(params in line for line in lines[2:6])
+    assert lines[-1].startswith("cpu; build: metrale ")
+    rows = list(csv.DictReader(io.StringIO(metrale(*base, "-o", "csv").stdout)))
+    assert [r["test"] for r in rows] == tests and {r["params"] for r in rows} == {params}
+    assert all(r["build"].startswith(f"metrale {__version__} (") for r in rows)
+    jsonl = [json.loads(line) for line in metrale(*base, "-o", "jsonl").stdout.splitlines()]
+    assert [r["test"] for r in jsonl] == tests and all(r["version"] == __version__ for r in jsonl)
+
+
+def test_bench_refuses_a_bad_sweep_or_format(tiny):
+    assert_one_line_error(metrale("bench", "-m", str(tiny), "-p", "8,x"), "-p takes a count or a comma list")
+    assert_one_line_error(metrale("bench", "-m", str(tiny), "-n", "4,0"), "-n counts must all be at least 1")
+    assert_one_line_error(metrale("bench", "-m", str(tiny), "-o", "xml"), "unknown -o 'xml'")

@@ -12,6 +12,7 @@ unless given).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from metrale_cli.engine.runner import DTYPES, RunnerOptions, open_runner, resolv
 from metrale_cli.engine.sampler import Sampler, SamplingParams
 from metrale_cli.engine.sequence import Sequence
 from metrale_cli.engine.source import ModelSource
+from metrale_cli.environment import build_info
 from metrale_cli.errors import MetraleError
 from metrale_cli.kv.dtypes import AUTO, KvCacheDtype, parse_kv_cache_dtype
 from metrale_cli.layers.gdn import GDN_RANGE
@@ -193,8 +195,12 @@ def bench_source(opts: BenchOptions, device: torch.device) -> ModelSource:
     return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name)
 
 
-def run_bench(opts: BenchOptions, out: Output | None = None) -> dict:
-    if min(opts.n_prompt, opts.n_gen, opts.batch, opts.repetitions) < 1:
+def run_bench(opts: BenchOptions, out: Output | None = None,
+              sweep: list[tuple[int, int, int]] | None = None) -> dict:
+    """Every (prompt tokens, generated tokens, batch) case of ``sweep`` (default: the options'
+    own), each for every requested KV dtype, on one load of the weights."""
+    cases = sweep or [(opts.n_prompt, opts.n_gen, opts.batch)]
+    if min(opts.repetitions, *(v for case in cases for v in case)) < 1:
         raise MetraleError("-p, -n, --batch and --repetitions must all be at least 1")
     if opts.peak_bandwidth_gbs is not None and not opts.peak_bandwidth_gbs > 0:
         raise MetraleError(f"--peak-bandwidth must be a positive GB/s figure, got {opts.peak_bandwidth_gbs:g}",
@@ -207,6 +213,20 @@ def run_bench(opts: BenchOptions, out: Output | None = None) -> dict:
     source = bench_source(opts, device)
     dtype, _ = resolve_dtype(opts.dtype, source.config)
     peak = opts.peak_bandwidth_gbs or measure_copy_bandwidth(device)
+    weights = source.load(device, DTYPES[dtype], None)
+    rows = []
+    for n_prompt, n_gen, batch in cases:
+        case = dataclasses.replace(opts, n_prompt=n_prompt, n_gen=n_gen, batch=batch)
+        rows += _bench_case(case, source, weights, requested, backend, device, dtype, peak, out)
+    profiles = dict(_PROFILES)
+    _PROFILES.clear()
+    params = sum(t.numel() for t in weights.tensors.values())
+    return {"model": weights.name, "device": _device_name(device), "peak_bandwidth_gbs": peak, "profiles": profiles,
+            "weight_bytes": sum(t.numel() * t.element_size() for t in weights.tensors.values()), "params": params,
+            "build": build_info(), "rows": rows}
+
+
+def _bench_case(opts: BenchOptions, source, weights, requested, backend, device, dtype, peak, out) -> list[dict]:
     rows = []
     for kv in requested:
         ropts = RunnerOptions(backend=backend, kv_cache_dtype=kv, dtype=dtype, max_num_seqs=opts.batch,
@@ -222,7 +242,6 @@ def run_bench(opts: BenchOptions, out: Output | None = None) -> dict:
         del runner
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    weights = source.load(device, DTYPES[dtype], None)
     if opts.compare_hf:
         from metrale_cli.commands.bench_hf import bench_hf
 
@@ -231,10 +250,7 @@ def run_bench(opts: BenchOptions, out: Output | None = None) -> dict:
         for r in rows:
             r["vs_hf"] = r["tokens_per_s"] / hf_tps[r["test"]]
         rows += hf_rows
-    profiles = dict(_PROFILES)
-    _PROFILES.clear()
-    return {"model": weights.name, "device": _device_name(device), "peak_bandwidth_gbs": peak, "profiles": profiles,
-            "weight_bytes": sum(t.numel() * t.element_size() for t in weights.tensors.values()), "rows": rows}
+    return rows
 
 
 def _tokens(row: dict) -> str:
@@ -248,22 +264,64 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def run_bench_cmd(out: Output, opts: BenchOptions) -> dict:
-    result = run_bench(opts, out)
-    if out.json_mode:
+OUTPUT_FORMATS = ("table", "md", "csv", "json", "jsonl")
+COLUMNS = ["model", "size", "params", "engine", "test", "t/s", "GB/s", "% roofline", "vs HF", "KV B/token",
+           "KV tokens"]
+
+
+def _cells(result: dict, r: dict) -> list[str]:
+    return [result["model"], f"{result['weight_bytes'] / 2**30:.2f} GiB", f"{result['params'] / 1e9:.2f} B",
+            r["engine"], r["test"], f"{r['tokens_per_s']:.1f} ± {r['std']:.1f}",
+            f"{r['achieved_gbs']:.0f}" if "achieved_gbs" in r else "",
+            f"{r['roofline_pct']:.1f}%" if "roofline_pct" in r else "",
+            f"{r['vs_hf']:.2f}x" if "vs_hf" in r else "", str(r.get("kv_bytes_per_token", "")), _tokens(r)]
+
+
+def _build_line(result: dict) -> str:
+    build = result["build"]
+    return f"build: metrale {build['version']} ({build['commit'] or 'commit unknown'})"
+
+
+def _render(out: Output, result: dict, fmt: str) -> None:
+    """md / csv / jsonl: llama-bench's outputs, a row per test, the model's size and parameters
+    in every row and the build (version and commit) with them."""
+    if fmt == "json":
         out.json(result)
+    elif fmt == "jsonl":
+        import json
+
+        for r in result["rows"]:
+            out.stream(json.dumps({"model": result["model"], "weight_bytes": result["weight_bytes"],
+                                   "params": result["params"], "device": result["device"], **result["build"], **r})
+                       + "\n")
+    elif fmt == "csv":
+        import csv
+        import sys
+
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerow([*COLUMNS, "device", "build"])
+        for r in result["rows"]:
+            writer.writerow([*_cells(result, r), result["device"], _build_line(result).removeprefix("build: ")])
+    else:  # md
+        out.stream("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
+        for r in result["rows"]:
+            out.stream("| " + " | ".join(c.replace("|", "\\|") for c in _cells(result, r)) + " |\n")
+        out.stream(f"\n{result['device']}; {_build_line(result)}\n")
+
+
+def run_bench_cmd(out: Output, opts: BenchOptions, sweep: list[tuple[int, int, int]] | None = None,
+                  fmt: str = "table") -> dict:
+    if fmt not in OUTPUT_FORMATS:
+        raise MetraleError(f"unknown -o '{fmt}'", hint="choose one of: " + ", ".join(OUTPUT_FORMATS))
+    result = run_bench(opts, out, sweep)
+    if out.json_mode or fmt != "table":
+        _render(out, result, "json" if out.json_mode else fmt)
         return result
     peak = result["peak_bandwidth_gbs"]
-    rows = [[r["engine"], r["test"], f"{r['tokens_per_s']:.1f} ± {r['std']:.1f}",
-             f"{r['achieved_gbs']:.0f}" if "achieved_gbs" in r else "",
-             f"{r['roofline_pct']:.1f}%" if "roofline_pct" in r else "",
-             f"{r['vs_hf']:.2f}x" if "vs_hf" in r else "",
-             str(r.get("kv_bytes_per_token", "")),
-             _tokens(r)] for r in result["rows"]]
-    caption = f"{result['device']}; weights {result['weight_bytes'] / 1e9:.2f} GB" + (
-        f"; roofline bandwidth {peak:.0f} GB/s" if peak else "")
-    out.table(f"metrale bench: {result['model']}",
-              ["engine", "test", "t/s", "GB/s", "% roofline", "vs HF", "KV B/token", "KV tokens"], rows, caption)
+    rows = [_cells(result, r)[3:] for r in result["rows"]]
+    caption = f"{result['device']}; weights {result['weight_bytes'] / 1e9:.2f} GB, {result['params'] / 1e9:.2f} B " \
+              f"parameters" + (f"; roofline bandwidth {peak:.0f} GB/s" if peak else "") + f"; {_build_line(result)}"
+    out.table(f"metrale bench: {result['model']}", COLUMNS[3:], rows, caption)
     for r in result["rows"]:
         if "gdn_mixer_s" in r:
             parts = {k: r[k] for k in ("gdn_mixer_s", "gemm_s", "other_s")}
