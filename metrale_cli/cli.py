@@ -170,6 +170,51 @@ def generate(
         chat=not no_chat_template, system=system, verbose=verbose))
 
 
+@app.command()
+def chat(
+    model: ModelOpt = None,
+    backend: BackendOpt = "auto",
+    kv_cache_dtype: KvOpt = "auto",
+    dtype: DtypeOpt = "bf16",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="at most this many tokens an "
+                                                "answer")] = 512,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
+    top_p: float = 1.0,
+    seed: Optional[int] = None,
+    system: Annotated[Optional[str], typer.Option(help="system message")] = None,
+    max_seq_len: MaxSeqOpt = None,
+    gpu_memory_utilization: GpuMemOpt = 0.9,
+    cuda_graph_mode: GraphOpt = "full",
+    enforce_eager: EagerOpt = False,
+    json_out: Annotated[bool, typer.Option("--json", help="one JSON object a turn (JSON Lines)")] = False,
+    debug: DebugOpt = False,
+):
+    """A conversation with a model, streamed: each message goes through the chat template with the
+    turns before it.
+
+    On a terminal: type at the > prompt; /reset forgets the conversation, /system TEXT sets the
+    system message, /help lists the commands, /exit or Ctrl-D ends; Ctrl-C stops an answer, not
+    the session. With stdin not a terminal every non-empty line is one turn (for scripts).
+
+    Examples:
+      metrale chat
+      metrale chat -m ./Qwen3-8B --system "Answer in one sentence."
+      printf 'Hi!\nWhat did I just say?\n' | metrale chat --json
+    """
+    from metrale_cli.commands.chat import run_chat
+    from metrale_cli.engine.runner import RunnerOptions
+    from metrale_cli.engine.sampler import SamplingParams
+
+    out = Output(json_mode=json_out)
+    opts = RunnerOptions(backend=backend, kv_cache_dtype=kv_cache_dtype, dtype=dtype, max_seq_len=max_seq_len,
+                         gpu_memory_utilization=gpu_memory_utilization,
+                         cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode)
+    code = _run(out, debug, lambda: run_chat(out, model, opts, SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed), system))
+    raise typer.Exit(code)
+
+
 @app.command("validate-kernels")
 def validate_kernels(
     kv_cache_dtype: Annotated[str, typer.Option(

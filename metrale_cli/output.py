@@ -47,6 +47,11 @@ class Output:
     def json(self, payload) -> None:
         sys.stdout.write(json.dumps(payload, indent=2) + "\n")
 
+    def json_line(self, payload) -> None:
+        """One JSON object on one line (JSON Lines), flushed: a record of a stream of them."""
+        sys.stdout.write(json.dumps(payload) + "\n")
+        sys.stdout.flush()
+
     def table(self, title: str, columns: list[str], rows: list[list], caption: str | None = None) -> None:
         if not self.out.is_terminal:
             self._plain_table(title, columns, rows, caption)

@@ -423,3 +423,81 @@ def test_bench_refuses_a_bad_sweep_or_format(tiny):
     assert_one_line_error(metrale("bench", "-m", str(tiny), "-p", "8,x"), "-p takes a count or a comma list")
     assert_one_line_error(metrale("bench", "-m", str(tiny), "-n", "4,0"), "-n counts must all be at least 1")
     assert_one_line_error(metrale("bench", "-m", str(tiny), "-o", "xml"), "unknown -o 'xml'")
+
+
+# --- metrale chat ---------------------------------------------------------------------------------
+def _turns(result) -> list[dict]:
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_chat_carries_the_conversation_and_reset_forgets_it(tiny):
+    """Three turns from stdin (not a terminal): the first equals generate's answer to the same
+    message, the second is read after the first exchange, and after /reset the same message gets
+    the first answer again."""
+    args = ["chat", "-m", str(tiny), "-n", "5", "--json"]
+    first, second, again = _turns(metrale(*args, stdin="hello\nand again?\n/reset\nhello\n"))
+    alone = json.loads(metrale("generate", "-m", str(tiny), "-n", "5", "--json", "hello").stdout)["results"][0]
+    assert (first["text"], first["prompt_tokens"]) == (alone["text"], alone["prompt_tokens"])
+    assert second["prompt_tokens"] > first["prompt_tokens"] + first["completion_tokens"]
+    speed = "decode_tokens_per_s"
+    assert {k: v for k, v in again.items() if k != speed} == {k: v for k, v in first.items() if k != speed}
+
+
+def test_chat_with_no_input_ends_at_once_and_a_system_message_changes_the_prompt(tiny):
+    result = metrale("chat", "-m", str(tiny), "-n", "2", stdin="")
+    assert result.returncode == 0 and result.stdout == "", result.stderr
+    plain, = _turns(metrale("chat", "-m", str(tiny), "-n", "2", "--json", stdin="hi\n"))
+    system, = _turns(metrale("chat", "-m", str(tiny), "-n", "2", "--json", "--system", "be brief", stdin="hi\n"))
+    assert system["prompt_tokens"] > plain["prompt_tokens"]
+
+
+def test_chat_turns_that_fail_are_one_line_and_the_session_goes_on(tiny):
+    """A message past the context and an unknown command: an error line each, the next turn
+    answered, exit 1 at the end (stdin is not a terminal: a script should see it)."""
+    result = metrale("chat", "-m", str(tiny), "-n", "2", "--max-seq-len", "24", "--json",
+                     stdin="word " * 40 + "\n/nope\nhi\n")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    errors = [json.loads(line)["error"] for line in result.stderr.splitlines() if line.startswith('{"error"')]
+    assert len(errors) == 2 and "the context is 24 tokens" in errors[0] and errors[1] == "unknown command /nope"
+    (turn,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert turn["user"] == "hi" and turn["completion_tokens"] == 2
+
+
+def test_chat_needs_a_chat_template(tiny, tmp_path):
+    bare = tmp_path / "no-template"
+    bare.mkdir()
+    for f in tiny.iterdir():
+        if f.name != "chat_template.jinja":
+            (bare / f.name).write_bytes(f.read_bytes())
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    assert_one_line_error(metrale("chat", "-m", str(bare), stdin="hi\n"), "has no chat template",
+                          "--no-chat-template")
+
+
+def test_ctrl_c_stops_the_answer_not_the_session(tiny):
+    """ChatSession.answer with the stream interrupted after its first piece: the answer is cut,
+    kept in the history as written, every block goes back, and the next answer runs."""
+    from metrale_cli.commands.chat import STOPPED, ChatSession
+    from metrale_cli.engine.llm import LLM
+    from metrale_cli.engine.runner import RunnerOptions, open_runner
+    from metrale_cli.engine.sampler import SamplingParams
+    from metrale_cli.engine.source import ModelSource
+
+    llm = LLM(open_runner(RunnerOptions(backend="torch"), ModelSource.checkpoint(str(tiny))))
+    session = ChatSession(llm, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    free = llm.runner.model.kv_cache.allocator.free_blocks
+    pieces = []
+
+    def interrupt(delta):
+        pieces.append(delta)
+        raise KeyboardInterrupt
+
+    cut = session.answer("hello", interrupt)
+    assert cut["finish_reason"] == STOPPED and cut["text"] == pieces[0] != ""
+    assert session.history[-1] == {"role": "assistant", "content": pieces[0]}
+    assert llm.runner.model.kv_cache.allocator.free_blocks == free
+    whole = session.answer("go on", lambda d: None)
+    assert whole["finish_reason"] == "length" and whole["completion_tokens"] == 6
