@@ -52,6 +52,14 @@ DtypeOpt = Annotated[str, typer.Option(
 MaxSeqOpt = Annotated[Optional[int], typer.Option(
     "--max-seq-len", "--max-model-len", help="context length of the KV pool (default: model's, at most 8192)")]
 EagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="vLLM's spelling of --cuda-graph-mode disabled")]
+RepOpt = Annotated[float, typer.Option(help="divide a seen token's positive logit (multiply a negative one) by "
+                                       "this; 1 = off")]
+PresenceOpt = Annotated[float, typer.Option(help="subtract this from the logit of each token the answer has; "
+                                            "0 = off")]
+FrequencyOpt = Annotated[float, typer.Option(help="subtract this times the answer's count of a token from its "
+                                             "logit; 0 = off")]
+MinPOpt = Annotated[float, typer.Option(help="sample only tokens at least this fraction as likely as the top "
+                                        "one; 0 = off")]
 GpuMemOpt = Annotated[float, typer.Option(help="fraction of GPU memory for weights + KV pool")]
 CalibOpt = Annotated[int, typer.Option(
     "--fp8-kv-calibration-tokens", help="fp8 KV: calibrate scales over the first N tokens (0 = off) "
@@ -106,6 +114,11 @@ def generate(
     temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy")] = 0.0,
     top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
     top_p: float = 1.0,
+    min_p: MinPOpt = 0.0,
+    repetition_penalty: RepOpt = 1.0,
+    presence_penalty: PresenceOpt = 0.0,
+    frequency_penalty: FrequencyOpt = 0.0,
+    samples: Annotated[int, typer.Option("--n", help="answers per prompt (sampled together)")] = 1,
     seed: Optional[int] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
     system: Annotated[Optional[str], typer.Option(help="system message for the chat template")] = None,
@@ -152,6 +165,10 @@ def generate(
     if empty:
         out.error(f"prompt {empty[0]} is empty", "give the model some text to answer or continue")
         raise typer.Exit(1)
+    if samples < 1:
+        out.error(f"--n must be at least 1, got {samples}")
+        raise typer.Exit(1)
+    prompts = [p for p in prompts for _ in range(samples)]
     if system is not None and no_chat_template:
         out.error("--system needs the chat template, and --no-chat-template sends the raw prompt",
                   "drop one of the two (or write the system text into the prompt)")
@@ -166,7 +183,9 @@ def generate(
     _run(out, debug, lambda: run_generate(
         out, model, opts, prompts,
         SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                       seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos),
+                       seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos, min_p=min_p,
+                       repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                       frequency_penalty=frequency_penalty),
         chat=not no_chat_template, system=system, verbose=verbose))
 
 
@@ -181,6 +200,10 @@ def chat(
     temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy")] = 0.0,
     top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
     top_p: float = 1.0,
+    min_p: MinPOpt = 0.0,
+    repetition_penalty: RepOpt = 1.0,
+    presence_penalty: PresenceOpt = 0.0,
+    frequency_penalty: FrequencyOpt = 0.0,
     seed: Optional[int] = None,
     system: Annotated[Optional[str], typer.Option(help="system message")] = None,
     max_seq_len: MaxSeqOpt = None,
@@ -211,7 +234,9 @@ def chat(
                          gpu_memory_utilization=gpu_memory_utilization,
                          cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode)
     code = _run(out, debug, lambda: run_chat(out, model, opts, SamplingParams(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed), system))
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
+        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty), system))
     raise typer.Exit(code)
 
 

@@ -501,3 +501,17 @@ def test_ctrl_c_stops_the_answer_not_the_session(tiny):
     assert llm.runner.model.kv_cache.allocator.free_blocks == free
     whole = session.answer("go on", lambda d: None)
     assert whole["finish_reason"] == "length" and whole["completion_tokens"] == 6
+
+
+# --- sampling knobs on the command line --------------------------------------------------------
+def test_generate_n_samples_per_prompt_and_the_penalties(tiny):
+    base = ["generate", "-m", str(tiny), "--no-chat-template", "--ignore-eos", "-n", "8", "--json"]
+    sampled = json.loads(metrale(*base, "--n", "3", "-t", "1.0", "--seed", "2", "hello").stdout)["results"]
+    assert [r["prompt"] for r in sampled] == ["hello"] * 3
+    assert len({tuple(r["token_ids"]) for r in sampled}) > 1  # one generator, three rows: not one answer
+    greedy = json.loads(metrale(*base, "--n", "2", "hello").stdout)["results"]
+    assert greedy[0]["token_ids"] == greedy[1]["token_ids"]
+    penalized = _tokens(*base[:-1], "--repetition-penalty", "1.8", "--frequency-penalty", "1.0", "hello")
+    assert penalized != greedy[0]["token_ids"]
+    assert_one_line_error(metrale(*base[:-1], "--min-p", "2", "hello"), "--min-p must be in [0, 1]")
+    assert_one_line_error(metrale(*base[:-1], "--n", "0", "hello"), "--n must be at least 1")

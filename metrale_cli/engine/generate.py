@@ -166,13 +166,13 @@ class Engine:
             if refill:
                 self.graphs.fill(*self._inputs(seqs), [s.block_table for s in seqs], [s.states for s in seqs])
             logits = self.graphs.forward(n)
-            if sampler.params.greedy:
+            if sampler.params.greedy and not sampler.params.penalized:
                 tokens = self.graphs.advance_greedy(n)
             else:
-                tokens = sampler(logits)
+                tokens = sampler(logits, [s.index for s in seqs])
                 self.graphs.advance(n, tokens)
         else:
-            tokens = sampler(self.decode(seqs))
+            tokens = sampler(self.decode(seqs), [s.index for s in seqs])
         return InFlight(seqs, *self._to_host(tokens))
 
     def decode_steps(self, seqs: list[Sequence], steps: int, sampler: Sampler) -> None:
@@ -284,7 +284,8 @@ class Engine:
                 cache.ensure_capacity(seq.block_table, self._budget(seq) * BLOCK_SIZE)
                 t0 = self._now()
                 logits = self.prefill(seq)
-                delta = self._accept(seq, int(sampler(logits)[0]), params, eos)
+                sampler.start(seq.index, seq.prompt_ids, logits.shape[-1])
+                delta = self._accept(seq, int(sampler(logits, [seq.index])[0]), params, eos)
                 stats.prompt_tokens += len(seq.prompt_ids)
                 stats.prompt_seconds += self._now() - t0
                 if delta:

@@ -1,4 +1,5 @@
-"""Next-token choice: greedy, or temperature / top-k / top-p sampling with a seeded generator."""
+"""Next-token choice: greedy, or temperature / top-k / top-p / min-p sampling with a seeded
+generator, after the repetition, presence and frequency penalties."""
 
 from __future__ import annotations
 
@@ -18,8 +19,20 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0  # HF's: a seen token's logit / p (if > 0) or * p; 1 = off
+    presence_penalty: float = 0.0  # OpenAI's: - p for a token the output has; 0 = off
+    frequency_penalty: float = 0.0  # OpenAI's: - p times the output's count of the token; 0 = off
+    min_p: float = 0.0  # keep tokens with probability >= min_p times the top one's; 0 = off
 
     def __post_init__(self):
+        if not self.repetition_penalty > 0:
+            raise MetraleError(f"--repetition-penalty must be > 0, got {self.repetition_penalty}", hint="1 is off")
+        for flag, value in (("--presence-penalty", self.presence_penalty),
+                            ("--frequency-penalty", self.frequency_penalty)):
+            if not -2 <= value <= 2:
+                raise MetraleError(f"{flag} must be in [-2, 2], got {value}", hint="0 is off")
+        if not 0 <= self.min_p <= 1:
+            raise MetraleError(f"--min-p must be in [0, 1], got {self.min_p}", hint="0 is off")
         if self.max_new_tokens < 1:
             raise MetraleError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -33,10 +46,40 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a choice depends on the tokens so far (repetition, presence, frequency)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor,
+                    params: SamplingParams) -> torch.Tensor:
+    """vLLM's order: the repetition penalty over the prompt's and the output's tokens (``seen``,
+    (B, V) bool), then the frequency and presence penalties over the output's counts ((B, V))."""
+    p = params
+    if p.repetition_penalty != 1:
+        penalized = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    if p.frequency_penalty:
+        logits = logits - p.frequency_penalty * counts
+    if p.presence_penalty:
+        logits = logits - p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
 
 class Sampler:
+    """Picks each row's next token. With penalties it keeps, on the device, which tokens each
+    sequence has seen (prompt and output) and how often its output has each: :meth:`start` at a
+    sequence's prefill, then every call names its rows' sequences and counts what it picked, so
+    the pipelined decode never waits for the host."""
+
     def __init__(self, params: SamplingParams, device: torch.device):
         self.params = params
+        self.device = device
+        self._seen: torch.Tensor | None = None  # (sequences, V) bool
+        self._counts: torch.Tensor | None = None  # (sequences, V) float32: the output's tokens
+        self._slot: dict[int, int] = {}  # sequence index -> row of those buffers
+        self._rows: dict[tuple[int, ...], torch.Tensor] = {}  # a batch's rows, on the device
         self.generator = None
         if not params.greedy:
             self.generator = torch.Generator(device=device)
@@ -45,8 +88,50 @@ class Sampler:
             else:
                 self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits: (B, vocab) float32 -> (B,) int64 token ids."""
+    def start(self, index: int, prompt_ids: list[int], vocab: int) -> None:
+        """Sequence ``index`` begins: nothing of its output yet, its prompt's tokens seen."""
+        if not self.params.penalized:
+            return
+        row = self._row(index, vocab)
+        self._seen[row] = False
+        self._counts[row] = 0
+        if prompt_ids:
+            self._seen[row, torch.tensor(prompt_ids, device=self.device)] = True
+
+    def _row(self, index: int, vocab: int) -> int:
+        if index not in self._slot:
+            self._slot[index] = len(self._slot)
+        rows = len(self._slot)
+        if self._seen is None or self._seen.shape[0] < rows:
+            grow = max(rows, 2 * (0 if self._seen is None else self._seen.shape[0]))
+            seen = torch.zeros(grow, vocab, dtype=torch.bool, device=self.device)
+            counts = torch.zeros(grow, vocab, dtype=torch.float32, device=self.device)
+            if self._seen is not None:
+                seen[: self._seen.shape[0]], counts[: self._counts.shape[0]] = self._seen, self._counts
+            self._seen, self._counts = seen, counts
+        return self._slot[index]
+
+    def _batch_rows(self, indices: list[int], vocab: int) -> torch.Tensor:
+        key = tuple(indices)
+        if key not in self._rows:  # one host-to-device copy per batch composition, not per step
+            self._rows[key] = torch.tensor([self._row(i, vocab) for i in indices], device=self.device)
+        return self._rows[key]
+
+    def __call__(self, logits: torch.Tensor, indices: list[int] | None = None) -> torch.Tensor:
+        """logits: (B, vocab) float32 -> (B,) int64 token ids. ``indices``: the sequence of each
+        row (needed with penalties: row i is sequence i without them)."""
+        p = self.params
+        rows = None
+        if p.penalized:
+            rows = self._batch_rows(list(range(logits.shape[0])) if indices is None else indices, logits.shape[-1])
+            logits = apply_penalties(logits, self._seen[rows], self._counts[rows], p)
+        tokens = self._pick(logits)
+        if rows is not None:
+            self._counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+            self._seen[rows, tokens] = True
+        return tokens
+
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
         if p.greedy:
             return logits.argmax(dim=-1)
@@ -61,4 +146,6 @@ class Sampler:
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
+        if p.min_p:
+            probs = probs.masked_fill(probs < p.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)

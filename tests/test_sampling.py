@@ -1,0 +1,107 @@
+"""The sampling knobs against references: the repetition, presence and frequency penalties
+against a plain per-token loop (and the repetition penalty and min-p against HF's own logits
+processors), greedy decoding with a repetition penalty against HF's generate in fp32, and
+generate's samples per prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+
+from hf_oracle import hf_kv_rounded_to_bf16, make_hf, ours
+from metrale_cli.engine.sampler import Sampler, SamplingParams, apply_penalties
+from metrale_cli.errors import MetraleError
+
+
+def _reference(logits, prompt, output, p: SamplingParams):
+    """One logit at a time, as the definitions read."""
+    out = logits.clone()
+    for t in range(out.shape[0]):
+        value = out[t].item()
+        if t in prompt or t in output:
+            value = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+        count = output.count(t)
+        value -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+        out[t] = value
+    return out
+
+
+@pytest.mark.parametrize("rep, presence, frequency", [(1.3, 0.0, 0.0), (0.8, 0.5, 0.25), (1.0, -0.4, 1.5)])
+def test_the_penalties_equal_their_definitions(rep, presence, frequency):
+    g = torch.Generator().manual_seed(3)
+    vocab = 50
+    params = SamplingParams(repetition_penalty=rep, presence_penalty=presence, frequency_penalty=frequency)
+    histories = [([3, 7, 7, 11], [7, 20, 20, 20, 4]), ([], [1]), ([0, 49], [])]
+    logits = torch.randn(len(histories), vocab, generator=g) * 3
+    seen = torch.zeros(len(histories), vocab, dtype=torch.bool)
+    counts = torch.zeros(len(histories), vocab)
+    for row, (prompt, output) in enumerate(histories):
+        seen[row, prompt + output] = True
+        for t in output:
+            counts[row, t] += 1
+    got = apply_penalties(logits, seen, counts, params)
+    for row, (prompt, output) in enumerate(histories):
+        assert torch.allclose(got[row], _reference(logits[row], prompt, output, params), atol=1e-6, rtol=0)
+
+
+def test_the_repetition_penalty_equals_hfs_logits_processor():
+    g = torch.Generator().manual_seed(4)
+    ids = torch.tensor([[5, 9, 9, 31, 2]])
+    logits = torch.randn(1, 40, generator=g) * 2
+    seen = torch.zeros(1, 40, dtype=torch.bool)
+    seen[0, ids[0]] = True
+    got = apply_penalties(logits, seen, torch.zeros(1, 40), SamplingParams(repetition_penalty=1.7))
+    want = T.RepetitionPenaltyLogitsProcessor(1.7)(ids, logits.clone())
+    assert torch.equal(got, want)
+
+
+def test_the_sampler_tracks_each_sequence_and_counts_what_it_picked():
+    """Greedy with a frequency penalty, two sequences in rows of changing order: each row's
+    choice equals the reference's given that sequence's own history."""
+    g = torch.Generator().manual_seed(5)
+    params = SamplingParams(frequency_penalty=0.6, repetition_penalty=1.2)
+    sampler = Sampler(params, torch.device("cpu"))
+    prompts = {0: [1, 2, 3], 1: [4]}
+    outputs = {0: [], 1: []}
+    for index, prompt in prompts.items():
+        sampler.start(index, prompt, 12)
+    for order in ([0, 1], [1, 0], [0, 1], [1], [0, 1]):
+        logits = torch.randn(len(order), 12, generator=g)
+        tokens = sampler(logits, order)
+        for row, index in enumerate(order):
+            want = int(_reference(logits[row], prompts[index], outputs[index], params).argmax())
+            assert int(tokens[row]) == want
+            outputs[index].append(want)
+
+
+def test_min_p_keeps_what_hfs_warper_keeps():
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(4, 64, generator=g) * 2
+    sampler = Sampler(SamplingParams(temperature=1.0, min_p=0.2, seed=0), torch.device("cpu"))
+    kept = T.MinPLogitsWarper(0.2)(None, logits.clone()) > float("-inf")
+    for _ in range(200):
+        tokens = sampler(logits)
+        assert kept[torch.arange(4), tokens].all()
+    assert (kept.sum(-1) < 64).all()  # the warper does drop tokens here
+
+
+@pytest.mark.parametrize("bad", [dict(repetition_penalty=0.0), dict(presence_penalty=2.5),
+                                 dict(frequency_penalty=-3.0), dict(min_p=1.5)])
+def test_out_of_range_knobs_are_refused(bad):
+    with pytest.raises(MetraleError):
+        SamplingParams(**bad)
+
+
+def test_greedy_with_a_repetition_penalty_equals_hfs_generate_in_fp32():
+    hf, raw = make_hf("qwen3", seed=3)
+    prompt = [5, 17, 17, 90, 3, 3, 3, 41, 7]
+    ids = torch.tensor([prompt])
+    with hf_kv_rounded_to_bf16():
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                           repetition_penalty=1.8, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    engine = ours(hf, raw, dtype=torch.float32, chunk=4)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.8)
+    got = engine.generate([prompt], params)[0][0].output_ids
+    plain = engine.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))[0][0].output_ids
+    assert got == want and got != plain  # the penalty changed the tokens, as HF's did
