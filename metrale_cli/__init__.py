@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from metrale_cli.environment import VERSION as __version__
 
 _EXPORTS = {
     "load": "metrale_cli.api", "LLM": "metrale_cli.engine.llm", "Completion": "metrale_cli.engine.llm",

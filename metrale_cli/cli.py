@@ -25,6 +25,19 @@ app = typer.Typer(
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", "-m", help="HF folder, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)")]
 BackendOpt = Annotated[str, typer.Option(help="auto | cuda | torch (auto = cuda when a GPU is present)")]
+RevisionOpt = Annotated[Optional[str], typer.Option(
+    help="a hub id's branch, tag or commit (the same as -m owner/name@REVISION)")]
+
+
+def _with_revision(model: str | None, revision: str | None) -> str | None:
+    """-m and --revision as one spec, "owner/name@revision"."""
+    from metrale_cli.checkpoint.hub import is_hub_id
+
+    if revision is None:
+        return model
+    if model is None or not is_hub_id(model) or "@" in model:
+        raise MetraleError(f"--revision applies to a hub id (-m owner/name), not {model or 'the default model'}")
+    return f"{model}@{revision}"
 ALL = "all"
 
 
@@ -91,15 +104,21 @@ def _run(out: Output, debug: bool, fn, *args, **kwargs):
         raise typer.Exit(130) from None
 
 
-def _read_prompt_file(out: Output, path: str) -> str:
+def _read_text(out: Output, path: str | None, what: str) -> str | None:
+    if path is None:
+        return None
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except FileNotFoundError:
-        out.error(f"prompt file not found: {path}")
+        out.error(f"{what} not found: {path}")
     except (OSError, UnicodeDecodeError) as e:
-        out.error(f"cannot read the prompt file {path}: {e}", "give a UTF-8 text file")
+        out.error(f"cannot read the {what} {path}: {e}", "give a UTF-8 text file")
     raise typer.Exit(1)
+
+
+ChatTemplateOpt = Annotated[Optional[str], typer.Option(
+    "--chat-template", help="a Jinja chat template file, in place of the model's")]
 
 
 @app.command()
@@ -107,6 +126,7 @@ def generate(
     prompt: Annotated[Optional[list[str]], typer.Argument(
         help="prompt(s); several are decoded as one batch; none or '-' reads stdin")] = None,
     model: ModelOpt = None,
+    revision: RevisionOpt = None,
     backend: BackendOpt = "auto",
     kv_cache_dtype: KvOpt = "auto",
     dtype: DtypeOpt = "bf16",
@@ -123,6 +143,7 @@ def generate(
     stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
     system: Annotated[Optional[str], typer.Option(help="system message for the chat template")] = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="send the raw prompt")] = False,
+    chat_template: ChatTemplateOpt = None,
     ignore_eos: bool = False,
     max_seq_len: MaxSeqOpt = None,
     gpu_memory_utilization: GpuMemOpt = 0.9,
@@ -155,7 +176,7 @@ def generate(
         if prompts:
             out.error("give the prompt as an argument or with --file, not both")
             raise typer.Exit(1)
-        prompts = [_read_prompt_file(out, prompt_file)]
+        prompts = [_read_text(out, prompt_file, "prompt file")]
     if not prompts or prompts == ["-"]:
         if sys.stdin is None or sys.stdin.isatty():
             out.error("no prompt given", "pass a prompt argument or pipe one on stdin")
@@ -169,6 +190,10 @@ def generate(
         out.error(f"--n must be at least 1, got {samples}")
         raise typer.Exit(1)
     prompts = [p for p in prompts for _ in range(samples)]
+    template = _read_text(out, chat_template, "chat template file")
+    if template is not None and no_chat_template:
+        out.error("--chat-template and --no-chat-template contradict each other", "drop one of the two")
+        raise typer.Exit(1)
     if system is not None and no_chat_template:
         out.error("--system needs the chat template, and --no-chat-template sends the raw prompt",
                   "drop one of the two (or write the system text into the prompt)")
@@ -181,17 +206,18 @@ def generate(
                          kv_high_precision_layers=kv_high_precision_layers,
                          innerq_calibration_tokens=innerq_calibration_tokens)
     _run(out, debug, lambda: run_generate(
-        out, model, opts, prompts,
+        out, _with_revision(model, revision), opts, prompts,
         SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                        seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos, min_p=min_p,
                        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                        frequency_penalty=frequency_penalty),
-        chat=not no_chat_template, system=system, verbose=verbose))
+        chat=not no_chat_template, system=system, verbose=verbose, chat_template=template))
 
 
 @app.command()
 def chat(
     model: ModelOpt = None,
+    revision: RevisionOpt = None,
     backend: BackendOpt = "auto",
     kv_cache_dtype: KvOpt = "auto",
     dtype: DtypeOpt = "bf16",
@@ -206,6 +232,7 @@ def chat(
     frequency_penalty: FrequencyOpt = 0.0,
     seed: Optional[int] = None,
     system: Annotated[Optional[str], typer.Option(help="system message")] = None,
+    chat_template: ChatTemplateOpt = None,
     max_seq_len: MaxSeqOpt = None,
     gpu_memory_utilization: GpuMemOpt = 0.9,
     cuda_graph_mode: GraphOpt = "full",
@@ -233,10 +260,11 @@ def chat(
     opts = RunnerOptions(backend=backend, kv_cache_dtype=kv_cache_dtype, dtype=dtype, max_seq_len=max_seq_len,
                          gpu_memory_utilization=gpu_memory_utilization,
                          cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode)
-    code = _run(out, debug, lambda: run_chat(out, model, opts, SamplingParams(
+    code = _run(out, debug, lambda: run_chat(out, _with_revision(model, revision), opts, SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
         repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty), system))
+        frequency_penalty=frequency_penalty), system, chat_template=_read_text(out, chat_template,
+                                                                                 "chat template file")))
     raise typer.Exit(code)
 
 
@@ -273,6 +301,7 @@ def validate_kernels(
 @app.command()
 def bench(
     model: ModelOpt = None,
+    revision: RevisionOpt = None,
     preset: Annotated[Optional[str], typer.Option(help="random weights at a real model's shapes "
                                                    "(qwen3-0.6b, qwen3-8b, qwen3-30b-a3b, qwen3.5-27b, "
                                                    "smollm2, ...)")] = None,
@@ -326,6 +355,7 @@ def bench(
       metrale bench --kv-quality --backend torch
     """
     out = Output(json_mode=json_out)
+    model = _run(out, debug, _with_revision, model, revision)
     if kv_quality:
         from metrale_cli.commands.kv_quality import QualityOptions, run_quality_cmd
 
@@ -367,9 +397,9 @@ def _sweep(n_prompt: str, n_gen: str, batch: str) -> list[tuple[int, int, int]]:
 
 def _version(value: bool) -> None:
     if value:
-        from metrale_cli import __version__
+        from metrale_cli.environment import VERSION
 
-        print(f"metrale {__version__}")
+        print(f"metrale {VERSION}")
         raise typer.Exit()
 
 

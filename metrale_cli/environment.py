@@ -8,6 +8,8 @@ import pathlib
 
 from metrale_cli.errors import MetraleError
 
+VERSION = "0.1.0"  # the package's version (pyproject.toml's)
+
 ENV_LEVERS: dict[str, str] = {
     "METRALE_CACHE_DIR": "where converted GGUF weights and kernel compile checks are cached "
     "(default ~/.cache/metrale)",
@@ -53,8 +55,6 @@ def build_info() -> dict:
     (with "+dirty" for uncommitted changes to tracked files); commit None elsewhere."""
     import subprocess
 
-    from metrale_cli import __version__
-
     root = pathlib.Path(__file__).resolve().parents[1]
     commit = None
     if (root / ".git").exists():
@@ -67,4 +67,4 @@ def build_info() -> dict:
                 commit = head.stdout.strip() + ("+dirty" if dirty else "")
         except (OSError, subprocess.SubprocessError):
             commit = None
-    return {"version": __version__, "commit": commit}
+    return {"version": VERSION, "commit": commit}

@@ -199,7 +199,7 @@ def test_the_command_line_parses_the_kv_dtype_once(monkeypatch):
     from metrale_cli.commands import bench, generate, validate
 
     monkeypatch.setattr(generate, "run_generate", lambda out, model, opts, *a, **k: seen.update(gen=opts.kv_cache_dtype))
-    monkeypatch.setattr(bench, "run_bench_cmd", lambda out, opts: seen.update(bench=opts.kv_cache_dtypes))
+    monkeypatch.setattr(bench, "run_bench_cmd", lambda out, opts, *a: seen.update(bench=opts.kv_cache_dtypes))
     monkeypatch.setattr(validate, "run_validate", lambda out, dtype, *a: seen.update(validate=dtype))
     runner = CliRunner()
     assert runner.invoke(app, ["generate", "--kv-cache-dtype", "fp8k4v", "hi"]).exit_code == 0

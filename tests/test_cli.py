@@ -515,3 +515,49 @@ def test_generate_n_samples_per_prompt_and_the_penalties(tiny):
     assert penalized != greedy[0]["token_ids"]
     assert_one_line_error(metrale(*base[:-1], "--min-p", "2", "hello"), "--min-p must be in [0, 1]")
     assert_one_line_error(metrale(*base[:-1], "--n", "0", "hello"), "--n must be at least 1")
+
+
+def test_a_chat_template_file_replaces_the_models(tiny, tmp_path):
+    import tokenizers
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{% if add_generation_prompt %}"
+                        "=>{% endif %}", encoding="utf-8")
+    base = ["-m", str(tiny), "-n", "3", "--json", "--chat-template", str(template)]
+    (result,) = json.loads(metrale("generate", *base, "hello").stdout)["results"]
+    want = tokenizers.Tokenizer.from_file(str(tiny / "tokenizer.json")).encode("<<hello>>=>", add_special_tokens=False)
+    assert result["prompt_tokens"] == len(want.ids)
+    (turn,) = _turns(metrale("chat", *base, stdin="hello\n"))
+    assert (turn["text"], turn["prompt_tokens"]) == (result["text"], result["prompt_tokens"])
+    assert_one_line_error(metrale("generate", "-m", str(tiny), "--chat-template", str(tmp_path / "none"), "hi"),
+                          "chat template file not found")
+    assert_one_line_error(metrale("generate", "-m", str(tiny), "--no-chat-template", "--chat-template", str(template),
+                                  "hi"), "contradict")
+
+
+def test_a_revision_of_a_hub_id_from_the_hf_cache(tiny, tmp_path):
+    """--revision (and -m owner/name@revision): a branch in the HF cache, offline; a revision the
+    cache lacks is one line, and so is --revision beside a local folder."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--tiny-qwen3"
+    shutil.copytree(tiny, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = {**ENV, "HF_HUB_CACHE": str(tmp_path / "hub")}
+    args = ["generate", "--no-chat-template", "-n", "5", "--ignore-eos", "--json", "Hello world"]
+
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "metrale_cli", *args, *extra], capture_output=True, text=True,
+                              env=env, timeout=300)
+
+    want = json.loads(metrale(*args, "-m", str(tiny)).stdout)["results"][0]["token_ids"]
+    for extra in (["-m", "someone/tiny-qwen3", "--revision", "main"], ["-m", "someone/tiny-qwen3@main"]):
+        got = run(*extra)
+        assert got.returncode == 0, got.stderr
+        assert json.loads(got.stdout)["results"][0]["token_ids"] == want
+    missing = _json_error(run("-m", "someone/tiny-qwen3", "--revision", "v9"))
+    assert "cannot load 'someone/tiny-qwen3@v9'" in missing["error"]
+    assert_one_line_error(metrale("generate", "-m", str(tiny), "--revision", "main", "hi"),
+                          "--revision applies to a hub id")

@@ -85,7 +85,8 @@ def test_kv_messages_report_bytes_and_layer_dtypes():
     every = KvLayout.uniform(2, 3, 64, D.BF16)  # turbo3's minimum keeps both layers of a 2-layer model in bf16
     assert kv_messages(every, 10, 160, D.TURBO3) == [
         "KV cache: turbo3, 1536 bytes/token over 2 layers, 10 blocks = 160 tokens, context 160",
-        "KV layer dtypes: bf16 layers 0-1 (per layer and token: bf16 768 B)"]
+        "KV layer dtypes: bf16 layers 0-1 (per layer and token: bf16 768 B); no layer is turbo3: every one kept "
+        "in higher precision"]
 
 
 def _planned(dtype, head_dim):

@@ -12,23 +12,26 @@ import re
 from metrale_cli.errors import MetraleError
 
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?$")
 
 
 def is_hub_id(spec: str) -> bool:
-    """True for "owner/name" strings (no path of that name needs to exist)."""
-    return bool(_HUB_ID.match(spec)) and ".." not in spec and not spec.endswith(".gguf")
+    """True for "owner/name" strings, with an optional "@revision" (a branch, tag or commit; no
+    path of that name needs to exist)."""
+    return bool(_HUB_ID.match(spec)) and ".." not in spec and not spec.split("@")[0].endswith(".gguf")
 
 
-def snapshot(repo_id: str) -> pathlib.Path:
-    """Local folder holding ``repo_id``'s config, tokenizer and safetensors files."""
+def snapshot(spec: str) -> pathlib.Path:
+    """Local folder holding the config, tokenizer and safetensors files of ``spec``
+    ("owner/name" or "owner/name@revision")."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
+    repo_id, _, revision = spec.partition("@")
     try:
-        return pathlib.Path(snapshot_download(repo_id, allow_patterns=ALLOW_PATTERNS))
+        return pathlib.Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=ALLOW_PATTERNS))
     except (RepositoryNotFoundError, GatedRepoError) as exc:
-        raise MetraleError(f"model {repo_id!r} not found on the Hugging Face hub "
+        raise MetraleError(f"model {spec!r} not found on the Hugging Face hub "
                            f"({type(exc).__name__})",
                            "check the id, or log in with `hf auth login` for gated models") from None
     except Exception as exc:  # offline, DNS, timeouts, HTTP errors: all mean "can't get it now"
@@ -37,6 +40,6 @@ def snapshot(repo_id: str) -> pathlib.Path:
             reason = f"HF_HUB_OFFLINE is set and it is not in the cache folder {cache}"
         else:
             reason = f"the hub is unreachable (HF_HUB_OFFLINE unset) and it is not in the cache folder {cache}"
-        raise MetraleError(f"cannot load {repo_id!r}: {reason} ({type(exc).__name__})",
+        raise MetraleError(f"cannot load {spec!r}: {reason} ({type(exc).__name__})",
                            "download it on a machine with network into that cache (or set "
                            "HF_HOME/HF_HUB_CACHE), or pass a local folder / .gguf file") from None

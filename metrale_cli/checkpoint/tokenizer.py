@@ -108,6 +108,14 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
+    def set_chat_template(self, template: str) -> None:
+        """Use ``template`` (Jinja, as HF's chat_template) in place of the checkpoint's."""
+        try:
+            compiled = compile_chat_template(template)
+        except jinja2.exceptions.TemplateError as exc:
+            raise MetraleError(f"the chat template does not parse: {exc}") from None
+        self.chat_template, self._template = template, compiled
+
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)

@@ -89,15 +89,18 @@ def _terminal_lines(out: Output) -> Iterable[str]:
 
 
 def run_chat(out: Output, model: str | None, opts: RunnerOptions, params: SamplingParams,
-             system: str | None = None, lines: Iterable[str] | None = None) -> int:
+             system: str | None = None, lines: Iterable[str] | None = None, chat_template: str | None = None) -> int:
     """The session over ``lines`` (default: the terminal, else stdin's lines). -> the exit code:
     1 when a turn failed (a message past the context, an unknown command) with stdin not a
-    terminal, so that scripts see it; 0 otherwise."""
+    terminal, so that scripts see it; 0 otherwise. ``chat_template``: Jinja text in place of the
+    checkpoint's template."""
     interactive = lines is None and sys.stdin is not None and sys.stdin.isatty()
     if lines is None:
         lines = _terminal_lines(out) if interactive else (line.rstrip("\n") for line in sys.stdin)
     with out.progress("loading weights") as progress:
         llm = LLM(open_runner(opts, ModelSource.checkpoint(model), progress))
+    if chat_template is not None:
+        llm.tokenizer.set_chat_template(chat_template)
     if not llm.tokenizer.has_chat_template:
         raise MetraleError(f"{llm.runner.source} has no chat template",
                            hint="use metrale generate --no-chat-template for raw text")

@@ -11,16 +11,22 @@ from metrale_cli.output import Output
 
 
 def run_generate(out: Output, model: str | None, opts: RunnerOptions, prompts: list[str], params: SamplingParams,
-                 chat: bool = True, system: str | None = None, verbose: bool = False) -> list[dict]:
+                 chat: bool = True, system: str | None = None, verbose: bool = False,
+                 chat_template: str | None = None) -> list[dict]:
+    """``chat_template``: Jinja text in place of the checkpoint's template."""
     source, ids = ModelSource.checkpoint(model), []
 
     def check_prompts(tokenizer, context: int) -> None:  # before the weights: fail fast
+        if chat_template is not None:
+            tokenizer.set_chat_template(chat_template)
         ids.extend(render_prompt(tokenizer, p, chat, system) for p in prompts)
         check_prompt_lengths(ids, context)
 
     with out.progress("loading weights") as progress:
         llm = LLM(open_runner(opts, source, progress, before_weights=check_prompts))
     runner = llm.runner
+    if chat_template is not None:
+        llm.tokenizer.set_chat_template(chat_template)
     out.info(f"model: {runner.source} · backend {runner.backend} · kv {runner.kv_dtype.value}")
     for line in runner.messages if verbose else runner.messages[1:]:
         out.info(line)

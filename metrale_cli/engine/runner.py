@@ -236,7 +236,8 @@ def kv_messages(layout: KvLayout, blocks: int, max_seq_len: int, requested: KvCa
     if set(dtypes) - {None} != {requested}:
         per = ", ".join(f"{d.value} {layout.layer_bytes_per_token(dtypes.index(d))} B"
                         for d in dict.fromkeys(dtypes) if d is not None)
-        lines.append(f"KV layer dtypes: {describe_layers(dtypes)} (per layer and token: {per})")
+        none = "" if requested in dtypes else f"; no layer is {requested.value}: every one kept in higher precision"
+        lines.append(f"KV layer dtypes: {describe_layers(dtypes)} (per layer and token: {per}){none}")
     return lines
 
 
