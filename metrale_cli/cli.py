@@ -139,6 +139,8 @@ def generate(
     presence_penalty: PresenceOpt = 0.0,
     frequency_penalty: FrequencyOpt = 0.0,
     samples: Annotated[int, typer.Option("--n", help="answers per prompt (sampled together)")] = 1,
+    logprobs: Annotated[int, typer.Option(help="with --json: each token's log-probability and the N likeliest "
+                                          "tokens' (0 = off)")] = 0,
     seed: Optional[int] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
     system: Annotated[Optional[str], typer.Option(help="system message for the chat template")] = None,
@@ -210,7 +212,7 @@ def generate(
         SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                        seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos, min_p=min_p,
                        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                       frequency_penalty=frequency_penalty),
+                       frequency_penalty=frequency_penalty, logprobs=logprobs),
         chat=not no_chat_template, system=system, verbose=verbose, chat_template=template))
 
 

@@ -561,3 +561,13 @@ def test_a_revision_of_a_hub_id_from_the_hf_cache(tiny, tmp_path):
     assert "cannot load 'someone/tiny-qwen3@v9'" in missing["error"]
     assert_one_line_error(metrale("generate", "-m", str(tiny), "--revision", "main", "hi"),
                           "--revision applies to a hub id")
+
+
+def test_generate_logprobs_in_json(tiny):
+    base = ["generate", "-m", str(tiny), "--no-chat-template", "--ignore-eos", "-n", "4", "--json", "hello"]
+    (result,) = json.loads(metrale(*base, "--logprobs", "2").stdout)["results"]
+    assert len(result["logprobs"]) == result["completion_tokens"] == 4
+    for token, lp in zip(result["token_ids"], result["logprobs"]):
+        assert len(lp["top"]) == 2 and lp["top"][0] == [token, lp["logprob"]] and lp["logprob"] <= 0
+    assert "logprobs" not in json.loads(metrale(*base).stdout)["results"][0]
+    assert_one_line_error(metrale(*base[:-2], "--logprobs", "21", "hello"), "--logprobs must be in [0, 20]")

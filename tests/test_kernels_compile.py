@@ -38,6 +38,19 @@ def test_warm_check_is_served_from_the_disk_cache(tmp_path, monkeypatch):
     assert again.symbols == first.symbols == ("rope_neox_bf16",)
 
 
+def test_parallel_cold_compiles_report_the_workers_own_results(tmp_path, monkeypatch):
+    """Compiled in worker processes: each module's result is the worker's (not cached, its
+    compile time), not the parent's re-read of the cache the workers wrote; then cached."""
+    if kc.compiler_id() is None:
+        pytest.skip("no CUDA compiler here")
+    monkeypatch.setenv("METRALE_CACHE_DIR", str(tmp_path))
+    modules = [MODULES["rope"], MODULES["activation"]]
+    cold = kc.check_modules(modules, workers=2)
+    assert all(not r.cached and r.seconds > 0 and r.ok for r in cold.values())
+    warm = kc.check_modules(modules, workers=2)
+    assert all(r.cached and r.seconds == 0.0 for r in warm.values())
+
+
 def test_side_defines_select_the_variant_names():
     plain, fp8 = MODULES["paged_decode"], MODULES["paged_decode_fp8"]
     assert plain.path == fp8.path  # one body, many modules

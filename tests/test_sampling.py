@@ -105,3 +105,25 @@ def test_greedy_with_a_repetition_penalty_equals_hfs_generate_in_fp32():
     got = engine.generate([prompt], params)[0][0].output_ids
     plain = engine.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))[0][0].output_ids
     assert got == want and got != plain  # the penalty changed the tokens, as HF's did
+
+
+def test_logprobs_equal_hfs_log_softmax_of_its_logits_in_fp32():
+    """--logprobs 3: each generated token's log-probability and the 3 likeliest tokens', against
+    log_softmax of HF's own logits at each step (fp32, greedy, the same tokens); the first token
+    comes from the prefill, the rest from decode steps."""
+    from hf_oracle import hf_greedy
+
+    hf, raw = make_hf("qwen3", seed=4)
+    prompt = [11, 5, 29, 7, 7, 64]
+    with hf_kv_rounded_to_bf16():
+        want_ids, want_logits = hf_greedy(hf, prompt, 6)
+    engine = ours(hf, raw, dtype=torch.float32, chunk=4)
+    (seq,), _ = engine.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=3))
+    assert seq.output_ids == want_ids and len(seq.logprobs) == 6
+    for token, got, logits in zip(want_ids, seq.logprobs, want_logits):
+        lp = torch.log_softmax(logits.float(), -1)
+        assert abs(got["logprob"] - lp[token].item()) < 1e-3  # fp32 sums in another order
+        top = lp.topk(3)
+        assert [t for t, _ in got["top"]] == top.indices.tolist()
+        assert max(abs(v - w) for (_, v), w in zip(got["top"], top.values.tolist())) < 1e-3
+        assert got["top"][0][0] == token  # greedy: the likeliest token is the one taken

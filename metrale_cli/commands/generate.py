@@ -38,7 +38,7 @@ def run_generate(out: Output, model: str | None, opts: RunnerOptions, prompts: l
     stats = llm.stats
     results = [{"prompt": c.prompt, "text": c.text, "finish_reason": c.finish_reason,
                 "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids), "token_ids": c.token_ids}
-               for c in done]
+               | ({"logprobs": c.logprobs} if c.logprobs else {}) for c in done]
     if out.json_mode:
         out.json({"results": results, "prompt_tokens_per_s": stats.prompt_tps, "decode_tokens": stats.decode_tokens,
                   "decode_tokens_per_s": stats.decode_tps})

@@ -65,11 +65,25 @@ class InFlight:
     seqs: list[Sequence]
     tokens: torch.Tensor  # (n,) int64 on the host (pinned on a GPU), valid once `ready` is set
     ready: torch.cuda.Event | None = None
+    logprobs: torch.Tensor | None = None  # Sampler.logprobs_of's rows, on the device
 
     def collect(self) -> list[int]:
         if self.ready is not None:
             self.ready.synchronize()
         return self.tokens.tolist()
+
+    def collect_logprobs(self) -> list[dict | None]:
+        """Each row's log-probabilities as a record (None without them); reading them waits for
+        the device (only a run that asks for logprobs pays that)."""
+        if self.logprobs is None:
+            return [None] * len(self.seqs)
+        return [logprob_record(row) for row in self.logprobs.cpu().tolist()]
+
+
+def logprob_record(row: list[float]) -> dict:
+    """A Sampler.logprobs_of row -> {"logprob": ..., "top": [[token id, logprob], ...]}."""
+    n = (len(row) - 1) // 2
+    return {"logprob": row[0], "top": [[int(t), v] for v, t in zip(row[1 : 1 + n], row[1 + n :])]}
 
 
 class Engine:
@@ -172,8 +186,9 @@ class Engine:
                 tokens = sampler(logits, [s.index for s in seqs])
                 self.graphs.advance(n, tokens)
         else:
-            tokens = sampler(self.decode(seqs), [s.index for s in seqs])
-        return InFlight(seqs, *self._to_host(tokens))
+            logits = self.decode(seqs)
+            tokens = sampler(logits, [s.index for s in seqs])
+        return InFlight(seqs, *self._to_host(tokens), sampler.logprobs_of(logits, tokens))
 
     def decode_steps(self, seqs: list[Sequence], steps: int, sampler: Sampler) -> None:
         """``steps`` decode steps of every sequence without stop checks (bench), each sampled
@@ -285,7 +300,11 @@ class Engine:
                 t0 = self._now()
                 logits = self.prefill(seq)
                 sampler.start(seq.index, seq.prompt_ids, logits.shape[-1])
-                delta = self._accept(seq, int(sampler(logits, [seq.index])[0]), params, eos)
+                first = sampler(logits, [seq.index])
+                lp = sampler.logprobs_of(logits, first)
+                if lp is not None:
+                    seq.logprobs.append(logprob_record(lp[0].tolist()))
+                delta = self._accept(seq, int(first[0]), params, eos)
                 stats.prompt_tokens += len(seq.prompt_ids)
                 stats.prompt_seconds += self._now() - t0
                 if delta:
@@ -308,8 +327,10 @@ class Engine:
     def _accept_all(self, flight: InFlight, params, eos, stats: GenerationStats):
         """Read a step's tokens; a sequence that finished while the step was in flight drops its
         token (the step ran one position past its end, inside its reserved blocks)."""
-        for seq, token in zip(flight.seqs, flight.collect()):
+        for seq, token, lp in zip(flight.seqs, flight.collect(), flight.collect_logprobs()):
             if not seq.done:
+                if lp is not None:
+                    seq.logprobs.append(lp)
                 delta = self._accept(seq, token, params, eos)
                 stats.decode_tokens += 1
                 if delta:

@@ -22,6 +22,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: str
     prompt_tokens: int
+    logprobs: list[dict] | None = None  # with SamplingParams.logprobs: per token (engine.generate.logprob_record)
 
 
 def render_prompt(tokenizer, prompt: str, chat: bool = True, system: str | None = None) -> list[int]:
@@ -90,4 +91,5 @@ class LLM:
 
     @staticmethod
     def _completion(prompt: str, seq: Sequence) -> Completion:
-        return Completion(prompt, seq.text.text, list(seq.output_ids), seq.finish_reason, len(seq.prompt_ids))
+        return Completion(prompt, seq.text.text, list(seq.output_ids), seq.finish_reason, len(seq.prompt_ids),
+                          list(seq.logprobs) or None)

@@ -10,6 +10,9 @@ import torch
 from metrale_cli.errors import MetraleError
 
 
+MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128
@@ -23,6 +26,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: - p for a token the output has; 0 = off
     frequency_penalty: float = 0.0  # OpenAI's: - p times the output's count of the token; 0 = off
     min_p: float = 0.0  # keep tokens with probability >= min_p times the top one's; 0 = off
+    logprobs: int = 0  # per generated token: its log-probability and the N likeliest tokens'; 0 = off
 
     def __post_init__(self):
         if not self.repetition_penalty > 0:
@@ -33,6 +37,8 @@ class SamplingParams:
                 raise MetraleError(f"{flag} must be in [-2, 2], got {value}", hint="0 is off")
         if not 0 <= self.min_p <= 1:
             raise MetraleError(f"--min-p must be in [0, 1], got {self.min_p}", hint="0 is off")
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise MetraleError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", hint="0 is off")
         if self.max_new_tokens < 1:
             raise MetraleError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -130,6 +136,17 @@ class Sampler:
             self._counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
             self._seen[rows, tokens] = True
         return tokens
+
+    def logprobs_of(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor | None:
+        """With ``logprobs`` N: (B, 1 + 2N) float32 on the device, each row the picked token's
+        log-probability, then the N likeliest tokens' log-probabilities and their ids. Of the
+        model's own distribution (log-softmax of the logits, before penalties and temperature)."""
+        n = self.params.logprobs
+        if not n:
+            return None
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        top = lp.topk(min(n, lp.shape[-1]), dim=-1)
+        return torch.cat([lp.gather(1, tokens[:, None]), top.values, top.indices.float()], dim=1)
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params

@@ -47,6 +47,7 @@ class Sequence:
     finish_reason: str | None = None
     text: StopText | None = None
     states: list = field(default_factory=list)  # one per layer, from Layer.alloc_state
+    logprobs: list[dict] = field(default_factory=list)  # per output token, with SamplingParams.logprobs
 
     @property
     def length(self) -> int:

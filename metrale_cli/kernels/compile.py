@@ -190,11 +190,13 @@ def check_modules(modules, arch: str = ARCH, workers: int | None = None) -> dict
     cold = [m for m in modules
             if ident and not (kernel_cache_dir() / f"{m.name}-{source_digest(m, arch)}-{ident}.json").is_file()]
     workers = min(len(cold), workers or os.cpu_count() or 1)
+    compiled = {}
     if workers > 1:
         import multiprocessing
 
         methods = multiprocessing.get_all_start_methods()
         context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
         with ProcessPoolExecutor(workers, mp_context=context) as pool:
-            list(pool.map(check_module, cold, [arch] * len(cold)))
-    return {m.name: check_module(m, arch) for m in modules}
+            # the workers' own results: their compile times and "not cached", not the parent's re-read
+            compiled = {r.module: r for r in pool.map(check_module, cold, [arch] * len(cold))}
+    return {m.name: compiled.get(m.name) or check_module(m, arch) for m in modules}
