@@ -48,7 +48,21 @@ def test_f32_gguf_round_trips_exactly(tmp_path, family):
     assert sorted(ck.tensors) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(ck.tensors[name], tensor.float()), name
-    assert ck.source == f"{family} (gguf F32, {path}; dequantized weights cached in {gguf_cache_path(path)})"
+    cache = gguf_cache_path(path)
+    assert ck.source == f"{family} (gguf F32, {path}; dequantized now and cached in {cache} for the next start)"
+    again = load_checkpoint(str(path), CPU, torch.float32)
+    assert again.source == f"{family} (gguf F32, {path}; dequantized weights read from the cache {cache})"
+
+
+def test_an_unwritable_gguf_cache_is_said_not_claimed(tmp_path, monkeypatch):
+    """With METRALE_CACHE_DIR not writable the file converts every start, and the model line says
+    so (it used to say the weights were cached there)."""
+    folder = make_hf_checkpoint(tmp_path, "qwen3")
+    path = write_gguf(folder, tmp_path / "q.gguf", "F32")
+    monkeypatch.setenv("METRALE_CACHE_DIR", "/proc/metrale-cannot-write-here")
+    ck = load_checkpoint(str(path), CPU, torch.float32)
+    assert ck.source.endswith("is not writable, so every start converts again)")
+    assert torch.equal(ck.tensors["model.norm.weight"], hf_state_dict(folder)["model.norm.weight"].float())
 
 
 def test_gguf_config_matches_hf_config(tmp_path):

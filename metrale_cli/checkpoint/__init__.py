@@ -52,9 +52,12 @@ def _load_hf_folder(where: ModelLocation, device, dtype, progress) -> Checkpoint
 
 def _load_gguf(where: ModelLocation, device, dtype, progress) -> Checkpoint:
     model = load_gguf(where.path, device, dtype, progress)
+    cache = gguf_cache_path(where.path)
+    how = {"cached": f"dequantized weights read from the cache {cache}",
+           "converted": f"dequantized now and cached in {cache} for the next start",
+           "uncached": f"dequantized now; the cache {cache} is not writable, so every start converts again"}
     return Checkpoint(model.config, model.tensors, model.tokenizer,
-                      f"{where.name} (gguf {model.quant}, {where.path}; dequantized weights cached "
-                      f"in {gguf_cache_path(where.path)})")
+                      f"{where.name} (gguf {model.quant}, {where.path}; {how[model.cache]})")
 
 
 # weight format -> (loader, config reader, tokenizer reader)

@@ -169,6 +169,7 @@ class GgufModel:
     tensors: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     quant: str
+    cache: str = "cached"  # cached (read from the cache) | converted (and cached) | uncached (not writable)
 
 
 def main_quant(reader) -> str:
@@ -214,8 +215,9 @@ def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
                      convert_tensors(reader, config, dtype, progress), _entries(reader, config, dtype))
     except OSError:  # an unwritable cache only costs the next start the same conversion
         tensors = {name: t.to(device) for name, t in convert_tensors(reader, config, dtype, progress)}
-        return GgufModel(config, tensors, tokenizer, quant)
-    return GgufModel(config, load_tensors([read_shard_header(weights)], device, dtype), tokenizer, quant)
+        return GgufModel(config, tensors, tokenizer, quant, "uncached")
+    return GgufModel(config, load_tensors([read_shard_header(weights)], device, dtype), tokenizer, quant,
+                     "converted")
 
 
 def _entries(reader, config: dict, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], int]]:
