@@ -75,12 +75,28 @@ class Output:
     # --- progress ---------------------------------------------------------------------------
     @contextmanager
     def progress(self, description: str, bytes_mode: bool = True):
-        """Yields a ``callback(done, total)``; a rich bar on a terminal, silent otherwise."""
+        """Yields a ``callback(done, total)``; a rich bar on a terminal, silent otherwise. Its
+        ``describe(text)`` says what is going on now: a status line, and the bar's label."""
         if self.quiet or not self.err.is_terminal:
-            yield lambda done, total: None
+            yield _Progress(self)
             return
-        columns = [TextColumn(description), BarColumn()]
+        columns = [TextColumn("{task.description}"), BarColumn()]
         columns += [DownloadColumn()] if bytes_mode else [TextColumn("{task.completed}/{task.total}")]
         with Progress(*columns, TimeRemainingColumn(), console=self.err, transient=True) as bar:
-            task = bar.add_task(description, total=None)
-            yield lambda done, total: bar.update(task, completed=done, total=total)
+            yield _Progress(self, bar, bar.add_task(description, total=None))
+
+
+class _Progress:
+    """Output.progress's callback."""
+
+    def __init__(self, out: Output, bar: Progress | None = None, task=None):
+        self.out, self.bar, self.task = out, bar, task
+
+    def __call__(self, done: int, total: int | None) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, total=total)
+
+    def describe(self, text: str) -> None:
+        self.out.info(text)
+        if self.bar is not None:
+            self.bar.update(self.task, description=text)

@@ -398,3 +398,18 @@ def test_sentencepiece_gguf_tokenizes_as_transformers_converts_it(tmp_path):
     assert 2 in ours.eos_token_ids
     byte_pieces = ours.encode("日", add_special_tokens=False)
     assert [tokens[i] for i in byte_pieces] == ["▁", "<0xE6>", "<0x97>", "<0xA5>"]  # byte fallback
+
+
+def test_the_first_start_of_a_gguf_says_it_is_converting(tmp_path):
+    """The command line's progress callback: a line while a GGUF converts, none once it is cached."""
+    import subprocess
+    import sys
+
+    folder = make_hf_checkpoint(tmp_path, "qwen3")
+    path = write_gguf(folder, tmp_path / "q.gguf", "F32")
+    env = {**os.environ, "METRALE_CACHE_DIR": str(tmp_path / "cache")}
+    args = [sys.executable, "-m", "metrale_cli", "generate", "-m", str(path), "--no-chat-template", "-n", "2", "hi"]
+    runs = [subprocess.run(args, capture_output=True, text=True, env=env, timeout=300) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    assert "converting q.gguf (F32) to bfloat16 safetensors: once, then read from the cache" in runs[0].stderr
+    assert "converting" not in runs[1].stderr

@@ -210,6 +210,10 @@ def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
     meta = metadata(reader)
     config = gguf_config.synthesize_config(meta, tensor_shapes(reader), rope_freqs(reader))
     tokenizer, quant = Tokenizer.from_gguf(meta), main_quant(reader)
+    describe = getattr(progress, "describe", None)  # Output.progress's: say what the wait is
+    if describe is not None:
+        describe(f"converting {path.name} ({quant}) to {str(dtype).removeprefix('torch.')} safetensors: "
+                 f"once, then read from the cache")
     try:
         _write_cache(folder, weights, config, tokenizer, quant, dtype,
                      convert_tensors(reader, config, dtype, progress), _entries(reader, config, dtype))
