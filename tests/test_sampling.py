@@ -127,3 +127,39 @@ def test_logprobs_equal_hfs_log_softmax_of_its_logits_in_fp32():
         assert [t for t, _ in got["top"]] == top.indices.tolist()
         assert max(abs(v - w) for (_, v), w in zip(got["top"], top.values.tolist())) < 1e-3
         assert got["top"][0][0] == token  # greedy: the likeliest token is the one taken
+
+
+def test_decode_speed_leaves_graph_capture_out(monkeypatch):
+    """Graph capture made to take 0.3 s (a stand-in graph that replays the eager step): the run's
+    decode time leaves every capture out and counts it apart, and the tokens are the eager ones."""
+    import time
+
+    from metrale_cli.engine.cuda_graphs import DecodeGraphs
+
+    hf, raw = make_hf("qwen3", seed=5)
+    engine = ours(hf, raw, dtype=torch.float32)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    want = engine.generate([[3, 4, 5]], params)[0][0].output_ids
+
+    class Replay:
+        def __init__(self, step):
+            self.replay = step
+
+    def capture(graphs, b):
+        time.sleep(0.3)
+        out = graphs.model.forward(*graphs._args(b)).clone()  # a tensor the stand-in replay writes
+        return Replay(lambda: out.copy_(graphs.model.forward(*graphs._args(b)))), out
+
+    def capture_advance(graphs, b, greedy):
+        time.sleep(0.3)
+        return Replay(lambda: graphs._advance(b, greedy))
+
+    monkeypatch.setattr(DecodeGraphs, "graphed", lambda self: True)
+    monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    monkeypatch.setattr(DecodeGraphs, "_capture_advance", capture_advance)
+    start = time.perf_counter()
+    (seq,), stats = engine.generate([[3, 4, 5]], params)
+    total = time.perf_counter() - start
+    assert seq.output_ids == want
+    assert stats.capture_seconds >= 0.6  # the step's graph and the greedy advance's, one bucket
+    assert stats.decode_seconds <= total - stats.prompt_seconds - stats.capture_seconds + 1e-3

@@ -22,6 +22,8 @@ decode loop.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -50,6 +52,18 @@ class DecodeGraphs:
         self.logits: torch.Tensor | None = None  # the last forward's (bucket, vocab) logits
         self.states: list[list] = []  # the filled rows' layer states
         self.pool = None
+        self.capture_seconds = 0.0  # host time spent capturing graphs so far (decode speed leaves it out)
+
+    def _timed(self, capture):
+        """Run ``capture``, adding its host time to ``capture_seconds``; the device's queue is
+        drained first, so that the steps before are not counted as capture."""
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        start = time.perf_counter()
+        try:
+            return capture()
+        finally:
+            self.capture_seconds += time.perf_counter() - start
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -102,7 +116,7 @@ class DecodeGraphs:
             self.logits = self.model.forward(*self._args(b))
             return self.logits[:n]
         if b not in self.graphs:
-            self.graphs[b] = self._capture(b)
+            self.graphs[b] = self._timed(lambda: self._capture(b))
         graph, self.logits = self.graphs[b]
         graph.replay()
         return self.logits[:n]
@@ -125,7 +139,7 @@ class DecodeGraphs:
             self._advance(b, greedy)
             return
         if (b, greedy) not in self.advance_graphs:
-            self.advance_graphs[b, greedy] = self._capture_advance(b, greedy)
+            self.advance_graphs[b, greedy] = self._timed(lambda: self._capture_advance(b, greedy))
         self.advance_graphs[b, greedy].replay()
 
     # --- internals ------------------------------------------------------------------------

@@ -35,7 +35,8 @@ class GenerationStats:
     prompt_tokens: int = 0
     prompt_seconds: float = 0.0
     decode_tokens: int = 0
-    decode_seconds: float = 0.0
+    decode_seconds: float = 0.0  # decode steps only: CUDA graph capture is left out
+    capture_seconds: float = 0.0  # capturing the decode step's CUDA graphs, during this run
 
     @property
     def prompt_tps(self) -> float:
@@ -289,6 +290,7 @@ class Engine:
         waiting, running = list(seqs), []
         cache = self.model.kv_cache
         flight, refill, started = None, True, self._now()
+        captured = self.graphs.capture_seconds
         while waiting or running or flight:
             if flight is not None and refill:  # the host must catch up before the batch changes
                 yield from self._accept_all(flight, params, eos, stats)
@@ -321,7 +323,8 @@ class Engine:
                 if any(s.done for s in flight.seqs) or self._admissible(waiting):
                     refill = True
             flight = launched
-        stats.decode_seconds = self._now() - started - stats.prompt_seconds
+        stats.capture_seconds = self.graphs.capture_seconds - captured
+        stats.decode_seconds = self._now() - started - stats.prompt_seconds - stats.capture_seconds
         return seqs, stats
 
     def _accept_all(self, flight: InFlight, params, eos, stats: GenerationStats):
