@@ -36,7 +36,8 @@ def _with_revision(model: str | None, revision: str | None) -> str | None:
     if revision is None:
         return model
     if model is None or not is_hub_id(model) or "@" in model:
-        raise MetraleError(f"--revision applies to a hub id (-m owner/name), not {model or 'the default model'}")
+        raise MetraleError(f"--revision applies to a hub id (-m owner/name), not {model or 'the default model'}",
+                           hint="a local folder or .gguf file has no revisions")
     return f"{model}@{revision}"
 ALL = "all"
 
@@ -111,7 +112,7 @@ def _read_text(out: Output, path: str | None, what: str) -> str | None:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except FileNotFoundError:
-        out.error(f"{what} not found: {path}")
+        out.error(f"{what} not found: {path}", "check the path")
     except (OSError, UnicodeDecodeError) as e:
         out.error(f"cannot read the {what} {path}: {e}", "give a UTF-8 text file")
     raise typer.Exit(1)
@@ -176,12 +177,12 @@ def generate(
     prompts = list(prompt or [])
     if prompt_file is not None:
         if prompts:
-            out.error("give the prompt as an argument or with --file, not both")
+            out.error("give the prompt as an argument or with --file, not both", "drop one of the two")
             raise typer.Exit(1)
         prompts = [_read_text(out, prompt_file, "prompt file")]
     if not prompts or prompts == ["-"]:
         if sys.stdin is None or sys.stdin.isatty():
-            out.error("no prompt given", "pass a prompt argument or pipe one on stdin")
+            out.error("no prompt given", "pass a prompt argument or pipe one on stdin; metrale chat holds a conversation")
             raise typer.Exit(1)
         prompts = [sys.stdin.read()]
     empty = [i + 1 for i, p in enumerate(prompts) if not p.strip()]
@@ -189,7 +190,7 @@ def generate(
         out.error(f"prompt {empty[0]} is empty", "give the model some text to answer or continue")
         raise typer.Exit(1)
     if samples < 1:
-        out.error(f"--n must be at least 1, got {samples}")
+        out.error(f"--n must be at least 1, got {samples}", "answers per prompt, e.g. --n 3")
         raise typer.Exit(1)
     prompts = [p for p in prompts for _ in range(samples)]
     template = _read_text(out, chat_template, "chat template file")
@@ -388,7 +389,7 @@ def _counts(flag: str, value: str) -> list[int]:
         raise MetraleError(f"{flag} takes a count or a comma list of counts, not '{value}'",
                            hint=f"e.g. {flag} 128,512") from None
     if min(counts) < 1:
-        raise MetraleError(f"{flag} counts must all be at least 1, got '{value}'")
+        raise MetraleError(f"{flag} counts must all be at least 1, got '{value}'", hint=f"e.g. {flag} 128,512")
     return counts
 
 

@@ -571,3 +571,18 @@ def test_generate_logprobs_in_json(tiny):
         assert len(lp["top"]) == 2 and lp["top"][0] == [token, lp["logprob"]] and lp["logprob"] <= 0
     assert "logprobs" not in json.loads(metrale(*base).stdout)["results"][0]
     assert_one_line_error(metrale(*base[:-2], "--logprobs", "21", "hello"), "--logprobs must be in [0, 20]")
+
+
+@pytest.mark.parametrize("args", [
+    ["generate", "--prefill-chunk", "0", "hi"], ["generate", "--max-seq-len", "1", "hi"],
+    ["generate", "--gpu-memory-utilization", "2", "hi"], ["generate", "--fp8-kv-calibration-tokens", "-1", "hi"],
+    ["generate", "-n", "0", "hi"], ["generate", "-t", "-1", "hi"], ["generate", "--top-p", "0", "hi"],
+    ["generate", "--top-k", "-2", "hi"], ["generate", "--repetition-penalty", "0", "hi"],
+    ["generate", "--n", "0", "hi"], ["generate", "-f", "/no/such/prompt.txt"], ["bench", "-r", "0"],
+    ["bench", "--batch", "1,0"], ["generate", "--revision", "main", "hi"], ["generate", "--dtype", "int4", "hi"],
+    ["generate", "-n", "abc", "hi"],
+])
+def test_every_bad_option_is_one_error_line_with_a_hint(args):
+    result = metrale(*args)
+    assert_one_line_error(result)
+    assert len([line for line in result.stderr.splitlines() if line.startswith("hint: ")]) == 1, result.stderr

@@ -201,12 +201,13 @@ def run_bench(opts: BenchOptions, out: Output | None = None,
     own), each for every requested KV dtype, on one load of the weights."""
     cases = sweep or [(opts.n_prompt, opts.n_gen, opts.batch)]
     if min(opts.repetitions, *(v for case in cases for v in case)) < 1:
-        raise MetraleError("-p, -n, --batch and --repetitions must all be at least 1")
+        raise MetraleError("-p, -n, --batch and --repetitions must all be at least 1", hint="e.g. -p 512 -n 128 -r 3")
     if opts.peak_bandwidth_gbs is not None and not opts.peak_bandwidth_gbs > 0:
         raise MetraleError(f"--peak-bandwidth must be a positive GB/s figure, got {opts.peak_bandwidth_gbs:g}",
                            hint="leave it out to measure the device-to-device copy")
     if opts.preset and opts.model:
-        raise MetraleError("give -m (a checkpoint) or --preset (random weights at a model's shapes), not both")
+        raise MetraleError("give -m (a checkpoint) or --preset (random weights at a model's shapes), not both",
+                           hint="drop one of the two")
     requested = [parse_kv_cache_dtype(name) for name in opts.kv_cache_dtypes]
     backend, device = resolve_backend(opts.backend)
     resolve_dtype(opts.dtype, None)  # an unknown --dtype is refused before anything is read

@@ -53,11 +53,11 @@ def corpus_text(path: str | None) -> tuple[str, str]:
 
 def windows(ids: list[int], window: int) -> list[list[int]]:
     if window < 2:
-        raise MetraleError("--window must be at least 2 tokens")
+        raise MetraleError("--window must be at least 2 tokens", hint="e.g. --window 512")
     cut = [ids[i : i + window] for i in range(0, len(ids), window)]
     cut = [w for w in cut if len(w) >= 2]
     if not cut:
-        raise MetraleError("the corpus has fewer than 2 tokens")
+        raise MetraleError("the corpus has fewer than 2 tokens", hint="give a longer --corpus text file")
     return cut
 
 
@@ -90,7 +90,7 @@ def run_quality(opts: QualityOptions, out: Output | None = None) -> dict:
     dtype, _ = resolve_dtype(opts.dtype, checkpoint.config)
     weights = checkpoint.load(device, DTYPES[dtype], None)
     if weights.tokenizer is None:
-        raise MetraleError("--kv-quality needs a model with a tokenizer")
+        raise MetraleError("--kv-quality needs a model with a tokenizer", hint="pass a checkpoint with tokenizer.json or a .gguf")
     source = ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name)
     text, corpus_name = corpus_text(opts.corpus)
     cuts = windows(weights.tokenizer.encode(text, add_special_tokens=False), opts.window)

@@ -90,15 +90,19 @@ class RunnerOptions:
             if value not in allowed:
                 raise MetraleError(f"unknown {flag} '{value}'", hint="choose one of: " + ", ".join(allowed))
         if self.max_seq_len is not None and self.max_seq_len < 2:
-            raise MetraleError(f"--max-seq-len must be at least 2, got {self.max_seq_len}")
+            raise MetraleError(f"--max-seq-len must be at least 2, got {self.max_seq_len}",
+                               hint="leave it out for the model's context (at most 8192)")
         if self.max_num_seqs < 1:
-            raise MetraleError(f"the number of sequences must be at least 1, got {self.max_num_seqs}")
+            raise MetraleError(f"the number of sequences must be at least 1, got {self.max_num_seqs}",
+                               hint="give at least one prompt")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise MetraleError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise MetraleError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+                               hint="a fraction of the GPU's memory, e.g. 0.9")
         if self.prefill_chunk < 1:
-            raise MetraleError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
+            raise MetraleError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}",
+                               hint="tokens per prefill chunk, e.g. 512")
         if self.fp8_kv_calibration_tokens < 0:
-            raise MetraleError("--fp8-kv-calibration-tokens must not be negative")
+            raise MetraleError("--fp8-kv-calibration-tokens must not be negative", hint="0 turns the calibration off")
         if self.innerq_calibration_tokens is not None and self.innerq_calibration_tokens < 0:
             raise MetraleError(f"--innerq-calibration-tokens must not be negative, got {self.innerq_calibration_tokens}",
                                hint="0 turns InnerQ off")

@@ -40,13 +40,13 @@ class SamplingParams:
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise MetraleError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", hint="0 is off")
         if self.max_new_tokens < 1:
-            raise MetraleError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+            raise MetraleError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}", hint="e.g. -n 256")
         if self.temperature < 0:
-            raise MetraleError(f"--temperature must be >= 0, got {self.temperature}")
+            raise MetraleError(f"--temperature must be >= 0, got {self.temperature}", hint="0 is greedy")
         if not 0 < self.top_p <= 1:
-            raise MetraleError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise MetraleError(f"--top-p must be in (0, 1], got {self.top_p}", hint="1 is off")
         if self.top_k < 0:
-            raise MetraleError(f"--top-k must be >= 0, got {self.top_k}")
+            raise MetraleError(f"--top-k must be >= 0, got {self.top_k}", hint="0 is off")
 
     @property
     def greedy(self) -> bool:
