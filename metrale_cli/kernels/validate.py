@@ -81,7 +81,8 @@ def gpu_count() -> int:
 def validate_kernels(dtype, head_dim: int = 128, progress: Progress | None = None,
                      on_gpu: bool | None = None, recheck: bool = False) -> ValidationReport:
     """Check every kernel ``dtype`` needs at ``head_dim``; numerically too when on a GPU (verdicts
-    recorded for this GPU are reused unless ``recheck``)."""
+    recorded for this GPU are reused unless ``recheck``). ``progress(kernel, i, n)``: first with
+    i = -1 (the modules compile), then once a kernel, i = 0 .. n-1."""
     gpu = gpu_count() > 0 if on_gpu is None else on_gpu
     d = concrete(dtype)
     specs = kernels_to_validate(d, check_head_dim(head_dim))
