@@ -243,10 +243,9 @@ def chat(
     json_out: Annotated[bool, typer.Option("--json", help="one JSON object a turn (JSON Lines)")] = False,
     debug: DebugOpt = False,
 ):
-    """A conversation with a model, streamed: each message goes through the chat template with the
-    turns before it.
+    """A conversation with a model, streamed.
 
-    On a terminal: type at the > prompt; /reset forgets the conversation, /system TEXT sets the
+    Each message goes through the chat template with the turns before it. On a terminal: type at the > prompt; /reset forgets the conversation, /system TEXT sets the
     system message, /help lists the commands, /exit or Ctrl-D ends; Ctrl-C stops an answer, not
     the session. With stdin not a terminal every non-empty line is one turn (for scripts).
 

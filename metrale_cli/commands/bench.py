@@ -181,18 +181,20 @@ def kv_memory(runner) -> dict:
     return memory
 
 
-def bench_source(opts: BenchOptions, device: torch.device) -> ModelSource:
-    """A preset's random weights at a real model's shapes, or a checkpoint loaded once for every dtype."""
+def bench_source(opts: BenchOptions, device: torch.device) -> tuple[ModelSource, str]:
+    """A preset's random weights at a real model's shapes, or a checkpoint loaded once for every
+    dtype; and the --dtype they are in (``auto`` resolved against the config)."""
     if opts.preset:
         if opts.preset not in PRESETS:
             raise MetraleError(f"unknown --preset '{opts.preset}'", hint="presets: " + ", ".join(PRESETS))
         raw, about = PRESETS[opts.preset], DESCRIPTIONS.get(opts.preset)
         name = f"{opts.preset} (random weights{'; ' + about if about else ''})"
-        return ModelSource.loaded(raw, random_weights(raw, device, DTYPES[resolve_dtype(opts.dtype, raw)[0]]), None,
-                                  name)
+        dtype, _ = resolve_dtype(opts.dtype, raw)
+        return ModelSource.loaded(raw, random_weights(raw, device, DTYPES[dtype]), None, name), dtype
     checkpoint = ModelSource.checkpoint(opts.model)
-    weights = checkpoint.load(device, DTYPES[resolve_dtype(opts.dtype, checkpoint.config)[0]], None)
-    return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name)
+    dtype, _ = resolve_dtype(opts.dtype, checkpoint.config)
+    weights = checkpoint.load(device, DTYPES[dtype], None)
+    return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name), dtype
 
 
 def run_bench(opts: BenchOptions, out: Output | None = None,
@@ -210,9 +212,7 @@ def run_bench(opts: BenchOptions, out: Output | None = None,
                            hint="drop one of the two")
     requested = [parse_kv_cache_dtype(name) for name in opts.kv_cache_dtypes]
     backend, device = resolve_backend(opts.backend)
-    resolve_dtype(opts.dtype, None)  # an unknown --dtype is refused before anything is read
-    source = bench_source(opts, device)
-    dtype, _ = resolve_dtype(opts.dtype, source.config)
+    source, dtype = bench_source(opts, device)
     peak = opts.peak_bandwidth_gbs or measure_copy_bandwidth(device)
     weights = source.load(device, DTYPES[dtype], None)
     rows = []

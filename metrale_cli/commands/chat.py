@@ -52,16 +52,15 @@ class ChatSession:
         """Stream the answer to ``user`` through ``on_text``; the turn goes into the history, an
         answer cut by Ctrl-C with what was written of it. -> the turn's record."""
         ids = self.encode(user)
-        engine = self.llm.runner.engine
-        check_prompt_lengths([ids], engine.max_seq_len)
-        run = engine.stream([ids], self.params, self.llm._eos(), self.llm.tokenizer)
-        pieces, seqs, stats = [], None, None
+        check_prompt_lengths([ids], self.llm.runner.engine.max_seq_len)
+        run = self.llm.stream_ids(ids, self.params)
+        pieces, seq = [], None
         try:
             while True:
                 try:
-                    _, delta = next(run)
+                    delta = next(run)
                 except StopIteration as done:
-                    seqs, stats = done.value
+                    seq = done.value
                     break
                 pieces.append(delta)
                 on_text(delta)
@@ -70,11 +69,10 @@ class ChatSession:
         reply = "".join(pieces)
         self.history += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
         record = {"user": user, "text": reply, "prompt_tokens": len(ids)}
-        if seqs is None:
+        if seq is None:
             return record | {"completion_tokens": None, "finish_reason": STOPPED}
-        self.llm.stats = stats
-        return record | {"completion_tokens": len(seqs[0].output_ids), "finish_reason": seqs[0].finish_reason,
-                         "decode_tokens_per_s": stats.decode_tps}
+        return record | {"completion_tokens": len(seq.output_ids), "finish_reason": seq.finish_reason,
+                         "decode_tokens_per_s": self.llm.stats.decode_tps}
 
 
 def _terminal_lines(out: Output) -> Iterable[str]:

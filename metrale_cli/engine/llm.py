@@ -3,7 +3,7 @@ prompts through the chat template, batched or streamed generation, completions."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 
 from metrale_cli.engine.generate import GenerationStats
@@ -76,14 +76,18 @@ class LLM:
                system: str | None = None, **sampling) -> Iterator[str]:
         """The generated text of one prompt, piece by piece as it is decoded (text that could still
         become a stop string is held back until it cannot)."""
-        run = self.runner.engine.stream([self.encode(prompt, chat, system)], params or SamplingParams(**sampling),
-                                        self._eos(), self.runner.tokenizer)
+        yield from self.stream_ids(self.encode(prompt, chat, system), params or SamplingParams(**sampling))
+
+    def stream_ids(self, ids: list[int], params: SamplingParams) -> Generator[str, None, Sequence]:
+        """:meth:`stream` for a prompt already encoded; returns the finished sequence. Closing it
+        early gives the sequence's blocks back."""
+        run = self.runner.engine.stream([ids], params, self._eos(), self.runner.tokenizer)
         while True:
             try:
                 _, delta = next(run)
             except StopIteration as done:
-                self.stats = done.value[1]
-                return
+                seqs, self.stats = done.value
+                return seqs[0]
             yield delta
 
     def _eos(self) -> set[int]:
