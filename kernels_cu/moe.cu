@@ -5,6 +5,8 @@
 //                      the lower expert id, as torch.topk), renormalized when asked; then the
 //                      plan: the experts some row chose, ascending, and each one's (row, slot)
 //                      pairs; and the count of experts read.
+//   moe_router_bf16    batch 1: the FFN's RMSNorm, the router's GEMV and moe_route_bf16's work
+//                      in one launch (the last CTA routes).
 //   moe_gate_up_bf16   per chosen expert and 16 columns of its width: silu(gate·x) * (up·x) for
 //                      every pair that chose it -> act (tensor cores).
 //   moe_down_bf16      per chosen expert and 16 hidden columns: w * (down·act) for each pair -> y;
@@ -60,7 +62,7 @@ __device__ void route_row(const bf16_t* logits, int* ids, float* weights, int* c
 #pragma unroll
     for (int v = 0; v < V; ++v) {
         const int e = lane + 32 * v;
-        p[v] = e < num_experts ? bf16_to_f32(logits[(long long)r * num_experts + e]) : METRALE_NEG_INF;
+        p[v] = e < num_experts ? bf16_to_f32(__ldcg(logits + (long long)r * num_experts + e)) : METRALE_NEG_INF;
         m = fmaxf(m, p[v]);
     }
     m = warp_max(m);
@@ -95,20 +97,22 @@ __device__ void route_row(const bf16_t* logits, int* ids, float* weights, int* c
     if (lane < top_k) weights[r * top_k + lane] = normalize ? mine / picked : mine;
 }
 
-// logits (rows, E) bf16 -> ids (rows, k) int32, weights (rows, k) fp32, the plan, experts_read[0]
-// += n. rows * k <= MOE_MAX_PAIRS, E <= MOE_MAX_EXPERTS, k <= min(E, 32). grid 1, block: up to
-// MOE_ROUTE_THREADS, a multiple of 32 (a warp per row at a time).
-extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
-    moe_route_bf16(const bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read, int rows,
-                   int num_experts, int top_k, int normalize) {
-    __shared__ int chosen[MOE_MAX_PAIRS];
-    __shared__ unsigned count[MOE_MAX_EXPERTS];
-    __shared__ unsigned fill[MOE_MAX_EXPERTS];
-    __shared__ int lane_active[32], lane_pairs[32];
+// The routing CTA's shared scratch: each pair's expert, each expert's pair count and fill.
+struct RouteScratch {
+    int chosen[MOE_MAX_PAIRS];
+    unsigned count[MOE_MAX_EXPERTS];
+    unsigned fill[MOE_MAX_EXPERTS];
+    int lane_active[32], lane_pairs[32];
+};
+
+// moe_route_bf16's work, by the whole CTA (a warp per row at a time): every row routed, then the
+// plan and experts_read.
+__device__ void route_plan(const bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read,
+                           int rows, int num_experts, int top_k, int normalize, RouteScratch& sh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int per_lane = (num_experts + 31) / 32;
-    pdl_wait();
-    pdl_launch_dependents();
+    int* chosen = sh.chosen;
+    unsigned *count = sh.count, *fill = sh.fill;
     for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
     __syncthreads();
     for (int r = warp; r < rows; r += warps) {
@@ -122,10 +126,10 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
         const int lo = lane * per_lane, hi = min(lo + per_lane, num_experts);
         int n = 0, pairs = 0;
         for (int e = lo; e < hi; ++e) n += count[e] > 0, pairs += (int)count[e];
-        lane_active[lane] = n, lane_pairs[lane] = pairs;
+        sh.lane_active[lane] = n, sh.lane_pairs[lane] = pairs;
         __syncwarp();
         int slot = 0, offset = 0;
-        for (int l = 0; l < lane; ++l) slot += lane_active[l], offset += lane_pairs[l];
+        for (int l = 0; l < lane; ++l) slot += sh.lane_active[l], offset += sh.lane_pairs[l];
         int* active = plan + 1;
         int* offsets = plan + 1 + num_experts;
         for (int e = lo; e < hi; ++e) {
@@ -141,6 +145,83 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
     __syncthreads();
     int* pairs = plan + 2 + 2 * num_experts;
     for (int q = threadIdx.x; q < rows * top_k; q += blockDim.x) pairs[atomicAdd(&fill[chosen[q]], 1u)] = q;
+}
+
+// logits (rows, E) bf16 -> ids (rows, k) int32, weights (rows, k) fp32, the plan, experts_read[0]
+// += n. rows * k <= MOE_MAX_PAIRS, E <= MOE_MAX_EXPERTS, k <= min(E, 32). grid 1, block: up to
+// MOE_ROUTE_THREADS, a multiple of 32 (a warp per row at a time).
+extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
+    moe_route_bf16(const bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read, int rows,
+                   int num_experts, int top_k, int normalize) {
+    __shared__ RouteScratch sh;
+    pdl_wait();
+    pdl_launch_dependents();
+    route_plan(logits, ids, weights, plan, experts_read, rows, num_experts, top_k, normalize, sh);
+}
+
+// Batch-1 decode's norm, router and routing in one launch (rms_norm_bf16, the router's GEMV and
+// moe_route_bf16 fused): x = RMSNorm(h), staged as gemv_norm_bf16 stages it (rms_norm_bf16's
+// arithmetic) and stored to x_out by CTA 0; logits (E,) bf16 = router · x, a warp per expert in
+// gemv_norm_bf16's order (each logit is the value that kernel stores); then the last CTA to
+// finish (counter: a zeroed word, left zero) routes the row as moe_route_bf16 does, its scratch
+// in the staged row's shared memory. The router rows are loaded before the PDL wait (a constant).
+// router (E, hidden) bf16; hidden % 8 == 0, hidden <= GEMV_MAX_K, every pointer 16-byte aligned;
+// E <= MOE_MAX_EXPERTS, k <= min(E, 32). grid ceil(E / GEMV_WARPS), block GEMV_THREADS.
+#define ROUTER_U 8  // chunks a lane per batch: gemv_norm_bf16's U
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
+    moe_router_bf16(const bf16_t* router, const bf16_t* h, const bf16_t* gamma, bf16_t* x_out, bf16_t* logits,
+                    int* ids, float* weights, int* plan, long long* experts_read, unsigned* counter,
+                    int num_experts, int hidden, int top_k, int normalize, float eps) {
+    static_assert(sizeof(RouteScratch) <= GEMV_MAX_K / 8 * sizeof(Chunk), "the route's scratch fits the row's");
+    __shared__ Chunk xs[GEMV_MAX_K / 8];
+    __shared__ int is_last;
+    const int lane = threadIdx.x & 31, e = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const int chunks = hidden / 8;
+    const bf16_t* row = router + (long long)e * hidden;
+    Chunk first[ROUTER_U];
+#pragma unroll
+    for (int u = 0; u < ROUTER_U; ++u) {
+        const int ci = lane + 32 * u;
+        if (e < num_experts && ci < chunks) first[u] = load_weights(row + ci * 8);
+    }
+    const EarlyGamma early = early_gamma<true>(gamma, hidden);
+    pdl_wait();
+    pdl_launch_dependents();
+    stage_x<true>(xs, h, nullptr, gamma, nullptr, hidden, eps, &early);
+    if (blockIdx.x == 0) {
+        for (int i = threadIdx.x; i < chunks; i += blockDim.x) reinterpret_cast<Chunk*>(x_out)[i] = xs[i];
+    }
+    if (e < num_experts) {
+        float acc = 0.0f;
+        for (int b = 0; b * 32 * ROUTER_U < chunks; ++b) {
+            Chunk c[ROUTER_U];
+#pragma unroll
+            for (int u = 0; u < ROUTER_U; ++u) {
+                const int ci = lane + 32 * (b * ROUTER_U + u);
+                if (ci < chunks) c[u] = b == 0 ? first[u] : load_weights(row + ci * 8);
+            }
+#pragma unroll
+            for (int u = 0; u < ROUTER_U; ++u) {
+                const int ci = lane + 32 * (b * ROUTER_U + u);
+                if (ci < chunks) acc = dot8(c[u], xs[ci], acc);
+            }
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) logits[e] = f32_to_bf16(acc);
+    }
+    __syncthreads();  // every logit of the CTA stored, xs no longer read
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const bool last = atomicAdd(counter, 1u) == gridDim.x - 1;
+        if (last) atomicExch(counter, 0u);  // zero again for the next launch
+        __threadfence();
+        is_last = last;
+    }
+    __syncthreads();
+    if (is_last) {
+        route_plan(logits, ids, weights, plan, experts_read, 1, num_experts, top_k, normalize,
+                   *reinterpret_cast<RouteScratch*>(xs));
+    }
 }
 
 // logits (rows, E) bf16 -> ids (rows, k) int32, weights (rows, k) fp32 as moe_route_bf16's; counts[e]

@@ -128,6 +128,48 @@ struct RopeDecodeShared {
     int blocks[TC_STAGED_BLOCKS];
 };
 
+// The load of V floats: float4 or float.
+template <int V>
+struct FloatVec {
+    typedef float4 type;
+};
+template <>
+struct FloatVec<1> {
+    typedef float type;
+};
+
+// combine_rows' weighted sums: V consecutive dims of a head a thread (V = 1 or 4).
+template <int D, int V>
+__device__ void combine_sums(const RopeDecodeArgs& a, RopeDecodeShared& sh, long long head0, int rows, int active) {
+    typedef typename FloatVec<V>::type Vec;
+    constexpr int Q = D / V;
+    for (int idx = threadIdx.x; idx < rows * Q; idx += TC_THREADS) {
+        const int r = idx / Q, c = idx % Q;
+        const long long head = head0 + r;
+        const Vec* po = reinterpret_cast<const Vec*>(a.part_o + head * a.num_splits * D) + c;
+        float val[V] = {};
+        for (int s0 = 0; s0 < active; s0 += 16) {
+            Vec p[16];
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                if (s0 + j < active) p[j] = __ldcg(po + (s0 + j) * Q);
+            }
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                if (s0 + j < active) {
+                    const float w = sh.weight[r][s0 + j];
+                    const float* pv = reinterpret_cast<const float*>(&p[j]);
+#pragma unroll
+                    for (int v = 0; v < V; ++v) val[v] += pv[v] * w;
+                }
+            }
+        }
+        const float t = sh.total[r];
+#pragma unroll
+        for (int v = 0; v < V; ++v) a.out[head * D + V * c + v] = f32_to_bf16(t > 0.0f ? val[v] / t : 0.0f);
+    }
+}
+
 // The last split's CTA of (sequence, KV head, chunk): out = paged_decode_combine's reduction of
 // the `active` partials of its `rows` heads from head0 on (its warp 0's sums, per head).
 template <int D>
@@ -145,15 +187,11 @@ __device__ void combine_rows(const RopeDecodeArgs& a, RopeDecodeShared& sh, long
         if (lane == 0) sh.total[r] = l;
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < rows * D; idx += TC_THREADS) {
-        const int r = idx / D, d = idx % D;
-        const long long head = head0 + r;
-        const float* po = a.part_o + head * a.num_splits * D;
-        float val = 0.0f;
-#pragma unroll 8
-        for (int s = 0; s < active; ++s) val += __ldcg(po + s * D + d) * sh.weight[r][s];
-        a.out[head * D + d] = f32_to_bf16(sh.total[r] > 0.0f ? val / sh.total[r] : 0.0f);
-    }
+    // V consecutive dims a thread (4 when that still gives every thread work, else 1), the splits'
+    // loads of a pass (up to 16) all issued before the sums: a few L2 round trips per CTA, not one
+    // per split and dim. Each dim's sum runs over the splits in order, as paged_decode_combine's.
+    if (rows * D / 4 >= TC_THREADS) combine_sums<D, 4>(a, sh, head0, rows, active);
+    else combine_sums<D, 1>(a, sh, head0, rows, active);
 }
 
 // Whether this CTA is the last of its item's `active` splits to finish (its partials written).

@@ -108,3 +108,45 @@ def test_a_cuda_graph_replays_the_decode_path(ops):
     want = ops.moe(other["x"], other["logits"], t["gate_up"], t["down"], 8, True, None, None)
     assert torch.equal(out, want)
     assert int(read) == len(torch.unique(ref.moe_route(other["logits"], 8, True)[0]))
+
+
+@pytest.mark.parametrize("experts, top_k, hidden", [(128, 8, 2048), (60, 4, 1000), (512, 10, 4096), (6, 2, 8)])
+def test_batch_one_router_equals_norm_gemv_and_route(ops, experts, top_k, hidden):
+    """moe_router_bf16 through ``CudaOps.moe_norm_route`` (one row): x is ``rms_norm``'s bytes, the
+    route ``moe_route``'s on the logits ``gemv_norm`` gives with the router as its weight (ids,
+    weights and plan), ``experts_read`` counts its experts, and ``moe_routed`` on it equals ``moe``
+    on those logits; the same again from a CUDA graph replayed on new inputs."""
+    g = torch.Generator(device="cuda").manual_seed(experts)
+    h = (torch.randn(1, hidden, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    gamma = (1 + torch.randn(hidden, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+    router = (torch.randn(experts, hidden, device="cuda", generator=g) * hidden ** -0.5).to(torch.bfloat16)
+    gate_up = (torch.randn(experts, 64, hidden, device="cuda", generator=g) * hidden ** -0.5).to(torch.bfloat16)
+    down = (torch.randn(experts, hidden, 32, device="cuda", generator=g) * 0.2).to(torch.bfloat16)
+    read = torch.zeros(1, dtype=torch.long, device="cuda")
+
+    def check(x, route, out):
+        want_x = ops.rms_norm(h, gamma, 1e-6)
+        logits = ops.gemv_norm(h, None, gamma, 1e-6, router)[0]
+        ids, weights, plan = ops._route(logits, top_k, True, None)
+        assert torch.equal(x, want_x)
+        assert torch.equal(route.ids, ids) and torch.equal(route.weights, weights)
+        n = int(plan[0])  # the plan's defined entries: n experts, n + 1 offsets, every pair
+        for part in (slice(0, 1 + n), slice(1 + experts, 2 + experts + n), slice(2 + 2 * experts, None)):
+            assert torch.equal(route.plan[part], plan[part])
+        assert int(read) == len(torch.unique(ids))
+        assert torch.equal(out, ops.moe(want_x, logits, gate_up, down, top_k, True, h, None))
+
+    def step():
+        x, route = ops.moe_norm_route(h, gamma, 1e-6, router, top_k, True, read)
+        return x, route, ops.moe_routed(x, route, gate_up, down, h)
+
+    check(*step())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    h.copy_(torch.randn(1, hidden, device="cuda", generator=g) * 3)
+    read.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    check(*captured)
+    assert not ops._moe_counters(h.device, 1, "router").any()

@@ -30,6 +30,7 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
         handle.host_moe_experts.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5
         handle.host_moe_route_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
         handle.host_moe_combine.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+        handle.host_moe_router.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 4 + [ctypes.c_float]
         _LIB.append(handle)
     return _LIB[0]
 
@@ -161,3 +162,46 @@ def test_prefill_combine_weights_and_sums_each_rows_slots_in_order(lib, shape, w
     if residual is not None:
         want = residual + want
     assert torch.equal(out, want)
+
+
+@pytest.fixture(scope="module")
+def gemv_lib(tmp_path_factory) -> ctypes.CDLL:
+    """gemv.cu and rmsnorm.cu emulated: the kernels moe_router_bf16 must equal bit for bit."""
+    handle = build_host_library("gemv_host.cpp", tmp_path_factory.mktemp("gemv"))
+    handle.host_gemv.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 2 + [ctypes.c_float,
+                                                                                                ctypes.c_int]
+    handle.host_norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_float]
+    return handle
+
+
+@pytest.mark.parametrize("experts, top_k, hidden", [(128, 8, 2048), (60, 4, 1000), (6, 2, 8), (512, 10, 4096),
+                                                     (33, 1, 2056)])
+def test_fused_router_equals_norm_gemv_and_route(lib, gemv_lib, experts, top_k, hidden):
+    """moe_router_bf16 (batch 1): its x is rms_norm_bf16's row, its logits gemv_norm_bf16's
+    (the router as the weight: both prologue block sizes, rows of one and of two load batches, a
+    CTA's warps partly idle), and its route moe_route_bf16's on those logits: ids, weights, plan,
+    experts_read; the counter is left zero. Repeated with the counter reused."""
+    g = torch.Generator().manual_seed(experts + hidden)
+    h = (torch.randn(1, hidden, generator=g) * 3).to(torch.bfloat16)
+    gamma = (1 + torch.randn(hidden, generator=g) * 0.1).to(torch.bfloat16)
+    router = (torch.randn(experts, hidden, generator=g) * hidden ** -0.5).to(torch.bfloat16)
+    counter = torch.zeros(1, dtype=torch.int32)
+    want_x = torch.full_like(h, float("nan"))
+    gemv_lib.host_norm(_p(h), None, _p(gamma), _p(want_x), None, hidden, 1e-6)
+    want_logits = torch.full((1, experts), float("nan"), dtype=torch.bfloat16)
+    gemv_lib.host_gemv(0, _p(router), _p(h), None, _p(gamma), None, _p(want_logits), experts, hidden, 1e-6, 5)
+    want_ids, want_w, want_plan, want_read = route(lib, want_logits, top_k, True)
+    for _ in range(2):
+        x = torch.full_like(h, float("nan"))
+        logits = torch.full((1, experts), float("nan"), dtype=torch.bfloat16)
+        ids = torch.full((1, top_k), -1, dtype=torch.int32)
+        weights = torch.full((1, top_k), float("nan"))
+        plan = torch.full((2 + 2 * experts + top_k,), -7, dtype=torch.int32)
+        read = torch.tensor([5], dtype=torch.long)
+        lib.host_moe_router(_p(router), _p(h), _p(gamma), _p(x), _p(logits), _p(ids), _p(weights), _p(plan),
+                            _p(read), _p(counter), experts, hidden, top_k, 1, 1e-6)
+        assert torch.equal(x.view(torch.int16), want_x.view(torch.int16))
+        assert torch.equal(logits.view(torch.int16), want_logits.view(torch.int16))
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+        assert torch.equal(plan, want_plan) and int(read) - 5 == want_read
+        assert not counter.any()

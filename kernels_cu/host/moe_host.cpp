@@ -9,6 +9,17 @@ extern "C" void host_moe_route(const bf16_t* logits, int* ids, float* weights, i
     run_grid(1, 1, threads, [&] { moe_route_bf16(logits, ids, weights, plan, experts_read, rows, num_experts, top_k, normalize); });
 }
 
+// Batch 1's norm, router and routing: ceil(E / GEMV_WARPS) CTAs of GEMV_THREADS, as CudaOps;
+// counter: one zeroed word.
+extern "C" void host_moe_router(const bf16_t* router, const bf16_t* h, const bf16_t* gamma, bf16_t* x_out,
+                                bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read,
+                                unsigned* counter, int num_experts, int hidden, int top_k, int normalize, float eps) {
+    run_grid((num_experts + GEMV_WARPS - 1) / GEMV_WARPS, 1, GEMV_THREADS, [&] {
+        moe_router_bf16(router, h, gamma, x_out, logits, ids, weights, plan, experts_read, counter, num_experts,
+                        hidden, top_k, normalize, eps);
+    });
+}
+
 // The prefill chunk's routing: a warp per row over ceil(rows / (threads / 32)) CTAs, as CudaOps.
 extern "C" void host_moe_route_rows(const bf16_t* logits, int* ids, float* weights, unsigned* counts, int rows,
                                     int num_experts, int top_k, int normalize, int threads) {

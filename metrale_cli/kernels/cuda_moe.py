@@ -2,7 +2,8 @@
 
 Up to ``MOE_DECODE_ROWS`` rows (decode steps, short chunks): moe.cu's three launches, which read
 each chosen expert's weights once per call (their dot products on tensor cores) and keep the
-expert ids on the device. More rows
+expert ids on the device; at batch 1 (:meth:`CudaMoe.moe_norm_route`) the FFN's norm, the router's
+GEMV and the routing are one more launch, moe_router_bf16, in place of three. More rows
 (prefill): moe.cu routes the rows, the tokens are sorted by expert, both expert projections run as
 grouped GEMMs on tensor cores (``torch._grouped_mm``, CUTLASS on sm_90), and moe.cu gathers each
 token's weighted sum back in slot order. Neither syncs with the host, so both can be captured in a CUDA graph.
@@ -13,13 +14,17 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.cuda_launch import CudaLauncher, _ready
+from metrale_cli.kernels.ops import MoeRoute
 from metrale_cli.kernels.table import (
-    MOE_COMBINE, MOE_DECODE_ROWS, MOE_DOWN, MOE_GATE_UP, MOE_MAX_EXPERTS, MOE_MAX_PAIRS, MOE_MAX_TOP_K, MOE_ROUTE,
-    MOE_ROUTE_ROWS, MOE_TC_ROWS, MOE_TC_THREADS, MOE_THREADS, MOE_WARPS,
+    GEMV_THREADS, MOE_COMBINE, MOE_DECODE_ROWS, MOE_DOWN, MOE_GATE_UP, MOE_MAX_EXPERTS, MOE_MAX_PAIRS, MOE_MAX_TOP_K,
+    MOE_ROUTE, MOE_ROUTE_ROWS, MOE_ROUTER, MOE_TC_ROWS, MOE_TC_THREADS, MOE_THREADS, MOE_WARPS,
 )
+
+GEMV_WARPS = GEMV_THREADS // 32  # moe_router_bf16: a warp per expert
 
 
 def check_moe_shapes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> None:
@@ -40,19 +45,29 @@ class CudaMoe:
     """The MoE part of ``CudaOps`` (mixed into it)."""
 
     def moe_route(self: CudaLauncher, logits, top_k, normalize):
+        route = self._routes(logits, top_k, normalize, None)
+        return route.ids, route.weights
+
+    def _routes(self: CudaLauncher, logits, top_k, normalize, experts_read) -> MoeRoute:
+        """Decode rows: moe_route_bf16 (the ids, weights and the experts' plan); more rows: a warp
+        per row (the ids, weights and each expert's count)."""
         rows = logits.shape[0]
-        if rows > MOE_DECODE_ROWS or rows * top_k > MOE_MAX_PAIRS:
-            ids, weights, _ = _route_rows(self, logits, top_k, normalize)
-            return ids, weights
-        ids, weights, _ = self._route(logits, top_k, normalize, None)
-        return ids, weights
+        if _decode_rows(rows, top_k):
+            return MoeRoute(*self._route(logits, top_k, normalize, experts_read))
+        ids, weights, counts = _route_rows(self, logits, top_k, normalize)
+        if experts_read is not None:
+            experts_read += (counts > 0).sum()
+        return MoeRoute(ids, weights, counts=counts)
+
+    def _route_buffers(self: CudaLauncher, rows, experts, top_k, dev):
+        """(ids, weights, plan) for moe_route_bf16 and moe_router_bf16 to fill."""
+        return (torch.empty(rows, top_k, dtype=torch.int32, device=dev),
+                torch.empty(rows, top_k, dtype=torch.float32, device=dev),
+                torch.empty(2 + 2 * experts + rows * top_k, dtype=torch.int32, device=dev))
 
     def _route(self: CudaLauncher, logits, top_k, normalize, experts_read):
         rows, experts = logits.shape
-        dev = logits.device
-        ids = torch.empty(rows, top_k, dtype=torch.int32, device=dev)
-        weights = torch.empty(rows, top_k, dtype=torch.float32, device=dev)
-        plan = torch.empty(2 + 2 * experts + rows * top_k, dtype=torch.int32, device=dev)
+        ids, weights, plan = self._route_buffers(rows, experts, top_k, logits.device)
         threads = 32 * min(16, max(4, rows))
         self._launch(MOE_ROUTE, (1,), (threads,), _ready(logits.to(torch.bfloat16)), ids, weights, plan,
                      experts_read, rows, experts, top_k, int(bool(normalize)), pdl=True)
@@ -60,38 +75,66 @@ class CudaMoe:
 
     def moe(self: CudaLauncher, x, logits, gate_up, down, top_k, normalize, residual, experts_read):
         check_moe_shapes(x, gate_up, down, top_k)
-        rows = x.shape[0]
-        if rows == 0:
+        if x.shape[0] == 0:
             return torch.empty_like(x) if residual is None else residual.clone()
-        if rows <= MOE_DECODE_ROWS and rows * top_k <= MOE_MAX_PAIRS:
-            return self._moe_rows(x, logits, gate_up, down, top_k, normalize, residual, experts_read)
-        return _moe_grouped(self, x, logits, gate_up, down, top_k, normalize, residual, experts_read)
+        return self.moe_routed(x, self._routes(logits, top_k, normalize, experts_read), gate_up, down, residual)
 
-    def _moe_rows(self: CudaLauncher, x, logits, gate_up, down, top_k, normalize, residual, experts_read):
+    def moe_norm_route(self: CudaLauncher, h, norm_weight, eps, router, top_k, normalize, experts_read):
+        rows, hidden = h.shape
+        experts = router.shape[0]
+        fused = (rows == 1 and self.gemv_fits(hidden) and h.dtype == router.dtype == torch.bfloat16
+                 and 0 < top_k <= min(experts, MOE_MAX_TOP_K) and experts <= MOE_MAX_EXPERTS)
+        if not fused:
+            x = self.rms_norm(h, norm_weight, eps)
+            return x, self._routes(F.linear(x, router), top_k, normalize, experts_read)
+        dev = h.device
+        x = torch.empty_like(h)
+        logits = torch.empty(1, experts, dtype=h.dtype, device=dev)
+        ids, weights, plan = self._route_buffers(1, experts, top_k, dev)
+        self._launch(MOE_ROUTER, (math.ceil(experts / GEMV_WARPS),), (GEMV_THREADS,), _ready(router), _ready(h),
+                     _ready(norm_weight), x, logits, ids, weights, plan, experts_read,
+                     self._moe_counters(dev, 1, "router"), experts, hidden, top_k, int(bool(normalize)), eps, pdl=True)
+        return x, MoeRoute(ids, weights, plan)
+
+    def moe_routed(self: CudaLauncher, x, route: MoeRoute, gate_up, down, residual):
+        check_moe_shapes(x, gate_up, down, route.ids.shape[1])
+        if x.shape[0] == 0:
+            return torch.empty_like(x) if residual is None else residual.clone()
+        if route.plan is not None:
+            return self._moe_rows(x, route, gate_up, down, residual)
+        return _moe_grouped(self, x, route, gate_up, down, residual)
+
+    def _moe_rows(self: CudaLauncher, x, route: MoeRoute, gate_up, down, residual):
         rows, hidden = x.shape
+        top_k = route.ids.shape[1]
         experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        _, weights, plan = self._route(logits, top_k, normalize, experts_read)
         pairs, chosen = rows * top_k, min(experts, rows * top_k)
         x = _ready(x)
         act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
         y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
         out = torch.empty_like(x)
         gate_up_ctas, down_ctas = math.ceil(inter / MOE_TC_ROWS), math.ceil(hidden / MOE_TC_ROWS)
-        self._launch(MOE_GATE_UP, (gate_up_ctas, chosen), (MOE_TC_THREADS,), x, _ready(gate_up), plan, act, hidden, inter,
-                     experts, top_k, pdl=True)
-        self._launch(MOE_DOWN, (down_ctas, chosen), (MOE_TC_THREADS,), act, _ready(down), plan, weights, y,
+        self._launch(MOE_GATE_UP, (gate_up_ctas, chosen), (MOE_TC_THREADS,), x, _ready(gate_up), route.plan, act,
+                     hidden, inter, experts, top_k, pdl=True)
+        self._launch(MOE_DOWN, (down_ctas, chosen), (MOE_TC_THREADS,), act, _ready(down), route.plan, route.weights, y,
                      None if residual is None else _ready(residual), out, self._moe_counters(x.device, down_ctas),
                      rows, hidden, inter, experts, top_k, pdl=True)
         return out
 
-    def _moe_counters(self: CudaLauncher, device: torch.device, count: int) -> torch.Tensor:
-        """Zeroed int32 words, one per column tile of moe_down_bf16, which leaves them zero: kept per
-        device and grown (never shrunk) so graphs replay on the same buffer."""
+    def _moe_counters(self: CudaLauncher, device: torch.device, count: int, user: str = "down") -> torch.Tensor:
+        """Zeroed int32 words, one per column tile of moe_down_bf16 (``user`` "down") or the one of
+        moe_router_bf16 ("router"), which leave them zero: kept per device and user and grown
+        (never shrunk) so graphs replay on the same buffer."""
         counters = self.__dict__.setdefault("_moe_counter_words", {})
-        have = counters.get(device.index)
+        have = counters.get((device.index, user))
         if have is None or have.numel() < count:
-            have = counters[device.index] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+            have = counters[device.index, user] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
         return have
+
+
+def _decode_rows(rows: int, top_k: int) -> bool:
+    """Rows that moe.cu's decode launches serve (else the grouped GEMMs)."""
+    return rows <= MOE_DECODE_ROWS and rows * top_k <= MOE_MAX_PAIRS
 
 
 def _route_rows(ops, logits, top_k, normalize):
@@ -107,16 +150,15 @@ def _route_rows(ops, logits, top_k, normalize):
     return ids, weights, counts
 
 
-def _moe_grouped(ops, x, logits, gate_up, down, top_k, normalize, residual, experts_read):
-    """Prefill: each row routed by a warp (moe.cu), the pairs sorted by expert (stable, so the order
-    is the tokens'), gate/up and down as two grouped GEMMs over the experts' row groups, SwiGLU
-    between them, then each row's slots found in the grouped order, weighted and summed in slot
-    order (moe.cu)."""
+def _moe_grouped(ops, x, route: MoeRoute, gate_up, down, residual):
+    """Prefill: each row routed by a warp (moe.cu, :meth:`CudaMoe._routes`), the pairs sorted by
+    expert (stable, so the order is the tokens'), gate/up and down as two grouped GEMMs over the
+    experts' row groups, SwiGLU between them, then each row's slots found in the grouped order,
+    weighted and summed in slot order (moe.cu)."""
     rows, hidden = x.shape
     dev = x.device
-    ids, weights, counts = _route_rows(ops, logits, top_k, normalize)
-    if experts_read is not None:
-        experts_read += (counts > 0).sum()
+    ids, weights, counts = route.ids, route.weights, route.counts
+    top_k = ids.shape[1]
     order = torch.argsort(ids.flatten(), stable=True)
     pairs = rows * top_k
     where = torch.empty(pairs, dtype=torch.int32, device=dev).scatter_(

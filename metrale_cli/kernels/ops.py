@@ -73,6 +73,18 @@ class GdnTensors:
     recurrent_pool: torch.Tensor  # (S+1, Hv, Dk, Dv) float32
 
 
+@dataclass
+class MoeRoute:
+    """A router's choice for T rows (:meth:`Ops.moe_norm_route`): ``ids`` (T, top_k) int32 and
+    ``weights`` (T, top_k) fp32 as :meth:`Ops.moe_route` gives them, and the backend's own form of
+    it for :meth:`Ops.moe_routed` (the cuda backend's plan or per-expert counts; None for torch)."""
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+    plan: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+
+
 class Ops(Protocol):
     name: str
 
@@ -115,6 +127,17 @@ class Ops(Protocol):
         [residual +] sum over the row's :meth:`moe_route` choice of weight * down_e(silu(gate_e x) *
         up_e x), the weight rounded to x's dtype first (HF). ``experts_read`` ((1,) int64), when
         given, grows by the number of distinct experts the call read, on the device."""
+
+    def moe_norm_route(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, router: torch.Tensor,
+                       top_k: int, normalize: bool, experts_read: torch.Tensor | None) -> tuple[torch.Tensor, MoeRoute]:
+        """What comes before a MoE FFN's experts: x = :meth:`rms_norm` (h), the router's logits
+        ``F.linear(x, router)`` (router (E, H)) and their :meth:`moe_route` -> (x, the route).
+        ``experts_read`` grows as in :meth:`moe`. The cuda backend runs a row in one launch, its
+        router GEMV in gemv_norm_bf16's summation order rather than cuBLAS's."""
+
+    def moe_routed(self, x: torch.Tensor, route: MoeRoute, gate_up: torch.Tensor, down: torch.Tensor,
+                   residual: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`moe`'s experts over a route of :meth:`moe_norm_route`'s."""
 
     def gdn_decode(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                    layer: GdnTensors, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

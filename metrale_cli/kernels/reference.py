@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from metrale_cli.kernels import gdn_reference
-from metrale_cli.kernels.ops import StepBuffers
+from metrale_cli.kernels.ops import MoeRoute, StepBuffers
 from metrale_cli.kv import formats
 from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.kv.pool import BLOCK_SIZE, LayerKv, SidePool
@@ -180,6 +180,18 @@ def moe(x, logits, gate_up, down, top_k, normalize, residual, experts_read):
     return moe_experts(x, ids, weights, gate_up, down, residual)
 
 
+def moe_norm_route(h, norm_weight, eps, router, top_k, normalize, experts_read):
+    x = rms_norm(h, norm_weight, eps)
+    ids, weights = moe_route(F.linear(x, router), top_k, normalize)
+    if experts_read is not None:
+        count_experts(ids, router.shape[0], experts_read)
+    return x, MoeRoute(ids, weights)
+
+
+def moe_routed(x, route, gate_up, down, residual):
+    return moe_experts(x, route.ids, route.weights, gate_up, down, residual)
+
+
 class TorchPagedAttention:
     """The references of :class:`~metrale_cli.kernels.ops.PagedAttention`: the codecs of
     ``kv/formats.py`` serve every dtype, so only a rotated side's head_dim is checked."""
@@ -211,6 +223,8 @@ class TorchOps:
     decode_advance = staticmethod(decode_advance)
     moe_route = staticmethod(moe_route)
     moe = staticmethod(moe)
+    moe_norm_route = staticmethod(moe_norm_route)
+    moe_routed = staticmethod(moe_routed)
     gdn_decode = staticmethod(gdn_reference.decode)
     gdn_prefill = staticmethod(gdn_reference.prefill)
 

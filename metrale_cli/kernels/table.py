@@ -82,6 +82,10 @@ MOE_ROUTE = K("moe::moe_route_bf16"), Signature.parse(
     "logits: bf16*, ids: i32*, weights: f32*, plan: i32*, experts_read: i64*?, rows: i32, num_experts: i32, "
     "top_k: i32, normalize: i32"
 )
+MOE_ROUTER = K("moe::moe_router_bf16"), Signature.parse(
+    "router: bf16*, h: bf16*, gamma: bf16*, x_out: bf16*, logits: bf16*, ids: i32*, weights: f32*, plan: i32*, "
+    "experts_read: i64*?, counter: i32*, num_experts: i32, hidden: i32, top_k: i32, normalize: i32, eps: f32"
+)
 MOE_GATE_UP = K("moe::moe_gate_up_bf16"), Signature.parse(
     "x: bf16*, gate_up: bf16*, plan: i32*, act: bf16*, hidden: i32, inter: i32, num_experts: i32, top_k: i32"
 )
@@ -95,7 +99,7 @@ MOE_ROUTE_ROWS = K("moe::moe_route_rows_bf16"), Signature.parse(
 MOE_COMBINE = K("moe::moe_combine_bf16"), Signature.parse(
     "ys: bf16*, where: i32*, weights: f32*, residual: bf16*?, out: bf16*, hidden: i32, top_k: i32"
 )
-MOE_KERNELS = tuple(k[0] for k in (MOE_ROUTE, MOE_GATE_UP, MOE_DOWN, MOE_ROUTE_ROWS, MOE_COMBINE))
+MOE_KERNELS = tuple(k[0] for k in (MOE_ROUTE, MOE_ROUTER, MOE_GATE_UP, MOE_DOWN, MOE_ROUTE_ROWS, MOE_COMBINE))
 MOE_TC_THREADS = 128  # moe.cu's expert CTA: 4 warps splitting K
 MOE_TC_ROWS = 16  # the weight rows (output columns) of one expert CTA
 MOE_THREADS = 256  # moe.cu's prefill routing (a warp per row) and combine CTAs

@@ -40,18 +40,26 @@ class MoeFfn:
         return self._forward(x, None)
 
     def add_row(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self._forward(self.ops.rms_norm(h, norm_weight, eps), h)
+        s = self.spec
+        x, route = self.ops.moe_norm_route(h, norm_weight, eps, self.router, s.top_k, s.norm_topk_prob,
+                                           self.experts_read)
+        return self.ops.moe_routed(x, route, self.gate_up, self.down, self._with_shared(x, h))
 
     def _forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         s = self.spec
-        if self.shared is not None:
-            # HF: routed + sigmoid(gate) * shared, then the residual add; the shared term is added
-            # first here so that the routed sum's kernel takes one addend.
-            shared = torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x, None)
-            residual = shared if residual is None else residual + shared
+        residual = self._with_shared(x, residual)
         logits = F.linear(x, self.router)
         return self.ops.moe(x, logits, self.gate_up, self.down, s.top_k, s.norm_topk_prob, residual,
                             self.experts_read)
+
+    def _with_shared(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+        """The addend of the routed sum: the residual, plus the shared expert's term where there is one."""
+        if self.shared is None:
+            return residual
+        # HF: routed + sigmoid(gate) * shared, then the residual add; the shared term is added
+        # first here so that the routed sum's kernel takes one addend.
+        shared = torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x, None)
+        return shared if residual is None else residual + shared
 
     def routed_bytes(self) -> int:
         expert = self.gate_up[0].numel() * self.gate_up.element_size() + self.down[0].numel() * self.down.element_size()
