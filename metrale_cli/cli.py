@@ -88,6 +88,8 @@ InnerQOpt = Annotated[Optional[int], typer.Option(
     "scales over the first N tokens (0 = off; default: TURBO_INNERQ, else off)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
+TpOpt = Annotated[int, typer.Option("--tensor-parallel-size", "-tp", help="shard the model over this many GPUs "
+                                    "(processes; gloo on the CPU), rank 0 writing the output")]
 
 
 def _run(out: Output, debug: bool, fn, *args, **kwargs):
@@ -159,6 +161,7 @@ def generate(
     prompt_file: Annotated[Optional[str], typer.Option(
         "--file", "-f", help="read the prompt from this UTF-8 text file")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="print KV and load details")] = False,
+    tensor_parallel_size: TpOpt = 1,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ):
@@ -171,7 +174,8 @@ def generate(
     """
     from metrale_cli.engine.runner import RunnerOptions
     from metrale_cli.engine.sampler import SamplingParams
-    from metrale_cli.commands.generate import run_generate
+    from metrale_cli.commands.generate import generate_rank
+    from metrale_cli.engine.ranks import run_ranks
 
     out = Output(json_mode=json_out)
     prompts = list(prompt or [])
@@ -208,13 +212,17 @@ def generate(
                          cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode,
                          kv_high_precision_layers=kv_high_precision_layers,
                          innerq_calibration_tokens=innerq_calibration_tokens)
-    _run(out, debug, lambda: run_generate(
-        out, _with_revision(model, revision), opts, prompts,
-        SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                       seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos, min_p=min_p,
-                       repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                       frequency_penalty=frequency_penalty, logprobs=logprobs),
-        chat=not no_chat_template, system=system, verbose=verbose, chat_template=template))
+    if tensor_parallel_size < 1:
+        out.error(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}", "1 runs on one device")
+        raise typer.Exit(1)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos, min_p=min_p,
+                            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, logprobs=logprobs)
+    _run(out, debug, lambda: run_ranks(
+        tensor_parallel_size, generate_rank, _with_revision(model, revision), opts, prompts, params,
+        chat=not no_chat_template, system=system, verbose=verbose, chat_template=template, main_output=out,
+        on_worker_error=out.error))
 
 
 @app.command()
@@ -338,6 +346,7 @@ def bench(
     corpus: Annotated[Optional[str], typer.Option(help="--kv-quality: a UTF-8 text file (default: the "
                                                   "shipped English corpus)")] = None,
     window: Annotated[int, typer.Option(help="--kv-quality: tokens per scored window")] = 512,
+    tensor_parallel_size: TpOpt = 1,
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ):
@@ -367,7 +376,8 @@ def bench(
                                innerq_calibration_tokens=innerq_calibration_tokens)
         _run(out, debug, run_quality_cmd, out, qopts)
         return
-    from metrale_cli.commands.bench import BenchOptions, run_bench_cmd
+    from metrale_cli.commands.bench import BenchOptions, bench_rank
+    from metrale_cli.engine.ranks import run_ranks
 
     sweep = _run(out, debug, _sweep, n_prompt, n_gen, batch)
     opts = BenchOptions(model=model, preset=preset, n_prompt=sweep[0][0], n_gen=sweep[0][1], batch=sweep[0][2],
@@ -377,7 +387,11 @@ def bench(
                         cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode, profile=profile, synthetic_context=synthetic_context,
                         kv_high_precision_layers=kv_high_precision_layers,
                         innerq_calibration_tokens=innerq_calibration_tokens)
-    _run(out, debug, run_bench_cmd, out, opts, sweep, output.strip().lower())
+    if tensor_parallel_size < 1:
+        out.error(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}", "1 runs on one device")
+        raise typer.Exit(1)
+    _run(out, debug, run_ranks, tensor_parallel_size, bench_rank, opts, sweep, output.strip().lower(),
+         main_output=out, on_worker_error=out.error)
 
 
 def _counts(flag: str, value: str) -> list[int]:

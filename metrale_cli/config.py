@@ -114,6 +114,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     kv_cache_dtype: str | None = None
+    # The embedding / LM-head rows this process holds: a tensor-parallel rank's vocabulary shard
+    # (metrale_cli/layers/parallel.py), padded; None: all vocab_size of them.
+    vocab_rows: int | None = None
 
     @classmethod
     def read(cls, r: ConfigReader, family: str, layers: tuple[LayerSpec, ...]) -> ModelConfig:

@@ -100,3 +100,31 @@ class _Progress:
         self.out.info(text)
         if self.bar is not None:
             self.bar.update(self.task, description=text)
+
+
+class SilentOutput(Output):
+    """What a tensor-parallel worker rank writes: nothing (rank 0 owns the output)."""
+
+    def __init__(self):
+        super().__init__(quiet=True)
+
+    def info(self, message: str) -> None:
+        pass
+
+    def error(self, message: str, hint: str | None = None) -> None:
+        pass
+
+    def stream(self, text: str) -> None:
+        pass
+
+    def text(self, text: str) -> None:
+        pass
+
+    def json(self, payload) -> None:
+        pass
+
+    def json_line(self, payload) -> None:
+        pass
+
+    def table(self, title: str, columns: list[str], rows: list[list], caption: str | None = None) -> None:
+        pass

@@ -245,7 +245,7 @@ def _write_cache(folder: pathlib.Path, weights: pathlib.Path, config: dict, toke
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    partial = weights.with_suffix(".partial")
+    partial = weights.with_suffix(f".partial.{os.getpid()}")  # tensor-parallel ranks convert side by side
     try:
         with open(partial, "wb") as out:
             out.write(len(raw).to_bytes(8, "little") + raw)

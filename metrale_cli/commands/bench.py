@@ -28,7 +28,8 @@ from metrale_cli.environment import build_info
 from metrale_cli.errors import MetraleError
 from metrale_cli.kv.dtypes import AUTO, KvCacheDtype, parse_kv_cache_dtype
 from metrale_cli.layers.gdn import GDN_RANGE
-from metrale_cli.output import Output
+from metrale_cli.output import Output, SilentOutput
+from metrale_cli.layers.parallel import SINGLE, TensorParallel
 
 
 @dataclass(frozen=True)
@@ -181,26 +182,37 @@ def kv_memory(runner) -> dict:
     return memory
 
 
-def bench_source(opts: BenchOptions, device: torch.device) -> tuple[ModelSource, str]:
+def bench_source(opts: BenchOptions, device: torch.device, tp: TensorParallel = SINGLE) -> tuple[ModelSource, str]:
     """A preset's random weights at a real model's shapes, or a checkpoint loaded once for every
-    dtype; and the --dtype they are in (``auto`` resolved against the config)."""
+    dtype; and the --dtype they are in (``auto`` resolved against the config). A tensor-parallel
+    rank holds its shard only: a preset's drawn at the shard's shapes, a checkpoint's read on the
+    CPU and sharded."""
     if opts.preset:
         if opts.preset not in PRESETS:
             raise MetraleError(f"unknown --preset '{opts.preset}'", hint="presets: " + ", ".join(PRESETS))
         raw, about = PRESETS[opts.preset], DESCRIPTIONS.get(opts.preset)
         name = f"{opts.preset} (random weights{'; ' + about if about else ''})"
         dtype, _ = resolve_dtype(opts.dtype, raw)
-        return ModelSource.loaded(raw, random_weights(raw, device, DTYPES[dtype]), None, name), dtype
+        return ModelSource.loaded(raw, random_weights(raw, device, DTYPES[dtype], tp=tp), None, name,
+                                  sharded=tp.size > 1), dtype
     checkpoint = ModelSource.checkpoint(opts.model)
     dtype, _ = resolve_dtype(opts.dtype, checkpoint.config)
-    weights = checkpoint.load(device, DTYPES[dtype], None)
-    return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name), dtype
+    if tp.size == 1:
+        weights = checkpoint.load(device, DTYPES[dtype], None)
+        return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name), dtype
+    from metrale_cli.engine.runner import sharded_tensors
+    from metrale_cli.models import model_config
+
+    weights = checkpoint.load(torch.device("cpu"), DTYPES[dtype], None)
+    tensors = sharded_tensors(model_config(checkpoint.config), dict(weights.tensors), tp, device)
+    return ModelSource.loaded(checkpoint.config, tensors, weights.tokenizer, weights.name, sharded=True), dtype
 
 
 def run_bench(opts: BenchOptions, out: Output | None = None,
-              sweep: list[tuple[int, int, int]] | None = None) -> dict:
+              sweep: list[tuple[int, int, int]] | None = None, tp: TensorParallel = SINGLE) -> dict:
     """Every (prompt tokens, generated tokens, batch) case of ``sweep`` (default: the options'
-    own), each for every requested KV dtype, on one load of the weights."""
+    own), each for every requested KV dtype, on one load of the weights. As a tensor-parallel
+    rank (``tp``): the rank's shard, its weight bytes and roofline those of one GPU."""
     cases = sweep or [(opts.n_prompt, opts.n_gen, opts.batch)]
     if min(opts.repetitions, *(v for case in cases for v in case)) < 1:
         raise MetraleError("-p, -n, --batch and --repetitions must all be at least 1", hint="e.g. -p 512 -n 128 -r 3")
@@ -210,24 +222,28 @@ def run_bench(opts: BenchOptions, out: Output | None = None,
     if opts.preset and opts.model:
         raise MetraleError("give -m (a checkpoint) or --preset (random weights at a model's shapes), not both",
                            hint="drop one of the two")
+    if opts.compare_hf and tp.size > 1:
+        raise MetraleError("--compare-hf times HF transformers on one device, not with --tensor-parallel-size",
+                           hint="compare at --tensor-parallel-size 1")
     requested = [parse_kv_cache_dtype(name) for name in opts.kv_cache_dtypes]
     backend, device = resolve_backend(opts.backend)
-    source, dtype = bench_source(opts, device)
+    source, dtype = bench_source(opts, device, tp)
     peak = opts.peak_bandwidth_gbs or measure_copy_bandwidth(device)
     weights = source.load(device, DTYPES[dtype], None)
     rows = []
     for n_prompt, n_gen, batch in cases:
         case = dataclasses.replace(opts, n_prompt=n_prompt, n_gen=n_gen, batch=batch)
-        rows += _bench_case(case, source, weights, requested, backend, device, dtype, peak, out)
+        rows += _bench_case(case, source, weights, requested, backend, device, dtype, peak, out, tp)
     profiles = dict(_PROFILES)
     _PROFILES.clear()
     params = sum(t.numel() for t in weights.tensors.values())
     return {"model": weights.name, "device": _device_name(device), "peak_bandwidth_gbs": peak, "profiles": profiles,
             "weight_bytes": sum(t.numel() * t.element_size() for t in weights.tensors.values()), "params": params,
-            "build": build_info(), "rows": rows}
+            "build": build_info(), "tensor_parallel_size": tp.size, "rows": rows}
 
 
-def _bench_case(opts: BenchOptions, source, weights, requested, backend, device, dtype, peak, out) -> list[dict]:
+def _bench_case(opts: BenchOptions, source, weights, requested, backend, device, dtype, peak, out,
+                tp: TensorParallel = SINGLE) -> list[dict]:
     rows = []
     for kv in requested:
         ropts = RunnerOptions(backend=backend, kv_cache_dtype=kv, dtype=dtype, max_num_seqs=opts.batch,
@@ -236,7 +252,7 @@ def _bench_case(opts: BenchOptions, source, weights, requested, backend, device,
                               cuda_graph_mode=opts.cuda_graph_mode,
                               kv_high_precision_layers=opts.kv_high_precision_layers,
                               innerq_calibration_tokens=opts.innerq_calibration_tokens)
-        runner = open_runner(ropts, source)
+        runner = open_runner(ropts, source, tp=tp)
         if out:
             out.info(f"timing {runner.source} · {backend} · kv {runner.kv_dtype.value} · {runner.messages[0]}")
         rows += bench_metrale(runner, opts, peak)
@@ -310,18 +326,26 @@ def _render(out: Output, result: dict, fmt: str) -> None:
         out.stream(f"\n{result['device']}; {_build_line(result)}\n")
 
 
+def bench_rank(tp: TensorParallel, device, out: Output | None, opts: BenchOptions,
+               sweep: list[tuple[int, int, int]] | None = None, fmt: str = "table") -> dict:
+    """:func:`run_bench_cmd` as one tensor-parallel rank runs it (``engine.ranks.run_ranks``): every
+    rank times the same steps, rank 0 writes them."""
+    return run_bench_cmd(out or SilentOutput(), opts, sweep, fmt, tp)
+
+
 def run_bench_cmd(out: Output, opts: BenchOptions, sweep: list[tuple[int, int, int]] | None = None,
-                  fmt: str = "table") -> dict:
+                  fmt: str = "table", tp: TensorParallel = SINGLE) -> dict:
     if fmt not in OUTPUT_FORMATS:
         raise MetraleError(f"unknown -o '{fmt}'", hint="choose one of: " + ", ".join(OUTPUT_FORMATS))
-    result = run_bench(opts, out, sweep)
+    result = run_bench(opts, out, sweep, tp)
     if out.json_mode or fmt != "table":
         _render(out, result, "json" if out.json_mode else fmt)
         return result
     peak = result["peak_bandwidth_gbs"]
     rows = [_cells(result, r)[3:] for r in result["rows"]]
     caption = f"{result['device']}; weights {result['weight_bytes'] / 1e9:.2f} GB, {result['params'] / 1e9:.2f} B " \
-              f"parameters" + (f"; roofline bandwidth {peak:.0f} GB/s" if peak else "") + f"; {_build_line(result)}"
+              f"parameters" + (f" per rank of {tp.size} (tensor parallel)" if tp.size > 1 else "") \
+        + (f"; roofline bandwidth {peak:.0f} GB/s" if peak else "") + f"; {_build_line(result)}"
     out.table(f"metrale bench: {result['model']}", COLUMNS[3:], rows, caption)
     for r in result["rows"]:
         if "gdn_mixer_s" in r:

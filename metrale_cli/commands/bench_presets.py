@@ -1,6 +1,8 @@
 """Random-weight models at real models' shapes, so GPU timing needs no download."""
 
 from __future__ import annotations
+from metrale_cli.layers.parallel import SINGLE, TensorParallel
+from metrale_cli.models.sharding import shard_config
 
 import torch
 
@@ -89,12 +91,14 @@ DESCRIPTIONS: dict[str, str] = {
 }
 
 
-def random_weights(raw: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+def random_weights(raw: dict, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                   tp: TensorParallel = SINGLE) -> dict[str, torch.Tensor]:
     """HF-named tensors: N(0, 0.02) matrices, ones for norm weights, zeros for biases; a Gated
-    DeltaNet's decay parameters as HF initialises them (A_log = log U(1, 16), dt_bias ones)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+    DeltaNet's decay parameters as HF initialises them (A_log = log U(1, 16), dt_bias ones). With
+    ``tp``: the shapes of that rank's shard (each rank draws its own, never the whole model)."""
+    gen = torch.Generator(device=device).manual_seed(seed + tp.rank)
     tensors = {}
-    cfg = model_config(raw)
+    cfg = shard_config(model_config(raw), tp)
     for name, shape in family_of(cfg.family).expected_tensors(cfg).items():
         if name.endswith(".A_log"):
             t = torch.empty(shape, dtype=torch.float32, device=device).uniform_(1.0, 16.0, generator=gen)

@@ -7,13 +7,21 @@ from metrale_cli.engine.generate import check_prompt_lengths
 from metrale_cli.engine.runner import RunnerOptions, open_runner
 from metrale_cli.engine.sampler import SamplingParams
 from metrale_cli.engine.source import ModelSource
-from metrale_cli.output import Output
+from metrale_cli.output import Output, SilentOutput
+from metrale_cli.layers.parallel import SINGLE, TensorParallel
+
+
+def generate_rank(tp: TensorParallel, device, out: Output | None, *args, **kwargs) -> list[dict]:
+    """:func:`run_generate` as one tensor-parallel rank runs it (``engine.ranks.run_ranks``): rank 0
+    with the command's output, the others with none."""
+    return run_generate(out or SilentOutput(), *args, tp=tp, **kwargs)
 
 
 def run_generate(out: Output, model: str | None, opts: RunnerOptions, prompts: list[str], params: SamplingParams,
                  chat: bool = True, system: str | None = None, verbose: bool = False,
-                 chat_template: str | None = None) -> list[dict]:
-    """``chat_template``: Jinja text in place of the checkpoint's template."""
+                 chat_template: str | None = None, tp: TensorParallel = SINGLE) -> list[dict]:
+    """``chat_template``: Jinja text in place of the checkpoint's template; ``tp``: this process's
+    tensor-parallel rank (every rank runs the same generation; rank 0 writes it)."""
     source, ids = ModelSource.checkpoint(model), []
 
     def check_prompts(tokenizer, context: int) -> None:  # before the weights: fail fast
@@ -23,7 +31,7 @@ def run_generate(out: Output, model: str | None, opts: RunnerOptions, prompts: l
         check_prompt_lengths(ids, context)
 
     with out.progress("loading weights") as progress:
-        llm = LLM(open_runner(opts, source, progress, before_weights=check_prompts))
+        llm = LLM(open_runner(opts, source, progress, before_weights=check_prompts, tp=tp))
     runner = llm.runner
     if chat_template is not None:
         llm.tokenizer.set_chat_template(chat_template)

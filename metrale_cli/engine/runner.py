@@ -29,6 +29,8 @@ from metrale_cli.kv.precision import layer_dtypes
 from metrale_cli.layers.spec import check_served
 from metrale_cli.models import build_model, kv_layout, model_config
 from metrale_cli.models.model import CausalLM
+from metrale_cli.layers.parallel import SINGLE, TensorParallel
+from metrale_cli.models.sharding import shard_config, shard_tensors
 
 BACKENDS = ("auto", "cuda", "torch")
 GRAPH_MODES = ("disabled", "full")
@@ -202,6 +204,19 @@ def check_kernels(cfg: ModelConfig, backend: str, device: torch.device, requeste
     return loader
 
 
+def sharded_tensors(cfg: ModelConfig, tensors: dict, tp: TensorParallel, device: torch.device) -> dict:
+    """A tensor-parallel rank's shard of a checkpoint's tensors (read on the CPU), on ``device``:
+    the family's canonical names first, checked whole as a one-process run checks them."""
+    from metrale_cli.models import family_of
+    from metrale_cli.models.family import check_tensors
+
+    family = family_of(cfg.family)
+    if family.canonical is not None:
+        family.canonical(cfg, tensors)
+    check_tensors(cfg, tensors, family.expected_tensors(cfg))
+    return shard_tensors(cfg, tensors, tp, device)
+
+
 def context_length(cfg: ModelConfig, opts: RunnerOptions) -> int:
     """--max-seq-len, else the model's context capped at 8192 tokens; never past the model's."""
     if opts.max_seq_len is not None and opts.max_seq_len > cfg.max_position_embeddings:
@@ -269,11 +284,13 @@ def _decode_mode(model: CausalLM, opts: RunnerOptions) -> tuple[bool, str]:
 
 
 def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[int, int], None] | None = None,
-                before_weights: Callable[[object, int], None] | None = None) -> Runner:
+                before_weights: Callable[[object, int], None] | None = None, tp: TensorParallel = SINGLE) -> Runner:
     """Check everything, then load and build (the module docstring's order). Errors are MetraleError.
 
     ``before_weights(tokenizer, context_length)`` runs after the kernel check and before any
-    weight is read (e.g. to refuse a prompt that cannot fit)."""
+    weight is read (e.g. to refuse a prompt that cannot fit). ``tp``: the tensor-parallel rank
+    this process builds the shard of (metrale_cli/layers/parallel.py): its heads' kernels are checked, the
+    weights are read on the CPU, sharded and only the shard moved to the device."""
     dtype, dtype_line = resolve_dtype(opts.dtype, source.config)
     opts = dataclasses.replace(opts, dtype=dtype)
     opts.check()
@@ -282,16 +299,22 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     kv_dtype = cfg.resolve_kv_dtype(opts.kv_cache_dtype)
     cfg = plan(cfg, kv_dtype, opts)
     check_served(cfg.layers)
-    loader = check_kernels(cfg, backend, device, kv_dtype)
+    shard = shard_config(cfg, tp)
+    loader = check_kernels(shard, backend, device, kv_dtype)
     max_seq_len = context_length(cfg, opts)
     if before_weights is not None:
         before_weights(source.tokenizer(), max_seq_len)
-    weights = source.load(device, DTYPES[opts.dtype], progress)
-    layout = kv_layout(cfg)
+    if tp.size == 1 or source.sharded:
+        weights = source.load(device, DTYPES[opts.dtype], progress)
+        tensors = dict(weights.tensors)
+    else:
+        weights = source.load(torch.device("cpu"), DTYPES[opts.dtype], progress)
+        tensors = sharded_tensors(cfg, dict(weights.tensors), tp, device)
+    layout = kv_layout(shard)
     blocks = pool_blocks(layout, opts, max_seq_len, device)
-    model = build_model(cfg, dict(weights.tensors), make_ops(backend, loader), blocks, max_seq_len,
+    model = build_model(shard, tensors, make_ops(backend, loader), blocks, max_seq_len,
                         opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq(),
-                        max_seqs=max(1, opts.max_num_seqs))
+                        max_seqs=max(1, opts.max_num_seqs), tp=tp)
     capture, decode_mode = _decode_mode(model, opts)
     graphs = DecodeGraphs(model, max(1, opts.max_num_seqs), blocks_for(max_seq_len), capture)
     runner = Runner(model, Engine(model, max_seq_len, opts.prefill_chunk, graphs), weights.tokenizer, backend,
@@ -303,6 +326,9 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
         runner.messages.append(f"compiled {len(cold)} kernel module(s) in "
                                f"{sum(e.seconds for e in cold):.1f} s (cached for the next start)")
     runner.messages.append(decode_mode)
+    if tp.size > 1:
+        runner.messages.append(f"tensor parallel: {tp.size} ranks ({'NCCL' if device.type == 'cuda' else 'gloo'}), "
+                               f"this rank holds {model.weight_bytes() / 2**20:.1f} MiB of weights")
     if dtype_line:
         runner.messages.append(dtype_line)
     return runner

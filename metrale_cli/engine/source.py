@@ -26,6 +26,7 @@ class ModelSource:
     config: dict
     tokenizer: Callable[[], object | None]
     load: Callable[[torch.device, torch.dtype, Callable | None], Weights]
+    sharded: bool = False  # its tensors are already this tensor-parallel rank's shard (on its device)
 
     @classmethod
     def checkpoint(cls, spec: str | None) -> ModelSource:
@@ -39,6 +40,9 @@ class ModelSource:
         return cls(read_config(spec), lambda: read_tokenizer(spec), load)
 
     @classmethod
-    def loaded(cls, config: dict, tensors: dict[str, torch.Tensor], tokenizer=None, name: str = "weights") -> ModelSource:
-        """Tensors already on the run's device (every build takes a shallow copy of the dict)."""
-        return cls(config, lambda: tokenizer, lambda device, dtype, progress: Weights(dict(tensors), tokenizer, name))
+    def loaded(cls, config: dict, tensors: dict[str, torch.Tensor], tokenizer=None, name: str = "weights",
+               sharded: bool = False) -> ModelSource:
+        """Tensors already on the run's device (every build takes a shallow copy of the dict);
+        ``sharded``: a tensor-parallel rank's shard of them (metrale_cli/layers/parallel.py)."""
+        return cls(config, lambda: tokenizer, lambda device, dtype, progress: Weights(dict(tensors), tokenizer, name),
+                   sharded)

@@ -29,6 +29,7 @@ from metrale_cli.kv.pool import LayerKv, SidePool
 from metrale_cli.layers.context import ForwardContext
 from metrale_cli.layers.protocols import FfnComponent
 from metrale_cli.layers.spec import LayerSpec
+from metrale_cli.layers.parallel import SINGLE, TensorParallel
 
 
 @dataclass
@@ -70,11 +71,13 @@ def restore_output(ops: Ops, out: torch.Tensor, v_pool: SidePool) -> torch.Tenso
 
 class Qwen3AttentionLayer:
     """A :class:`~metrale_cli.layers.protocols.Layer`: pre-norm full attention over the paged
-    cache ``kv``, then the pre-norm FFN component ``ffn``."""
+    cache ``kv``, then the pre-norm FFN component ``ffn``. As a tensor-parallel shard (``tp``) it
+    holds some heads (and their KV): o_proj's output is summed over the ranks, and batch 1 takes
+    the unfused path (the fused GEMVs add the residual on every rank)."""
 
     def __init__(self, spec: LayerSpec, weights: AttentionWeights, input_norm: torch.Tensor,
                  ffn_norm: torch.Tensor, ffn: FfnComponent, ops: Ops, kv: LayerKv,
-                 rope: tuple[torch.Tensor, torch.Tensor], calibration: KvCalibration):
+                 rope: tuple[torch.Tensor, torch.Tensor], calibration: KvCalibration, tp: TensorParallel = SINGLE):
         a = spec.attention
         if (kv.dtype, kv.head_dim, kv.num_kv_heads) != (spec.kv_dtype, a.head_dim, a.num_kv_heads):
             raise MetraleError(f"layer {spec.index}: its KV cache is {kv.dtype.value} {kv.num_kv_heads}x{kv.head_dim}, "
@@ -82,12 +85,12 @@ class Qwen3AttentionLayer:
         self.spec, self.weights, self.ffn, self.ops, self.kv = spec, weights, ffn, ops, kv
         self.input_norm, self.ffn_norm = input_norm, ffn_norm
         self.rope_cos, self.rope_sin = rope
-        self.calibration = calibration
+        self.calibration, self.tp = calibration, tp
         self.idx, self.eps, self.scale = spec.index, spec.eps, a.scale
         self.attention = ops.paged_attention(spec.kv_dtype, a.head_dim)
         w = weights
         self.fused_decode = (
-            ffn.fuses_row and w.qkv_bias is None and w.o_bias is None
+            tp.size == 1 and ffn.fuses_row and w.qkv_bias is None and w.o_bias is None
             and all(t.dtype == torch.bfloat16 for t in (w.qkv, w.o))
             and all(ops.gemv_fits(k) for k in (w.qkv.shape[1], a.q_size))
         )
@@ -171,7 +174,7 @@ class Qwen3AttentionLayer:
             out = restore_output(self.ops, out, self.kv.v)
         else:
             out = self._decode_attention(qkv, ctx)
-        return F.linear(self._gated(out, qkv), w.o, w.o_bias)
+        return self.tp.reduce(F.linear(self._gated(out, qkv), w.o, w.o_bias))
 
     def _gated(self, out: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """out (T, Hq, D) -> (T, Hq*D), times sigmoid(gate) with an output gate (HF's order: in the

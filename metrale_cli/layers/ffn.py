@@ -7,21 +7,23 @@ import torch.nn.functional as F
 
 from metrale_cli.kernels.ops import Ops
 from metrale_cli.layers.context import ForwardContext
+from metrale_cli.layers.parallel import SINGLE, TensorParallel
 
 
 class DenseSwiGluFfn:
     """An :class:`~metrale_cli.layers.protocols.FfnComponent`. ``gate_up``: (2I, hidden) =
-    [gate; up], ``down``: (hidden, I)."""
+    [gate; up], ``down``: (hidden, I); a tensor-parallel shard (``tp``) sums its output over the
+    ranks, and has no fused row path (that adds the residual on every rank)."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, ops: Ops):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, ops: Ops, tp: TensorParallel = SINGLE):
         self.gate_up = gate_up
         self.down = down
-        self.ops = ops
-        self.fuses_row = (all(t.dtype == torch.bfloat16 for t in (gate_up, down))
+        self.ops, self.tp = ops, tp
+        self.fuses_row = (tp.size == 1 and all(t.dtype == torch.bfloat16 for t in (gate_up, down))
                           and all(ops.gemv_fits(k) for k in (gate_up.shape[1], down.shape[1])))
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return F.linear(self.ops.silu_and_mul(F.linear(x, self.gate_up)), self.down)
+        return self.tp.reduce(F.linear(self.ops.silu_and_mul(F.linear(x, self.gate_up)), self.down))
 
     def add_row(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
         """norm + gate/up + SwiGLU in one GEMV, down + the residual add in another."""

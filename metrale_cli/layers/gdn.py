@@ -26,6 +26,7 @@ from metrale_cli.kernels.ops import GdnTensors, Ops
 from metrale_cli.layers.context import ForwardContext
 from metrale_cli.layers.protocols import FfnComponent
 from metrale_cli.layers.spec import LayerSpec
+from metrale_cli.layers.parallel import SINGLE, TensorParallel
 
 
 GDN_RANGE = "gdn mixer"  # the profiler range around a prefill's mixer (bench's prefill split)
@@ -102,11 +103,12 @@ class SsmStatePool:
 
 class GatedDeltaNetLayer:
     """A :class:`~metrale_cli.layers.protocols.Layer`: pre-norm Gated DeltaNet with its state
-    ``pool``, then the pre-norm FFN component ``ffn``."""
+    ``pool``, then the pre-norm FFN component ``ffn``. As a tensor-parallel shard (``tp``) it holds
+    some key heads and their value heads: out_proj's output is summed over the ranks."""
 
     def __init__(self, spec: LayerSpec, weights: GdnWeights, input_norm: torch.Tensor, ffn_norm: torch.Tensor,
-                 ffn: FfnComponent, ops: Ops, pool: SsmStatePool):
-        self.spec, self.weights, self.ffn, self.ops, self.ssm_pool = spec, weights, ffn, ops, pool
+                 ffn: FfnComponent, ops: Ops, pool: SsmStatePool, tp: TensorParallel = SINGLE):
+        self.spec, self.weights, self.ffn, self.ops, self.ssm_pool, self.tp = spec, weights, ffn, ops, pool, tp
         self.input_norm, self.ffn_norm, self.eps = input_norm, ffn_norm, spec.eps
         self.gdn = spec.gdn
         self.mixer = GdnTensors(weights.conv, weights.a_log, weights.dt_bias, weights.norm, spec.eps,
@@ -114,7 +116,7 @@ class GatedDeltaNetLayer:
         w = weights
         # batch-1 decode through the fused GEMVs (as Qwen3AttentionLayer): norm + in_proj, out_proj
         # + the residual add, the FFN's own row path
-        self.fused_decode = (ffn.fuses_row and all(t.dtype == torch.bfloat16 for t in (w.in_proj, w.out))
+        self.fused_decode = (tp.size == 1 and ffn.fuses_row and all(t.dtype == torch.bfloat16 for t in (w.in_proj, w.out))
                              and all(ops.gemv_fits(k) for k in (w.in_proj.shape[1], w.out.shape[1])))
 
     # --- the layer protocol -------------------------------------------------------------
@@ -201,8 +203,9 @@ class GatedDeltaNetLayer:
             self.ssm_pool.reset(self.spec.index, slot)
         with torch.profiler.record_function(GDN_RANGE):
             out = self.ops.gdn_prefill(*self._project(x), self.mixer, slot, start_pos if state is not None else 0)
-        return F.linear(out, self.weights.out)
+        return self.tp.reduce(F.linear(out, self.weights.out))
 
     def _step(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per row, each continuing its slot."""
-        return F.linear(self.ops.gdn_decode(*self._project(x), self.mixer, slots, positions), self.weights.out)
+        out = self.ops.gdn_decode(*self._project(x), self.mixer, slots, positions)
+        return self.tp.reduce(F.linear(out, self.weights.out))

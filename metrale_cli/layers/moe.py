@@ -18,6 +18,7 @@ from metrale_cli.kernels.ops import Ops
 from metrale_cli.layers.context import ForwardContext
 from metrale_cli.layers.ffn import DenseSwiGluFfn
 from metrale_cli.layers.spec import MoeSpec
+from metrale_cli.layers.parallel import SINGLE, TensorParallel
 
 
 class MoeFfn:
@@ -25,13 +26,17 @@ class MoeFfn:
     ``gate_up``: (E, 2I, H); ``down``: (E, H, I); ``shared`` / ``shared_gate`` ((1, H)) together
     or neither."""
 
-    fuses_row = True  # add_row: the norm, then the routed experts with the residual add fused in
+    # add_row: the norm, then the routed experts with the residual add fused in (one process:
+    # a tensor-parallel shard must sum its experts over the ranks before the residual add)
+    fuses_row = True
 
     def __init__(self, spec: MoeSpec, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ops: Ops,
-                 shared: DenseSwiGluFfn | None = None, shared_gate: torch.Tensor | None = None):
+                 shared: DenseSwiGluFfn | None = None, shared_gate: torch.Tensor | None = None,
+                 tp: TensorParallel = SINGLE):
         if (shared is None) != (shared_gate is None):
             raise ValueError("a shared expert comes with its gate")
-        self.spec, self.ops = spec, ops
+        self.spec, self.ops, self.tp = spec, ops, tp
+        self.fuses_row = tp.size == 1
         self.router, self.gate_up, self.down = router, gate_up, down
         self.shared, self.shared_gate = shared, shared_gate
         self.experts_read = torch.zeros(1, dtype=torch.long, device=router.device)
@@ -49,8 +54,9 @@ class MoeFfn:
         s = self.spec
         residual = self._with_shared(x, residual)
         logits = F.linear(x, self.router)
-        return self.ops.moe(x, logits, self.gate_up, self.down, s.top_k, s.norm_topk_prob, residual,
-                            self.experts_read)
+        out = self.ops.moe(x, logits, self.gate_up, self.down, s.top_k, s.norm_topk_prob, residual,
+                           self.experts_read)
+        return self.tp.reduce(out)
 
     def _with_shared(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
         """The addend of the routed sum: the residual, plus the shared expert's term where there is one."""

@@ -19,6 +19,7 @@ from metrale_cli.kv.paged import KvLayerShape, KvLayout, PagedKvCache
 from metrale_cli.models import llama, qwen3_5, qwen3_next, qwen_moe
 from metrale_cli.models.family import BuildParts, Family
 from metrale_cli.models.model import CausalLM
+from metrale_cli.layers.parallel import SINGLE, TensorParallel
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.LLAMA, llama.QWEN2, llama.QWEN3, qwen_moe.QWEN2_MOE,
                                                          qwen_moe.QWEN3_MOE, qwen3_next.QWEN3_NEXT,
@@ -54,11 +55,12 @@ def kv_layout(cfg: ModelConfig) -> KvLayout:
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], ops: Ops, num_blocks: int, max_seq_len: int,
                 fp8_calibration_tokens: int, device: torch.device,
-                innerq: InnerQSettings = InnerQSettings(), max_seqs: int = 8) -> CausalLM:
+                innerq: InnerQSettings = InnerQSettings(), max_seqs: int = 8, tp: TensorParallel = SINGLE) -> CausalLM:
     """Build a planned config's layer stack (each layer in its spec's KV dtype) and its paged KV
     cache of ``num_blocks`` blocks; a recurrent layer holds state for ``max_seqs`` sequences at
-    once. ``tensors`` is consumed (entries popped)."""
+    once. ``tensors`` is consumed (entries popped). With ``tp`` the config and tensors are a
+    tensor-parallel rank's shard (metrale_cli/layers/parallel.py)."""
     kv = PagedKvCache(kv_layout(cfg), num_blocks, device)
     calibration = KvCalibration(Fp8ScalePolicy(kv, tensors, fp8_calibration_tokens), InnerQPolicy(kv, innerq))
-    parts = BuildParts(ops, kv, calibration, max_seq_len, cfg.max_position_embeddings, max_seqs)
+    parts = BuildParts(ops, kv, calibration, max_seq_len, cfg.max_position_embeddings, max_seqs, tp=tp)
     return family_of(cfg.family).build(cfg, tensors, parts)

@@ -23,6 +23,7 @@ from metrale_cli.layers.protocols import FfnComponent
 from metrale_cli.layers.spec import AttentionSpec, LayerSpec
 from metrale_cli.models.family import BuildParts
 from metrale_cli.models.model import CausalLM
+from metrale_cli.layers.parallel import SINGLE, TensorParallel
 
 
 def window(r: ConfigReader) -> int | None:
@@ -53,10 +54,10 @@ def attention_specs(r: ConfigReader, layer_windows: list[int | None], **options)
 
 def model_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The embedding, final norm and (untied) LM head, with their shapes."""
-    h = cfg.hidden_size
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    h, rows = cfg.hidden_size, cfg.vocab_rows or cfg.vocab_size
+    shapes = {"model.embed_tokens.weight": (rows, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+        shapes["lm_head.weight"] = (rows, h)
     return shapes
 
 
@@ -100,10 +101,12 @@ def attention_weights(spec: LayerSpec, t: dict[str, torch.Tensor]) -> AttentionW
     )
 
 
-def swiglu(prefix: str, t: dict[str, torch.Tensor], ops: Ops) -> DenseSwiGluFfn:
-    """The SwiGLU under ``prefix``, its tensors popped from ``t``, gate and up fused."""
+def swiglu(prefix: str, t: dict[str, torch.Tensor], ops: Ops, tp: TensorParallel = SINGLE) -> DenseSwiGluFfn:
+    """The SwiGLU under ``prefix``, its tensors popped from ``t``, gate and up fused; ``tp``: the
+    rank whose shard it is, its output summed over the ranks (SINGLE: left a partial sum, as a
+    MoE's shared expert, which the MoE sums with its experts)."""
     gate_up = torch.cat([t.pop(prefix + "gate_proj.weight"), t.pop(prefix + "up_proj.weight")])
-    return DenseSwiGluFfn(gate_up, t.pop(prefix + "down_proj.weight"), ops)
+    return DenseSwiGluFfn(gate_up, t.pop(prefix + "down_proj.weight"), ops, tp)
 
 
 def attention_layer(spec: LayerSpec, t: dict[str, torch.Tensor], ffn: FfnComponent,
@@ -112,7 +115,7 @@ def attention_layer(spec: LayerSpec, t: dict[str, torch.Tensor], ffn: FfnCompone
     p, a = f"model.layers.{spec.index}.", spec.attention
     return Qwen3AttentionLayer(spec, attention_weights(spec, t), t[p + "input_layernorm.weight"],
                                t[p + "post_attention_layernorm.weight"], ffn, parts.ops, parts.kv.layers[spec.index],
-                               parts.rope(a.rope, a.head_dim), parts.calibration)
+                               parts.rope(a.rope, a.head_dim), parts.calibration, parts.tp)
 
 
 def causal_lm(cfg: ModelConfig, tensors: dict[str, torch.Tensor], layers: list, parts: BuildParts) -> CausalLM:
@@ -120,4 +123,4 @@ def causal_lm(cfg: ModelConfig, tensors: dict[str, torch.Tensor], layers: list, 
     embed = tensors["model.embed_tokens.weight"]
     lm_head = embed if cfg.tie_word_embeddings else tensors["lm_head.weight"]
     return CausalLM(cfg, embed, layers, tensors["model.norm.weight"], lm_head, parts.ops, parts.kv,
-                    parts.calibration)
+                    parts.calibration, parts.tp)

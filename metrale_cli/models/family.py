@@ -20,6 +20,7 @@ from metrale_cli.kv.calibration import KvCalibration
 from metrale_cli.kv.paged import PagedKvCache
 from metrale_cli.layers.rope import rope_tables
 from metrale_cli.layers.spec import RopeConfig
+from metrale_cli.layers.parallel import SINGLE, TensorParallel
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class BuildParts:
     """What every family's builder takes besides its config and tensors: the backend, the KV
     cache (a LayerKv per layer, in each layer's planned dtype), its calibrations, RoPE tables
     for ``max_seq_len`` positions (computed once per distinct RoPE and head_dim), and how many
-    sequences a recurrent layer's state pool holds (``max_seqs``)."""
+    sequences a recurrent layer's state pool holds (``max_seqs``), and the tensor-parallel rank
+    the layers' shards belong to (``tp``: their row-parallel outputs are summed over the ranks)."""
 
     ops: Ops
     kv: PagedKvCache
@@ -49,6 +51,7 @@ class BuildParts:
     model_max_positions: int
     max_seqs: int = 8
     ssm_pool: object = None  # a hybrid's SsmStatePool, made by its family's build before its layers
+    tp: TensorParallel = SINGLE  # this process's tensor-parallel rank (metrale_cli/layers/parallel.py)
     _tables: dict = field(default_factory=dict)
 
     def rope(self, rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,7 @@ def build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], parts: BuildParts)
     """The layer stack from HF-named ``tensors`` (consumed: entries popped)."""
     check_tensors(cfg, tensors, expected_tensors(cfg))
     layers = [decoder.attention_layer(spec, tensors, decoder.swiglu(f"model.layers.{spec.index}.mlp.", tensors,
-                                                                     parts.ops), parts)
+                                                                     parts.ops, parts.tp), parts)
               for spec in cfg.layers]
     return decoder.causal_lm(cfg, tensors, layers, parts)
 

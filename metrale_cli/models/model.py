@@ -11,12 +11,14 @@ from metrale_cli.kv.calibration import KvCalibration
 from metrale_cli.kv.paged import PagedKvCache
 from metrale_cli.layers.context import ForwardContext
 from metrale_cli.layers.protocols import Layer, LayerState
+from metrale_cli.layers.parallel import SINGLE, TensorParallel
 
 
 class CausalLM:
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[Layer], final_norm: torch.Tensor,
-                 lm_head: torch.Tensor, ops: Ops, kv_cache: PagedKvCache, calibration: KvCalibration):
-        self.cfg = cfg
+                 lm_head: torch.Tensor, ops: Ops, kv_cache: PagedKvCache, calibration: KvCalibration,
+                 tp: TensorParallel = SINGLE):
+        self.cfg, self.tp = cfg, tp
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm
@@ -94,14 +96,26 @@ class CausalLM:
         """tokens: (T,) -> float32 logits (len(logit_rows), vocab) of the selected rows; every
         row's (T, vocab) when ``logit_rows`` is None (a decode step: no gather launched)."""
         pick = (lambda x: x) if logit_rows is None else (lambda x: x[logit_rows])
-        hidden, residual = F.embedding(tokens, self.embed), None
+        hidden, residual = self._embed(tokens), None
         for i, layer in enumerate(self.layers):
             states = ctx.layer_states(i)
             if ctx.is_prefill:
                 hidden, residual = layer.prefill(hidden, residual, states[0] if states else None, ctx)
             else:
                 hidden, residual = layer.decode_multi_seq(hidden, residual, states, ctx)
-        return self._logits(pick(hidden), None if residual is None else pick(residual)).float()
+        logits = self._logits(pick(hidden), None if residual is None else pick(residual)).float()
+        return self.tp.gather_columns(logits)[:, : self.cfg.vocab_size] if self.tp.size > 1 else logits
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings; a tensor-parallel rank looks up the rows of its vocabulary shard
+        (zeros for the others) and the ranks' rows are summed."""
+        if self.tp.size == 1:
+            return F.embedding(tokens, self.embed)
+        rows = self.embed.shape[0]
+        local = tokens - self.tp.rank * rows
+        mine = (local >= 0) & (local < rows)
+        hidden = F.embedding(local.clamp(0, rows - 1), self.embed) * mine[:, None].to(self.embed.dtype)
+        return self.tp.reduce(hidden)
 
     def _logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """Final norm and LM head; ``residual`` None when the layers handed on the sum alone. Float32

@@ -201,9 +201,10 @@ def _layer(spec: LayerSpec, t: dict[str, torch.Tensor], parts: BuildParts, in_pr
         ffn = qwen_moe.ffn(spec, t, parts)
         a = spec.attention
         return Qwen3AttentionLayer(spec, weights, *norms, ffn, parts.ops, parts.kv.layers[spec.index],
-                                   parts.rope(a.rope, a.head_dim), parts.calibration)
+                                   parts.rope(a.rope, a.head_dim), parts.calibration, parts.tp)
     weights = _gdn_weights(spec, t, in_proj)
-    return GatedDeltaNetLayer(spec, weights, *norms, qwen_moe.ffn(spec, t, parts), parts.ops, parts.ssm_pool)
+    return GatedDeltaNetLayer(spec, weights, *norms, qwen_moe.ffn(spec, t, parts), parts.ops, parts.ssm_pool,
+                              parts.tp)
 
 
 def build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], parts: BuildParts) -> CausalLM:

@@ -122,11 +122,11 @@ def ffn(spec: LayerSpec, t: dict[str, torch.Tensor], parts: BuildParts):
     """The layer's FFN component, its tensors popped from ``t``."""
     p, m = f"model.layers.{spec.index}.mlp.", spec.ffn.moe
     if m is None:
-        return decoder.swiglu(p, t, parts.ops)
+        return decoder.swiglu(p, t, parts.ops, parts.tp)
     gate_up, down = t.pop(p + "experts.gate_up_proj"), t.pop(p + "experts.down_proj")
     shared = decoder.swiglu(p + "shared_expert.", t, parts.ops) if m.shared_expert_size else None
     shared_gate = t.pop(p + "shared_expert_gate.weight") if m.shared_expert_size else None
-    return MoeFfn(m, t.pop(p + "gate.weight"), gate_up, down, parts.ops, shared, shared_gate)
+    return MoeFfn(m, t.pop(p + "gate.weight"), gate_up, down, parts.ops, shared, shared_gate, parts.tp)
 
 
 def build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], parts: BuildParts) -> CausalLM:

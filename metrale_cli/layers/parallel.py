@@ -1,0 +1,63 @@
+"""Tensor parallelism: N processes, one device each, one torch.distributed group (NCCL on GPUs,
+gloo on the CPU), each holding a shard of every layer.
+
+What a rank holds (Megatron-style, as vLLM and SGLang shard these families):
+
+- attention: its ``num_heads / N`` query heads and their KV heads (``num_kv_heads / N``; where N
+  exceeds the KV heads, the one KV head its query heads read, replicated), so its paged KV cache
+  holds those heads only; q/k/v are column-parallel, o_proj row-parallel (its bias on rank 0);
+- dense FFNs and shared experts: ``intermediate_size / N`` of gate/up (column-parallel) and of
+  down (row-parallel);
+- MoE experts: tensor-parallel, every expert's width split ``expert_size / N`` (every rank routes
+  every token the same way: the router is replicated);
+- Gated DeltaNet: its ``num_k_heads / N`` key heads and their value heads (in_proj, the conv's
+  channels, A_log and dt_bias; out_proj row-parallel);
+- embedding and LM head: vocab-parallel, ``ceil(vocab / N)`` rows each (the last rank's padded
+  with zero rows), the LM head's logits gathered on every rank.
+
+Each row-parallel output is summed over the ranks by one all-reduce (:meth:`TensorParallel.reduce`)
+before the residual add. Every rank then holds the same hidden state and the same logits, so every
+rank samples the same tokens and runs the same engine loop (SPMD); rank 0 alone owns the output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in the group: ``rank`` of ``size``; ``group`` None for one process."""
+
+    rank: int = 0
+    size: int = 1
+    group: object = None
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``x`` (an all-reduce, in place); ``x`` itself for one process."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` side by side along the last dimension, rank 0's first."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def vocab_rows(self, vocab: int) -> int:
+        """Embedding / LM-head rows a rank holds."""
+        return math.ceil(vocab / self.size)
+
+
+SINGLE = TensorParallel()

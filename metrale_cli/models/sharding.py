@@ -1,0 +1,183 @@
+"""A tensor-parallel rank's shard of a model: its config (heads, widths, vocabulary rows divided)
+and its part of every canonical HF-named tensor; what each rank holds is listed in
+:mod:`metrale_cli.layers.parallel`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from metrale_cli.config import ModelConfig
+from metrale_cli.errors import MetraleError
+from metrale_cli.layers.parallel import TensorParallel
+from metrale_cli.models.family import IGNORED_SUFFIXES
+
+
+# --- the shard of a config -----------------------------------------------------------------------
+def _kv_heads(num_kv_heads: int, size: int) -> int:
+    return max(1, num_kv_heads // size)
+
+
+def check_shardable(cfg: ModelConfig, size: int) -> None:
+    """Refuse, in one line, a model whose heads or widths do not split over ``size`` ranks."""
+    if size < 1:
+        raise MetraleError(f"--tensor-parallel-size must be at least 1, got {size}", hint="1 runs on one device")
+    problems = []
+
+    def need(what: str, n: int) -> None:
+        if n % size:
+            problems.append(f"{what} ({n})")
+
+    for s in cfg.layers:
+        if s.attention is not None:
+            a = s.attention
+            need("attention heads", a.num_heads)
+            if a.num_kv_heads >= size:
+                need("KV heads", a.num_kv_heads)
+            elif size % a.num_kv_heads:
+                problems.append(f"KV heads ({a.num_kv_heads}: {size} ranks are not a multiple of them)")
+        if s.gdn is not None:
+            need("Gated DeltaNet key heads", s.gdn.num_k_heads)
+        if s.ffn.moe is not None:
+            need("expert width", s.ffn.moe.expert_size)
+            if s.ffn.moe.shared_expert_size:
+                need("shared expert width", s.ffn.moe.shared_expert_size)
+        else:
+            need("FFN width", s.ffn.intermediate_size)
+    if problems:
+        raise MetraleError(f"--tensor-parallel-size {size} does not divide the model's "
+                           f"{', '.join(dict.fromkeys(problems))}",
+                           hint="choose a size that divides them, or 1")
+
+
+def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
+    """The config of one rank's shard: heads, widths and vocabulary rows divided by ``tp.size``."""
+    if tp.size == 1:
+        return cfg
+    check_shardable(cfg, tp.size)
+    n = tp.size
+    layers = []
+    for s in cfg.layers:
+        changes = {}
+        if s.attention is not None:
+            a = s.attention
+            changes["attention"] = dataclasses.replace(a, num_heads=a.num_heads // n,
+                                                       num_kv_heads=_kv_heads(a.num_kv_heads, n))
+        if s.gdn is not None:
+            g = s.gdn
+            changes["gdn"] = dataclasses.replace(g, num_k_heads=g.num_k_heads // n, num_v_heads=g.num_v_heads // n)
+        f = s.ffn
+        if f.moe is not None:
+            changes["ffn"] = dataclasses.replace(f, moe=dataclasses.replace(
+                f.moe, expert_size=f.moe.expert_size // n, shared_expert_size=f.moe.shared_expert_size // n))
+        else:
+            changes["ffn"] = dataclasses.replace(f, intermediate_size=f.intermediate_size // n)
+        layers.append(dataclasses.replace(s, **changes))
+    return dataclasses.replace(cfg, layers=tuple(layers), vocab_rows=tp.vocab_rows(cfg.vocab_size))
+
+
+# --- the shard of the tensors --------------------------------------------------------------------
+def _part(n: int, tp: TensorParallel) -> slice:
+    """Rank ``tp.rank``'s equal part of ``n`` (``n`` divisible by the size)."""
+    k = n // tp.size
+    return slice(tp.rank * k, (tp.rank + 1) * k)
+
+
+def _heads(t: torch.Tensor, heads: int, part: slice, dim: int = 0) -> torch.Tensor:
+    """Heads ``part`` of ``t``, whose dimension ``dim`` is ``heads`` equal blocks."""
+    per = t.shape[dim] // heads
+    return t.narrow(dim, part.start * per, (part.stop - part.start) * per)
+
+
+def _sections(t: torch.Tensor, sizes: list[tuple[int, int]], tp: TensorParallel, dim: int = 0) -> torch.Tensor:
+    """``t`` along ``dim`` is sections of (rows, heads): each section's part of its heads, in order."""
+    out, at = [], 0
+    for rows, heads in sizes:
+        out.append(_heads(t.narrow(dim, at, rows), heads, _part(heads, tp), dim))
+        at += rows
+    return torch.cat(out, dim=dim)
+
+
+def _kv_part(num_kv_heads: int, tp: TensorParallel) -> slice:
+    if num_kv_heads >= tp.size:
+        return _part(num_kv_heads, tp)
+    head = tp.rank * num_kv_heads // tp.size
+    return slice(head, head + 1)
+
+
+def _vocab(t: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    rows = tp.vocab_rows(t.shape[0])
+    part = t[tp.rank * rows:(tp.rank + 1) * rows]
+    if part.shape[0] < rows:
+        part = torch.cat([part, part.new_zeros(rows - part.shape[0], *t.shape[1:])])
+    return part
+
+
+def _layer_rules(spec, tp: TensorParallel) -> dict:
+    """Name (under ``model.layers.N.``) -> the function giving this rank's part of the tensor."""
+    rules = {"input_layernorm.weight": None, "post_attention_layernorm.weight": None}
+    if spec.attention is not None:
+        a = spec.attention
+        q, kv = _part(a.num_heads, tp), _kv_part(a.num_kv_heads, tp)
+        for side in ("weight", "bias"):
+            rules[f"self_attn.q_proj.{side}"] = lambda t, q=q: _heads(t, a.num_heads, q)
+            rules[f"self_attn.k_proj.{side}"] = rules[f"self_attn.v_proj.{side}"] = \
+                lambda t, kv=kv: _heads(t, a.num_kv_heads, kv)
+        rules["self_attn.o_proj.weight"] = lambda t: _heads(t, a.num_heads, q, dim=1)
+        rules["self_attn.o_proj.bias"] = lambda t: t if tp.rank == 0 else torch.zeros_like(t)  # added once
+        rules["self_attn.q_norm.weight"] = rules["self_attn.k_norm.weight"] = None
+    if spec.gdn is not None:
+        g, p = spec.gdn, "linear_attn."
+        k, v = _part(g.num_k_heads, tp), _part(g.num_v_heads, tp)
+        channels = [(g.key_dim, g.num_k_heads), (g.key_dim, g.num_k_heads), (g.value_dim, g.num_v_heads)]
+        rules |= {
+            p + "in_proj_qkvz.weight": lambda t: _heads(t, g.num_k_heads, k),  # grouped per key head
+            p + "in_proj_ba.weight": lambda t: _heads(t, g.num_k_heads, k),
+            p + "in_proj_qkv.weight": lambda t: _sections(t, channels, tp),
+            p + "in_proj_z.weight": lambda t: _heads(t, g.num_v_heads, v),
+            p + "in_proj_b.weight": lambda t: _heads(t, g.num_v_heads, v),
+            p + "in_proj_a.weight": lambda t: _heads(t, g.num_v_heads, v),
+            p + "conv1d.weight": lambda t: _sections(t, channels, tp),
+            p + "dt_bias": lambda t: _heads(t, g.num_v_heads, v),
+            p + "A_log": lambda t: _heads(t, g.num_v_heads, v),
+            p + "norm.weight": None,
+            p + "out_proj.weight": lambda t: _heads(t, g.num_v_heads, v, dim=1),
+        }
+
+    def swiglu(prefix: str, width: int) -> dict:
+        w = _part(width, tp)
+        return {prefix + "gate_proj.weight": lambda t: t[w], prefix + "up_proj.weight": lambda t: t[w],
+                prefix + "down_proj.weight": lambda t: t[:, w]}
+
+    m = spec.ffn.moe
+    if m is None:
+        rules |= swiglu("mlp.", spec.ffn.intermediate_size)
+    else:
+        i, w = m.expert_size, _part(m.expert_size, tp)
+        rules |= {"mlp.gate.weight": None,
+                  "mlp.experts.gate_up_proj": lambda t: torch.cat([t[:, w], t[:, i + w.start:i + w.stop]], dim=1),
+                  "mlp.experts.down_proj": lambda t: t[:, :, w]}
+        if m.shared_expert_size:
+            rules |= swiglu("mlp.shared_expert.", m.shared_expert_size) | {"mlp.shared_expert_gate.weight": None}
+    return rules
+
+
+def shard_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], tp: TensorParallel,
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """Rank ``tp.rank``'s part of the canonical, full-size ``tensors`` of ``cfg`` (the unsharded
+    config), each part copied to ``device`` and its full tensor dropped from ``tensors`` as it
+    goes. A tensor no rule covers is refused: it would otherwise be silently replicated."""
+    rules = {"model.embed_tokens.weight": lambda t: _vocab(t, tp), "lm_head.weight": lambda t: _vocab(t, tp),
+             "model.norm.weight": None}
+    for spec in cfg.layers:
+        rules |= {f"model.layers.{spec.index}.{name}": rule for name, rule in _layer_rules(spec, tp).items()}
+    out = {}
+    for name in list(tensors):
+        if name not in rules and not name.endswith(IGNORED_SUFFIXES):
+            raise MetraleError(f"tensor parallelism has no rule to shard tensor {name}",
+                               hint="run this checkpoint with --tensor-parallel-size 1")
+        full = tensors.pop(name)
+        rule = rules.get(name)
+        out[name] = (full if rule is None else rule(full)).to(device).contiguous()
+    return out

@@ -1,0 +1,102 @@
+"""Each launch of a MoE layer's batch-1 decode step alone, and the whole layer, on a GPU (figures,
+no asserts). Qwen3-30B-A3B's shapes by default:
+
+    python tools/moe_layer_launches.py                # context 600
+    python tools/moe_layer_launches.py --context 4096
+
+Every launch runs ``--layers`` times on distinct random weights (so a launch does not find its
+weights in L2 from the one before), replayed from one CUDA graph; the figure is µs per launch.
+"whole layer" chains them as the decoder's batch-1 path does: gemv_norm (q/k/v), the fused
+decode attention, gemv_add (o_proj and the residual), moe_norm_route, moe_routed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from metrale_cli.kernels.cases import kv_to, rope_decode_args, rope_decode_case
+from metrale_cli.kernels.cuda_ops import CudaOps
+
+
+def _time(fn, layers: int, replays: int = 30) -> float:
+    for layer in range(layers):  # kernels loaded before the capture
+        fn(layer)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            fn(layer)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * layers)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--inter", type=int, default=768)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--context", type=int, default=600)
+    p.add_argument("--layers", type=int, default=48)
+    a = p.parse_args()
+    ops, dev = CudaOps(), "cuda"
+    h, hq, hk, d, e, inter, k, n = a.hidden, a.heads, a.kv_heads, a.head_dim, a.experts, a.inter, a.top_k, a.layers
+    torch.manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, dtype=torch.bfloat16) * 0.02
+
+    qkv_w = [rand((hq + 2 * hk) * d, h) for _ in range(n)]
+    o_w = [rand(h, hq * d) for _ in range(n)]
+    router = [rand(e, h) for _ in range(n)]
+    gate_up = [rand(e, 2 * inter, h) for _ in range(n)]
+    down = [rand(e, h, inter) for _ in range(n)]
+    gamma = torch.ones(h, device=dev, dtype=torch.bfloat16)
+    case = rope_decode_case([a.context], hq, hk, d, "bf16", seed=1)
+    attention = ops.paged_attention(case["kv"].dtype, d)
+    args = [list(rope_decode_args(case, kv_to(case["kv"], dev), dev)) for _ in range(4)]
+    x, residual, o_in = rand(1, h) * 50, rand(1, h) * 50, rand(1, hq * d)
+    logits = rand(1, e)
+    read = torch.zeros(1, dtype=torch.long, device=dev)
+
+    def layer(i):
+        qkv, s = ops.gemv_norm(x, residual, gamma, 1e-6, qkv_w[i])
+        q, kk, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        out = attention.rope_cache_decode(q.view(1, hq, d), kk.view(1, hk, d), v.view(1, hk, d), *args[i % 4][3:])
+        s = ops.gemv_add(out.reshape(1, -1), o_w[i], s)
+        normed, route = ops.moe_norm_route(s, gamma, 1e-6, router[i], k, True, read)
+        return ops.moe_routed(normed, route, gate_up[i], down[i], s)
+
+    def unfused_router(i):
+        normed = ops.rms_norm(residual, gamma, 1e-6)
+        return ops.moe_route(F.linear(normed, router[i]), k, True)
+
+    launches = [
+        ("qkv gemv_norm", lambda i: ops.gemv_norm(x, residual, gamma, 1e-6, qkv_w[i])),
+        ("attention", lambda i: attention.rope_cache_decode(*args[i % 4])),
+        ("o gemv_add", lambda i: ops.gemv_add(o_in, o_w[i], residual)),
+        ("rms_norm + router GEMM + moe_route", unfused_router),
+        ("moe_router_bf16", lambda i: ops.moe_norm_route(residual, gamma, 1e-6, router[i], k, True, read)),
+        ("route + experts", lambda i: ops.moe(x, logits, gate_up[i], down[i], k, True, residual, read)),
+        ("whole layer", layer),
+    ]
+    print(f"batch-1 MoE layer, hidden {h}, {hq} heads on {hk} KV heads of {d}, {e} experts of {inter} "
+          f"(top {k}), context {a.context}, {n} layers")
+    for name, fn in launches:
+        print(f"  {name:36s} {_time(fn, n):7.2f} µs")
+
+
+if __name__ == "__main__":
+    main()
