@@ -70,7 +70,7 @@ def _time_run(runner, opts: BenchOptions, seed: int) -> tuple[float, float, floa
                 s.output_ids.append(int(engine.prefill(s).argmax(-1)[0]))
         prefill_s.append(t.seconds)
     routed = runner.model.routed_bytes()
-    with Timer(device) as t:
+    with Timer(device) as t, torch.profiler.record_function(DECODE_RANGE):
         engine.decode_steps(seqs, opts.n_gen, Sampler(SamplingParams(), device))
     routed = runner.model.routed_bytes() - routed
     for s in seqs:
@@ -100,17 +100,46 @@ def fill_context(runner, seq: Sequence, gen: torch.Generator, chunk: int = 4096)
 
 
 _PROFILES: dict[str, str] = {}
+DECODE_RANGE = "metrale.decode_steps"  # the profiler range of a repetition's decode steps
 
 
 def profile_run(runner, opts: BenchOptions, rows: int = 15) -> str:
-    """One more repetition under the torch profiler: the top kernels by device time."""
+    """One more repetition under the torch profiler: the top kernels by device time; with tensor
+    parallelism, then the all-reduce time of a decode step."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.model.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         _time_run(runner, opts, seed=99)
     key = "self_cuda_time_total" if runner.model.device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+    table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+    if runner.model.tp.size == 1:
+        return table
+    cuda = runner.model.device.type == "cuda"
+    calls, seconds = all_reduce_time(prof.events(), cuda)
+    return table + (f"\nall-reduce in the decode steps: {calls / opts.n_gen:.0f} a step, "
+                    f"{seconds / opts.n_gen * 1e6:.1f} µs a step ({'device' if cuda else 'host'} time, "
+                    f"{runner.model.tp.size} ranks)")
+
+
+def all_reduce_time(events, cuda: bool) -> tuple[int, float]:
+    """(calls, seconds) of the all-reduces of the profiler's decode range: on a GPU the NCCL
+    kernels launched under it (device time), on the CPU the gloo calls that ran while it did
+    (host time: gloo runs them on threads of its own)."""
+    events = list(events)
+    ranges = [e.time_range for e in events if e.name == DECODE_RANGE]
+    calls, seconds = 0, 0.0
+    for event in events:
+        if cuda:
+            parent, inside = event.cpu_parent, False
+            while parent is not None and not inside:
+                inside, parent = parent.name == DECODE_RANGE, parent.cpu_parent
+            for kernel in event.kernels if inside else ():
+                if "nccl" in kernel.name.lower() and "allreduce" in kernel.name.lower().replace("_", ""):
+                    calls, seconds = calls + 1, seconds + kernel.duration / 1e6
+        elif event.name == "gloo:all_reduce" and any(r.start <= event.time_range.start <= r.end for r in ranges):
+            calls, seconds = calls + 1, seconds + (event.time_range.end - event.time_range.start) / 1e6
+    return calls, seconds
 
 
 GEMM_KERNELS = ("gemm", "cutlass", "nvjet", "xmma", "grouped_mm")  # cuBLAS / CUTLASS kernel names
