@@ -170,3 +170,29 @@ def test_bench_profile_reports_the_all_reduces_of_a_decode_step(checkpoint):
     line = next(x for x in got.output.splitlines() if x.startswith("all-reduce in the decode steps:"))
     assert line.startswith("all-reduce in the decode steps: 5 a step, ") and "host time, 2 ranks" in line
     assert float(line.split(", ")[1].split(" µs")[0]) > 0
+
+
+def test_the_sharder_cuts_each_tensor_as_read():
+    """Per-expert tensors (before they are stacked), a vision-language checkpoint's text names,
+    the vocabulary's padded last shard; a part is a copy (the full tensor can be freed), a
+    replicated tensor is passed on as it is, a mis-shaped one is one error line."""
+    from metrale_cli.models.sharding import Sharder
+
+    _, raw = make_hf("qwen3_moe", head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                     vocab_size=383)
+    cfg = model_config(raw)
+    last = Sharder(cfg, TensorParallel(1, 2))
+    gate = torch.arange(32 * 64, dtype=torch.float32).view(32, 64)
+    part = last("model.layers.0.mlp.experts.5.gate_proj.weight", gate)
+    assert torch.equal(part, gate[16:]) and part.untyped_storage().nbytes() == part.nbytes
+    down = torch.randn(64, 32)
+    assert torch.equal(last("model.layers.1.mlp.experts.0.down_proj.weight", down), down[:, 16:])
+    embed = torch.randn(383, 64)
+    rows = last("model.embed_tokens.weight", embed)
+    assert rows.shape == (192, 64) and torch.equal(rows[:191], embed[192:]) and not rows[191].any()
+    q = torch.randn(64, 64)  # 4 heads of 16
+    assert torch.equal(last("model.language_model.layers.0.self_attn.q_proj.weight", q), q[32:])
+    norm = torch.randn(64)
+    assert last("model.norm.weight", norm) is norm
+    with pytest.raises(MetraleError, match="has shape"):
+        last("model.layers.0.self_attn.o_proj.weight", torch.randn(64, 60))

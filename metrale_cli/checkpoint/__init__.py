@@ -15,7 +15,7 @@ import torch
 
 from metrale_cli.checkpoint.gguf_io import gguf_cache_path, load_gguf, read_gguf_config, read_gguf_tokenizer
 from metrale_cli.checkpoint.resolve import Format, ModelLocation, default_model_path, locate
-from metrale_cli.checkpoint.safetensors_io import Progress, load_hf_folder_tensors, read_hf_config
+from metrale_cli.checkpoint.safetensors_io import Progress, Transform, load_hf_folder_tensors, read_hf_config
 from metrale_cli.checkpoint.tokenizer import Tokenizer
 from metrale_cli.models import unused_tensors
 
@@ -42,16 +42,16 @@ class Checkpoint:
     source: str
 
 
-def _load_hf_folder(where: ModelLocation, device, dtype, progress) -> Checkpoint:
+def _load_hf_folder(where: ModelLocation, device, dtype, progress, transform=None) -> Checkpoint:
     config = read_hf_config(where.path)
     tokenizer = Tokenizer.from_hf_folder(where.path)
-    tensors, unread = load_hf_folder_tensors(where.path, device, dtype, progress, unused_tensors(config))
+    tensors, unread = load_hf_folder_tensors(where.path, device, dtype, progress, unused_tensors(config), transform)
     return Checkpoint(config, tensors, tokenizer, f"{where.name} (safetensors, {where.path}"
                       + (f"; {unread}" if unread else "") + ")")
 
 
-def _load_gguf(where: ModelLocation, device, dtype, progress) -> Checkpoint:
-    model = load_gguf(where.path, device, dtype, progress)
+def _load_gguf(where: ModelLocation, device, dtype, progress, transform=None) -> Checkpoint:
+    model = load_gguf(where.path, device, dtype, progress, transform)
     cache = gguf_cache_path(where.path)
     how = {"cached": f"dequantized weights read from the cache {cache}",
            "converted": f"dequantized now and cached in {cache} for the next start",
@@ -69,13 +69,14 @@ FORMATS: dict[Format, tuple[Callable[..., Checkpoint], Callable[[pathlib.Path], 
 
 
 def load_checkpoint(spec: str | None, device: torch.device, dtype: torch.dtype,
-                    progress: Progress | None = None) -> Checkpoint:
+                    progress: Progress | None = None, transform: Transform | None = None) -> Checkpoint:
     """Load ``spec``: None -> embedded default, a folder -> HF folder, *.gguf -> GGUF,
-    "owner/name" -> hub id. ``progress(done_bytes, total_bytes)`` is called as tensors load.
-    Every user-caused failure is a MetraleError."""
+    "owner/name" -> hub id. ``progress(done_bytes, total_bytes)`` is called as tensors load;
+    ``transform(name, tensor)`` replaces each tensor as it is read, before it moves to ``device``
+    (a tensor-parallel rank's shard). Every user-caused failure is a MetraleError."""
     where = locate(spec)
     loader = FORMATS[where.format][0]
-    return loader(where, torch.device(device), dtype, progress)
+    return loader(where, torch.device(device), dtype, progress, transform)
 
 
 def read_config(spec: str | None) -> dict:

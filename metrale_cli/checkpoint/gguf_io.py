@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from metrale_cli.checkpoint import gguf_config
-from metrale_cli.checkpoint.safetensors_io import Progress, load_tensors, read_hf_config, read_shard_header
+from metrale_cli.checkpoint.safetensors_io import Progress, Transform, load_tensors, read_hf_config, read_shard_header
 from metrale_cli.environment import cache_dir
 from metrale_cli.errors import MetraleError
 from metrale_cli.models import family_of, model_config
@@ -191,8 +191,9 @@ def read_gguf_tokenizer(path: pathlib.Path) -> Tokenizer:
 
 
 def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
-              progress: Progress | None = None) -> GgufModel:
-    """Config, tensors on ``device`` (floats in ``dtype``) and tokenizer of a GGUF file.
+              progress: Progress | None = None, transform: Transform | None = None) -> GgufModel:
+    """Config, tensors on ``device`` (floats in ``dtype``, each through ``transform`` when given,
+    as load_tensors) and tokenizer of a GGUF file.
 
     Served from ``gguf_cache_path(path)`` when converted before; converted and cached otherwise.
     """
@@ -201,7 +202,7 @@ def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
     if weights.is_file():
         try:
             header = read_shard_header(weights)
-            tensors = load_tensors([header], device, dtype, progress)
+            tensors = load_tensors([header], device, dtype, progress, transform=transform)
             return GgufModel(read_hf_config(folder), tensors, Tokenizer.from_hf_folder(folder),
                              header.metadata.get(QUANT_KEY, "?"))
         except MetraleError:
@@ -218,10 +219,11 @@ def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
         _write_cache(folder, weights, config, tokenizer, quant, dtype,
                      convert_tensors(reader, config, dtype, progress), _entries(reader, config, dtype))
     except OSError:  # an unwritable cache only costs the next start the same conversion
-        tensors = {name: t.to(device) for name, t in convert_tensors(reader, config, dtype, progress)}
+        tensors = {name: (t if transform is None else transform(name, t)).to(device)
+                   for name, t in convert_tensors(reader, config, dtype, progress)}
         return GgufModel(config, tensors, tokenizer, quant, "uncached")
-    return GgufModel(config, load_tensors([read_shard_header(weights)], device, dtype), tokenizer, quant,
-                     "converted")
+    return GgufModel(config, load_tensors([read_shard_header(weights)], device, dtype, transform=transform), tokenizer,
+                     quant, "converted")
 
 
 def _entries(reader, config: dict, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], int]]:

@@ -23,6 +23,7 @@ INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 Progress = Callable[[int, int], None]
+Transform = Callable[[str, torch.Tensor], torch.Tensor]  # (name, tensor as read) -> the tensor kept
 
 
 @dataclass(frozen=True)
@@ -129,15 +130,19 @@ def target_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
 
 
 def load_tensors(headers: list[ShardHeader], device: torch.device, dtype: torch.dtype,
-                 progress: Progress | None = None, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+                 progress: Progress | None = None, skip: tuple[str, ...] = (),
+                 transform: Transform | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of ``headers`` on ``device`` but those whose names start with one of ``skip``
-    (not read); floats cast to ``dtype`` (see target_dtype)."""
+    (not read); floats cast to ``dtype`` (see target_dtype). ``transform(name, tensor)``, when
+    given, replaces each tensor as it is read, on the CPU (a tensor-parallel rank's shard)."""
     wanted = [(h, [n for n in h.entries if not n.startswith(skip)]) for h in headers]
     total, done, tensors = sum(h.entries[n][2] for h, names in wanted for n in names), 0, {}
     for header, names in wanted:
         with safe_open(str(header.path), framework="pt", device="cpu") as handle:
             for name in names:
                 tensor = handle.get_tensor(name)
+                if transform is not None:
+                    tensor = transform(name, tensor)
                 tensors[name] = tensor.to(device=device, dtype=target_dtype(tensor.dtype, dtype))
                 done += header.entries[name][2]
                 if progress is not None:
@@ -146,13 +151,14 @@ def load_tensors(headers: list[ShardHeader], device: torch.device, dtype: torch.
 
 
 def load_hf_folder_tensors(folder: pathlib.Path, device: torch.device, dtype: torch.dtype,
-                           progress: Progress | None = None,
-                           unused: tuple[tuple[str, str], ...] = ()) -> tuple[dict[str, torch.Tensor], str]:
+                           progress: Progress | None = None, unused: tuple[tuple[str, str], ...] = (),
+                           transform: Transform | None = None) -> tuple[dict[str, torch.Tensor], str]:
     """The weights of an HF folder (single file or sharded), integrity-checked first, but those
     under the ``unused`` (name prefix, what it is) pairs, which are not read; and the line that
     says what was left unread (empty when nothing was)."""
     headers = weight_headers(folder)
-    tensors = load_tensors(headers, device, dtype, progress, skip=tuple(prefix for prefix, _ in unused))
+    tensors = load_tensors(headers, device, dtype, progress, skip=tuple(prefix for prefix, _ in unused),
+                           transform=transform)
     return tensors, _unread_line(headers, unused)
 
 

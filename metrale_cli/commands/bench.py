@@ -214,8 +214,8 @@ def kv_memory(runner) -> dict:
 def bench_source(opts: BenchOptions, device: torch.device, tp: TensorParallel = SINGLE) -> tuple[ModelSource, str]:
     """A preset's random weights at a real model's shapes, or a checkpoint loaded once for every
     dtype; and the --dtype they are in (``auto`` resolved against the config). A tensor-parallel
-    rank holds its shard only: a preset's drawn at the shard's shapes, a checkpoint's read on the
-    CPU and sharded."""
+    rank holds its shard only: a preset's drawn at the shard's shapes, a checkpoint's tensors cut
+    to the rank's part as they are read."""
     if opts.preset:
         if opts.preset not in PRESETS:
             raise MetraleError(f"unknown --preset '{opts.preset}'", hint="presets: " + ", ".join(PRESETS))
@@ -229,12 +229,11 @@ def bench_source(opts: BenchOptions, device: torch.device, tp: TensorParallel = 
     if tp.size == 1:
         weights = checkpoint.load(device, DTYPES[dtype], None)
         return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name), dtype
-    from metrale_cli.engine.runner import sharded_tensors
     from metrale_cli.models import model_config
+    from metrale_cli.models.sharding import Sharder
 
-    weights = checkpoint.load(torch.device("cpu"), DTYPES[dtype], None)
-    tensors = sharded_tensors(model_config(checkpoint.config), dict(weights.tensors), tp, device)
-    return ModelSource.loaded(checkpoint.config, tensors, weights.tokenizer, weights.name, sharded=True), dtype
+    weights = checkpoint.load(device, DTYPES[dtype], None, transform=Sharder(model_config(checkpoint.config), tp))
+    return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name, sharded=True), dtype
 
 
 def run_bench(opts: BenchOptions, out: Output | None = None,

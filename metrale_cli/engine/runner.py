@@ -30,7 +30,7 @@ from metrale_cli.layers.spec import check_served
 from metrale_cli.models import build_model, kv_layout, model_config
 from metrale_cli.models.model import CausalLM
 from metrale_cli.layers.parallel import SINGLE, TensorParallel
-from metrale_cli.models.sharding import shard_config, shard_tensors
+from metrale_cli.models.sharding import Sharder, shard_config
 
 BACKENDS = ("auto", "cuda", "torch")
 GRAPH_MODES = ("disabled", "full")
@@ -204,19 +204,6 @@ def check_kernels(cfg: ModelConfig, backend: str, device: torch.device, requeste
     return loader
 
 
-def sharded_tensors(cfg: ModelConfig, tensors: dict, tp: TensorParallel, device: torch.device) -> dict:
-    """A tensor-parallel rank's shard of a checkpoint's tensors (read on the CPU), on ``device``:
-    the family's canonical names first, checked whole as a one-process run checks them."""
-    from metrale_cli.models import family_of
-    from metrale_cli.models.family import check_tensors
-
-    family = family_of(cfg.family)
-    if family.canonical is not None:
-        family.canonical(cfg, tensors)
-    check_tensors(cfg, tensors, family.expected_tensors(cfg))
-    return shard_tensors(cfg, tensors, tp, device)
-
-
 def context_length(cfg: ModelConfig, opts: RunnerOptions) -> int:
     """--max-seq-len, else the model's context capped at 8192 tokens; never past the model's."""
     if opts.max_seq_len is not None and opts.max_seq_len > cfg.max_position_embeddings:
@@ -289,8 +276,9 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
 
     ``before_weights(tokenizer, context_length)`` runs after the kernel check and before any
     weight is read (e.g. to refuse a prompt that cannot fit). ``tp``: the tensor-parallel rank
-    this process builds the shard of (metrale_cli/layers/parallel.py): its heads' kernels are checked, the
-    weights are read on the CPU, sharded and only the shard moved to the device."""
+    this process builds the shard of (metrale_cli/layers/parallel.py): its heads' kernels are
+    checked, and each tensor is cut to the rank's part on the CPU as it is read, only that part
+    moved to the device."""
     dtype, dtype_line = resolve_dtype(opts.dtype, source.config)
     opts = dataclasses.replace(opts, dtype=dtype)
     opts.check()
@@ -307,9 +295,9 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     if tp.size == 1 or source.sharded:
         weights = source.load(device, DTYPES[opts.dtype], progress)
         tensors = dict(weights.tensors)
-    else:
-        weights = source.load(torch.device("cpu"), DTYPES[opts.dtype], progress)
-        tensors = sharded_tensors(cfg, dict(weights.tensors), tp, device)
+    else:  # each tensor sharded as it is read: a rank holds its shard and one tensor more
+        weights = source.load(device, DTYPES[opts.dtype], progress, transform=Sharder(cfg, tp))
+        tensors = dict(weights.tensors)
     layout = kv_layout(shard)
     blocks = pool_blocks(layout, opts, max_seq_len, device)
     model = build_model(shard, tensors, make_ops(backend, loader), blocks, max_seq_len,

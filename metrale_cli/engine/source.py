@@ -21,11 +21,12 @@ class Weights:
 @dataclass(frozen=True)
 class ModelSource:
     """``config``: the HF-style config dict; ``tokenizer()``: read without the weights;
-    ``load(device, dtype, progress)``: the :class:`Weights`."""
+    ``load(device, dtype, progress, transform=None)``: the :class:`Weights`, each tensor through
+    ``transform(name, tensor)`` first when given (a tensor-parallel rank's shard)."""
 
     config: dict
     tokenizer: Callable[[], object | None]
-    load: Callable[[torch.device, torch.dtype, Callable | None], Weights]
+    load: Callable[..., Weights]
     sharded: bool = False  # its tensors are already this tensor-parallel rank's shard (on its device)
 
     @classmethod
@@ -33,8 +34,8 @@ class ModelSource:
         """An HF folder, a .gguf file, a hub id, or None for the embedded default model."""
         from metrale_cli.checkpoint import load_checkpoint, read_config, read_tokenizer
 
-        def load(device, dtype, progress):
-            ckpt = load_checkpoint(spec, device, dtype, progress)
+        def load(device, dtype, progress, transform=None):
+            ckpt = load_checkpoint(spec, device, dtype, progress, transform)
             return Weights(ckpt.tensors, ckpt.tokenizer, ckpt.source)
 
         return cls(read_config(spec), lambda: read_tokenizer(spec), load)
@@ -44,5 +45,8 @@ class ModelSource:
                sharded: bool = False) -> ModelSource:
         """Tensors already on the run's device (every build takes a shallow copy of the dict);
         ``sharded``: a tensor-parallel rank's shard of them (metrale_cli/layers/parallel.py)."""
-        return cls(config, lambda: tokenizer, lambda device, dtype, progress: Weights(dict(tensors), tokenizer, name),
-                   sharded)
+        def load(device, dtype, progress, transform=None):
+            kept = dict(tensors) if transform is None else {n: transform(n, t).to(device) for n, t in tensors.items()}
+            return Weights(kept, tokenizer, name)
+
+        return cls(config, lambda: tokenizer, load, sharded)

@@ -11,7 +11,6 @@ import torch
 from metrale_cli.config import ModelConfig
 from metrale_cli.errors import MetraleError
 from metrale_cli.layers.parallel import TensorParallel
-from metrale_cli.models.family import IGNORED_SUFFIXES
 
 
 # --- the shard of a config -----------------------------------------------------------------------
@@ -158,26 +157,46 @@ def _layer_rules(spec, tp: TensorParallel) -> dict:
         rules |= {"mlp.gate.weight": None,
                   "mlp.experts.gate_up_proj": lambda t: torch.cat([t[:, w], t[:, i + w.start:i + w.stop]], dim=1),
                   "mlp.experts.down_proj": lambda t: t[:, :, w]}
+        for e in range(m.num_experts):  # a checkpoint's one tensor per expert, before they are stacked
+            rules |= {f"mlp.experts.{e}.gate_proj.weight": lambda t: t[w], f"mlp.experts.{e}.up_proj.weight": lambda t: t[w],
+                      f"mlp.experts.{e}.down_proj.weight": lambda t: t[:, w]}
         if m.shared_expert_size:
             rules |= swiglu("mlp.shared_expert.", m.shared_expert_size) | {"mlp.shared_expert_gate.weight": None}
     return rules
 
 
-def shard_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], tp: TensorParallel,
-                  device: torch.device) -> dict[str, torch.Tensor]:
-    """Rank ``tp.rank``'s part of the canonical, full-size ``tensors`` of ``cfg`` (the unsharded
-    config), each part copied to ``device`` and its full tensor dropped from ``tensors`` as it
-    goes. A tensor no rule covers is refused: it would otherwise be silently replicated."""
-    rules = {"model.embed_tokens.weight": lambda t: _vocab(t, tp), "lm_head.weight": lambda t: _vocab(t, tp),
-             "model.norm.weight": None}
-    for spec in cfg.layers:
-        rules |= {f"model.layers.{spec.index}.{name}": rule for name, rule in _layer_rules(spec, tp).items()}
-    out = {}
-    for name in list(tensors):
-        if name not in rules and not name.endswith(IGNORED_SUFFIXES):
-            raise MetraleError(f"tensor parallelism has no rule to shard tensor {name}",
-                               hint="run this checkpoint with --tensor-parallel-size 1")
-        full = tensors.pop(name)
-        rule = rules.get(name)
-        out[name] = (full if rule is None else rule(full)).to(device).contiguous()
-    return out
+LANGUAGE_MODEL = "model.language_model."  # a vision-language checkpoint's text model (models/qwen3_5.py)
+
+
+class Sharder:
+    """Rank ``tp.rank``'s part of each tensor of a checkpoint of ``cfg`` (the unsharded config),
+    one tensor at a time as the loader reads it (``transform(name, tensor)``), so a rank never
+    holds more of the model than its shard and the tensor being read. It knows the canonical HF
+    names (experts stacked) and the checkpoints' own forms of them (one tensor per expert, a
+    vision-language checkpoint's ``model.language_model.`` prefix); a tensor it does not know is
+    passed on whole, for the family's build to use or refuse as unexpected."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        from metrale_cli.models import family_of
+
+        self.tp = tp
+        self.expected = family_of(cfg.family).expected_tensors(cfg)
+        self.rules = {"model.embed_tokens.weight": lambda t: _vocab(t, tp), "lm_head.weight": lambda t: _vocab(t, tp),
+                      "model.norm.weight": None}
+        for spec in cfg.layers:
+            self.rules |= {f"model.layers.{spec.index}.{name}": rule for name, rule in _layer_rules(spec, tp).items()}
+        unruled = sorted(set(self.expected) - set(self.rules))
+        if unruled:  # every weight the build reads is sharded or replicated on purpose
+            raise MetraleError(f"tensor parallelism has no rule to shard tensor {unruled[0]}",
+                               hint="run this model with --tensor-parallel-size 1")
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        key = "model." + name.removeprefix(LANGUAGE_MODEL) if name.startswith(LANGUAGE_MODEL) else name
+        rule = self.rules.get(key)
+        if rule is None:
+            return tensor
+        want = self.expected.get(key)
+        if want is not None and tuple(tensor.shape) != want:
+            raise MetraleError(f"tensor {name} has shape {tuple(tensor.shape)}, config.json implies {want}")
+        return rule(tensor).contiguous().clone()  # not a view: the full tensor can go
+
