@@ -196,3 +196,23 @@ def test_the_sharder_cuts_each_tensor_as_read():
     assert last("model.norm.weight", norm) is norm
     with pytest.raises(MetraleError, match="has shape"):
         last("model.layers.0.self_attn.o_proj.weight", torch.randn(64, 60))
+
+
+def test_the_70b_preset_halves_over_two_ranks():
+    """llama3.1-70b (141.1 GB in bf16) at TP=2: 32 of 64 query heads and 4 of 8 KV heads a rank,
+    half of every width and of the vocabulary: each rank's expected tensors hold half the bytes."""
+    import math
+
+    from metrale_cli.commands.bench_presets import PRESETS
+    from metrale_cli.models import family_of
+
+    cfg = model_config(PRESETS["llama3.1-70b"])
+    family = family_of(cfg.family)
+    full = sum(math.prod(s) for s in family.expected_tensors(cfg).values())
+    shard = shard_config(cfg, TensorParallel(1, 2))
+    half = sum(math.prod(s) for s in family.expected_tensors(shard).values())
+    a = shard.layers[0].attention
+    assert (a.num_heads, a.num_kv_heads, shard.layers[0].ffn.intermediate_size) == (32, 4, 14336)
+    assert round(full * 2 / 1e9, 1) == 141.1
+    # norms are replicated: a rank holds half of everything else
+    assert abs(half - full / 2) <= 81 * cfg.hidden_size

@@ -34,6 +34,13 @@ PRESETS: dict[str, dict] = {
                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                     "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu"},
+    # 141 GB in bf16: more than one H200 holds with a KV cache; for --tensor-parallel-size 2 and up
+    "llama3.1-70b": {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+                     "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+                     "vocab_size": 128256, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                     "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu"},
     # Mixtures of experts: every layer's FFN is 128 (60) routed SwiGLU experts, 8 (4) per token;
     # Qwen1.5-MoE adds a shared expert behind a sigmoid gate.
     "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
@@ -85,6 +92,7 @@ PRESETS: dict[str, dict] = {
 }
 # What a preset's name alone does not say, printed with it by the bench.
 DESCRIPTIONS: dict[str, str] = {
+    "llama3.1-70b": "Llama-3.1-70B's shapes, 141.1 GB in bf16: --tensor-parallel-size 2 or more",
     "qwen3.5-27b": "Qwen3.5-27B's text model, 53.8 GB in bf16",
     "qwen3-next-80b-a3b-36l": "Qwen3-Next-80B-A3B cut to 36 of its 48 layers (27 GDN + 9 attention, "
                               "119.8 GB in bf16 of the whole model's 159.3 GB) to fit one H200",
