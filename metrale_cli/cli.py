@@ -212,9 +212,6 @@ def generate(
                          cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode,
                          kv_high_precision_layers=kv_high_precision_layers,
                          innerq_calibration_tokens=innerq_calibration_tokens)
-    if tensor_parallel_size < 1:
-        out.error(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}", "1 runs on one device")
-        raise typer.Exit(1)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos, min_p=min_p,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
@@ -387,9 +384,6 @@ def bench(
                         cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode, profile=profile, synthetic_context=synthetic_context,
                         kv_high_precision_layers=kv_high_precision_layers,
                         innerq_calibration_tokens=innerq_calibration_tokens)
-    if tensor_parallel_size < 1:
-        out.error(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}", "1 runs on one device")
-        raise typer.Exit(1)
     _run(out, debug, run_ranks, tensor_parallel_size, bench_rank, opts, sweep, output.strip().lower(),
          main_output=out, on_worker_error=out.error)
 

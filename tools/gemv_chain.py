@@ -28,7 +28,7 @@ def _norm(size: int) -> torch.Tensor:
     return torch.rand(size, device="cuda", dtype=torch.bfloat16) + 0.5
 
 
-def _replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+def replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -64,7 +64,7 @@ def chain(ops: CudaOps, name: str, reps: int = 20) -> None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step(with_head)
-        times.append(_replay_us(graph, reps))
+        times.append(replay_us(graph, reps))
     layers_us, total_us = times
     head_us = total_us - layers_us
     print(f"{name}: {layers_us / layers:6.2f} us a layer ({layers * layer_bytes / layers_us / 1e6:.2f} TB/s), "

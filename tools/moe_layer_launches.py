@@ -1,8 +1,8 @@
 """Each launch of a MoE layer's batch-1 decode step alone, and the whole layer, on a GPU (figures,
 no asserts). Qwen3-30B-A3B's shapes by default:
 
-    python tools/moe_layer_launches.py                # context 600
-    python tools/moe_layer_launches.py --context 4096
+    python -m tools.moe_layer_launches                # context 600
+    python -m tools.moe_layer_launches --context 4096
 
 Every launch runs ``--layers`` times on distinct random weights (so a launch does not find its
 weights in L2 from the one before), replayed from one CUDA graph; the figure is µs per launch.
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from metrale_cli.kernels.cases import kv_to, rope_decode_args, rope_decode_case
 from metrale_cli.kernels.cuda_ops import CudaOps
+from tools.gemv_chain import replay_us
 
 
 def _time(fn, layers: int, replays: int = 30) -> float:
@@ -28,15 +29,7 @@ def _time(fn, layers: int, replays: int = 30) -> float:
     with torch.cuda.graph(graph):
         for layer in range(layers):
             fn(layer)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * layers)
+    return replay_us(graph, replays) / layers
 
 
 def main() -> None:

@@ -1,12 +1,12 @@
 """Random-weight models at real models' shapes, so GPU timing needs no download."""
 
 from __future__ import annotations
-from metrale_cli.layers.parallel import SINGLE, TensorParallel
-from metrale_cli.models.sharding import shard_config
 
 import torch
 
+from metrale_cli.layers.parallel import SINGLE, TensorParallel
 from metrale_cli.models import family_of, model_config
+from metrale_cli.models.sharding import shard_config
 
 
 def _qwen3(hidden, inter, layers, heads, kv, tie) -> dict:
@@ -15,6 +15,15 @@ def _qwen3(hidden, inter, layers, heads, kv, tie) -> dict:
             "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
             "max_position_embeddings": 40960, "tie_word_embeddings": tie, "hidden_act": "silu",
             "eos_token_id": 151645}
+
+
+def _llama31(hidden, inter, layers, heads) -> dict:
+    return {"model_type": "llama", "hidden_size": hidden, "intermediate_size": inter,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": 8,
+            "vocab_size": 128256, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
 
 
 PRESETS: dict[str, dict] = {
@@ -28,19 +37,9 @@ PRESETS: dict[str, dict] = {
     "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8, True),
     "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, False),
     "qwen3-14b": _qwen3(5120, 17408, 40, 40, 8, False),
-    "llama3.1-8b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-                    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                    "vocab_size": 128256, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-                    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                    "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu"},
+    "llama3.1-8b": _llama31(4096, 14336, 32, 32),
     # 141 GB in bf16: more than one H200 holds with a KV cache; for --tensor-parallel-size 2 and up
-    "llama3.1-70b": {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
-                     "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-                     "vocab_size": 128256, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                     "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu"},
+    "llama3.1-70b": _llama31(8192, 28672, 80, 64),
     # Mixtures of experts: every layer's FFN is 128 (60) routed SwiGLU experts, 8 (4) per token;
     # Qwen1.5-MoE adds a shared expert behind a sigmoid gate.
     "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,

@@ -64,6 +64,8 @@ def run_ranks(size: int, target, *args, main_output=None, on_worker_error=None, 
     import threading
     import time
 
+    if size < 1:
+        raise MetraleError(f"--tensor-parallel-size must be at least 1, got {size}", hint="1 runs on one device")
     if size == 1:
         return target(SINGLE, None, main_output, *args, **kwargs)
     ctx = multiprocessing.get_context("spawn")

@@ -26,16 +26,14 @@ class MoeFfn:
     ``gate_up``: (E, 2I, H); ``down``: (E, H, I); ``shared`` / ``shared_gate`` ((1, H)) together
     or neither."""
 
-    # add_row: the norm, then the routed experts with the residual add fused in (one process:
-    # a tensor-parallel shard must sum its experts over the ranks before the residual add)
-    fuses_row = True
-
     def __init__(self, spec: MoeSpec, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ops: Ops,
                  shared: DenseSwiGluFfn | None = None, shared_gate: torch.Tensor | None = None,
                  tp: TensorParallel = SINGLE):
         if (shared is None) != (shared_gate is None):
             raise ValueError("a shared expert comes with its gate")
         self.spec, self.ops, self.tp = spec, ops, tp
+        # add_row: the norm, then the routed experts with the residual add fused in (one process:
+        # a tensor-parallel shard must sum its experts over the ranks before the residual add)
         self.fuses_row = tp.size == 1
         self.router, self.gate_up, self.down = router, gate_up, down
         self.shared, self.shared_gate = shared, shared_gate

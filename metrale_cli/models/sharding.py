@@ -20,8 +20,6 @@ def _kv_heads(num_kv_heads: int, size: int) -> int:
 
 def check_shardable(cfg: ModelConfig, size: int) -> None:
     """Refuse, in one line, a model whose heads or widths do not split over ``size`` ranks."""
-    if size < 1:
-        raise MetraleError(f"--tensor-parallel-size must be at least 1, got {size}", hint="1 runs on one device")
     problems = []
 
     def need(what: str, n: int) -> None:
