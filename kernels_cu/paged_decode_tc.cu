@@ -1,5 +1,5 @@
-// Tensor-core paged decode attention for the bf16 and fp8 caches at head_dim 64 and 128.
-// paged_decode.cu serves every other case (and every other dtype).
+// Tensor-core paged decode attention for every KV dtype at head_dim 64 and 128 (the one-launch
+// decode attention for the bf16 and fp8 caches). paged_decode.cu serves every other head_dim.
 //
 // A CTA owns up to 8 query heads of one KV head's group (a larger group takes several CTAs, which
 // read the same K/V, mostly from L2), one sequence and one split of its context; its TC_WARPS
@@ -23,12 +23,18 @@
 // so the MMAs are f16 ones: q is scaled by a power of two into f16's range (undone on the
 // scores), P rounded to f16; k_scale scales the scores and v_scale the output. A head's sum uses
 // its P as rounded, so the output is exactly a weighted mean of the V rows read.
+//
+// Packed sides (nvfp4, turbo2/3/4/8): lane c's share of a key's K is the c-th quarter of its dims
+// (q is loaded through the same order), a V share the g-th eighth, each one load of its codes and
+// one of its group scales; the MMAs are bf16 ones, each value dequantized as it is used (level
+// from a 16-entry shared table, times the group scale, rounded to bf16), so a packed tile costs
+// no more registers than its codes. A rotated side's Q / output rotations stay outside.
 #include "decode_tc.cuh"
 #include "head_norm.cuh"
 #include "kv_write.cuh"
 #include "pdl.cuh"
 
-template <bool FP8>
+template <int KF, int VF>
 __device__ void decode_tc_entry(const bf16_t* q, const void* k_cache, const void* v_cache,
                                 const int* block_tables, const int* seq_lens, bf16_t* out,
                                 float* part_o, float* part_ml, const float* k_scale,
@@ -53,23 +59,24 @@ __device__ void decode_tc_entry(const bf16_t* q, const void* k_cache, const void
                    min(len, begin + per_split),
                    num_splits,
                    split,
-                   FP8 ? scale * *k_scale : scale,
-                   FP8 ? *v_scale : 1.0f,
+                   KF == TC_FP8 ? scale * *k_scale : scale,
+                   VF == TC_FP8 ? *v_scale : 1.0f,
                    out,
                    num_splits > 1 ? part_o : nullptr,
                    part_ml,
                    smem_o,
                    smem_ml};
-    if (head_dim == 64) decode_tc<64, FP8>(w);
-    else if (head_dim == 128) decode_tc<128, FP8>(w);
+    if (head_dim == 64) decode_tc<64, KF, VF>(w);
+    else if (head_dim == 128) decode_tc<128, KF, VF>(w);
 }
 
-// Same arguments as paged_decode_attn (paged_decode.cu); grid = (Hk, B, chunks * num_splits) with
-// chunks = ceil(group / TC_ROWS), block = TC_THREADS; head_dim 64 or 128. The split partials go
-// to that module's paged_decode_combine (the same split rule and partial layout).
-// Resident CTAs per SM: bf16 4 (112 registers), fp8 3 (its prefetch takes 142; at 4 it spills);
-// the host mirrors them (cuda_ops.TC_CTAS_PER_SM) when it picks the split count.
-#define METRALE_TC_ENTRY(name, fp8, min_ctas)                                                     \
+// Same arguments as paged_decode_attn<suffix> (paged_decode.cu); grid = (Hk, B, chunks * num_splits)
+// with chunks = ceil(group / TC_ROWS), block = TC_THREADS; head_dim 64 or 128. The split partials
+// go to that module's paged_decode_combine<suffix> (the same split rule and partial layout).
+// Resident CTAs per SM: bf16 4 (112 registers), fp8 3 (its prefetch takes 142; at 4 it spills),
+// the packed sides 3 (their prefetch and dequantization); the host mirrors them
+// (KV_DTYPES' TensorCoreDecode.ctas_per_sm) when it picks the split count.
+#define METRALE_TC_ENTRY(name, kf, vf, min_ctas)                                                  \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, min_ctas)                           \
         name(const bf16_t* q, const void* k_cache, const void* v_cache, const int* block_tables, \
              const int* seq_lens, bf16_t* out, float* part_o, float* part_ml,                    \
@@ -77,12 +84,26 @@ __device__ void decode_tc_entry(const bf16_t* q, const void* k_cache, const void
              int num_kv_heads, int head_dim, int max_blocks, int num_splits) {                   \
         pdl_wait();                                                                              \
         pdl_launch_dependents();                                                                 \
-        decode_tc_entry<fp8>(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml,  \
-                             k_scale, v_scale, scale, num_q_heads, num_kv_heads, head_dim,       \
-                             max_blocks, num_splits);                                            \
+        decode_tc_entry<kf, vf>(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, \
+                                k_scale, v_scale, scale, num_q_heads, num_kv_heads, head_dim,    \
+                                max_blocks, num_splits);                                         \
     }
-METRALE_TC_ENTRY(paged_decode_attn_tc, false, 4)
-METRALE_TC_ENTRY(paged_decode_attn_tc_fp8, true, 3)
+METRALE_TC_ENTRY(paged_decode_attn_tc, TC_BF16, TC_BF16, 4)
+METRALE_TC_ENTRY(paged_decode_attn_tc_fp8, TC_FP8, TC_FP8, 3)
+METRALE_TC_ENTRY(paged_decode_attn_tc_nvfp4, TC_NVFP4, TC_NVFP4, 3)
+METRALE_TC_ENTRY(paged_decode_attn_tc_turbo4, TC_TURBO4, TC_TURBO4, 3)
+METRALE_TC_ENTRY(paged_decode_attn_tc_turbo3, TC_TURBO3, TC_TURBO3, 3)
+METRALE_TC_ENTRY(paged_decode_attn_tc_turbo2, TC_TURBO2, TC_TURBO2, 3)
+METRALE_TC_ENTRY(paged_decode_attn_tc_turbo8, TC_TURBO8, TC_TURBO8, 3)
+METRALE_TC_ENTRY(paged_decode_attn_tc_turbo4k_turbo3v, TC_TURBO4, TC_TURBO3, 3)
+METRALE_TC_ENTRY(paged_decode_attn_tc_turbo4k_turbo8v, TC_TURBO4, TC_TURBO8, 3)
+METRALE_TC_ENTRY(paged_decode_attn_tc_turbo3k_turbo8v, TC_TURBO3, TC_TURBO8, 3)
+METRALE_TC_ENTRY(paged_decode_attn_tc_bf16k_turbo4v, TC_BF16, TC_TURBO4, 3)
+METRALE_TC_ENTRY(paged_decode_attn_tc_bf16k_turbo3v, TC_BF16, TC_TURBO3, 3)
+METRALE_TC_ENTRY(paged_decode_attn_tc_bf16k_turbo2v, TC_BF16, TC_TURBO2, 3)
+METRALE_TC_ENTRY(paged_decode_attn_tc_fp8k_turbo4v, TC_FP8, TC_TURBO4, 3)
+METRALE_TC_ENTRY(paged_decode_attn_tc_fp8k_turbo3v, TC_FP8, TC_TURBO3, 3)
+METRALE_TC_ENTRY(paged_decode_attn_tc_fp8k_turbo2v, TC_FP8, TC_TURBO2, 3)
 #undef METRALE_TC_ENTRY
 
 // --- paged_decode_rope_tc<suffix>: a decode step's attention in one launch (bf16 / fp8 cache) --
@@ -304,7 +325,7 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
                    a.part_ml,
                    sh.o,
                    sh.ml};
-    decode_tc<D, FP8>(w);
+    decode_tc<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16>(w);
     if (a.num_splits == 1) return;
     const int active = active_splits(len, a.num_splits);
     if (last_split(a, sh, (b * a.hk + kvh) * chunks + chunk, active)) combine_rows<D>(a, sh, head0, rows, active);

@@ -96,9 +96,28 @@ _TC_LIB: list[ctypes.CDLL] = []
 def tc_library(build_dir) -> ctypes.CDLL:
     if not _TC_LIB:
         handle = build_host_library("paged_decode_tc_host.cpp", build_dir, name="attention_tc")
-        handle.host_paged_decode_tc.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] + [ctypes.c_int] * 8
+        handle.host_paged_decode_tc.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] + [ctypes.c_int] * 7 + [
+            ctypes.c_char_p]
         _TC_LIB.append(handle)
     return _TC_LIB[0]
+
+
+def _tc_decode(lib, dtype, head_dim, group, splits, lens, seed):
+    """(got, want): the tensor-core decode of ``dtype`` on the emulated CPU and the reference, for a
+    case of ``lens`` contexts over 2 KV heads; q's row 1, head 0 is large (the fp8 path's f16 scaling)."""
+    hk = 2
+    c = make_paged_case(lens, hk * group, hk, head_dim, dtype, seed=seed)
+    q = _q(len(lens), hk * group, head_dim, seed=5)
+    q[1, 0] *= 3e5  # beyond f16's range: scaled into it by a power of two
+    out = torch.full_like(q, float("nan"))
+    part_o = torch.full((len(lens), hk * group, splits, head_dim), float("nan"))
+    part_ml = torch.full((len(lens), hk * group, splits, 2), float("nan"))
+    kp, vp, tables, seq = c["kv"].k, c["kv"].v, c["block_tables"], c["seq_lens"]
+    lib.host_paged_decode_tc(_ptr(q), _ptr(kp.data), _ptr(vp.data), _ptr(tables), _ptr(seq), _ptr(out),
+                             _ptr(part_o), _ptr(part_ml), _ptr(kp.scale), _ptr(vp.scale), head_dim**-0.5,
+                             hk * group, hk, head_dim, tables.shape[1], splits, len(lens),
+                             math.ceil(group / TC_ROWS), dtype.suffix.encode())
+    return out, ref.paged_decode(q, c["kv"], tables, seq, head_dim**-0.5)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 32])
@@ -109,19 +128,22 @@ def test_tensor_core_decode_equals_the_reference(build_dir, dtype, head_dim, gro
     """paged_decode_tc.cu: whole 16-key tiles, a partial last tile, several tiles per warp, idle
     warps and splits, groups over two CTAs, an empty context; q with a large row (the fp8 path's
     f16 scaling)."""
-    lib, hk = tc_library(build_dir), 2
-    lens = [1, 7, 16, 99, 300, 0]
-    c = make_paged_case(lens, hk * group, hk, head_dim, dtype, seed=head_dim + group)
-    q = _q(len(lens), hk * group, head_dim, seed=5)
-    q[1, 0] *= 3e5  # beyond f16's range: scaled into it by a power of two
-    out = torch.full_like(q, float("nan"))
-    part_o = torch.full((len(lens), hk * group, splits, head_dim), float("nan"))
-    part_ml = torch.full((len(lens), hk * group, splits, 2), float("nan"))
-    kp, vp, tables, seq = c["kv"].k, c["kv"].v, c["block_tables"], c["seq_lens"]
-    lib.host_paged_decode_tc(_ptr(q), _ptr(kp.data), _ptr(vp.data), _ptr(tables), _ptr(seq), _ptr(out),
-                             _ptr(part_o), _ptr(part_ml), _ptr(kp.scale), _ptr(vp.scale), head_dim**-0.5,
-                             hk * group, hk, head_dim, tables.shape[1], splits, len(lens),
-                             math.ceil(group / TC_ROWS), int(dtype == KvCacheDtype.FP8))
-    want = ref.paged_decode(q, c["kv"], tables, seq, head_dim**-0.5)
+    out, want = _tc_decode(tc_library(build_dir), dtype, head_dim, group, splits, [1, 7, 16, 99, 300, 0],
+                           head_dim + group)
     assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
     assert torch.equal(out[5], torch.zeros_like(out[5]))
+
+
+PACKED = [d for d in KvCacheDtype if d not in (KvCacheDtype.BF16, KvCacheDtype.FP8)]
+
+
+@pytest.mark.parametrize("splits, group", [(1, 1), (3, 4), (32, 12)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", PACKED, ids=lambda d: d.value)
+def test_tensor_core_decode_of_packed_sides_equals_the_reference(build_dir, dtype, head_dim, group, splits):
+    """The packed sides' dequantization in the tensor-core decode (codes read as slices: 3-byte
+    turbo3 words cut mid-byte, group scales, the levels table, turbo8's bf16 scales, dead keys'
+    zeroed codes and scales), for every dtype with a packed side, beside an fp8 or bf16 K side."""
+    out, want = _tc_decode(tc_library(build_dir), dtype, head_dim, group, splits, [1, 7, 16, 99, 0], head_dim + 3)
+    assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
+    assert torch.equal(out[4], torch.zeros_like(out[4]))

@@ -119,10 +119,10 @@ def test_registry_walk():
     names = [str(k) for k in all_kernels()]
     # 4 core + 4 decode GEMVs + the decode step's end + 6 MoE (4 decode, 2 prefill) + 5 GDN (decode; the
     # prefill's conv, inputs, walk and gated norm) + 2 WHT + 3 + 13
-    # writes + 16 fused rope_and_cache + 2 tensor-core decodes and their fused ones + 16 dtypes x
-    # (a prefill and a (decode, combine) pair per decode module)
+    # writes + 16 fused rope_and_cache + 16 tensor-core decodes + the bf16 / fp8 one-launch decodes + 16
+    # dtypes x (a prefill and a (decode, combine) pair per decode module)
     decode_modules = sum(len(row.decode) for row in KV_DTYPES.values())
-    assert len(names) == len(set(names)) == 4 + 4 + 1 + 6 + 5 + 2 + 16 + 16 + 4 + 16 + 2 * decode_modules == 124
+    assert len(names) == len(set(names)) == 4 + 4 + 1 + 6 + 5 + 2 + 16 + 16 + 16 + 2 + 16 + 2 * decode_modules == 138
     assert set(every_kernel()) == set(all_kernels())  # every registered kernel is launched by some dtype
     for spec in all_kernels():
         assert module_for(spec).path.is_file()
@@ -145,14 +145,18 @@ def test_cuda_entry_lists_equal_the_dtype_table(source, macro):
 
 
 def test_tensor_core_entries_equal_the_dtype_table():
-    """paged_decode_tc.cu's entries: one per dtype with a tensor-core row, fp8 flag and
-    __launch_bounds__ minimum as the row says (the host sizes its splits by that minimum)."""
+    """paged_decode_tc.cu's entries: a decode per dtype with a tensor-core row, its K and V formats
+    the row's sides, and a one-launch decode where the row has one (fp8 flag); __launch_bounds__
+    minimums as the row says (the host sizes its splits by that minimum)."""
     text = (KERNELS_DIR / "paged_decode_tc.cu").read_text()
-    for macro, name in (("METRALE_TC_ENTRY", "paged_decode_attn_tc"), ("METRALE_ROPE_TC_ENTRY", "paged_decode_rope_tc")):
-        entries = re.findall(rf"^{macro}\((\w+), (\w+), (\d+)\)$", text, flags=re.M)
-        want = [(f"{name}{d.suffix}", str(d == KvCacheDtype.FP8).lower(), str(row.tensor_core.ctas_per_sm))
-                for d, row in KV_DTYPES.items() if row.tensor_core is not None]
-        assert entries == want
+    entries = re.findall(r"^METRALE_TC_ENTRY\((\w+), (\w+), (\w+), (\d+)\)$", text, flags=re.M)
+    assert entries == [(f"paged_decode_attn_tc{d.suffix}", *(f"TC_{s.value.upper()}" for s in kv_pair(d)),
+                        str(row.tensor_core.ctas_per_sm)) for d, row in KV_DTYPES.items() if row.tensor_core]
+    assert len(entries) == len(KvCacheDtype)
+    entries = re.findall(r"^METRALE_ROPE_TC_ENTRY\((\w+), (\w+), (\d+)\)$", text, flags=re.M)
+    assert entries == [(f"paged_decode_rope_tc{d.suffix}", str(d == KvCacheDtype.FP8).lower(),
+                        str(row.tensor_core.ctas_per_sm)) for d, row in KV_DTYPES.items()
+                       if row.tensor_core and row.tensor_core.one_launch]
 
 
 def _top_level_blocks(source: str) -> list[str]:

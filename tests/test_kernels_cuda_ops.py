@@ -88,13 +88,12 @@ def test_fp8_decode_splits_and_prefill_rows(ops):
 
 
 @pytest.mark.parametrize("dtype, head_dim, decode, prefill", [
-    ("turbo4", 128, "paged_decode_turbo4_128::paged_decode_attn_turbo4",
-     "prefill_paged_turbo4::attn_prefill_paged_turbo4_64"),
+    ("turbo4", 128, "paged_decode_tc::paged_decode_attn_tc_turbo4", "prefill_paged_turbo4::attn_prefill_paged_turbo4_64"),
     ("turbo4", 512, "paged_decode_turbo4::paged_decode_attn_turbo4",
      "prefill_paged_turbo4::attn_prefill_paged_turbo4_64"),
     ("turbo2", 256, "paged_decode_turbo2_128::paged_decode_attn_turbo2",
      "prefill_paged_turbo2::attn_prefill_paged_turbo2"),
-    ("nvfp4", 64, "paged_decode_nvfp4::paged_decode_attn_nvfp4", "prefill_paged_nvfp4::attn_prefill_paged_nvfp4"),
+    ("nvfp4", 64, "paged_decode_tc::paged_decode_attn_tc_nvfp4", "prefill_paged_nvfp4::attn_prefill_paged_nvfp4"),
     ("bf16k_turbo3v", 256, "paged_decode_bf16k_turbo3v::paged_decode_attn_bf16k_turbo3v",
      "prefill_paged_bf16k_turbo3v::attn_prefill_paged_bf16k_turbo3v_64"),
 ])
@@ -111,7 +110,7 @@ def test_each_dtype_launches_its_table_kernels(ops, dtype, head_dim, decode, pre
     want = {SideType.BF16: "bf16*", SideType.FP8: "fp8*"}
     assert kinds["k_cache"] == want.get(kp.side, "u8*") and kinds["v_cache"] == want.get(vp.side, "u8*")
     assert args["v_cache"].dtype == torch.uint8
-    assert decode in [str(k) for k in required_kernels(KvCacheDtype(dtype), head_dim)]
+    assert decode in [str(k) for k in layer_kernels(KvCacheDtype(dtype), head_dim)]
 
 
 def test_turbo_write_passes_signs_and_innerq_scales_per_head(ops):
@@ -175,9 +174,10 @@ def test_unsupported_shapes_and_caches_are_user_errors(ops):
 def test_layer_kernels_cover_every_side(dtype):
     specs = layer_kernels(dtype, 128)
     names = [str(s) for s in specs]
-    tc = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)  # + the tensor-core decode and its fused one
-    assert any(n.startswith("paged_decode_tc::paged_decode_rope_tc") for n in names) == tc
-    assert len(names) == len(set(names)) == 14 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + 2 * tc
+    fused = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)  # + the one-launch decode attention
+    assert any(n.startswith("paged_decode_tc::paged_decode_rope_tc") for n in names) == fused
+    assert f"paged_decode_tc::paged_decode_attn_tc{dtype.suffix}" in names  # every dtype's tensor-core decode
+    assert len(names) == len(set(names)) == 15 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + fused
     assert set(map(str, required_kernels(dtype, 128))) <= set(names)
     assert all(module_for(s) is not None for s in specs)
     assert names[:9] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
@@ -207,24 +207,30 @@ def test_packed_pools_travel_as_byte_pointers():
 @pytest.mark.parametrize("dtype, group, chunks, splits", [
     ("bf16", 4, 1, 16),  # 8 CTAs: as many splits as allowed, 64 keys (a tile per warp) each
     ("fp8", 16, 2, 16),  # 16 query heads per KV head: two CTAs of 8; still under a wave at 16 splits
+    ("turbo4", 4, 1, 16),  # a packed cache: the same grid
+    ("fp8k_turbo3v", 12, 2, 16),
 ])
 def test_tensor_core_decode_launch(ops, dtype, group, chunks, splits):
     q = torch.zeros(1, 8 * group, 128, dtype=torch.bfloat16)
     tables, lens = torch.zeros(1, 64, dtype=torch.int32), torch.tensor([999], dtype=torch.int32)
     attention(ops, dtype).paged_decode(q, cache(dtype), tables, lens, 0.1)
-    (decode, grid, block, args, _), (combine, c_grid, _, _, _) = ops.loader.calls
-    assert decode == f"paged_decode_tc::paged_decode_attn_tc{'' if dtype == 'bf16' else '_fp8'}"
+    (decode, grid, block, args, kinds), (combine, c_grid, _, _, _) = ops.loader.calls
+    suffix = KvCacheDtype(dtype).suffix
+    assert decode == f"paged_decode_tc::paged_decode_attn_tc{suffix}"
+    assert (kinds["k_cache"], kinds["v_cache"]) == {"bf16": ("bf16*",) * 2, "fp8": ("fp8*",) * 2, "turbo4": ("u8*",) * 2,
+                                                    "fp8k_turbo3v": ("fp8*", "u8*")}[dtype]
     assert grid == (8, 1, chunks * splits) and block == (128,) and args["num_splits"] == splits
-    assert combine.endswith("paged_decode_combine" + ("" if dtype == "bf16" else "_fp8")) and c_grid == (8 * group, 1)
-    # both wait in-kernel (pdl.cuh); fp8's launch normally (its row's tensor_core.programmatic)
+    assert combine.endswith("paged_decode_combine" + suffix) and c_grid == (8 * group, 1)
+    # all wait in-kernel (pdl.cuh); all but bf16's launch normally (their row's tensor_core.programmatic)
     assert ops.loader.programmatic == ([decode, combine] if dtype == "bf16" else [])
 
 
 def test_only_kernels_that_wait_in_kernel_launch_programmatically(ops):
-    """The CUDA-core decode does not call pdl_wait: it must never be launched programmatically."""
-    q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)
-    attention(ops, "turbo3").paged_decode(q, cache("turbo3"), torch.zeros(1, 64, dtype=torch.int32),
-                                          torch.tensor([999], dtype=torch.int32), 0.1)
+    """The CUDA-core decode (head_dim 256 here) does not call pdl_wait: it must never be launched
+    programmatically."""
+    q = torch.zeros(1, 32, 256, dtype=torch.bfloat16)
+    attention(ops, "turbo3", 256).paged_decode(q, cache("turbo3", d=256), torch.zeros(1, 64, dtype=torch.int32),
+                                               torch.tensor([999], dtype=torch.int32), 0.1)
     (decode, *_), (combine, *_) = ops.loader.calls
     assert decode.endswith("paged_decode_attn_turbo3") and combine.endswith("combine_turbo3")
     assert ops.loader.programmatic == []
@@ -254,7 +260,7 @@ def test_tensor_core_decode_waves_count_its_residency(ops):
 @pytest.mark.parametrize("dtype, launches", [
     ("bf16", ["paged_decode_tc::paged_decode_rope_tc"]),
     ("fp8", ["paged_decode_tc::paged_decode_rope_tc_fp8"]),
-    ("turbo4", ["rope_and_cache::rope_and_cache_turbo4", "paged_decode_turbo4_128::paged_decode_attn_turbo4",
+    ("turbo4", ["rope_and_cache::rope_and_cache_turbo4", "paged_decode_tc::paged_decode_attn_tc_turbo4",
                 "paged_decode_turbo4_128::paged_decode_combine_turbo4"]),
 ])
 def test_decode_attention_is_one_launch_for_a_bf16_or_fp8_cache(ops, dtype, launches):

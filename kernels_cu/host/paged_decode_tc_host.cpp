@@ -1,4 +1,4 @@
-// paged_decode_attn_tc / paged_decode_attn_tc_fp8 (paged_decode_tc.cu) and the split combine, and
+// paged_decode_attn_tc<suffix> (paged_decode_tc.cu, every KV dtype) and the split combine, and
 // paged_decode_rope_tc<suffix> (the decode attention in one launch), as a host library, launched over their whole grids as CudaOps launches them, so tests can check the
 // tensor-core decode (fragment layouts, the permuted head_dim, movmatrix transposes, query chunks,
 // the online softmax and its warp merge) against the torch reference on a CPU:
@@ -8,19 +8,38 @@
 #include "../paged_decode_tc.cu"
 #include "decode_grid.h"
 
-// grid = (hk, batch, chunks * num_splits), then the combine over (hq, batch) when split.
+typedef void (*TcDecode)(const bf16_t*, const void*, const void*, const int*, const int*, bf16_t*, float*, float*,
+                         const float*, const float*, float, int, int, int, int, int);
+
+// The entry point named paged_decode_attn_tc<suffix> (suffix "" for bf16, else "_<dtype>").
+static TcDecode tc_entry(const char* suffix) {
+#define METRALE_TC(sfx) {#sfx, paged_decode_attn_tc##sfx}
+    static const struct {
+        const char* suffix;
+        TcDecode fn;
+    } entries[] = {METRALE_TC(), METRALE_TC(_fp8), METRALE_TC(_nvfp4), METRALE_TC(_turbo4), METRALE_TC(_turbo3),
+                   METRALE_TC(_turbo2), METRALE_TC(_turbo8), METRALE_TC(_turbo4k_turbo3v),
+                   METRALE_TC(_turbo4k_turbo8v), METRALE_TC(_turbo3k_turbo8v), METRALE_TC(_bf16k_turbo4v),
+                   METRALE_TC(_bf16k_turbo3v), METRALE_TC(_bf16k_turbo2v), METRALE_TC(_fp8k_turbo4v),
+                   METRALE_TC(_fp8k_turbo3v), METRALE_TC(_fp8k_turbo2v)};
+#undef METRALE_TC
+    for (const auto& e : entries)
+        if (std::strcmp(e.suffix, suffix) == 0) return e.fn;
+    std::fprintf(stderr, "no tensor-core decode paged_decode_attn_tc%s\n", suffix);
+    std::abort();
+}
+
+// paged_decode_attn_tc<suffix> over grid = (hk, batch, chunks * num_splits), then the combine over
+// (hq, batch) when split.
 extern "C" void host_paged_decode_tc(const bf16_t* q, const void* k_cache, const void* v_cache,
                                      const int* block_tables, const int* seq_lens, bf16_t* out,
                                      float* part_o, float* part_ml, const float* k_scale,
                                      const float* v_scale, float scale, int hq, int hk, int head_dim,
-                                     int max_blocks, int num_splits, int batch, int chunks, int fp8) {
+                                     int max_blocks, int num_splits, int batch, int chunks, const char* suffix) {
+    const TcDecode entry = tc_entry(suffix);
     run_paged_decode(hk, batch, chunks * num_splits, TC_THREADS, [&] {
-        if (fp8)
-            paged_decode_attn_tc_fp8(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, k_scale,
-                                     v_scale, scale, hq, hk, head_dim, max_blocks, num_splits);
-        else
-            paged_decode_attn_tc(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, k_scale, v_scale,
-                                 scale, hq, hk, head_dim, max_blocks, num_splits);
+        entry(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, k_scale, v_scale, scale, hq, hk,
+              head_dim, max_blocks, num_splits);
     }, part_o, part_ml, seq_lens, out, hq, head_dim, num_splits);
 }
 

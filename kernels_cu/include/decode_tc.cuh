@@ -1,4 +1,4 @@
-// The tensor-core paged decode body: paged_decode_tc.cu's kernel and decode_stack.cu's attention
+// The tensor-core paged decode body: paged_decode_tc.cu's kernels and decode_stack.cu's attention
 // phase (see paged_decode_tc.cu for the scheme).
 #pragma once
 #include "mma.cuh"
@@ -9,37 +9,155 @@
 #define TC_MAX_D 128
 #define TC_ROWS 8  // query heads per CTA
 
-// Cache elements per 16-byte load.
-template <bool FP8>
-struct TcElems {
-    static const int value = FP8 ? 16 : 8;
+// The cache formats a side of the tensor-core decode reads (kv_formats.cuh's side types).
+enum TcFormat { TC_BF16, TC_FP8, TC_NVFP4, TC_TURBO4, TC_TURBO3, TC_TURBO2, TC_TURBO8 };
+
+template <int F>
+struct TcFmt {
+    // Packed: codes (or turbo8's e4m3 bytes) with a scale per group of 16; dequantized to bf16.
+    static constexpr bool kPacked = F >= TC_NVFP4;
+    static constexpr bool kF16 = F == TC_FP8;  // f16 MMAs (e4m3 is exact in f16); else bf16 ones
+    static constexpr int kBits = F == TC_BF16 ? 16
+                                 : F == TC_FP8 || F == TC_TURBO8 ? 8
+                                 : F == TC_TURBO3 ? 3
+                                 : F == TC_TURBO2 ? 2
+                                 : 4;
+    static constexpr int kScaleBytes = F == TC_TURBO8 ? 2 : 1;  // a group's scale: bf16 or e4m3
+    static constexpr int kLevels = kPacked && F != TC_TURBO8 ? 1 << kBits : 0;  // code -> value
+    __device__ static float level(int code) {
+        if constexpr (F == TC_NVFP4) return nvfp4_level(code);
+        else return codebook_level<kBits>(code);
+    }
 };
 
-// Element t of lane c's share of a head vector (t < D / 4): the dim it stands for.
-template <bool FP8>
+// Cache elements per 16-byte load (element sides).
+template <int F>
+struct TcElems {
+    static const int value = F == TC_FP8 ? 16 : 8;
+};
+
+// Element t of lane c's share of a K row (t < D / 4): the dim it stands for. Element sides: the
+// 4 lanes of a key read 64 contiguous bytes a load; packed sides: lane c reads the c-th quarter.
+template <int D, int F>
 __device__ __forceinline__ int tc_dim(int c, int t) {
-    constexpr int E = TcElems<FP8>::value;
-    return (4 * (t / E) + c) * E + t % E;
+    if constexpr (TcFmt<F>::kPacked) {
+        return c * (D / 4) + t;
+    } else {
+        constexpr int E = TcElems<F>::value;
+        return (4 * (t / E) + c) * E + t % E;
+    }
 }
 
-template <bool FP8>
+template <bool F16>
 __device__ __forceinline__ void tc_mma(float* d, const unsigned* a, const unsigned* b) {
-    if constexpr (FP8) mma_f16_16816(d, a, b);
+    if constexpr (F16) mma_f16_16816(d, a, b);
     else mma_bf16_16816(d, a, b);
 }
 
-template <bool FP8>
+template <bool F16>
 __device__ __forceinline__ unsigned tc_pack(float lo, float hi) {
-    if constexpr (FP8) return pack_f16x2(lo, hi);
+    if constexpr (F16) return pack_f16x2(lo, hi);
     else return pack_bf16x2(lo, hi);
 }
 
 // The two halves of a packed pair, as rounded.
-template <bool FP8>
+template <bool F16>
 __device__ __forceinline__ void tc_unpack(unsigned v, float& lo, float& hi) {
-    if constexpr (FP8) unpack_f16x2(v, lo, hi);
+    if constexpr (F16) unpack_f16x2(v, lo, hi);
     else unpack_bf16x2(v, lo, hi);
 }
+
+// NB bytes at p (aligned to A bytes) as little-endian words: the widest loads the alignment allows.
+template <int NB, int A>
+__device__ __forceinline__ void tc_load_bytes(const u8_t* p, unsigned* w) {
+    constexpr int C = (A % 16 == 0 && NB % 16 == 0) ? 16
+                      : (A % 8 == 0 && NB % 8 == 0) ? 8
+                      : (A % 4 == 0 && NB % 4 == 0) ? 4
+                      : (A % 2 == 0 && NB % 2 == 0) ? 2
+                      : 1;
+    if constexpr (C >= 4) {
+#pragma unroll
+        for (int i = 0; i < NB / C; ++i) {
+            const Words<C / 4> v = *reinterpret_cast<const Words<C / 4>*>(p + i * C);
+#pragma unroll
+            for (int j = 0; j < C / 4; ++j) w[i * C / 4 + j] = v.w[j];
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < (NB + 3) / 4; ++i) w[i] = 0u;
+#pragma unroll
+        for (int i = 0; i < NB / C; ++i) {
+            const unsigned v = C == 2 ? (unsigned)*reinterpret_cast<const unsigned short*>(p + 2 * i) : (unsigned)p[i];
+            w[i * C / 4] |= v << (8 * (i * C % 4));
+        }
+    }
+}
+
+// S consecutive dims of one cached vector of a packed side, as loaded: their codes (the vector's
+// bit stream, kv_formats.cuh) and the scales of the groups they lie in.
+template <int F, int S>
+struct TcSlice {
+    static constexpr int kBytes = S * TcFmt<F>::kBits / 8;
+    static constexpr int kGroups = S >= KV_GROUP ? S / KV_GROUP : 1;
+    unsigned w[(kBytes + 3) / 4];
+    unsigned scales;  // kGroups scales of kScaleBytes, little-endian
+};
+
+// Slice `idx` (dims S idx .. S idx + S) of vector `row` of `block`.
+template <int D, int F, int S>
+__device__ __forceinline__ TcSlice<F, S> tc_load_slice(const u8_t* pool, long long block, int row, int hk, int idx) {
+    typedef TcFmt<F> Fmt;
+    typedef PackedBlock<D, Fmt::kBits, Fmt::kScaleBytes> Block;
+    typedef TcSlice<F, S> Slice;
+    constexpr int A = (Block::kDataBytes | Slice::kBytes) & -(Block::kDataBytes | Slice::kBytes);  // lowest set bit
+    TcSlice<F, S> s;
+    tc_load_bytes<Slice::kBytes, A>(pool + Block::data(block, row, hk) + idx * Slice::kBytes, s.w);
+    constexpr int SB = Slice::kGroups * Fmt::kScaleBytes;
+    s.scales = (unsigned)load_le<SB, true>(pool + Block::scales(block, row, hk) + idx * S / KV_GROUP * Fmt::kScaleBytes);
+    return s;
+}
+
+// The dequantized pair of elements 2i, 2i + 1 of a slice as bf16x2 (lut: the side's levels).
+template <int F, int S>
+__device__ __forceinline__ unsigned tc_pair(const TcSlice<F, S>& s, int i, const float* lut) {
+    constexpr int B = TcFmt<F>::kBits;
+    const int grp = S >= KV_GROUP ? 2 * i / KV_GROUP : 0;
+    if constexpr (F == TC_TURBO8) {
+        const float scale = bf16_to_f32((bf16_t)(s.scales >> (16 * grp)));
+        float lo, hi;
+        e4m3x2_to_f32x2((unsigned short)(s.w[i / 2] >> (16 * (i % 2))), lo, hi);
+        return pack_bf16x2(lo * scale, hi * scale);
+    } else {
+        const float scale = e4m3_to_f32((s.scales >> (8 * grp)) & 0xffu);
+        float v[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int bit = (2 * i + e) * B, word = bit / 32, sh = bit % 32;
+            unsigned x = s.w[word] >> sh;
+            if (sh + B > 32) x |= s.w[word + 1] << (32 - sh);
+            v[e] = lut[x & ((1u << B) - 1u)] * scale;
+        }
+        return pack_bf16x2(v[0], v[1]);
+    }
+}
+
+// A lane's share of one key's K (NC 16-byte chunks, or a packed side's quarter slice) and V
+// (D / 8 dims: words, or a packed side's slice), as loaded.
+template <int D, int F, bool PACKED = TcFmt<F>::kPacked>
+struct TcRows {
+    struct K {
+        Words<4> c[D / (4 * TcElems<F>::value)];
+    };
+    typedef Words<D / 8 * (F == TC_FP8 ? 1 : 2) / 4> V;
+};
+template <int D, int F>
+struct TcRows<D, F, true> {
+    typedef TcSlice<F, D / 4> K;
+    typedef TcSlice<F, D / 8> V;
+};
+
+// The code -> value tables of a CTA's K and V sides (packed code sides), filled by decode_tc.
+__shared__ float tc_levels[2][16];
 
 struct TcWork {
     const bf16_t* q;  // the CTA's first query head (global or shared memory)
@@ -65,29 +183,43 @@ __device__ __forceinline__ int tc_v_key(int c, int v) { return 2 * c + (v & 1) +
 template <int D>
 __device__ __forceinline__ int tc_out_dim(int n, int r, int g) { return D / 8 * g + 2 * n + r; }
 
-// Run by all WARPS warps of the CTA (one CTA_SYNC inside).
-template <int D, bool FP8, int WARPS = TC_WARPS>
+// Run by all WARPS warps of the CTA (one CTA_SYNC inside, two with a packed side). KF / VF: the
+// K and V sides' formats (TcFormat).
+template <int D, int KF, int VF, int WARPS = TC_WARPS>
 __device__ void decode_tc(const TcWork& w) {
-    constexpr int E = TcElems<FP8>::value;
-    constexpr int BYTES = FP8 ? 1 : 2;  // per cache element
-    constexpr int NC = D / (4 * E);     // 16-byte chunks of a key row per lane
-    constexpr int KS = D / 16;          // MMA steps over head_dim (S^T) and output tiles (O^T)
-    // fp8: a warp's next tile is loaded before this one is scored (an fp8 tile is half a bf16 one's
-    // bytes: without it, too few are in flight). bf16 has no registers to spare for it.
-    constexpr bool PREFETCH = FP8;
-    constexpr int VW = D / 8 * BYTES / 4;  // V words per key of a lane: D / 8 dims
+    typedef TcFmt<KF> KFmt;
+    typedef TcFmt<VF> VFmt;
+    typedef typename TcRows<D, KF>::K KRow;
+    typedef typename TcRows<D, VF>::V VRow;
+    constexpr int E = TcElems<KF>::value;
+    constexpr int KB = KF == TC_FP8 ? 1 : 2, VB = VF == TC_FP8 ? 1 : 2;  // element sides' bytes
+    constexpr int NC = D / (4 * E);  // 16-byte chunks of a key row per lane (element K sides)
+    constexpr int KS = D / 16;       // MMA steps over head_dim (S^T) and output tiles (O^T)
+    constexpr bool KF16 = KFmt::kF16, VF16 = VFmt::kF16;
+    // A warp's next tile is loaded before this one is scored where the registers allow it (an fp8
+    // or packed tile holds too few bytes to keep enough in flight otherwise); bf16 K has none to spare.
+    constexpr bool PREFETCH = KF != TC_BF16;
+    constexpr int VW = D / 8 * VB / 4;  // V words per key of a lane (element V sides): D / 8 dims
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    if constexpr (KFmt::kLevels > 0 || VFmt::kLevels > 0) {
+        const int t = threadIdx.x;
+        if (t < 16) {
+            tc_levels[0][t] = t < KFmt::kLevels ? KFmt::level(t) : 0.0f;
+            tc_levels[1][t] = t < VFmt::kLevels ? VFmt::level(t) : 0.0f;
+        }
+        CTA_SYNC();
+    }
 
     // q as the B operand of S^T = K Q^T: head g, elements 4j, 4j + 1 (register 0) and 4j + 2,
     // 4j + 3 (register 1) of this lane's share; zero past the CTA's heads.
     const bool has = g < w.rows;
     const bf16_t* qr = w.q + g * D;
     float q_mul = w.qk_scale * LOG2E, q_scale = 1.0f;
-    if constexpr (FP8) {
+    if constexpr (KF16) {
         float amax = 0.0f;
         if (has) {
 #pragma unroll
-            for (int e = 0; e < D / 4; ++e) amax = fmaxf(amax, fabsf(bf16_to_f32(qr[tc_dim<FP8>(c, e)])));
+            for (int e = 0; e < D / 4; ++e) amax = fmaxf(amax, fabsf(bf16_to_f32(qr[tc_dim<D, KF>(c, e)])));
         }
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -102,9 +234,9 @@ __device__ void decode_tc(const TcWork& w) {
     for (int j = 0; j < KS; ++j) {
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) {
-            const int d = tc_dim<FP8>(c, 4 * j + 2 * hi);  // d + 1 is element 4j + 2 hi + 1
-            qb[j][hi] = tc_pack<FP8>(has ? bf16_to_f32(qr[d]) * q_scale : 0.0f,
-                                     has ? bf16_to_f32(qr[d + 1]) * q_scale : 0.0f);
+            const int d = tc_dim<D, KF>(c, 4 * j + 2 * hi);  // d + 1 is element 4j + 2 hi + 1
+            qb[j][hi] = tc_pack<KF16>(has ? bf16_to_f32(qr[d]) * q_scale : 0.0f,
+                                      has ? bf16_to_f32(qr[d + 1]) * q_scale : 0.0f);
         }
     }
 
@@ -116,23 +248,33 @@ __device__ void decode_tc(const TcWork& w) {
 
     // A tile's K and V as this lane loads them (a dead key's slot is still inside the block: its
     // scores are masked, its V zeroed below).
-    auto load = [&](int tile, Words<4> (&k)[2][NC], Words<VW> (&v)[4]) {
+    auto load = [&](int tile, KRow (&k)[2], VRow (&v)[4]) {
         const long long block = w.block_table[tile / ATTN_BLOCK];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // K: keys g, g + 8
-            const long long row = block * ATTN_BLOCK * w.num_kv_heads + kv_row(8 * h + g, w.kv_head);
-            const unsigned char* kp = w.k_cache + row * (D * BYTES) + c * 16;
+            const int row = kv_row(8 * h + g, w.kv_head);
+            if constexpr (KFmt::kPacked) {
+                k[h] = tc_load_slice<D, KF, D / 4>(w.k_cache, block, row, w.num_kv_heads, c);
+            } else {
+                const unsigned char* kp =
+                    w.k_cache + (block * ATTN_BLOCK * w.num_kv_heads + row) * (D * KB) + c * 16;
 #pragma unroll
-            for (int i = 0; i < NC; ++i) k[h][i] = *reinterpret_cast<const Words<4>*>(kp + 64 * i);
+                for (int i = 0; i < NC; ++i) k[h].c[i] = *reinterpret_cast<const Words<4>*>(kp + 64 * i);
+            }
         }
 #pragma unroll
         for (int x = 0; x < 4; ++x) {  // V: keys tc_v_key(c, x), dims D/8 g .. D/8 g + D/8
-            const long long row = block * ATTN_BLOCK * w.num_kv_heads + kv_row(tc_v_key(c, x), w.kv_head);
-            v[x] = *reinterpret_cast<const Words<VW>*>(w.v_cache + row * (D * BYTES) + g * (VW * 4));
+            const int row = kv_row(tc_v_key(c, x), w.kv_head);
+            if constexpr (VFmt::kPacked) {
+                v[x] = tc_load_slice<D, VF, D / 8>(w.v_cache, block, row, w.num_kv_heads, g);
+            } else {
+                v[x] = *reinterpret_cast<const VRow*>(
+                    w.v_cache + (block * ATTN_BLOCK * w.num_kv_heads + row) * (D * VB) + g * (VW * 4));
+            }
         }
     };
-    Words<4> kr[2][NC], kn[2][NC];
-    Words<VW> vr[4], vn[4];
+    KRow kr[2], kn[2];
+    VRow vr[4], vn[4];
     if (PREFETCH && w.begin + 16 * warp < w.end) load(w.begin + 16 * warp, kr, vr);
     for (int tile = w.begin + 16 * warp; tile < w.end; tile += 16 * WARPS) {
         if constexpr (PREFETCH) {  // the warp's next tile is in flight while this one is scored
@@ -140,24 +282,30 @@ __device__ void decode_tc(const TcWork& w) {
         } else {
             load(tile, kr, vr);
         }
-        // S^T (16 keys x 8 heads per query tile): K rows g, g + 8 are the A operand as loaded.
+        // S^T (16 keys x 8 heads per query tile): K rows g, g + 8 are the A operand as loaded
+        // (element sides) or as dequantized (packed sides).
         float st[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int j = 0; j < KS; ++j) {
             unsigned a[4];  // key g low pair, key g + 8 low pair, key g high pair, key g + 8 high
-            if constexpr (FP8) {
-                const unsigned x0 = kr[0][j / 4].w[j % 4], x1 = kr[1][j / 4].w[j % 4];
+            if constexpr (KFmt::kPacked) {
+                a[0] = tc_pair(kr[0], 2 * j, tc_levels[0]);
+                a[1] = tc_pair(kr[1], 2 * j, tc_levels[0]);
+                a[2] = tc_pair(kr[0], 2 * j + 1, tc_levels[0]);
+                a[3] = tc_pair(kr[1], 2 * j + 1, tc_levels[0]);
+            } else if constexpr (KF16) {
+                const unsigned x0 = kr[0].c[j / 4].w[j % 4], x1 = kr[1].c[j / 4].w[j % 4];
                 a[0] = e4m3x4_lo_to_f16x2(x0);
                 a[1] = e4m3x4_lo_to_f16x2(x1);
                 a[2] = e4m3x4_hi_to_f16x2(x0);
                 a[3] = e4m3x4_hi_to_f16x2(x1);
             } else {
-                a[0] = kr[0][j / 2].w[(j % 2) * 2];
-                a[1] = kr[1][j / 2].w[(j % 2) * 2];
-                a[2] = kr[0][j / 2].w[(j % 2) * 2 + 1];
-                a[3] = kr[1][j / 2].w[(j % 2) * 2 + 1];
+                a[0] = kr[0].c[j / 2].w[(j % 2) * 2];
+                a[1] = kr[1].c[j / 2].w[(j % 2) * 2];
+                a[2] = kr[0].c[j / 2].w[(j % 2) * 2 + 1];
+                a[3] = kr[1].c[j / 2].w[(j % 2) * 2 + 1];
             }
-            tc_mma<FP8>(st, a, qb[j]);
+            tc_mma<KF16>(st, a, qb[j]);
         }
         // Online softmax of heads 2c + e over keys g (st[e]) and g + 8 (st[2 + e]);
         // P^T goes back to registers and, transposed, is the B operand of O^T += V^T P^T.
@@ -177,10 +325,10 @@ __device__ void decode_tc(const TcWork& w) {
             p0[e] = x0 == METRALE_NEG_INF ? 0.0f : exp2f(x0 - n);
             p1[e] = x1 == METRALE_NEG_INF ? 0.0f : exp2f(x1 - n);
         }
-        const unsigned k0 = tc_pack<FP8>(p0[0], p0[1]), k1 = tc_pack<FP8>(p1[0], p1[1]);
+        const unsigned k0 = tc_pack<VF16>(p0[0], p0[1]), k1 = tc_pack<VF16>(p1[0], p1[1]);
         float r0, r1, r2, r3;  // the probabilities as rounded: the sum is of what P V uses
-        tc_unpack<FP8>(k0, r0, r1);
-        tc_unpack<FP8>(k1, r2, r3);
+        tc_unpack<VF16>(k0, r0, r1);
+        tc_unpack<VF16>(k1, r2, r3);
         l[0] = l[0] * corr[0] + r0 + r2;
         l[1] = l[1] * corr[1] + r1 + r3;
         const unsigned pb[2] = {movmatrix_trans(k0),   // P[head g][keys 2c, 2c + 1]
@@ -195,10 +343,16 @@ __device__ void decode_tc(const TcWork& w) {
             }
         }
 #pragma unroll
-        for (int v = 0; v < 4; ++v) {  // a dead key's V is zeroed: 0 x NaN would be NaN
+        for (int v = 0; v < 4; ++v) {  // a dead key's V is zeroed (a packed one's scales too): 0 x NaN is NaN
             if (tile + tc_v_key(c, v) >= w.end) {
+                if constexpr (VFmt::kPacked) {
 #pragma unroll
-                for (int x = 0; x < VW; ++x) vr[v].w[x] = 0u;
+                    for (int x = 0; x < (VRow::kBytes + 3) / 4; ++x) vr[v].w[x] = 0u;
+                    vr[v].scales = 0u;
+                } else {
+#pragma unroll
+                    for (int x = 0; x < VW; ++x) vr[v].w[x] = 0u;
+                }
             }
         }
         // V^T as the A operand of output tile n: rows g, g + 8 are dims tc_out_dim(n, 0 / 1, g),
@@ -209,9 +363,13 @@ __device__ void decode_tc(const TcWork& w) {
             unsigned a[4];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const Words<VW>& lo = vr[2 * h];     // key 8h + 2c
-                const Words<VW>& hi = vr[2 * h + 1];  // key 8h + 2c + 1
-                if constexpr (FP8) {  // bytes 2(n % 2), + 1 of word n / 2: the tile's two dims
+                const VRow& lo = vr[2 * h];     // key 8h + 2c
+                const VRow& hi = vr[2 * h + 1];  // key 8h + 2c + 1
+                if constexpr (VFmt::kPacked) {  // pair n of each key: the tile's two dims
+                    const unsigned x = tc_pair(lo, n, tc_levels[1]), y = tc_pair(hi, n, tc_levels[1]);
+                    a[2 * h] = __byte_perm(x, y, 0x5410);
+                    a[2 * h + 1] = __byte_perm(x, y, 0x7632);
+                } else if constexpr (VF16) {  // bytes 2(n % 2), + 1 of word n / 2: the tile's two dims
                     const int b = 2 * (n % 2);
                     const unsigned x = __byte_perm(lo.w[n / 2], hi.w[n / 2],
                                                    b | (b + 4) << 4 | (b + 1) << 8 | (b + 5) << 12);
@@ -222,14 +380,11 @@ __device__ void decode_tc(const TcWork& w) {
                     a[2 * h + 1] = __byte_perm(lo.w[n], hi.w[n], 0x7632);
                 }
             }
-            tc_mma<FP8>(o[n], a, pb);
+            tc_mma<VF16>(o[n], a, pb);
         }
         if constexpr (PREFETCH) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-#pragma unroll
-                for (int i = 0; i < NC; ++i) kr[h][i] = kn[h][i];
-            }
+            for (int h = 0; h < 2; ++h) kr[h] = kn[h];
 #pragma unroll
             for (int x = 0; x < 4; ++x) vr[x] = vn[x];
         }

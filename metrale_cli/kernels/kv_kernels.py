@@ -121,7 +121,7 @@ def kv_kernels(d: KvCacheDtype, head_dim: int) -> KvKernels:
         wht=tuple((spec, WHT_SIG) for spec in WHT_KERNELS) if row.rotated else (),
         decode_tc=(KernelSpec("paged_decode_tc", f"paged_decode_attn_tc{sfx}"), _signature(_DECODE, d)) if tc else None,
         decode_rope=(KernelSpec("paged_decode_tc", f"paged_decode_rope_tc{sfx}"), _signature(_DECODE_ROPE, d))
-        if tc else None,
+        if tc and row.tensor_core.one_launch else None,
     )
 
 

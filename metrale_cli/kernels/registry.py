@@ -132,11 +132,11 @@ MODULES: dict[str, KernelModule] = {
         # QK-norm + RoPE + cache write fused, one entry per KV dtype (exact cache bytes).
         KernelModule("rope_and_cache", "rope_and_cache.cu", (),
                      tuple(f"rope_and_cache_{d.value}" for d in KvCacheDtype), EXACT, HEAD_DIMS),
-        # Tensor-core decode of the bf16 / fp8 caches (head_dim 64 and 128, groups of up to 16),
-        # and each one's whole decode attention in one launch (QK-norm, RoPE, write, combine).
+        # Tensor-core decode of every KV dtype (head_dim 64 and 128, groups of up to 16), and the
+        # bf16 / fp8 caches' whole decode attention in one launch (QK-norm, RoPE, write, combine).
         KernelModule("paged_decode_tc", "paged_decode_tc.cu", (),
                      tuple(f"paged_decode_attn_tc{d.suffix}" for d in _TENSOR_CORE)
-                     + tuple(f"paged_decode_rope_tc{d.suffix}" for d in _TENSOR_CORE),
+                     + tuple(f"paged_decode_rope_tc{d.suffix}" for d in _TENSOR_CORE if d.row.tensor_core.one_launch),
                      head_dims=TC_HEAD_DIMS),
         *(m for d in KvCacheDtype for m in _kv_modules(d)),
     )

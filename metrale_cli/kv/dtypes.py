@@ -92,10 +92,12 @@ class PrefillBuild:
 
 @dataclass(frozen=True)
 class TensorCoreDecode:
-    """``paged_decode_tc``'s decode and one-launch decode attention of a dtype (head_dim 64 / 128)."""
+    """``paged_decode_tc``'s decode of a dtype (head_dim 64 / 128), and whether the dtype also has
+    its one-launch decode attention there (QK-norm + RoPE + write + decode + combine)."""
 
     ctas_per_sm: int  # its __launch_bounds__ minimum
     programmatic: bool  # launched with programmatic dependent launch
+    one_launch: bool = False
 
 
 def _none(_layers: int) -> int:
@@ -152,19 +154,24 @@ _SMALL = (("_128", 256),)  # only the _128 module, at every head_dim it serves
 _TURBO_PREFILL = PrefillBuild("_64", 512, True)
 
 
+# The packed sides' tensor-core decode (paged_decode_tc.cu): 3 CTAs an SM (up to 168 registers).
+_PACKED_TC = TensorCoreDecode(ctas_per_sm=3, programmatic=False)
+
+
 def _turbo(k: SideType, v: SideType, alias: str | None, decode=_BOTH, prefill=_TURBO_PREFILL,
            boundary=_third) -> KvDtypeRow:
-    return KvDtypeRow(k, v, alias, TURBO_WRITE, decode, prefill, boundary)
+    return KvDtypeRow(k, v, alias, TURBO_WRITE, decode, prefill, boundary, _PACKED_TC)
 
 
 KV_DTYPES: dict[KvCacheDtype, KvDtypeRow] = {
     D.BF16: KvDtypeRow(S.BF16, S.BF16, None, PLAIN_WRITE, (("", 256),), PrefillBuild("", 256, False), _none,
-                       TensorCoreDecode(ctas_per_sm=4, programmatic=True)),
+                       TensorCoreDecode(ctas_per_sm=4, programmatic=True, one_launch=True)),
     # fp8's tensor-core decode is bound by instruction issue: launched programmatically it lost 4% at
     # batch 16 and 32k context (1050 vs 1094 tok/s on an H200), so it launches normally.
     D.FP8: KvDtypeRow(S.FP8, S.FP8, None, FP8_WRITE, (("", 256),), PrefillBuild("", 256, False), _none,
-                      TensorCoreDecode(ctas_per_sm=3, programmatic=False)),
-    D.NVFP4: KvDtypeRow(S.NVFP4, S.NVFP4, None, NVFP4_WRITE, (("", 512),), PrefillBuild("", 512, False), _none),
+                      TensorCoreDecode(ctas_per_sm=3, programmatic=False, one_launch=True)),
+    D.NVFP4: KvDtypeRow(S.NVFP4, S.NVFP4, None, NVFP4_WRITE, (("", 512),), PrefillBuild("", 512, False), _none,
+                        _PACKED_TC),
     D.TURBO4: _turbo(S.TURBO4, S.TURBO4, None),
     D.TURBO3: _turbo(S.TURBO3, S.TURBO3, None),
     D.TURBO2: _turbo(S.TURBO2, S.TURBO2, None, _SMALL, PrefillBuild("", 512, True), _four_fifths),

@@ -374,7 +374,7 @@ __device__ void attention_phase(const StackArgs& a, const unsigned long long* la
                        a.part_ml,
                        smem_o,
                        smem_ml};
-        decode_tc<D, false, STACK_WARPS>(w);
+        decode_tc<D, TC_BF16, TC_BF16, STACK_WARPS>(w);
         // The last of the item's active splits to finish combines them (paged_decode_combine's sums).
         CTA_SYNC();
         if (threadIdx.x == 0) {
