@@ -85,10 +85,10 @@ def test_every_dtype_validates_clean_on_cpu(dtype):
     assert {r.symbol for r in report.rows} == {"exported"}
     rotated = any(is_wht_rotated(s) for s in kv_pair(dtype))
     # 9 dtype-independent + write, decode, split combine, prefill (+ the two WHT bookends)
-    # + the fused QK-norm / RoPE / write (+ bf16 / fp8's tensor-core decode and their decode
-    # attention in one launch)
-    tc = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)
-    assert len(report.rows) == 14 + 2 * rotated + 2 * tc
+    # + the fused QK-norm / RoPE / write + the tensor-core decode (+ bf16 / fp8's decode attention in
+    # one launch)
+    fused = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)
+    assert len(report.rows) == 15 + 2 * rotated + fused
 
 
 @pytest.mark.parametrize("dtype", [d.value for d in KvCacheDtype] + ["fp8k4v"])
@@ -100,7 +100,15 @@ def test_validate_kernels_command_exits_0_on_cpu(dtype):
     assert names(dtype, 128)[1] in [k["kernel"] for k in report["kernels"]]
 
 
-def test_a_head_dim_a_module_is_not_built_for_is_named_in_one_message():
+def test_a_head_dim_a_module_is_not_built_for_is_named_in_one_message(monkeypatch):
+    """Every dtype is built for head_dim 512; a build whose turbo2 decode stops at 256 names it."""
+    import dataclasses
+
+    from metrale_cli.kernels import registry
+
+    assert all(validate_kernels(d, 512, on_gpu=False).ok for d in ("bf16", "fp8", "turbo2", "turbo4k3v"))
+    name = "paged_decode_turbo2_128"
+    monkeypatch.setitem(registry.MODULES, name, dataclasses.replace(registry.MODULES[name], head_dims=(64, 128, 256)))
     with pytest.raises(MetraleError) as info:
         validate_required_kv_kernels(KvCacheDtype.TURBO2, 512)
     assert info.value.message == (
@@ -131,7 +139,7 @@ def test_a_kernel_missing_from_the_build_fails_with_the_full_list(monkeypatch):
     progress = []
     report = validate_kernels("turbo3", 128, progress=lambda k, i, n: progress.append((i, n)), on_gpu=False)
     # the total first (-1: the modules compile before the first row), then a call a kernel
-    assert not report.ok and progress == [(-1, 16)] + [(i, 16) for i in range(16)]
+    assert not report.ok and progress == [(-1, 17)] + [(i, 17) for i in range(17)]
     missing = [r.kernel for r in report.rows if not r.ok]
     assert all(r.compiled.startswith("missing") for r in report.rows if not r.ok)
     assert "paged_decode_turbo3_128::paged_decode_attn_turbo3" not in missing and len(missing) == 4

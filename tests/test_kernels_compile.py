@@ -54,7 +54,7 @@ def test_parallel_cold_compiles_report_the_workers_own_results(tmp_path, monkeyp
 def test_side_defines_select_the_variant_names():
     plain, fp8 = MODULES["paged_decode"], MODULES["paged_decode_fp8"]
     assert plain.path == fp8.path  # one body, many modules
-    assert dict(plain.defines) == {"K_SIDE": "bf16", "V_SIDE": "bf16", "KV_SUFFIX": "", "ATTN_MAX_D": "256",
+    assert dict(plain.defines) == {"K_SIDE": "bf16", "V_SIDE": "bf16", "KV_SUFFIX": "", "ATTN_MAX_D": "512",
                                    "ATTN_MIN_CTAS": "1"}  # paged_attention.cuh's defaults, spelled out
     assert ("K_SIDE", "fp8") in fp8.defines and ("KV_SUFFIX", "_fp8") in fp8.defines
     assert kc.source_digest(plain) != kc.source_digest(fp8)

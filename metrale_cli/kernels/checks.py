@@ -198,6 +198,7 @@ def _numeric_checks() -> dict[str, Callable]:
                 checks[str(kernel[0])] = check(d)
             if kk.decode_tc is not None:
                 checks[str(kk.decode_tc[0])] = _check_decode(d, tensor_cores=True)
+            if kk.decode_rope is not None:
                 checks[str(kk.decode_rope[0])] = _check_rope_decode(d)
     return checks
 

@@ -60,8 +60,8 @@ Progress = Callable[[str, int, int], None]  # (kernel, index, total)
 def check_head_dim(head_dim: int) -> int:
     """``--head-dim`` must be one the attention kernels are built for."""
     if head_dim not in HEAD_DIMS:
-        raise MetraleError(f"the attention kernels are built for head_dim {', '.join(map(str, HEAD_DIMS))} "
-                           f"(not every dtype up to {HEAD_DIMS[-1]}), not {head_dim}",
+        raise MetraleError(f"the attention kernels are built for head_dim {', '.join(map(str, HEAD_DIMS))}, "
+                           f"not {head_dim}",
                            hint="use --backend torch for such a model")
     return head_dim
 

@@ -150,7 +150,7 @@ class KvDtypeRow:
 
 S, D = SideType, KvCacheDtype
 _BOTH = (("_128", 256), ("", 512))  # the _128 module up to 256, the general one up to 512
-_SMALL = (("_128", 256),)  # only the _128 module, at every head_dim it serves
+_SMALL = (("_128", 512),)  # only the _128 module, at every head_dim it serves
 _TURBO_PREFILL = PrefillBuild("_64", 512, True)
 
 
@@ -164,11 +164,11 @@ def _turbo(k: SideType, v: SideType, alias: str | None, decode=_BOTH, prefill=_T
 
 
 KV_DTYPES: dict[KvCacheDtype, KvDtypeRow] = {
-    D.BF16: KvDtypeRow(S.BF16, S.BF16, None, PLAIN_WRITE, (("", 256),), PrefillBuild("", 256, False), _none,
+    D.BF16: KvDtypeRow(S.BF16, S.BF16, None, PLAIN_WRITE, (("", 512),), PrefillBuild("", 512, False), _none,
                        TensorCoreDecode(ctas_per_sm=4, programmatic=True, one_launch=True)),
     # fp8's tensor-core decode is bound by instruction issue: launched programmatically it lost 4% at
     # batch 16 and 32k context (1050 vs 1094 tok/s on an H200), so it launches normally.
-    D.FP8: KvDtypeRow(S.FP8, S.FP8, None, FP8_WRITE, (("", 256),), PrefillBuild("", 256, False), _none,
+    D.FP8: KvDtypeRow(S.FP8, S.FP8, None, FP8_WRITE, (("", 512),), PrefillBuild("", 512, False), _none,
                       TensorCoreDecode(ctas_per_sm=3, programmatic=False, one_launch=True)),
     D.NVFP4: KvDtypeRow(S.NVFP4, S.NVFP4, None, NVFP4_WRITE, (("", 512),), PrefillBuild("", 512, False), _none,
                         _PACKED_TC),
