@@ -26,9 +26,10 @@
 //
 // Packed sides (nvfp4, turbo2/3/4/8): lane c's share of a key's K is the c-th quarter of its dims
 // (q is loaded through the same order), a V share the g-th eighth, each one load of its codes and
-// one of its group scales; the MMAs are bf16 ones, each value dequantized as it is used (level
-// from a 16-entry shared table, times the group scale, rounded to bf16), so a packed tile costs
-// no more registers than its codes. A rotated side's Q / output rotations stay outside.
+// one of its group scales; the MMAs are bf16 ones, each value dequantized as it is used (four codes'
+// levels by two byte permutes of a table in registers, times the group scale in one bf16 multiply:
+// decode_tc.cuh's tc_quad), so a packed tile costs no more registers than its codes. A rotated
+// side's Q / output rotations stay outside.
 #include "decode_tc.cuh"
 #include "head_norm.cuh"
 #include "kv_write.cuh"

@@ -218,6 +218,10 @@ inline void unpack_f16x2(unsigned v, float& lo, float& hi) {
 inline unsigned e4m3x4_lo_to_f16x2(unsigned v) {
     return pack_f16x2(e4m3_value(v & 0xffu), e4m3_value((v >> 8) & 0xffu));
 }
+inline unsigned mul_bf16x2(unsigned a, unsigned b) {
+    return pack_bf16x2(emulated_bf16(a & 0xffffu) * emulated_bf16(b & 0xffffu),
+                       emulated_bf16(a >> 16) * emulated_bf16(b >> 16));
+}
 inline unsigned e4m3x4_hi_to_f16x2(unsigned v) {
     return pack_f16x2(e4m3_value((v >> 16) & 0xffu), e4m3_value(v >> 24));
 }

@@ -23,11 +23,6 @@ struct TcFmt {
                                  : F == TC_TURBO2 ? 2
                                  : 4;
     static constexpr int kScaleBytes = F == TC_TURBO8 ? 2 : 1;  // a group's scale: bf16 or e4m3
-    static constexpr int kLevels = kPacked && F != TC_TURBO8 ? 1 << kBits : 0;  // code -> value
-    __device__ static float level(int code) {
-        if constexpr (F == TC_NVFP4) return nvfp4_level(code);
-        else return codebook_level<kBits>(code);
-    }
 };
 
 // Cache elements per 16-byte load (element sides).
@@ -117,27 +112,78 @@ __device__ __forceinline__ TcSlice<F, S> tc_load_slice(const u8_t* pool, long lo
     return s;
 }
 
-// The dequantized pair of elements 2i, 2i + 1 of a slice as bf16x2 (lut: the side's levels).
+// turbo8's elements 2i, 2i + 1 of a slice as bf16x2: e4m3 times the group's bf16 scale, rounded once.
 template <int F, int S>
-__device__ __forceinline__ unsigned tc_pair(const TcSlice<F, S>& s, int i, const float* lut) {
-    constexpr int B = TcFmt<F>::kBits;
+__device__ __forceinline__ unsigned tc_pair(const TcSlice<F, S>& s, int i) {
     const int grp = S >= KV_GROUP ? 2 * i / KV_GROUP : 0;
-    if constexpr (F == TC_TURBO8) {
-        const float scale = bf16_to_f32((bf16_t)(s.scales >> (16 * grp)));
-        float lo, hi;
-        e4m3x2_to_f32x2((unsigned short)(s.w[i / 2] >> (16 * (i % 2))), lo, hi);
-        return pack_bf16x2(lo * scale, hi * scale);
-    } else {
-        const float scale = e4m3_to_f32((s.scales >> (8 * grp)) & 0xffu);
-        float v[2];
+    const float scale = bf16_to_f32((bf16_t)(s.scales >> (16 * grp)));
+    float lo, hi;
+    e4m3x2_to_f32x2((unsigned short)(s.w[i / 2] >> (16 * (i % 2))), lo, hi);
+    return pack_bf16x2(lo * scale, hi * scale);
+}
+
+// A code side's levels as bf16, high and low bytes apart, for byte-permute lookups of four codes
+// at once (no shared memory, no per-element multiply): nvfp4 / turbo4 their eight magnitudes (the
+// sign apart), turbo3 / turbo2 their 8 / 4 signed levels.
+struct TcCodes {
+    unsigned hi[2], lo[2];  // entries 0-3, 4-7
+};
+
+template <int F>
+__device__ __forceinline__ TcCodes tc_codes() {
+    TcCodes t{{0u, 0u}, {0u, 0u}};
+    constexpr int N = F == TC_TURBO2 ? 4 : 8;
+    if constexpr (TcFmt<F>::kPacked && F != TC_TURBO8) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int bit = (2 * i + e) * B, word = bit / 32, sh = bit % 32;
-            unsigned x = s.w[word] >> sh;
-            if (sh + B > 32) x |= s.w[word + 1] << (32 - sh);
-            v[e] = lut[x & ((1u << B) - 1u)] * scale;
+        for (int m = 0; m < N; ++m) {
+            const float level = F == TC_NVFP4    ? kE2m1[m]
+                                : F == TC_TURBO4 ? kTurbo4Half[m]
+                                                 : codebook_level<TcFmt<F>::kBits>(m);
+            const unsigned b = f32_to_bf16(level);
+            t.hi[m / 4] |= (b >> 8) << (8 * (m % 4));
+            t.lo[m / 4] |= (b & 0xffu) << (8 * (m % 4));
         }
-        return pack_bf16x2(v[0], v[1]);
+    }
+    return t;
+}
+
+// Elements 4q .. 4q + 3 of a slice as two bf16x2 words (w0: 4q, 4q + 1), each rounded to bf16 once:
+// codes to table indices in the four nibbles of a word (4-bit codes: magnitude index and sign, as
+// turbo4's negative levels mirror the positive ones below code 8, index 7 - c there; 3- and 2-bit
+// codes: spread out of their bit stream), two table permutes, two byte interleaves, the signs
+// or-ed in, and one bf16 multiply by the group's scale a word. turbo8: tc_pair.
+template <int F, int S>
+__device__ __forceinline__ void tc_quad(const TcSlice<F, S>& s, int q, const TcCodes& t, unsigned& w0, unsigned& w1) {
+    constexpr int B = TcFmt<F>::kBits;
+    if constexpr (F == TC_TURBO8) {
+        w0 = tc_pair(s, 2 * q);
+        w1 = tc_pair(s, 2 * q + 1);
+    } else {
+        const int bit = 4 * B * q, word = bit / 32, sh = bit % 32;
+        unsigned x = s.w[word] >> sh;
+        if (sh + 4 * B > 32) x |= s.w[word + 1] << (32 - sh);
+        x &= (1u << (4 * B)) - 1u;
+        unsigned neg = 0u, idx;  // neg: a flag at bit 4i for code i below zero (4-bit codes)
+        if constexpr (F == TC_NVFP4) {
+            neg = (x >> 3) & 0x1111u;
+            idx = x & 0x7777u;
+        } else if constexpr (F == TC_TURBO4) {
+            neg = (~x >> 3) & 0x1111u;
+            idx = (x ^ (neg * 7u)) & 0x7777u;
+        } else if constexpr (B == 3) {  // codes at bits 0, 3, 6, 9 -> 0, 4, 8, 12
+            const unsigned y = (x & 0x3fu) | ((x << 2) & 0x3f00u);
+            idx = (y & 0x0707u) | ((y << 1) & 0x7070u);
+        } else {  // 2 bits: 0, 2, 4, 6 -> 0, 4, 8, 12
+            const unsigned y = (x & 0x0fu) | ((x << 4) & 0x0f00u);
+            idx = (y & 0x0303u) | ((y << 2) & 0x3030u);
+        }
+        const unsigned hi = __byte_perm(t.hi[0], t.hi[1], idx), lo = __byte_perm(t.lo[0], t.lo[1], idx);
+        const int grp = S >= KV_GROUP ? 4 * q / KV_GROUP : 0;
+        const unsigned b = __float_as_uint(e4m3_to_f32((s.scales >> (8 * grp)) & 0xffu)) >> 16;  // exact in bf16
+        const unsigned scale = b | b << 16;
+        // flags 0, 1 to bits 15, 31 (and 2, 3 for w1): no other product term or carry reaches them
+        w0 = mul_bf16x2(__byte_perm(lo, hi, 0x5140) | ((neg * 0x08008000u) & 0x80008000u), scale);
+        w1 = mul_bf16x2(__byte_perm(lo, hi, 0x7362) | ((neg * 0x00080080u) & 0x80008000u), scale);
     }
 }
 
@@ -155,9 +201,6 @@ struct TcRows<D, F, true> {
     typedef TcSlice<F, D / 4> K;
     typedef TcSlice<F, D / 8> V;
 };
-
-// The code -> value tables of a CTA's K and V sides (packed code sides), filled by decode_tc.
-__shared__ float tc_levels[2][16];
 
 struct TcWork {
     const bf16_t* q;  // the CTA's first query head (global or shared memory)
@@ -183,7 +226,7 @@ __device__ __forceinline__ int tc_v_key(int c, int v) { return 2 * c + (v & 1) +
 template <int D>
 __device__ __forceinline__ int tc_out_dim(int n, int r, int g) { return D / 8 * g + 2 * n + r; }
 
-// Run by all WARPS warps of the CTA (one CTA_SYNC inside, two with a packed side). KF / VF: the
+// Run by all WARPS warps of the CTA (one CTA_SYNC inside). KF / VF: the
 // K and V sides' formats (TcFormat).
 template <int D, int KF, int VF, int WARPS = TC_WARPS>
 __device__ void decode_tc(const TcWork& w) {
@@ -201,14 +244,8 @@ __device__ void decode_tc(const TcWork& w) {
     constexpr bool PREFETCH = KF != TC_BF16;
     constexpr int VW = D / 8 * VB / 4;  // V words per key of a lane (element V sides): D / 8 dims
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    if constexpr (KFmt::kLevels > 0 || VFmt::kLevels > 0) {
-        const int t = threadIdx.x;
-        if (t < 16) {
-            tc_levels[0][t] = t < KFmt::kLevels ? KFmt::level(t) : 0.0f;
-            tc_levels[1][t] = t < VFmt::kLevels ? VFmt::level(t) : 0.0f;
-        }
-        CTA_SYNC();
-    }
+
+    const TcCodes kcodes = tc_codes<KF>(), vcodes = tc_codes<VF>();
 
     // q as the B operand of S^T = K Q^T: head g, elements 4j, 4j + 1 (register 0) and 4j + 2,
     // 4j + 3 (register 1) of this lane's share; zero past the CTA's heads.
@@ -289,10 +326,8 @@ __device__ void decode_tc(const TcWork& w) {
         for (int j = 0; j < KS; ++j) {
             unsigned a[4];  // key g low pair, key g + 8 low pair, key g high pair, key g + 8 high
             if constexpr (KFmt::kPacked) {
-                a[0] = tc_pair(kr[0], 2 * j, tc_levels[0]);
-                a[1] = tc_pair(kr[1], 2 * j, tc_levels[0]);
-                a[2] = tc_pair(kr[0], 2 * j + 1, tc_levels[0]);
-                a[3] = tc_pair(kr[1], 2 * j + 1, tc_levels[0]);
+                tc_quad(kr[0], j, kcodes, a[0], a[2]);
+                tc_quad(kr[1], j, kcodes, a[1], a[3]);
             } else if constexpr (KF16) {
                 const unsigned x0 = kr[0].c[j / 4].w[j % 4], x1 = kr[1].c[j / 4].w[j % 4];
                 a[0] = e4m3x4_lo_to_f16x2(x0);
@@ -358,29 +393,44 @@ __device__ void decode_tc(const TcWork& w) {
         // V^T as the A operand of output tile n: rows g, g + 8 are dims tc_out_dim(n, 0 / 1, g),
         // columns keys 2c, 2c + 1 (registers 0, 1) and 8 + 2c, 9 + 2c (2, 3): each register
         // pairs one dim of two keys, byte-permuted from the two keys' words.
+        if constexpr (VFmt::kPacked) {  // quad m of each key: pairs 2m, 2m + 1, tiles 2m and 2m + 1
 #pragma unroll
-        for (int n = 0; n < KS; ++n) {
-            unsigned a[4];
+            for (int m = 0; m < KS / 2; ++m) {
+                unsigned a0[4], a1[4];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const VRow& lo = vr[2 * h];     // key 8h + 2c
-                const VRow& hi = vr[2 * h + 1];  // key 8h + 2c + 1
-                if constexpr (VFmt::kPacked) {  // pair n of each key: the tile's two dims
-                    const unsigned x = tc_pair(lo, n, tc_levels[1]), y = tc_pair(hi, n, tc_levels[1]);
-                    a[2 * h] = __byte_perm(x, y, 0x5410);
-                    a[2 * h + 1] = __byte_perm(x, y, 0x7632);
-                } else if constexpr (VF16) {  // bytes 2(n % 2), + 1 of word n / 2: the tile's two dims
-                    const int b = 2 * (n % 2);
-                    const unsigned x = __byte_perm(lo.w[n / 2], hi.w[n / 2],
-                                                   b | (b + 4) << 4 | (b + 1) << 8 | (b + 5) << 12);
-                    a[2 * h] = e4m3x4_lo_to_f16x2(x);      // dim 2n (row g)
-                    a[2 * h + 1] = e4m3x4_hi_to_f16x2(x);  // dim 2n + 1 (row g + 8)
-                } else {  // word n: the tile's two dims
-                    a[2 * h] = __byte_perm(lo.w[n], hi.w[n], 0x5410);
-                    a[2 * h + 1] = __byte_perm(lo.w[n], hi.w[n], 0x7632);
+                for (int h = 0; h < 2; ++h) {
+                    unsigned x0, x1, y0, y1;
+                    tc_quad(vr[2 * h], m, vcodes, x0, x1);      // key 8h + 2c
+                    tc_quad(vr[2 * h + 1], m, vcodes, y0, y1);  // key 8h + 2c + 1
+                    a0[2 * h] = __byte_perm(x0, y0, 0x5410);
+                    a0[2 * h + 1] = __byte_perm(x0, y0, 0x7632);
+                    a1[2 * h] = __byte_perm(x1, y1, 0x5410);
+                    a1[2 * h + 1] = __byte_perm(x1, y1, 0x7632);
                 }
+                tc_mma<VF16>(o[2 * m], a0, pb);
+                tc_mma<VF16>(o[2 * m + 1], a1, pb);
             }
-            tc_mma<VF16>(o[n], a, pb);
+        } else {
+#pragma unroll
+            for (int n = 0; n < KS; ++n) {
+                unsigned a[4];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const VRow& lo = vr[2 * h];     // key 8h + 2c
+                    const VRow& hi = vr[2 * h + 1];  // key 8h + 2c + 1
+                    if constexpr (VF16) {  // bytes 2(n % 2), + 1 of word n / 2: the tile's two dims
+                        const int b = 2 * (n % 2);
+                        const unsigned x = __byte_perm(lo.w[n / 2], hi.w[n / 2],
+                                                       b | (b + 4) << 4 | (b + 1) << 8 | (b + 5) << 12);
+                        a[2 * h] = e4m3x4_lo_to_f16x2(x);      // dim 2n (row g)
+                        a[2 * h + 1] = e4m3x4_hi_to_f16x2(x);  // dim 2n + 1 (row g + 8)
+                    } else {  // word n: the tile's two dims
+                        a[2 * h] = __byte_perm(lo.w[n], hi.w[n], 0x5410);
+                        a[2 * h + 1] = __byte_perm(lo.w[n], hi.w[n], 0x7632);
+                    }
+                }
+                tc_mma<VF16>(o[n], a, pb);
+            }
         }
         if constexpr (PREFETCH) {
 #pragma unroll

@@ -21,6 +21,7 @@ unsigned pack_f16x2(float lo, float hi);
 void unpack_f16x2(unsigned v, float& lo, float& hi);
 unsigned e4m3x4_lo_to_f16x2(unsigned v);
 unsigned e4m3x4_hi_to_f16x2(unsigned v);
+unsigned mul_bf16x2(unsigned a, unsigned b);
 #else
 // d += A B (bf16 inputs).
 __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
@@ -75,6 +76,14 @@ __device__ __forceinline__ unsigned e4m3x4_lo_to_f16x2(unsigned v) {
 __device__ __forceinline__ unsigned e4m3x4_hi_to_f16x2(unsigned v) {
     unsigned d;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"((unsigned short)(v >> 16)));
+    return d;
+}
+
+// a * b, two bf16 lanes, each rounded to bf16 (RNE) once: the product of two bf16 values is exact
+// in fp32, so this equals round_bf16(float(a) * float(b)) lane by lane.
+__device__ __forceinline__ unsigned mul_bf16x2(unsigned a, unsigned b) {
+    unsigned d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
     return d;
 }
 #endif
