@@ -154,13 +154,15 @@ _SMALL = (("_128", 512),)  # only the _128 module, at every head_dim it serves
 _TURBO_PREFILL = PrefillBuild("_64", 512, True)
 
 
-# The packed sides' tensor-core decode (paged_decode_tc.cu): 3 CTAs an SM (up to 168 registers).
-_PACKED_TC = TensorCoreDecode(ctas_per_sm=3, programmatic=False)
+# The packed sides' tensor-core decode (paged_decode_tc.cu): 4 CTAs an SM where 128 registers hold
+# it, else 3 (turbo8, fp8k_turbo4v, turbo4k_turbo8v: up to 168 registers).
+_PACKED_TC = TensorCoreDecode(ctas_per_sm=4, programmatic=False)
+_PACKED_TC_WIDE = TensorCoreDecode(ctas_per_sm=3, programmatic=False)
 
 
 def _turbo(k: SideType, v: SideType, alias: str | None, decode=_BOTH, prefill=_TURBO_PREFILL,
-           boundary=_third) -> KvDtypeRow:
-    return KvDtypeRow(k, v, alias, TURBO_WRITE, decode, prefill, boundary, _PACKED_TC)
+           boundary=_third, tc=_PACKED_TC) -> KvDtypeRow:
+    return KvDtypeRow(k, v, alias, TURBO_WRITE, decode, prefill, boundary, tc)
 
 
 KV_DTYPES: dict[KvCacheDtype, KvDtypeRow] = {
@@ -175,14 +177,14 @@ KV_DTYPES: dict[KvCacheDtype, KvDtypeRow] = {
     D.TURBO4: _turbo(S.TURBO4, S.TURBO4, None),
     D.TURBO3: _turbo(S.TURBO3, S.TURBO3, None),
     D.TURBO2: _turbo(S.TURBO2, S.TURBO2, None, _SMALL, PrefillBuild("", 512, True), _four_fifths),
-    D.TURBO8: _turbo(S.TURBO8, S.TURBO8, None),
+    D.TURBO8: _turbo(S.TURBO8, S.TURBO8, None, tc=_PACKED_TC_WIDE),
     D.TURBO4K_TURBO3V: _turbo(S.TURBO4, S.TURBO3, "turbo4k3v", _SMALL),
-    D.TURBO4K_TURBO8V: _turbo(S.TURBO4, S.TURBO8, "turbo4k8v", _SMALL),
+    D.TURBO4K_TURBO8V: _turbo(S.TURBO4, S.TURBO8, "turbo4k8v", _SMALL, tc=_PACKED_TC_WIDE),
     D.TURBO3K_TURBO8V: _turbo(S.TURBO3, S.TURBO8, "turbo3k8v", _SMALL),
     D.BF16K_TURBO4V: _turbo(S.BF16, S.TURBO4, "bf16k4v"),
     D.BF16K_TURBO3V: _turbo(S.BF16, S.TURBO3, "bf16k3v", boundary=_four_fifths),
     D.BF16K_TURBO2V: _turbo(S.BF16, S.TURBO2, "bf16k2v"),
-    D.FP8K_TURBO4V: _turbo(S.FP8, S.TURBO4, "fp8k4v"),
+    D.FP8K_TURBO4V: _turbo(S.FP8, S.TURBO4, "fp8k4v", tc=_PACKED_TC_WIDE),
     D.FP8K_TURBO3V: _turbo(S.FP8, S.TURBO3, "fp8k3v"),
     D.FP8K_TURBO2V: _turbo(S.FP8, S.TURBO2, "fp8k2v"),
 }
