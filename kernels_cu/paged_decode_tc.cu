@@ -75,9 +75,10 @@ __device__ void decode_tc_entry(const bf16_t* q, const void* k_cache, const void
 // with chunks = ceil(group / TC_ROWS), block = TC_THREADS; head_dim 64 or 128. The split partials
 // go to that module's paged_decode_combine<suffix> (the same split rule and partial layout).
 // Resident CTAs per SM: bf16 4 (112 registers), fp8 3 (its prefetch takes 142; at 4 it spills), the
-// packed sides 4 (128 registers: at most 8 bytes spilled, outside the key loop) where that holds,
-// else 3 (turbo8 spills 104 bytes at 4, fp8k_turbo4v and turbo4k_turbo8v 16); the host mirrors
-// them (KV_DTYPES' TensorCoreDecode.ctas_per_sm) when it picks the split count.
+// packed sides 4 (128 registers) where that measured faster on an H200, else 3: turbo8 spills 104
+// bytes at 4, fp8k_turbo4v and turbo4k_turbo8v 16, and turbo4 and turbo3k_turbo8v (8 bytes) ran
+// 2-3% slower at 4 (docs/performance.md). The host mirrors them (KV_DTYPES'
+// TensorCoreDecode.ctas_per_sm) when it picks the split count.
 #define METRALE_TC_ENTRY(name, kf, vf, min_ctas)                                                  \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, min_ctas)                           \
         name(const bf16_t* q, const void* k_cache, const void* v_cache, const int* block_tables, \
@@ -93,13 +94,13 @@ __device__ void decode_tc_entry(const bf16_t* q, const void* k_cache, const void
 METRALE_TC_ENTRY(paged_decode_attn_tc, TC_BF16, TC_BF16, 4)
 METRALE_TC_ENTRY(paged_decode_attn_tc_fp8, TC_FP8, TC_FP8, 3)
 METRALE_TC_ENTRY(paged_decode_attn_tc_nvfp4, TC_NVFP4, TC_NVFP4, 4)
-METRALE_TC_ENTRY(paged_decode_attn_tc_turbo4, TC_TURBO4, TC_TURBO4, 4)
+METRALE_TC_ENTRY(paged_decode_attn_tc_turbo4, TC_TURBO4, TC_TURBO4, 3)
 METRALE_TC_ENTRY(paged_decode_attn_tc_turbo3, TC_TURBO3, TC_TURBO3, 4)
 METRALE_TC_ENTRY(paged_decode_attn_tc_turbo2, TC_TURBO2, TC_TURBO2, 4)
 METRALE_TC_ENTRY(paged_decode_attn_tc_turbo8, TC_TURBO8, TC_TURBO8, 3)
 METRALE_TC_ENTRY(paged_decode_attn_tc_turbo4k_turbo3v, TC_TURBO4, TC_TURBO3, 4)
 METRALE_TC_ENTRY(paged_decode_attn_tc_turbo4k_turbo8v, TC_TURBO4, TC_TURBO8, 3)
-METRALE_TC_ENTRY(paged_decode_attn_tc_turbo3k_turbo8v, TC_TURBO3, TC_TURBO8, 4)
+METRALE_TC_ENTRY(paged_decode_attn_tc_turbo3k_turbo8v, TC_TURBO3, TC_TURBO8, 3)
 METRALE_TC_ENTRY(paged_decode_attn_tc_bf16k_turbo4v, TC_BF16, TC_TURBO4, 4)
 METRALE_TC_ENTRY(paged_decode_attn_tc_bf16k_turbo3v, TC_BF16, TC_TURBO3, 4)
 METRALE_TC_ENTRY(paged_decode_attn_tc_bf16k_turbo2v, TC_BF16, TC_TURBO2, 4)

@@ -154,8 +154,9 @@ _SMALL = (("_128", 512),)  # only the _128 module, at every head_dim it serves
 _TURBO_PREFILL = PrefillBuild("_64", 512, True)
 
 
-# The packed sides' tensor-core decode (paged_decode_tc.cu): 4 CTAs an SM where 128 registers hold
-# it, else 3 (turbo8, fp8k_turbo4v, turbo4k_turbo8v: up to 168 registers).
+# The packed sides' tensor-core decode (paged_decode_tc.cu): 4 CTAs an SM (128 registers) where that
+# measured faster on an H200, else 3 (turbo8, fp8k_turbo4v, turbo4k_turbo8v spill at 128; turbo4 and
+# turbo3k_turbo8v ran 2-3% slower: up to 168 registers).
 _PACKED_TC = TensorCoreDecode(ctas_per_sm=4, programmatic=False)
 _PACKED_TC_WIDE = TensorCoreDecode(ctas_per_sm=3, programmatic=False)
 
@@ -174,13 +175,13 @@ KV_DTYPES: dict[KvCacheDtype, KvDtypeRow] = {
                       TensorCoreDecode(ctas_per_sm=3, programmatic=False, one_launch=True)),
     D.NVFP4: KvDtypeRow(S.NVFP4, S.NVFP4, None, NVFP4_WRITE, (("", 512),), PrefillBuild("", 512, False), _none,
                         _PACKED_TC),
-    D.TURBO4: _turbo(S.TURBO4, S.TURBO4, None),
+    D.TURBO4: _turbo(S.TURBO4, S.TURBO4, None, tc=_PACKED_TC_WIDE),
     D.TURBO3: _turbo(S.TURBO3, S.TURBO3, None),
     D.TURBO2: _turbo(S.TURBO2, S.TURBO2, None, _SMALL, PrefillBuild("", 512, True), _four_fifths),
     D.TURBO8: _turbo(S.TURBO8, S.TURBO8, None, tc=_PACKED_TC_WIDE),
     D.TURBO4K_TURBO3V: _turbo(S.TURBO4, S.TURBO3, "turbo4k3v", _SMALL),
     D.TURBO4K_TURBO8V: _turbo(S.TURBO4, S.TURBO8, "turbo4k8v", _SMALL, tc=_PACKED_TC_WIDE),
-    D.TURBO3K_TURBO8V: _turbo(S.TURBO3, S.TURBO8, "turbo3k8v", _SMALL),
+    D.TURBO3K_TURBO8V: _turbo(S.TURBO3, S.TURBO8, "turbo3k8v", _SMALL, tc=_PACKED_TC_WIDE),
     D.BF16K_TURBO4V: _turbo(S.BF16, S.TURBO4, "bf16k4v"),
     D.BF16K_TURBO3V: _turbo(S.BF16, S.TURBO3, "bf16k3v", boundary=_four_fifths),
     D.BF16K_TURBO2V: _turbo(S.BF16, S.TURBO2, "bf16k2v"),
