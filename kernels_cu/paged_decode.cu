@@ -10,6 +10,7 @@
 // paged_decode_combine<suffix> reduces the active splits.
 #include "paged_attention.cuh"
 #include "pdl.cuh"
+#include "wht.cuh"
 
 template <int D, int RW>
 __device__ void decode(const bf16_t* q, const void* k_cache, const void* v_cache,
@@ -86,14 +87,16 @@ extern "C" __global__ void ATTN_BOUNDS
 // Reduce the active split partials of each head: out[b, h] = sum_s 2^(m_s - M) o_s /
 // sum_s 2^(m_s - M) l_s over s < active_splits(seq_lens[b]). grid = (Hq, B), block = 128;
 // num_splits <= 32 (the host's MAX_SPLITS): warp 0 weighs the splits, then every thread sums
-// its elements with independent loads.
+// its elements with independent loads. v_signs: a rotated V side's (2, D) WHT signs, then each
+// head is rotated back (R^T, as wht_bf16_inplace_inv on the stored bf16 row), else null.
 extern "C" __global__ void KV_ENTRY(paged_decode_combine)(const float* part_o,
                                                           const float* part_ml,
                                                           const int* seq_lens, bf16_t* out,
                                                           int num_q_heads, int head_dim,
-                                                          int num_splits) {
+                                                          int num_splits, const float* v_signs) {
     __shared__ float weight[32];
     __shared__ float total;
+    __shared__ float row[ATTN_MAX_D];
     pdl_wait();
     pdl_launch_dependents();
     const long long head = (long long)blockIdx.y * num_q_heads + blockIdx.x;
@@ -116,6 +119,25 @@ extern "C" __global__ void KV_ENTRY(paged_decode_combine)(const float* part_o,
         float val = 0.0f;
 #pragma unroll 8
         for (int s = 0; s < active; ++s) val += po[s * head_dim + d] * weight[s];
-        out[head * head_dim + d] = f32_to_bf16(total > 0.0f ? val / total : 0.0f);
+        const bf16_t o = f32_to_bf16(total > 0.0f ? val / total : 0.0f);
+        if (v_signs == nullptr) out[head * head_dim + d] = o;
+        else row[d] = bf16_to_f32(o);
     }
+    if (v_signs == nullptr) return;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const float *first = v_signs + head_dim, *last = v_signs;  // R^T: S2 first
+        switch (head_dim) {
+            case 64: wht_rotate<64>(row, first, last); break;
+            case 128: wht_rotate<128>(row, first, last); break;
+#if ATTN_MAX_D >= 256
+            case 256: wht_rotate<256>(row, first, last); break;
+#endif
+#if ATTN_MAX_D >= 512
+            case 512: wht_rotate<512>(row, first, last); break;
+#endif
+        }
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) out[head * head_dim + d] = f32_to_bf16(row[d]);
 }

@@ -28,11 +28,29 @@ struct RopeCacheArgs {
     const float *k_scale, *v_scale, *k_signs, *v_signs, *channel;
     int q_stride, k_stride, v_stride, hq, hk, rot_dim;
     float eps;
+    int rotate_q;
 };
+
+// The query in a rotated K side's basis, as the unrotated query then wht_bf16_inplace and the
+// InnerQ division would store it: row (D bf16, shared) = bf16(R row), then bf16(that / the scales
+// of KV head kvh) when channel is set. y: D floats of scratch. Run by one warp.
+template <int D>
+__device__ void rotate_query(bf16_t* row, const float* signs, const float* channel, int kvh, float* y) {
+    const int lane = threadIdx.x & 31;
+    for (int i = lane; i < D; i += 32) y[i] = bf16_to_f32(row[i]);
+    __syncwarp();
+    wht_rotate<D>(y, signs, signs + D);
+    for (int i = lane; i < D; i += 32) {
+        const float r = round_bf16(y[i]);
+        row[i] = f32_to_bf16(channel == nullptr ? r : __fdiv_rn(r, channel[kvh * D + i]));
+    }
+    __syncwarp();
+}
 
 // One CTA of 64 threads per (token, y). y < Hk: KV head y, warp 0 normalizes, rotates and stores
 // K, warp 1 stores V (nothing when the slot is negative). y >= Hk: warp w takes query head
-// 2 * (y - Hk) + w and writes it, normalized and rotated, to q_out (T, Hq, D).
+// 2 * (y - Hk) + w and writes it, normalized and rotated, to q_out (T, Hq, D); with rotate_q also
+// in the K side's basis (rotate_query).
 template <class KW, class VW, int D>
 __device__ void rope_and_cache_head(const RopeCacheArgs& a, HeadScratch& s) {
     const long long t = blockIdx.x;
@@ -60,6 +78,7 @@ __device__ void rope_and_cache_head(const RopeCacheArgs& a, HeadScratch& s) {
     if (head >= a.hq) return;
     const bf16_t* q = a.q + t * a.q_stride + (long long)head * D;
     norm_rope<D>(q, a.q_norm, a.eps, cos_row, sin_row, half, s.row);
+    if (a.rotate_q) rotate_query<D>(s.row, a.k_signs, a.channel, head / (a.hq / a.hk), s.write.y);
     store_row<D>(s.row, a.q_out + (t * a.hq + head) * D);
 }
 
@@ -80,7 +99,8 @@ __device__ void rope_and_cache(const RopeCacheArgs& a, int head_dim) {
 // elements; q_out: (T, Hq, D) bf16; k_cache / v_cache: the side pools; slot_mapping, positions:
 // (T,) int32 (slot < 0: no write); cos / sin: (max_pos, rot_dim / 2) fp32; q_norm / k_norm: (D,)
 // bf16 or null (no QK-norm); k_scale, v_scale: (1,) fp32; k_signs / v_signs: (2, D) fp32 of a
-// rotated side, else null; channel_scale: (Hk, D) fp32 InnerQ scales or null.
+// rotated side, else null; channel_scale: (Hk, D) fp32 InnerQ scales or null; rotate_q: q_out is
+// R q (divided by the scales of its KV head when channel_scale is set), rotated by k_signs (set).
 // grid = (T, Hk + ceil(Hq / 2)), block = 64. head_dim: 64, 128, 256 or 512; rot_dim even, <= D.
 #define METRALE_ROPE_CACHE_ENTRY(dtype, K, V)                                                      \
     extern "C" __global__ void __launch_bounds__(ROPE_CACHE_WARPS * 32) rope_and_cache_##dtype(    \
@@ -89,13 +109,13 @@ __device__ void rope_and_cache(const RopeCacheArgs& a, int head_dim) {
         const float* sin_table, const bf16_t* q_norm, const bf16_t* k_norm, const float* k_scale,  \
         const float* v_scale, const float* k_signs, const float* v_signs,                          \
         const float* channel_scale, int q_stride, int k_stride, int v_stride, int hq, int hk,      \
-        int head_dim, int rot_dim, float eps) {                                                    \
+        int head_dim, int rot_dim, float eps, int rotate_q) {                                      \
         pdl_wait();                                                                                \
         pdl_launch_dependents();                                                                   \
         const RopeCacheArgs a{q, k, v, q_out, k_cache, v_cache, slot_mapping, positions,           \
                               cos_table, sin_table, q_norm, k_norm, k_scale, v_scale, k_signs,     \
                               v_signs, channel_scale, q_stride, k_stride, v_stride, hq, hk,        \
-                              rot_dim, eps};                                                       \
+                              rot_dim, eps, rotate_q};                                             \
         rope_and_cache<store_##K, store_##V>(a, head_dim);                                         \
     }
 

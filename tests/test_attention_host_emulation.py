@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from metrale_cli.kernels import reference as ref
+from metrale_cli.kernels.rotation import restore_output
 from metrale_cli.kernels.table import TC_ROWS, decode_rows, rows_per_cta
 from metrale_cli.kernels.cases import compare, make_paged_case
 from metrale_cli.kernels.tolerances import bounds
@@ -37,7 +38,8 @@ def library(build_dir, dtype: KvCacheDtype) -> ctypes.CDLL:
         k, v = (s.value for s in kv_pair(dtype))
         handle = build_host_library("paged_attention_host.cpp", build_dir, {"K_SIDE": k, "V_SIDE": v},
                                     f"attention_{dtype.value}")
-        handle.host_paged_decode.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] + [ctypes.c_int] * 7
+        handle.host_paged_decode.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] + [ctypes.c_int] * 7 + [
+            ctypes.c_void_p]
         handle.host_paged_prefill.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_float] + [ctypes.c_int] * 6
         _LIBS[dtype] = handle
     return _LIBS[dtype]
@@ -67,10 +69,33 @@ def test_decode_equals_the_reference(build_dir, dtype, head_dim, group, splits):
     kp, vp, tables, lens = c["kv"].k, c["kv"].v, c["block_tables"], c["seq_lens"]
     lib.host_paged_decode(_ptr(q), _ptr(kp.data), _ptr(vp.data), _ptr(tables), _ptr(lens), _ptr(out), _ptr(part_o),
                           _ptr(part_ml), _ptr(kp.scale), _ptr(vp.scale), head_dim**-0.5, hk * group, hk, head_dim,
-                          tables.shape[1], splits, 6, chunks)
+                          tables.shape[1], splits, 6, chunks, None)
     want = ref.paged_decode(q, c["kv"], tables, lens, head_dim**-0.5)
     assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
     assert torch.equal(out[5], torch.zeros_like(out[5]))  # an empty context decodes to zero
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if kv_pair(d)[1].is_turbo], ids=lambda d: d.value)
+def test_combine_rotates_the_output_back_as_the_wht_launch(build_dir, dtype, head_dim):
+    """paged_decode_combine with a rotated V side's signs stores Rᵀ of the row it would store, as
+    wht_bf16_inplace_inv after it does (the reference's wht, whose bytes the WHT kernel's equal)."""
+    lib, hk, group, splits = library(build_dir, dtype), 2, 4, 4
+    c = make_paged_case([1, 7, 99, 0], hk * group, hk, head_dim, dtype, seed=head_dim)
+    q = _q(4, hk * group, head_dim, seed=6)
+    kp, vp, tables, lens = c["kv"].k, c["kv"].v, c["block_tables"], c["seq_lens"]
+    chunks = math.ceil(group / decode_rows(head_dim, group))
+    outs = []
+    for signs in (None, vp.signs):
+        out = torch.full_like(q, float("nan"))
+        part_o = torch.full((4, hk * group, splits, head_dim), float("nan"))
+        part_ml = torch.full((4, hk * group, splits, 2), float("nan"))
+        lib.host_paged_decode(_ptr(q), _ptr(kp.data), _ptr(vp.data), _ptr(tables), _ptr(lens), _ptr(out),
+                              _ptr(part_o), _ptr(part_ml), _ptr(kp.scale), _ptr(vp.scale), head_dim**-0.5, hk * group,
+                              hk, head_dim, tables.shape[1], splits, 4, chunks, _ptr(signs))
+        outs.append(out)
+    assert torch.equal(outs[1], restore_output(ref.TorchOps, outs[0].clone(), vp))  # (the WHT is in place)
+    assert not torch.equal(outs[1], outs[0])
 
 
 @pytest.mark.parametrize("tokens, start", [(1, 0), (7, 0), (19, 80), (70, 37)])

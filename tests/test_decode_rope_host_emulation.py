@@ -65,7 +65,7 @@ def unfused(tc, rc, c, kp, vp, splits, fp8):
         dtype, batch, *(_ptr(t) for t in (c["q"], c["k"], c["v"], q, kp.data, vp.data, c["slot_mapping"],
                                           c["positions"], c["cos"], c["sin"], c["q_norm"], c["k_norm"], kp.scale,
                                           vp.scale, None, None, None)),
-        *_strides(c), hq, hk, d, d, ctypes.c_float(EPS)) == 0
+        *_strides(c), hq, hk, d, d, ctypes.c_float(EPS), 0) == 0
     out = torch.full((batch, hq, d), float("nan")).to(torch.bfloat16)
     part_o = torch.full((batch, hq, splits, d), float("nan"))
     part_ml = torch.full((batch, hq, splits, 2), float("nan"))

@@ -23,6 +23,7 @@ from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.cases import compare, kv_to
 from metrale_cli.kernels.kv_kernels import kv_kernels, layer_kernels
 from metrale_cli.kernels.reference import TorchOps
+from metrale_cli.kernels.rotation import rotate_query
 from metrale_cli.kernels.registry import MODULES
 from metrale_cli.kernels.tolerances import bounds
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
@@ -172,7 +173,7 @@ def _ptr(t):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
-def host_fused(lib, dtype, c, kp, vp, q_norm, k_norm):
+def host_fused(lib, dtype, c, kp, vp, q_norm, k_norm, rotate_q=False):
     tokens, hq, d = c["q"].shape
     hk = c["k"].shape[1]
     (qs, q_stride), (ks, k_stride), (vs, v_stride) = (cuda_attention._head_rows(c[x]) for x in "qkv")
@@ -182,7 +183,8 @@ def host_fused(lib, dtype, c, kp, vp, q_norm, k_norm):
     args = [_ptr(t) for t in (qs, ks, vs, out, kp.data, vp.data, c["slots"], c["positions"], c["cos"], c["sin"],
                               q_norm, k_norm, kp.scale, vp.scale, kp.signs, vp.signs, channel)]
     ints = [q_stride, k_stride, v_stride, hq, hk, d, c["cos"].shape[1] * 2]
-    rc = lib.host_rope_and_cache(DTYPES.index(KvCacheDtype(dtype)), tokens, *args, *ints, ctypes.c_float(EPS))
+    rc = lib.host_rope_and_cache(DTYPES.index(KvCacheDtype(dtype)), tokens, *args, *ints, ctypes.c_float(EPS),
+                                 int(rotate_q))
     assert rc == 0
     return out
 
@@ -231,6 +233,26 @@ HOST_CASES = (  # dtype, head_dim, rot_dim, QK-norm, (Hq, Hk), v a view of qkv (
        for hd in (64, 256, 512) for norm in (True, False)]
     + [(d, 128, 128, False, (7, 1), False) for d in ("fp8", "turbo4k_turbo8v")]  # an odd query head count
 )
+
+
+@pytest.mark.parametrize("innerq", [True, False], ids=["innerq", "no innerq"])
+@pytest.mark.parametrize("dtype, head_dim, heads", [(d.value, hd, (8, 2)) for d in DTYPES if kv_pair(d)[0].is_turbo
+                                                    for hd in (64, 128)] + [("turbo3", 256, (6, 2)), ("turbo4", 512, (4, 1))],
+                         ids=str)
+def test_host_rotate_q_is_the_query_rotation_after_the_kernel(host, dtype, head_dim, heads, innerq):
+    """rotate_q: the fused kernel's query is what rotate_query (the WHT launch, then the InnerQ
+    division) makes of its unrotated query, byte for byte; the cache bytes do not change."""
+    c = make_case(dtype, head_dim, hq=heads[0], hk=heads[1], tokens=5, seed=head_dim + 7)
+    plain_kv, rotating_kv = clone_kv(c), clone_kv(c)
+    if not innerq:
+        plain_kv.k.channel_scale = rotating_kv.k.channel_scale = None
+    plain = host_fused(host, dtype, c, plain_kv.k, plain_kv.v, c["q_norm"], c["k_norm"])
+    rotated = host_fused(host, dtype, c, rotating_kv.k, rotating_kv.v, c["q_norm"], c["k_norm"], rotate_q=True)
+    assert torch.equal(rotated, rotate_query(ref.TorchOps, plain.clone(), plain_kv.k))  # (the WHT is in place)
+    assert not torch.equal(rotated, plain)
+    written = c["slots"][c["slots"] >= 0]
+    assert_same_bytes(rotating_kv.k, plain_kv.k, written)
+    assert_same_bytes(rotating_kv.v, plain_kv.v, written)
 
 
 @pytest.mark.parametrize("dtype, head_dim, rot_dim, norm, heads, v_view", HOST_CASES,

@@ -16,6 +16,7 @@ import torch
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.cases import compare, compare_bytes, kv_to
 from metrale_cli.kernels.kv_kernels import served_head_dims
+from metrale_cli.kernels.rotation import rotate_query
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType
 from test_fused_write import (
     EPS,
@@ -112,3 +113,25 @@ def test_launch_inside_a_cuda_graph_replays(ops, dtype):
         written = new["slots"][new["slots"] >= 0]
         assert_same_bytes(kv.k, before.k, written)
         assert_same_bytes(kv.v, before.v, written)
+
+
+@pytest.mark.parametrize("innerq", [True, False], ids=["innerq", "no innerq"])
+@pytest.mark.parametrize("dtype, head_dim", [(d, hd) for d, hd in CASES if d.row.k.is_turbo],
+                         ids=lambda x: getattr(x, "value", str(x)))
+def test_rotate_q_is_the_wht_launch_after_the_kernel(ops, dtype, head_dim, innerq):
+    """rotate_q: the query in the K side's basis, as rope_and_cache then rotate_query (the WHT
+    launch, then the InnerQ division) give it, byte for byte; the cache bytes are the same."""
+    c = make_case(dtype, head_dim, hq=8, hk=2, tokens=7, seed=head_dim + 3)
+    g = to_gpu(c)
+    plain_kv, rotating_kv = clone_kv(c, "cuda"), clone_kv(c, "cuda")
+    if not innerq:
+        plain_kv.k.channel_scale = rotating_kv.k.channel_scale = None
+    attention = ops.paged_attention(plain_kv.dtype, head_dim)
+    args = (g["slots"], g["positions"], g["cos"], g["sin"], g["q_norm"], g["k_norm"], EPS)
+    plain = attention.rope_and_cache(g["q"], g["k"], g["v"], plain_kv, *args)
+    rotated = attention.rope_and_cache(g["q"], g["k"], g["v"], rotating_kv, *args, rotate_q=True)
+    assert torch.equal(rotated, rotate_query(ops, plain.clone(), plain_kv.k))
+    assert not torch.equal(rotated, plain)
+    written = c["slots"][c["slots"] >= 0]
+    assert_same_bytes(rotating_kv.k, plain_kv.k, written)
+    assert_same_bytes(rotating_kv.v, plain_kv.v, written)

@@ -12,6 +12,7 @@ import torch
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.cases import compare, compare_bytes, kv_to, make_paged_case
 from metrale_cli.kernels.kv_kernels import kv_kernels, served_head_dims
+from metrale_cli.kernels.rotation import restore_output
 from metrale_cli.kernels.tolerances import bounds
 from metrale_cli.kernels.validate import validate_kernels
 from metrale_cli.kv.dtypes import KvCacheDtype
@@ -116,6 +117,23 @@ def test_paged_decode(ops, dtype, head_dim, group, tensor_cores):
                                          head_dim**-0.5, tensor_cores=tensor_cores)
     want = ref.paged_decode(q, c["kv"], c["block_tables"], c["seq_lens"], head_dim**-0.5)
     close(got, want, "attention")
+
+
+@pytest.mark.parametrize("context", [40, 4099], ids=["narrow table", "split"])
+@pytest.mark.parametrize("dtype, head_dim", [(d, hd) for d, hd in KV_CASES if d.row.v.is_turbo],
+                         ids=lambda x: getattr(x, "value", str(x)))
+def test_paged_decode_restores_a_rotated_output_as_the_wht_launch(ops, dtype, head_dim, context):
+    """restore_v: the split combine rotates the output back (or, unsplit, the WHT launch does):
+    the bytes of paged_decode then wht_bf16_inplace_inv."""
+    hk, group = 2, 4
+    lens = [context] if context < 64 else [context, 1, 0]  # a narrow block table: one split on tensor cores
+    c = make_paged_case(lens, hk * group, hk, head_dim, dtype, seed=head_dim + context)
+    q = randn(len(lens), hk * group, head_dim, seed=5)
+    attn, kv, tables, lens = attention(ops, c), gpu(c), c["block_tables"].cuda(), c["seq_lens"].cuda()
+    plain = attn.paged_decode(q, kv, tables, lens, head_dim**-0.5)
+    restored = attn.paged_decode(q, kv, tables, lens, head_dim**-0.5, restore_v=True)
+    assert torch.equal(restored, restore_output(ops, plain.clone(), kv.v))
+    assert not torch.equal(restored, plain)
 
 
 @pytest.mark.parametrize("dtype, head_dim, group", ATTN)

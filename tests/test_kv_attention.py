@@ -13,7 +13,7 @@ from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.kv.dtypes import KvCacheDtype, kv_pair
 from metrale_cli.kv.paged import KvLayout, PagedKvCache
 from metrale_cli.kv.precision import describe, high_precision_count, layer_dtypes
-from metrale_cli.layers.attention import restore_output, rotate_query
+from metrale_cli.kernels.rotation import restore_output, rotate_query
 
 D = KvCacheDtype
 OPS = TorchOps()

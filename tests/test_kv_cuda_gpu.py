@@ -12,7 +12,7 @@ from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.kv.paged import KvLayout, PagedKvCache
 from metrale_cli.kv.wht import wht_signs
-from metrale_cli.layers.attention import restore_output, rotate_query
+from metrale_cli.kernels.rotation import restore_output, rotate_query
 
 pytestmark = pytest.mark.gpu
 REF = TorchOps()

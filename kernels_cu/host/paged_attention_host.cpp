@@ -10,16 +10,17 @@
 #include "../prefill_paged.cu"
 #include "decode_grid.h"
 
-// grid = (hk, batch, chunks * num_splits), then the combine over (hq, batch) when split.
+// grid = (hk, batch, chunks * num_splits), then the combine over (hq, batch) when split, which
+// rotates the output back by v_signs when they are given.
 extern "C" void host_paged_decode(const bf16_t* q, const void* k_cache, const void* v_cache,
                                   const int* block_tables, const int* seq_lens, bf16_t* out,
                                   float* part_o, float* part_ml, const float* k_scale,
                                   const float* v_scale, float scale, int hq, int hk, int head_dim,
-                                  int max_blocks, int num_splits, int batch, int chunks) {
+                                  int max_blocks, int num_splits, int batch, int chunks, const float* v_signs) {
     run_paged_decode(hk, batch, chunks * num_splits, ATTN_THREADS, [&] {
         paged_decode_attn(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, k_scale, v_scale,
                           scale, hq, hk, head_dim, max_blocks, num_splits);
-    }, part_o, part_ml, seq_lens, out, hq, head_dim, num_splits);
+    }, part_o, part_ml, seq_lens, out, hq, head_dim, num_splits, v_signs);
 }
 
 // grid = (hk, rows): rows of RowsPerCta<D> (token, query head) pairs.

@@ -12,7 +12,7 @@ namespace {
 typedef void (*FusedEntry)(const bf16_t*, const bf16_t*, const bf16_t*, bf16_t*, void*, void*, const int*,
                            const int*, const float*, const float*, const bf16_t*, const bf16_t*,
                            const float*, const float*, const float*, const float*, const float*, int,
-                           int, int, int, int, int, int, float);
+                           int, int, int, int, int, int, float, int);
 
 // In KvCacheDtype order (kv/dtypes.py).
 const FusedEntry kFused[] = {
@@ -50,7 +50,7 @@ extern "C" int host_rope_and_cache(int dtype, int tokens, const bf16_t* q, const
                                    const bf16_t* q_norm, const bf16_t* k_norm, const float* k_scale,
                                    const float* v_scale, const float* k_signs, const float* v_signs,
                                    const float* channel_scale, int q_stride, int k_stride, int v_stride,
-                                   int hq, int hk, int head_dim, int rot_dim, float eps) {
+                                   int hq, int hk, int head_dim, int rot_dim, float eps, int rotate_q) {
     if (dtype < 0 || dtype >= (int)(sizeof(kFused) / sizeof(kFused[0]))) return 1;
     const int ys = hk + (hq + ROPE_CACHE_WARPS - 1) / ROPE_CACHE_WARPS;
     for (int t = 0; t < tokens; ++t)
@@ -58,7 +58,7 @@ extern "C" int host_rope_and_cache(int dtype, int tokens, const bf16_t* q, const
             run_block({(unsigned)t, (unsigned)y, 0}, 32 * ROPE_CACHE_WARPS, [&] {
                 kFused[dtype](q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, cos_table, sin_table,
                               q_norm, k_norm, k_scale, v_scale, k_signs, v_signs, channel_scale, q_stride,
-                              k_stride, v_stride, hq, hk, head_dim, rot_dim, eps);
+                              k_stride, v_stride, hq, hk, head_dim, rot_dim, eps, rotate_q);
             });
     return 0;
 }

@@ -14,6 +14,7 @@ from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import cuda_launch
 from metrale_cli.kernels.cuda_launch import CudaLauncher, _head_rows, _ready
 from metrale_cli.kernels.kv_kernels import KvKernels
+from metrale_cli.kernels.rotation import restore_output
 from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
 from metrale_cli.kernels.table import (
     ATTN_THREADS, DECODE_CTAS_PER_SM, MAX_SPLITS, MIN_KEYS_PER_SPLIT, ROPE_AND_CACHE_WARPS, SDPA_MIN_TOKENS,
@@ -54,7 +55,8 @@ class CudaPagedAttention:
         grid, block = ((tokens, hk), (64,)) if self.dtype.row.write.per_head else ((tokens,), (128,))
         self.ops.loader.launch(spec, sig, grid, block, *(values[name] for name, _ in sig.params))
 
-    def rope_and_cache(self, q, k, v, kv: LayerKv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps):
+    def rope_and_cache(self, q, k, v, kv: LayerKv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps,
+                       rotate_q=False):
         tokens, hq, head_dim = q.shape
         hk, rot_dim = k.shape[1], cos.shape[-1] * 2
         self._check_rope(kv, hk, head_dim, rot_dim)
@@ -70,7 +72,7 @@ class CudaPagedAttention:
             self.kernels.rope_write, grid, (32 * ROPE_AND_CACHE_WARPS,), qs, ks, vs, out, kv.k.data, kv.v.data,
             _ready(slot_mapping), _ready(positions), _ready(cos), _ready(sin), q_norm, k_norm, kv.k.scale,
             kv.v.scale, kv.k.signs, kv.v.signs, channel, q_stride, k_stride, v_stride, hq, hk, head_dim,
-            rot_dim, eps, pdl=True,
+            rot_dim, eps, int(rotate_q and kv.k.rotated), pdl=True,
         )
         return out
 
@@ -81,9 +83,12 @@ class CudaPagedAttention:
         if kv.num_kv_heads != hk:
             raise MetraleError(f"k has {hk} heads, the KV pools {kv.num_kv_heads}")
 
-    def paged_decode(self, q, kv: LayerKv, block_tables, seq_lens, scale, tensor_cores: bool = True):
+    def paged_decode(self, q, kv: LayerKv, block_tables, seq_lens, scale, restore_v=False,
+                     tensor_cores: bool = True):
         """The tensor-core kernel where it serves the case (``tensor_cores=False``: the dtype's
-        paged_decode_attn kernel always, for its tests), else paged_decode_attn<suffix>."""
+        paged_decode_attn kernel always, for its tests), else paged_decode_attn<suffix>. With
+        ``restore_v`` a rotated V side's output comes back rotated by the split combine (or, with
+        one split, by the WHT launch)."""
         batch, hq, head_dim = q.shape
         self._check(kv, hq, head_dim)
         hk = kv.num_kv_heads
@@ -102,9 +107,12 @@ class CudaPagedAttention:
             _ready(block_tables), _ready(seq_lens), out, part_o, part_ml, kv.k.scale, kv.v.scale,
             scale, hq, hk, head_dim, block_tables.shape[1], splits, pdl=programmatic,
         )
+        restore = restore_v and kv.v.rotated
         if splits > 1:
             self.ops._launch(self.kernels.combine, (hq, batch), (128,), part_o, part_ml, _ready(seq_lens), out, hq,
-                             head_dim, splits, pdl=programmatic)
+                             head_dim, splits, kv.v.signs if restore else None, pdl=programmatic)
+        elif restore:
+            out = restore_output(self.ops, out, kv.v)
         return out
 
     def rope_cache_decode(self, q, k, v, kv: LayerKv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps,

@@ -28,7 +28,7 @@ _ROPE_WRITE = (
     "q: bf16*, k: bf16*, v: bf16*, q_out: bf16*, k_cache: {k}, v_cache: {v}, slot_mapping: i32*, "
     "positions: i32*, cos: f32*, sin: f32*, q_norm: bf16*?, k_norm: bf16*?, k_scale: f32*, v_scale: f32*, "
     "k_signs: f32*?, v_signs: f32*?, channel_scale: f32*?, q_stride: i32, k_stride: i32, v_stride: i32, "
-    "hq: i32, hk: i32, head_dim: i32, rot_dim: i32, eps: f32"
+    "hq: i32, hk: i32, head_dim: i32, rot_dim: i32, eps: f32, rotate_q: i32"
 )
 _DECODE = (
     "q: bf16*, k_cache: {k}, v_cache: {v}, block_tables: i32*, seq_lens: i32*, out: bf16*, "
@@ -46,7 +46,10 @@ _PREFILL = (
     "q: bf16*, k_cache: {k}, v_cache: {v}, block_table: i32*, out: bf16*, k_scale: f32*, "
     "v_scale: f32*, scale: f32, tokens: i32, start_pos: i32, hq: i32, hk: i32, head_dim: i32"
 )
-_COMBINE = "part_o: f32*, part_ml: f32*, seq_lens: i32*, out: bf16*, hq: i32, head_dim: i32, num_splits: i32"
+_COMBINE = (
+    "part_o: f32*, part_ml: f32*, seq_lens: i32*, out: bf16*, hq: i32, head_dim: i32, num_splits: i32, "
+    "v_signs: f32*?"
+)
 
 
 @dataclass(frozen=True)

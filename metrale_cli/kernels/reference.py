@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from metrale_cli.kernels import gdn_reference
 from metrale_cli.kernels.ops import MoeRoute, StepBuffers
+from metrale_cli.kernels.rotation import restore_output, rotate_query
 from metrale_cli.kv import formats
 from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.kv.pool import BLOCK_SIZE, LayerKv, SidePool
@@ -59,15 +60,16 @@ def reshape_and_cache(k, v, kv: LayerKv, slot_mapping) -> None:
     formats.store(v, kv.v, slot_mapping)
 
 
-def rope_and_cache(q, k, v, kv: LayerKv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps):
-    """The unfused sequence: QK-norm per head, RoPE, cache write; returns q."""
+def rope_and_cache(q, k, v, kv: LayerKv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps, rotate_q=False):
+    """The unfused sequence: QK-norm per head, RoPE, cache write; returns q (rotated into the K
+    side's basis with ``rotate_q``)."""
     if q_norm is not None:
         q = rms_norm(q, q_norm, eps)
     if k_norm is not None:
         k = rms_norm(k, k_norm, eps)
     q, k = rope(q, k, positions, cos, sin)
     reshape_and_cache(k, v, kv, slot_mapping)
-    return q
+    return rotate_query(TorchOps, q, kv.k) if rotate_q else q
 
 
 def rope_cache_decode(q, k, v, kv: LayerKv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps, block_tables,
@@ -94,7 +96,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, m
     return torch.einsum("hts,shd->thd", probs, v).to(q.dtype)
 
 
-def paged_decode(q, kv: LayerKv, block_tables, seq_lens, scale):
+def paged_decode(q, kv: LayerKv, block_tables, seq_lens, scale, restore_v=False):
     out = torch.zeros_like(q)  # an empty context attends to nothing: zeros, as the kernels write
     for b, length in enumerate(seq_lens.tolist()):
         if length == 0:
@@ -102,7 +104,7 @@ def paged_decode(q, kv: LayerKv, block_tables, seq_lens, scale):
         k = gather_context(kv.k, block_tables[b], length)
         v = gather_context(kv.v, block_tables[b], length)
         out[b] = attention(q[b : b + 1], k, v, scale, None)[0]
-    return out
+    return restore_output(TorchOps, out, kv.v) if restore_v else out
 
 
 def paged_prefill(q, kv: LayerKv, block_table, start_pos, scale):

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.ops import Ops
+from metrale_cli.kernels.rotation import restore_output, rotate_query
 from metrale_cli.kv.calibration import KvCalibration
-from metrale_cli.kv.pool import LayerKv, SidePool
+from metrale_cli.kv.pool import LayerKv
 from metrale_cli.layers.context import ForwardContext
 from metrale_cli.layers.protocols import FfnComponent
 from metrale_cli.layers.spec import LayerSpec
@@ -45,28 +46,6 @@ class AttentionWeights:
 @dataclass
 class AttnLayerState:
     """Per-sequence state of a full-attention layer: empty, its K/V live in the paged cache."""
-
-
-def rotate_query(ops: Ops, q: torch.Tensor, k_pool: SidePool) -> torch.Tensor:
-    """q: (T, Hq, D) -> the query the kernels expect for ``k_pool``: R·q / channel_scale when the
-    K side is rotated (query head h divided by the scales of KV head h // (Hq // Hk)), else q."""
-    if not k_pool.rotated:
-        return q
-    tokens, hq, d = q.shape
-    q = ops.wht(q.reshape(-1, d).contiguous(), k_pool.signs, False).view(tokens, hq, d)
-    if k_pool.channel_scale is not None:
-        hk = k_pool.num_kv_heads
-        grouped = q.view(tokens, hk, hq // hk, d).float() / k_pool.channel_scale[None, :, None, :]
-        q = grouped.to(q.dtype).view(tokens, hq, d)
-    return q
-
-
-def restore_output(ops: Ops, out: torch.Tensor, v_pool: SidePool) -> torch.Tensor:
-    """out: (T, Hq, D) in the V side's basis -> the original basis (Rᵀ·out when V is rotated)."""
-    if not v_pool.rotated:
-        return out
-    tokens, hq, d = out.shape
-    return ops.wht(out.reshape(-1, d).contiguous(), v_pool.signs, True).view(tokens, hq, d)
 
 
 class Qwen3AttentionLayer:
@@ -194,8 +173,7 @@ class Qwen3AttentionLayer:
                                                     self.rope_sin, w.q_norm, w.k_norm, self.eps, ctx.block_tables,
                                                     ctx.seq_lens, self.scale)
         q = self._prepare(qkv, ctx)
-        out = self.attention.paged_decode(q, kv, ctx.block_tables, ctx.seq_lens, self.scale)
-        return restore_output(self.ops, out, kv.v)
+        return self.attention.paged_decode(q, kv, ctx.block_tables, ctx.seq_lens, self.scale, restore_v=True)
 
     def _split(self, qkv: torch.Tensor):
         """A fused projection's output -> q (T, Hq, D), k, v (T, Hk, D): views (past a gate's rows)."""
@@ -213,9 +191,8 @@ class Qwen3AttentionLayer:
         tokens, d = qkv.shape[0], self.spec.attention.head_dim
         q, k, v = self._split(qkv)
         if self.frozen():
-            q = self.attention.rope_and_cache(q, k, v, kv, ctx.slot_mapping, ctx.positions, self.rope_cos,
-                                              self.rope_sin, w.q_norm, w.k_norm, self.eps)
-            return rotate_query(ops, q, kv.k)
+            return self.attention.rope_and_cache(q, k, v, kv, ctx.slot_mapping, ctx.positions, self.rope_cos,
+                                                 self.rope_sin, w.q_norm, w.k_norm, self.eps, rotate_q=True)
         v = v.contiguous()
         if w.q_norm is not None:
             q = ops.rms_norm(q.reshape(-1, d), w.q_norm, self.eps).view(tokens, -1, d)
