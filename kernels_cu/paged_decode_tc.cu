@@ -29,31 +29,151 @@
 // one of its group scales; the MMAs are bf16 ones, each value dequantized as it is used (four codes'
 // levels by two byte permutes of a table in registers, times the group scale in one bf16 multiply:
 // decode_tc.cuh's tc_quad), so a packed tile costs no more registers than its codes. A rotated
-// side's Q / output rotations stay outside.
+// side's Q rotation stays outside (rope_and_cache's rotate_q); the in-launch split combine
+// rotates a rotated V side's output back.
 #include "decode_tc.cuh"
 #include "head_norm.cuh"
 #include "kv_write.cuh"
 #include "pdl.cuh"
 
-template <int KF, int VF>
+// --- the split combine inside a decode launch ----------------------------------------------------
+// With a split context the last split of a (sequence, KV head, chunk) to finish (a counter each,
+// left zero) reduces the partials exactly as paged_decode_combine<suffix> does (and, with a
+// rotated V side's signs, rotates each head back as it does).
+struct SplitCombine {
+    const float *part_o, *part_ml;
+    bf16_t* out;
+    unsigned* counters;
+    const float* v_signs;  // (2, D) of a rotated V side: the output rotated back (R^T); else null
+    int num_splits;
+};
+
+struct CombineShared {
+    float weight[TC_ROWS][32];  // the split weights and totals
+    float total[TC_ROWS];
+    int is_last;
+};
+
+// The load of V floats: float4 or float.
+template <int V>
+struct FloatVec {
+    typedef float4 type;
+};
+template <>
+struct FloatVec<1> {
+    typedef float type;
+};
+
+// combine_rows' weighted sums: V consecutive dims of a head a thread (V = 1 or 4), to out, or as
+// the bf16 values' floats to stage (rows x D) when the heads are rotated back.
+template <int D, int V>
+__device__ void combine_sums(const SplitCombine& c, const CombineShared& sh, long long head0, int rows, int active,
+                             float* stage) {
+    typedef typename FloatVec<V>::type Vec;
+    constexpr int Q = D / V;
+    for (int idx = threadIdx.x; idx < rows * Q; idx += TC_THREADS) {
+        const int r = idx / Q, q = idx % Q;
+        const long long head = head0 + r;
+        const Vec* po = reinterpret_cast<const Vec*>(c.part_o + head * c.num_splits * D) + q;
+        float val[V] = {};
+        for (int s0 = 0; s0 < active; s0 += 16) {
+            Vec p[16];
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                if (s0 + j < active) p[j] = __ldcg(po + (s0 + j) * Q);
+            }
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                if (s0 + j < active) {
+                    const float w = sh.weight[r][s0 + j];
+                    const float* pv = reinterpret_cast<const float*>(&p[j]);
+#pragma unroll
+                    for (int v = 0; v < V; ++v) val[v] += pv[v] * w;
+                }
+            }
+        }
+        const float t = sh.total[r];
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            const bf16_t o = f32_to_bf16(t > 0.0f ? val[v] / t : 0.0f);
+            if (stage == nullptr) c.out[head * D + V * q + v] = o;
+            else stage[r * D + V * q + v] = bf16_to_f32(o);
+        }
+    }
+}
+
+// The last split's CTA of (sequence, KV head, chunk): out = paged_decode_combine's reduction of
+// the `active` partials of its `rows` heads from head0 on (its warp 0's sums, per head). stage:
+// rows x D floats of shared scratch, for a rotated V side.
+template <int D>
+__device__ void combine_rows(const SplitCombine& c, CombineShared& sh, long long head0, int rows, int active,
+                             float* stage) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int r = warp; r < rows; r += TC_WARPS) {
+        const float* ml = c.part_ml + ((head0 + r) * c.num_splits + lane) * 2;
+        const float m = lane < active ? __ldcg(ml) : METRALE_NEG_INF;
+        float big = m;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
+        const float w = (lane < active && big != METRALE_NEG_INF) ? exp2f(m - big) : 0.0f;
+        const float l = warp_sum(lane < active ? __ldcg(ml + 1) * w : 0.0f);
+        sh.weight[r][lane] = w;
+        if (lane == 0) sh.total[r] = l;
+    }
+    __syncthreads();
+    // V consecutive dims a thread (4 when that still gives every thread work, else 1), the splits'
+    // loads of a pass (up to 16) all issued before the sums: a few L2 round trips per CTA, not one
+    // per split and dim. Each dim's sum runs over the splits in order, as paged_decode_combine's.
+    float* to = c.v_signs == nullptr ? nullptr : stage;
+    if (rows * D / 4 >= TC_THREADS) combine_sums<D, 4>(c, sh, head0, rows, active, to);
+    else combine_sums<D, 1>(c, sh, head0, rows, active, to);
+    if (to == nullptr) return;
+    __syncthreads();
+    for (int r = warp; r < rows; r += TC_WARPS) wht_rotate<D>(stage + r * D, c.v_signs + D, c.v_signs);  // R^T
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < rows * D; idx += TC_THREADS) c.out[head0 * D + idx] = f32_to_bf16(stage[idx]);
+}
+
+// Whether this CTA is the last of its item's `active` splits to finish (its partials written).
+__device__ bool last_split(const SplitCombine& c, CombineShared& sh, int item, int active) {
+    __syncthreads();  // every thread's partials are written
+    if (threadIdx.x == 0) {
+        unsigned* counter = c.counters + item;
+        __threadfence();
+        const bool last = atomicAdd(counter, 1u) == (unsigned)active - 1;
+        if (last) atomicExch(counter, 0u);  // zero again for the next launch
+        __threadfence();
+        sh.is_last = last;
+    }
+    __syncthreads();
+    return sh.is_last;
+}
+
+template <int D, int KF, int VF>
 __device__ void decode_tc_entry(const bf16_t* q, const void* k_cache, const void* v_cache,
                                 const int* block_tables, const int* seq_lens, bf16_t* out,
                                 float* part_o, float* part_ml, const float* k_scale,
                                 const float* v_scale, float scale, int num_q_heads, int num_kv_heads,
-                                int head_dim, int max_blocks, int num_splits) {
+                                int max_blocks, int num_splits, unsigned* counters, const float* v_signs) {
     __shared__ float smem_o[TC_WARPS * TC_ROWS * TC_MAX_D];
     __shared__ float smem_ml[TC_WARPS * TC_ROWS * 2];
+    __shared__ CombineShared csh;
     const int b = blockIdx.y, chunk = blockIdx.z / num_splits, split = blockIdx.z % num_splits;
     const int len = seq_lens[b], per_split = split_keys(len, num_splits), begin = split * per_split;
-    if (num_splits > 1 && begin >= len) return;  // the combine skips it
-    const int group = num_q_heads / num_kv_heads;
+    const int group = num_q_heads / num_kv_heads, rows = min(TC_ROWS, group - chunk * TC_ROWS);
     const long long head0 = (long long)b * num_q_heads + (long long)blockIdx.x * group + chunk * TC_ROWS;
-    const TcWork w{q + head0 * head_dim,
+    const SplitCombine combine{part_o, part_ml, out, counters, v_signs, num_splits};
+    const bool combines = num_splits > 1 && counters != nullptr;
+    if (num_splits > 1 && begin >= len) {  // the combine skips it; split 0 of an empty context combines none
+        if (combines && len == 0 && split == 0) combine_rows<D>(combine, csh, head0, rows, 0, smem_o);
+        return;
+    }
+    const TcWork w{q + head0 * D,
                    static_cast<const unsigned char*>(k_cache),
                    static_cast<const unsigned char*>(v_cache),
                    block_tables + (long long)b * max_blocks,
                    head0,
-                   min(TC_ROWS, group - chunk * TC_ROWS),
+                   rows,
                    num_kv_heads,
                    (int)blockIdx.x,
                    begin,
@@ -67,13 +187,19 @@ __device__ void decode_tc_entry(const bf16_t* q, const void* k_cache, const void
                    part_ml,
                    smem_o,
                    smem_ml};
-    if (head_dim == 64) decode_tc<64, KF, VF>(w);
-    else if (head_dim == 128) decode_tc<128, KF, VF>(w);
+    decode_tc<D, KF, VF>(w);
+    if (!combines) return;
+    const int chunks = (group + TC_ROWS - 1) / TC_ROWS, active = active_splits(len, num_splits);
+    if (last_split(combine, csh, (b * num_kv_heads + blockIdx.x) * chunks + chunk, active))
+        combine_rows<D>(combine, csh, head0, rows, active, smem_o);  // decode_tc is done with smem_o
 }
 
-// Same arguments as paged_decode_attn<suffix> (paged_decode.cu); grid = (Hk, B, chunks * num_splits)
-// with chunks = ceil(group / TC_ROWS), block = TC_THREADS; head_dim 64 or 128. The split partials
-// go to that module's paged_decode_combine<suffix> (the same split rule and partial layout).
+// The arguments of paged_decode_attn<suffix> (paged_decode.cu), then counters and v_signs; grid =
+// (Hk, B, chunks * num_splits) with chunks = ceil(group / TC_ROWS), block = TC_THREADS; head_dim 64
+// or 128. With a split context and counters (B * Hk * chunks zeroed words, left zero) the launch
+// combines its splits itself, as paged_decode_combine<suffix> with v_signs (a rotated V side's
+// signs, or null) would; without counters the partials go to that kernel (the same split rule
+// and partial layout).
 // Resident CTAs per SM: bf16 4 (112 registers), fp8 3 (its prefetch takes 142; at 4 it spills), the
 // packed sides 4 (128 registers) where that measured faster on an H200, else 3: turbo8 spills 104
 // bytes at 4, fp8k_turbo4v and turbo4k_turbo8v 16, and turbo4 and turbo3k_turbo8v (8 bytes) ran
@@ -84,12 +210,18 @@ __device__ void decode_tc_entry(const bf16_t* q, const void* k_cache, const void
         name(const bf16_t* q, const void* k_cache, const void* v_cache, const int* block_tables, \
              const int* seq_lens, bf16_t* out, float* part_o, float* part_ml,                    \
              const float* k_scale, const float* v_scale, float scale, int num_q_heads,           \
-             int num_kv_heads, int head_dim, int max_blocks, int num_splits) {                   \
+             int num_kv_heads, int head_dim, int max_blocks, int num_splits, unsigned* counters, \
+             const float* v_signs) {                                                             \
         pdl_wait();                                                                              \
         pdl_launch_dependents();                                                                 \
-        decode_tc_entry<kf, vf>(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, \
-                                k_scale, v_scale, scale, num_q_heads, num_kv_heads, head_dim,    \
-                                max_blocks, num_splits);                                         \
+        if (head_dim == 64)                                                                      \
+            decode_tc_entry<64, kf, vf>(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, \
+                                        part_ml, k_scale, v_scale, scale, num_q_heads,           \
+                                        num_kv_heads, max_blocks, num_splits, counters, v_signs); \
+        else if (head_dim == 128)                                                                \
+            decode_tc_entry<128, kf, vf>(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, \
+                                         part_ml, k_scale, v_scale, scale, num_q_heads,          \
+                                         num_kv_heads, max_blocks, num_splits, counters, v_signs); \
     }
 METRALE_TC_ENTRY(paged_decode_attn_tc, TC_BF16, TC_BF16, 4)
 METRALE_TC_ENTRY(paged_decode_attn_tc_fp8, TC_FP8, TC_FP8, 3)
@@ -141,9 +273,7 @@ struct RopeDecodeShared {
     float ml[TC_WARPS * TC_ROWS * 2];
     alignas(16) bf16_t q[TC_ROWS * TC_MAX_D];  // the CTA's query heads after norm + RoPE
     alignas(16) bf16_t k[TC_MAX_D];  // the new key after norm + RoPE
-    float weight[TC_ROWS][32];  // the combine's split weights and totals
-    float total[TC_ROWS];
-    int is_last;
+    CombineShared combine;
     // Loaded before the PDL wait: the position's cos and sin halves, the QK-norm weights and the
     // split's block-table entries (when the split has at most TC_STAGED_BLOCKS blocks).
     float cos_sin[TC_MAX_D];
@@ -151,87 +281,6 @@ struct RopeDecodeShared {
     alignas(16) bf16_t k_norm[TC_MAX_D];
     int blocks[TC_STAGED_BLOCKS];
 };
-
-// The load of V floats: float4 or float.
-template <int V>
-struct FloatVec {
-    typedef float4 type;
-};
-template <>
-struct FloatVec<1> {
-    typedef float type;
-};
-
-// combine_rows' weighted sums: V consecutive dims of a head a thread (V = 1 or 4).
-template <int D, int V>
-__device__ void combine_sums(const RopeDecodeArgs& a, RopeDecodeShared& sh, long long head0, int rows, int active) {
-    typedef typename FloatVec<V>::type Vec;
-    constexpr int Q = D / V;
-    for (int idx = threadIdx.x; idx < rows * Q; idx += TC_THREADS) {
-        const int r = idx / Q, c = idx % Q;
-        const long long head = head0 + r;
-        const Vec* po = reinterpret_cast<const Vec*>(a.part_o + head * a.num_splits * D) + c;
-        float val[V] = {};
-        for (int s0 = 0; s0 < active; s0 += 16) {
-            Vec p[16];
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                if (s0 + j < active) p[j] = __ldcg(po + (s0 + j) * Q);
-            }
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                if (s0 + j < active) {
-                    const float w = sh.weight[r][s0 + j];
-                    const float* pv = reinterpret_cast<const float*>(&p[j]);
-#pragma unroll
-                    for (int v = 0; v < V; ++v) val[v] += pv[v] * w;
-                }
-            }
-        }
-        const float t = sh.total[r];
-#pragma unroll
-        for (int v = 0; v < V; ++v) a.out[head * D + V * c + v] = f32_to_bf16(t > 0.0f ? val[v] / t : 0.0f);
-    }
-}
-
-// The last split's CTA of (sequence, KV head, chunk): out = paged_decode_combine's reduction of
-// the `active` partials of its `rows` heads from head0 on (its warp 0's sums, per head).
-template <int D>
-__device__ void combine_rows(const RopeDecodeArgs& a, RopeDecodeShared& sh, long long head0, int rows, int active) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int r = warp; r < rows; r += TC_WARPS) {
-        const float* ml = a.part_ml + ((head0 + r) * a.num_splits + lane) * 2;
-        const float m = lane < active ? __ldcg(ml) : METRALE_NEG_INF;
-        float big = m;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
-        const float w = (lane < active && big != METRALE_NEG_INF) ? exp2f(m - big) : 0.0f;
-        const float l = warp_sum(lane < active ? __ldcg(ml + 1) * w : 0.0f);
-        sh.weight[r][lane] = w;
-        if (lane == 0) sh.total[r] = l;
-    }
-    __syncthreads();
-    // V consecutive dims a thread (4 when that still gives every thread work, else 1), the splits'
-    // loads of a pass (up to 16) all issued before the sums: a few L2 round trips per CTA, not one
-    // per split and dim. Each dim's sum runs over the splits in order, as paged_decode_combine's.
-    if (rows * D / 4 >= TC_THREADS) combine_sums<D, 4>(a, sh, head0, rows, active);
-    else combine_sums<D, 1>(a, sh, head0, rows, active);
-}
-
-// Whether this CTA is the last of its item's `active` splits to finish (its partials written).
-__device__ bool last_split(const RopeDecodeArgs& a, RopeDecodeShared& sh, int item, int active) {
-    __syncthreads();  // every thread's partials are written
-    if (threadIdx.x == 0) {
-        unsigned* counter = a.counters + item;
-        __threadfence();
-        const bool last = atomicAdd(counter, 1u) == (unsigned)active - 1;
-        if (last) atomicExch(counter, 0u);  // zero again for the next launch
-        __threadfence();
-        sh.is_last = last;
-    }
-    __syncthreads();
-    return sh.is_last;
-}
 
 // The cache's element store (kv_write.cuh).
 template <bool FP8>
@@ -331,7 +380,9 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
     decode_tc<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16>(w);
     if (a.num_splits == 1) return;
     const int active = active_splits(len, a.num_splits);
-    if (last_split(a, sh, (b * a.hk + kvh) * chunks + chunk, active)) combine_rows<D>(a, sh, head0, rows, active);
+    const SplitCombine combine{a.part_o, a.part_ml, a.out, a.counters, nullptr, a.num_splits};
+    if (last_split(combine, sh.combine, (b * a.hk + kvh) * chunks + chunk, active))
+        combine_rows<D>(combine, sh.combine, head0, rows, active, nullptr);
 }
 
 // q / k / v: Hq / Hk / Hk heads of head_dim bf16 per sequence, sequence b's at b * {q,k,v}_stride

@@ -122,27 +122,40 @@ def tc_library(build_dir) -> ctypes.CDLL:
     if not _TC_LIB:
         handle = build_host_library("paged_decode_tc_host.cpp", build_dir, name="attention_tc")
         handle.host_paged_decode_tc.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] + [ctypes.c_int] * 7 + [
-            ctypes.c_char_p]
+            ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p]
         _TC_LIB.append(handle)
     return _TC_LIB[0]
 
 
-def _tc_decode(lib, dtype, head_dim, group, splits, lens, seed):
+def _tc_run(lib, c, q, dtype, splits, in_launch=False, v_signs=None):
+    """The tensor-core decode of case ``c`` on the emulated CPU: its splits combined by
+    paged_decode_combine<suffix>, or (``in_launch``) by the decode launch itself."""
+    batch, hq, head_dim = q.shape
+    hk = c["kv"].k.num_kv_heads
+    chunks = math.ceil(hq // hk / TC_ROWS)
+    out = torch.full_like(q, float("nan"))
+    part_o = torch.full((batch, hq, splits, head_dim), float("nan"))
+    part_ml = torch.full((batch, hq, splits, 2), float("nan"))
+    counters = torch.zeros(batch * hk * chunks, dtype=torch.int32) if in_launch else None
+    kp, vp, tables, seq = c["kv"].k, c["kv"].v, c["block_tables"], c["seq_lens"]
+    lib.host_paged_decode_tc(_ptr(q), _ptr(kp.data), _ptr(vp.data), _ptr(tables), _ptr(seq), _ptr(out),
+                             _ptr(part_o), _ptr(part_ml), _ptr(kp.scale), _ptr(vp.scale), head_dim**-0.5, hq, hk,
+                             head_dim, tables.shape[1], splits, batch, chunks, dtype.suffix.encode(), _ptr(counters),
+                             _ptr(v_signs))
+    if counters is not None:
+        assert not counters.any()  # left zero for the next launch
+    return out
+
+
+def _tc_decode(lib, dtype, head_dim, group, splits, lens, seed, in_launch=False):
     """(got, want): the tensor-core decode of ``dtype`` on the emulated CPU and the reference, for a
     case of ``lens`` contexts over 2 KV heads; q's row 1, head 0 is large (the fp8 path's f16 scaling)."""
     hk = 2
     c = make_paged_case(lens, hk * group, hk, head_dim, dtype, seed=seed)
     q = _q(len(lens), hk * group, head_dim, seed=5)
     q[1, 0] *= 3e5  # beyond f16's range: scaled into it by a power of two
-    out = torch.full_like(q, float("nan"))
-    part_o = torch.full((len(lens), hk * group, splits, head_dim), float("nan"))
-    part_ml = torch.full((len(lens), hk * group, splits, 2), float("nan"))
-    kp, vp, tables, seq = c["kv"].k, c["kv"].v, c["block_tables"], c["seq_lens"]
-    lib.host_paged_decode_tc(_ptr(q), _ptr(kp.data), _ptr(vp.data), _ptr(tables), _ptr(seq), _ptr(out),
-                             _ptr(part_o), _ptr(part_ml), _ptr(kp.scale), _ptr(vp.scale), head_dim**-0.5,
-                             hk * group, hk, head_dim, tables.shape[1], splits, len(lens),
-                             math.ceil(group / TC_ROWS), dtype.suffix.encode())
-    return out, ref.paged_decode(q, c["kv"], tables, seq, head_dim**-0.5)
+    out = _tc_run(lib, c, q, dtype, splits, in_launch)
+    return out, ref.paged_decode(q, c["kv"], c["block_tables"], c["seq_lens"], head_dim**-0.5)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 32])
@@ -160,6 +173,26 @@ def test_tensor_core_decode_equals_the_reference(build_dir, dtype, head_dim, gro
 
 
 PACKED = [d for d in KvCacheDtype if d not in (KvCacheDtype.BF16, KvCacheDtype.FP8)]
+
+
+@pytest.mark.parametrize("splits, group", [(3, 4), (32, 12), (5, 16)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.FP8, KvCacheDtype.TURBO4, KvCacheDtype.NVFP4,
+                                   KvCacheDtype.BF16K_TURBO3V, KvCacheDtype.TURBO4K_TURBO3V], ids=lambda d: d.value)
+def test_tensor_core_decode_combines_its_splits_as_the_combine_launch(build_dir, dtype, head_dim, group, splits):
+    """With counters the decode launch's last split of each (sequence, KV head, chunk) reduces the
+    partials: the bytes of paged_decode_combine<suffix> after it, an empty context's zeros
+    included; with a rotated V side's signs also those of the WHT launch after that."""
+    lib, hk = tc_library(build_dir), 2
+    c = make_paged_case([1, 7, 16, 99, 300, 0], hk * group, hk, head_dim, dtype, seed=head_dim + splits)
+    q = _q(6, hk * group, head_dim, seed=7)
+    two = _tc_run(lib, c, q, dtype, splits)
+    assert torch.equal(_tc_run(lib, c, q, dtype, splits, in_launch=True), two)
+    if kv_pair(dtype)[1].is_turbo:
+        vp = c["kv"].v
+        rotated = _tc_run(lib, c, q, dtype, splits, in_launch=True, v_signs=vp.signs)
+        assert torch.equal(rotated, restore_output(ref.TorchOps, two.clone(), vp))  # (the WHT is in place)
+        assert not torch.equal(rotated, two)
 
 
 @pytest.mark.parametrize("splits, group", [(1, 1), (3, 4), (32, 12)])

@@ -72,7 +72,7 @@ def unfused(tc, rc, c, kp, vp, splits, fp8):
     tc.host_paged_decode_tc(*(_ptr(t) for t in (q, kp.data, vp.data, c["block_tables"], c["seq_lens"], out, part_o,
                                                  part_ml, kp.scale, vp.scale)),
                             ctypes.c_float(d**-0.5), hq, hk, d, c["block_tables"].shape[1], splits, batch,
-                            math.ceil(hq // hk / TC_ROWS), b"_fp8" if fp8 else b"")
+                            math.ceil(hq // hk / TC_ROWS), b"_fp8" if fp8 else b"", None, None)
     return out
 
 

@@ -212,16 +212,35 @@ def test_packed_pools_travel_as_byte_pointers():
 def test_tensor_core_decode_launch(ops, dtype, group, chunks, splits):
     q = torch.zeros(1, 8 * group, 128, dtype=torch.bfloat16)
     tables, lens = torch.zeros(1, 64, dtype=torch.int32), torch.tensor([999], dtype=torch.int32)
-    attention(ops, dtype).paged_decode(q, cache(dtype), tables, lens, 0.1)
-    (decode, grid, block, args, kinds), (combine, c_grid, _, _, _) = ops.loader.calls
+    kv = cache(dtype)
+    attention(ops, dtype).paged_decode(q, kv, tables, lens, 0.1)
+    (decode, grid, block, args, kinds), = ops.loader.calls  # the splits combined in the launch
     suffix = KvCacheDtype(dtype).suffix
     assert decode == f"paged_decode_tc::paged_decode_attn_tc{suffix}"
     assert (kinds["k_cache"], kinds["v_cache"]) == {"bf16": ("bf16*",) * 2, "fp8": ("fp8*",) * 2, "turbo4": ("u8*",) * 2,
                                                     "fp8k_turbo3v": ("fp8*", "u8*")}[dtype]
     assert grid == (8, 1, chunks * splits) and block == (128,) and args["num_splits"] == splits
-    assert combine.endswith("paged_decode_combine" + suffix) and c_grid == (8 * group, 1)
+    assert args["counters"].dtype == torch.int32 and args["counters"].numel() >= 8 * chunks
+    assert not args["counters"].any() and args["v_signs"] is None
     # all wait in-kernel (pdl.cuh); all but bf16's launch normally (their row's tensor_core.programmatic)
-    assert ops.loader.programmatic == ([decode, combine] if dtype == "bf16" else [])
+    assert ops.loader.programmatic == ([decode] if dtype == "bf16" else [])
+    attention(ops, dtype).paged_decode(q, kv, tables, lens, 0.1, restore_v=True)
+    assert ops.loader.calls[1][3]["v_signs"] is (kv.v.signs if kv.v.rotated else None)
+    assert len(ops.loader.calls) == 2  # the output rotated back inside the launch
+
+
+@pytest.mark.parametrize("d, launches", [
+    (128, ["paged_decode_tc::paged_decode_attn_tc_turbo4", "wht_bf16::wht_bf16_inplace_inv"]),
+    (256, ["paged_decode_turbo4::paged_decode_attn_turbo4", "wht_bf16::wht_bf16_inplace_inv"]),
+])
+def test_one_split_restores_a_rotated_output_with_the_wht_launch(ops, d, launches):
+    """A narrow block table (one split: no combine) leaves the rotation to the WHT launch."""
+    kv = cache("turbo4", d=d)
+    attention(ops, "turbo4", d).paged_decode(torch.zeros(1, 32, d, dtype=torch.bfloat16), kv,
+                                             torch.zeros(1, 1, dtype=torch.int32), torch.tensor([9], dtype=torch.int32),
+                                             0.1, restore_v=True)
+    assert [call[0] for call in ops.loader.calls] == launches
+    assert ops.loader.calls[0][3]["num_splits"] == 1 and ops.loader.calls[1][3]["signs"] is kv.v.signs
 
 
 def test_only_kernels_that_wait_in_kernel_launch_programmatically(ops):
@@ -259,8 +278,7 @@ def test_tensor_core_decode_waves_count_its_residency(ops):
 @pytest.mark.parametrize("dtype, launches", [
     ("bf16", ["paged_decode_tc::paged_decode_rope_tc"]),
     ("fp8", ["paged_decode_tc::paged_decode_rope_tc_fp8"]),
-    ("turbo4", ["rope_and_cache::rope_and_cache_turbo4", "paged_decode_tc::paged_decode_attn_tc_turbo4",
-                "paged_decode_turbo4_128::paged_decode_combine_turbo4"]),
+    ("turbo4", ["rope_and_cache::rope_and_cache_turbo4", "paged_decode_tc::paged_decode_attn_tc_turbo4"]),
 ])
 def test_decode_attention_is_one_launch_for_a_bf16_or_fp8_cache(ops, dtype, launches):
     """Qwen3-8B's shape at batch 1: one launch of the fused kernel over the grid and split count

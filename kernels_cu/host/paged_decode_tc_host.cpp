@@ -9,7 +9,7 @@
 #include "decode_grid.h"
 
 typedef void (*TcDecode)(const bf16_t*, const void*, const void*, const int*, const int*, bf16_t*, float*, float*,
-                         const float*, const float*, float, int, int, int, int, int);
+                         const float*, const float*, float, int, int, int, int, int, unsigned*, const float*);
 
 // The entry point named paged_decode_attn_tc<suffix> (suffix "" for bf16, else "_<dtype>").
 static TcDecode tc_entry(const char* suffix) {
@@ -30,17 +30,27 @@ static TcDecode tc_entry(const char* suffix) {
 }
 
 // paged_decode_attn_tc<suffix> over grid = (hk, batch, chunks * num_splits), then the combine over
-// (hq, batch) when split.
+// (hq, batch) when split; with counters (batch * hk * chunks zeroed words) the launch combines its
+// splits itself (rotating the output back by v_signs when given), as CudaOps launches it.
 extern "C" void host_paged_decode_tc(const bf16_t* q, const void* k_cache, const void* v_cache,
                                      const int* block_tables, const int* seq_lens, bf16_t* out,
                                      float* part_o, float* part_ml, const float* k_scale,
                                      const float* v_scale, float scale, int hq, int hk, int head_dim,
-                                     int max_blocks, int num_splits, int batch, int chunks, const char* suffix) {
+                                     int max_blocks, int num_splits, int batch, int chunks, const char* suffix,
+                                     unsigned* counters, const float* v_signs) {
     const TcDecode entry = tc_entry(suffix);
-    run_paged_decode(hk, batch, chunks * num_splits, TC_THREADS, [&] {
+    auto decode = [&] {
         entry(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, k_scale, v_scale, scale, hq, hk,
-              head_dim, max_blocks, num_splits);
-    }, part_o, part_ml, seq_lens, out, hq, head_dim, num_splits);
+              head_dim, max_blocks, num_splits, counters, v_signs);
+    };
+    if (counters == nullptr) {
+        run_paged_decode(hk, batch, chunks * num_splits, TC_THREADS, decode, part_o, part_ml, seq_lens, out, hq,
+                         head_dim, num_splits);
+        return;
+    }
+    for (int z = 0; z < chunks * num_splits; ++z)
+        for (int y = 0; y < batch; ++y)
+            for (int x = 0; x < hk; ++x) run_block({(unsigned)x, (unsigned)y, (unsigned)z}, TC_THREADS, decode);
 }
 
 // paged_decode_rope_tc / paged_decode_rope_tc_fp8 over its grid (hk, batch, chunks * num_splits); it

@@ -86,8 +86,9 @@ class CudaPagedAttention:
     def paged_decode(self, q, kv: LayerKv, block_tables, seq_lens, scale, restore_v=False,
                      tensor_cores: bool = True):
         """The tensor-core kernel where it serves the case (``tensor_cores=False``: the dtype's
-        paged_decode_attn kernel always, for its tests), else paged_decode_attn<suffix>. With
-        ``restore_v`` a rotated V side's output comes back rotated by the split combine (or, with
+        paged_decode_attn kernel always, for its tests), else paged_decode_attn<suffix>. A split
+        context is combined inside the tensor-core launch, else by paged_decode_combine<suffix>.
+        With ``restore_v`` a rotated V side's output comes back rotated by that combine (or, with
         one split, by the WHT launch)."""
         batch, hq, head_dim = q.shape
         self._check(kv, hq, head_dim)
@@ -95,23 +96,32 @@ class CudaPagedAttention:
         q, out = _ready(q), torch.empty_like(q)
         if not batch:
             return out
-        kernel, per_sm, programmatic, min_keys = self.kernels.decode, DECODE_CTAS_PER_SM, False, MIN_KEYS_PER_SPLIT
-        if tensor_cores and self.kernels.decode_tc is not None:
-            kernel, chunks = self.kernels.decode_tc, math.ceil(hq // hk / TC_ROWS)
-            per_sm, min_keys, programmatic = self.tc.ctas_per_sm, TC_MIN_KEYS_PER_SPLIT, self.tc.programmatic
+        restore = restore_v and kv.v.rotated
+        v_signs = kv.v.signs if restore else None
+        tc = tensor_cores and self.kernels.decode_tc is not None
+        if tc:
+            chunks = math.ceil(hq // hk / TC_ROWS)
+            splits, part_o, part_ml = self._split_buffers(q, hk * batch * chunks, block_tables.shape[1],
+                                                          self.tc.ctas_per_sm, TC_MIN_KEYS_PER_SPLIT)
+            counters = self.ops.combine_counters(q.device, batch * hk * chunks) if splits > 1 else None
+            self.ops._launch(
+                self.kernels.decode_tc, (hk, batch, chunks * splits), (ATTN_THREADS,), q, kv.k.data, kv.v.data,
+                _ready(block_tables), _ready(seq_lens), out, part_o, part_ml, kv.k.scale, kv.v.scale,
+                scale, hq, hk, head_dim, block_tables.shape[1], splits, counters, v_signs, pdl=self.tc.programmatic,
+            )
         else:
             chunks = math.ceil(hq // hk / decode_rows(head_dim, hq // hk))
-        splits, part_o, part_ml = self._split_buffers(q, hk * batch * chunks, block_tables.shape[1], per_sm, min_keys)
-        self.ops._launch(
-            kernel, (hk, batch, chunks * splits), (ATTN_THREADS,), q, kv.k.data, kv.v.data,
-            _ready(block_tables), _ready(seq_lens), out, part_o, part_ml, kv.k.scale, kv.v.scale,
-            scale, hq, hk, head_dim, block_tables.shape[1], splits, pdl=programmatic,
-        )
-        restore = restore_v and kv.v.rotated
-        if splits > 1:
-            self.ops._launch(self.kernels.combine, (hq, batch), (128,), part_o, part_ml, _ready(seq_lens), out, hq,
-                             head_dim, splits, kv.v.signs if restore else None, pdl=programmatic)
-        elif restore:
+            splits, part_o, part_ml = self._split_buffers(q, hk * batch * chunks, block_tables.shape[1],
+                                                          DECODE_CTAS_PER_SM, MIN_KEYS_PER_SPLIT)
+            self.ops._launch(
+                self.kernels.decode, (hk, batch, chunks * splits), (ATTN_THREADS,), q, kv.k.data, kv.v.data,
+                _ready(block_tables), _ready(seq_lens), out, part_o, part_ml, kv.k.scale, kv.v.scale,
+                scale, hq, hk, head_dim, block_tables.shape[1], splits,
+            )
+            if splits > 1:
+                self.ops._launch(self.kernels.combine, (hq, batch), (128,), part_o, part_ml, _ready(seq_lens), out,
+                                 hq, head_dim, splits, v_signs)
+        if splits == 1 and restore:
             out = restore_output(self.ops, out, kv.v)
         return out
 

@@ -35,6 +35,7 @@ _DECODE = (
     "part_o: f32*?, part_ml: f32*?, k_scale: f32*, v_scale: f32*, scale: f32, hq: i32, hk: i32, "
     "head_dim: i32, max_blocks: i32, num_splits: i32"
 )
+_DECODE_TC = _DECODE + ", counters: i32*?, v_signs: f32*?"
 _DECODE_ROPE = (
     "q: bf16*, k: bf16*, v: bf16*, k_cache: {k}, v_cache: {v}, slot_mapping: i32*, positions: i32*, "
     "cos: f32*, sin: f32*, q_norm: bf16*?, k_norm: bf16*?, block_tables: i32*, seq_lens: i32*, out: bf16*, "
@@ -122,7 +123,8 @@ def kv_kernels(d: KvCacheDtype, head_dim: int) -> KvKernels:
         prefill=(KernelSpec(f"prefill_paged{sfx}", f"attn_prefill_paged{sfx}{row.prefill.tile}"),
                  _signature(_PREFILL, d)),
         wht=tuple((spec, WHT_SIG) for spec in WHT_KERNELS) if row.rotated else (),
-        decode_tc=(KernelSpec("paged_decode_tc", f"paged_decode_attn_tc{sfx}"), _signature(_DECODE, d)) if tc else None,
+        decode_tc=(KernelSpec("paged_decode_tc", f"paged_decode_attn_tc{sfx}"), _signature(_DECODE_TC, d))
+        if tc else None,
         decode_rope=(KernelSpec("paged_decode_tc", f"paged_decode_rope_tc{sfx}"), _signature(_DECODE_ROPE, d))
         if tc and row.tensor_core.one_launch else None,
     )

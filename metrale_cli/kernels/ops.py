@@ -235,6 +235,7 @@ class PagedAttention(Protocol):
         q_norm: torch.Tensor | None,
         k_norm: torch.Tensor | None,
         eps: float,
+        rotate_q: bool = False,
     ) -> torch.Tensor:
         """QK-norm, RoPE and the cache write in one call; returns the query.
 
@@ -243,8 +244,10 @@ class PagedAttention(Protocol):
         slot_mapping)``. q: (T, Hq, D), k / v: (T, Hk, D) bf16, each head's D elements contiguous
         (strided views of a fused qkv projection are fine); q_norm / k_norm: (D,) or None;
         cos / sin as for :meth:`rope`. Returns a new contiguous (T, Hq, D) tensor holding q after
-        norm and RoPE (in the original basis: the caller still rotates it for a rotated K side).
-        q, k and v are not modified; the normalized, rotated k is only written to the cache.
+        norm and RoPE, in the original basis, or with ``rotate_q`` in the K side's basis:
+        ``rotation.rotate_query(q)``'s bytes (R·q, divided by the InnerQ scales of its KV head;
+        q itself for an unrotated K side). q, k and v are not modified; the normalized, rotated k
+        is only written to the cache.
         """
 
     def paged_decode(
@@ -254,6 +257,7 @@ class PagedAttention(Protocol):
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        restore_v: bool = False,
     ) -> torch.Tensor:
         """One query token per sequence over its whole cached context.
 
@@ -261,7 +265,8 @@ class PagedAttention(Protocol):
         sequence, the current one included -> (B, Hq, D) in q's dtype. GQA: query head h reads
         KV head h // (Hq // Hk). ``q`` arrives already rotated (and divided by the InnerQ scales
         of its KV head) when the K side is rotated; the output is in the rotated basis when the
-        V side is rotated (the layer rotates it back). Kernels only dequantize and attend.
+        V side is rotated, or with ``restore_v`` rotated back (``rotation.restore_output``'s
+        bytes). Kernels only dequantize and attend, and rotate the output back.
         """
 
     def rope_cache_decode(

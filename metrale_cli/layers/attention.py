@@ -12,7 +12,9 @@ o_proj + residual add, and the FFN's own (``FfnComponent.add_row``); the layer t
 running sum alone (``residual`` None). WHT bookends: when the layer's K side is stored rotated,
 Q is rotated the same way (and divided by the InnerQ channel scales) before attention, so scores
 are unchanged; when the V side is rotated, the attention output comes back in the rotated basis
-and is rotated back.
+and is rotated back (kernels/rotation.py). Once calibration has frozen the backend does both
+(rope_and_cache's ``rotate_q``, paged_decode's ``restore_v``): on the cuda backend they ride in the
+cache-write launch and the split combine.
 """
 
 from __future__ import annotations
@@ -186,7 +188,8 @@ class Qwen3AttentionLayer:
         """Split, QK-norm, RoPE, calibrate, write the cache, rotate Q: the query for the kernels.
 
         Once this layer's online calibration (fp8 scales, InnerQ) has frozen, nothing needs the
-        rotated K on the host side, and QK-norm, RoPE and the cache write are one launch."""
+        rotated K on the host side, and QK-norm, RoPE, the cache write and Q's rotation are one
+        launch."""
         w, ops, kv = self.weights, self.ops, self.kv
         tokens, d = qkv.shape[0], self.spec.attention.head_dim
         q, k, v = self._split(qkv)
