@@ -36,14 +36,10 @@ struct RopeCacheArgs {
 // of KV head kvh) when channel is set. y: D floats of scratch. Run by one warp.
 template <int D>
 __device__ void rotate_query(bf16_t* row, const float* signs, const float* channel, int kvh, float* y) {
+    wht_rotate_row<D>(row, signs, signs + D, y);
+    if (channel == nullptr) return;
     const int lane = threadIdx.x & 31;
-    for (int i = lane; i < D; i += 32) y[i] = bf16_to_f32(row[i]);
-    __syncwarp();
-    wht_rotate<D>(y, signs, signs + D);
-    for (int i = lane; i < D; i += 32) {
-        const float r = round_bf16(y[i]);
-        row[i] = f32_to_bf16(channel == nullptr ? r : __fdiv_rn(r, channel[kvh * D + i]));
-    }
+    for (int i = lane; i < D; i += 32) row[i] = f32_to_bf16(__fdiv_rn(bf16_to_f32(row[i]), channel[kvh * D + i]));
     __syncwarp();
 }
 

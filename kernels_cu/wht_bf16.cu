@@ -7,15 +7,6 @@
 
 #define WHT_WARPS 4
 
-template <int D>
-__device__ void rotate_row(bf16_t* x, const float* first, const float* last, float* y) {
-    const int lane = threadIdx.x & 31;
-    for (int i = lane; i < D; i += 32) y[i] = bf16_to_f32(x[i]);
-    __syncwarp();
-    wht_rotate<D>(y, first, last);
-    for (int i = lane; i < D; i += 32) x[i] = f32_to_bf16(y[i]);
-}
-
 __device__ void rotate_rows(bf16_t* x, const float* first, const float* last, int rows, int head_dim) {
     __shared__ float scratch[WHT_WARPS][512];
     const int warp = threadIdx.x >> 5;
@@ -23,10 +14,10 @@ __device__ void rotate_rows(bf16_t* x, const float* first, const float* last, in
     if (row >= rows) return;
     bf16_t* r = x + row * head_dim;
     switch (head_dim) {
-        case 64: rotate_row<64>(r, first, last, scratch[warp]); break;
-        case 128: rotate_row<128>(r, first, last, scratch[warp]); break;
-        case 256: rotate_row<256>(r, first, last, scratch[warp]); break;
-        case 512: rotate_row<512>(r, first, last, scratch[warp]); break;
+        case 64: wht_rotate_row<64>(r, first, last, scratch[warp]); break;
+        case 128: wht_rotate_row<128>(r, first, last, scratch[warp]); break;
+        case 256: wht_rotate_row<256>(r, first, last, scratch[warp]); break;
+        case 512: wht_rotate_row<512>(r, first, last, scratch[warp]); break;
     }
 }
 

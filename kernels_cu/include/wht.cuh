@@ -2,8 +2,10 @@
 // fp32 in shared memory, in exactly the order of docs/kv-formats.md ("Rotation"): sign flip,
 // butterflies for h = 1, 2, ..., D/2, then (y * S2) * c with c = fp32(1 / sqrt(D)). Every
 // butterfly output is one IEEE add, so the lanes' split of the pairs does not change a bit.
-// The inverse R^T swaps S1 and S2. Modules including this compile with --fmad=false.
+// The inverse R^T swaps S1 and S2. Every step is an _rn intrinsic, so no FMA contraction can
+// change a bit, whatever the module's --fmad.
 #pragma once
+#include "numeric.cuh"
 
 template <int D>
 __device__ __forceinline__ float wht_norm() {
@@ -30,5 +32,17 @@ __device__ void wht_rotate(float* y, const float* first, const float* last) {
     }
     const float c = wht_norm<D>();
     for (int i = lane; i < D; i += 32) y[i] = __fmul_rn(__fmul_rn(y[i], last[i]), c);
+    __syncwarp();
+}
+
+// A bf16 row of D elements rotated in place, as wht_bf16_inplace stores it: widened to fp32 in y
+// (the warp's D floats of shared scratch), wht_rotate, rounded to bf16 once.
+template <int D>
+__device__ void wht_rotate_row(bf16_t* row, const float* first, const float* last, float* y) {
+    const int lane = threadIdx.x & 31;
+    for (int i = lane; i < D; i += 32) y[i] = bf16_to_f32(row[i]);
+    __syncwarp();
+    wht_rotate<D>(y, first, last);
+    for (int i = lane; i < D; i += 32) row[i] = f32_to_bf16(y[i]);
     __syncwarp();
 }

@@ -97,30 +97,26 @@ class CudaPagedAttention:
         if not batch:
             return out
         restore = restore_v and kv.v.rotated
-        v_signs = kv.v.signs if restore else None
+        kernel, per_sm, programmatic, min_keys = self.kernels.decode, DECODE_CTAS_PER_SM, False, MIN_KEYS_PER_SPLIT
         tc = tensor_cores and self.kernels.decode_tc is not None
         if tc:
-            chunks = math.ceil(hq // hk / TC_ROWS)
-            splits, part_o, part_ml = self._split_buffers(q, hk * batch * chunks, block_tables.shape[1],
-                                                          self.tc.ctas_per_sm, TC_MIN_KEYS_PER_SPLIT)
-            counters = self.ops.combine_counters(q.device, batch * hk * chunks) if splits > 1 else None
-            self.ops._launch(
-                self.kernels.decode_tc, (hk, batch, chunks * splits), (ATTN_THREADS,), q, kv.k.data, kv.v.data,
-                _ready(block_tables), _ready(seq_lens), out, part_o, part_ml, kv.k.scale, kv.v.scale,
-                scale, hq, hk, head_dim, block_tables.shape[1], splits, counters, v_signs, pdl=self.tc.programmatic,
-            )
+            kernel, chunks = self.kernels.decode_tc, math.ceil(hq // hk / TC_ROWS)
+            per_sm, min_keys, programmatic = self.tc.ctas_per_sm, TC_MIN_KEYS_PER_SPLIT, self.tc.programmatic
         else:
             chunks = math.ceil(hq // hk / decode_rows(head_dim, hq // hk))
-            splits, part_o, part_ml = self._split_buffers(q, hk * batch * chunks, block_tables.shape[1],
-                                                          DECODE_CTAS_PER_SM, MIN_KEYS_PER_SPLIT)
-            self.ops._launch(
-                self.kernels.decode, (hk, batch, chunks * splits), (ATTN_THREADS,), q, kv.k.data, kv.v.data,
-                _ready(block_tables), _ready(seq_lens), out, part_o, part_ml, kv.k.scale, kv.v.scale,
-                scale, hq, hk, head_dim, block_tables.shape[1], splits,
-            )
-            if splits > 1:
-                self.ops._launch(self.kernels.combine, (hq, batch), (128,), part_o, part_ml, _ready(seq_lens), out,
-                                 hq, head_dim, splits, v_signs)
+        splits, part_o, part_ml = self._split_buffers(q, hk * batch * chunks, block_tables.shape[1], per_sm, min_keys)
+        v_signs = kv.v.signs if restore and splits > 1 else None
+        # the tensor-core decode combines its own splits (counters), the other one's go to the combine
+        counters = self.ops.combine_counters(q.device, batch * hk * chunks) if tc and splits > 1 else None
+        self.ops._launch(
+            kernel, (hk, batch, chunks * splits), (ATTN_THREADS,), q, kv.k.data, kv.v.data,
+            _ready(block_tables), _ready(seq_lens), out, part_o, part_ml, kv.k.scale, kv.v.scale,
+            scale, hq, hk, head_dim, block_tables.shape[1], splits, *((counters, v_signs) if tc else ()),
+            pdl=programmatic,
+        )
+        if splits > 1 and not tc:
+            self.ops._launch(self.kernels.combine, (hq, batch), (128,), part_o, part_ml, _ready(seq_lens), out, hq,
+                             head_dim, splits, v_signs, pdl=programmatic)
         if splits == 1 and restore:
             out = restore_output(self.ops, out, kv.v)
         return out
