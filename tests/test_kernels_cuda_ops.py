@@ -292,7 +292,9 @@ def test_decode_attention_is_one_launch_for_a_bf16_or_fp8_cache(ops, dtype, laun
     attn = attention(ops, dtype)
     out = attn.rope_cache_decode(*rope_decode_args(c, kv, CPU))
     assert out.shape == (1, 32, 128) and [call[0] for call in ops.loader.calls] == launches
-    if dtype == "turbo4":
+    if dtype == "turbo4":  # the query rotated by the write, the output back by the in-launch combine
+        (_, _, _, wargs, _), (_, _, _, dargs, _) = ops.loader.calls
+        assert wargs["rotate_q"] == 1 and dargs["v_signs"] is kv.v.signs and dargs["num_splits"] > 1
         return
     (_, grid, block, args, kinds), = ops.loader.calls
     # 8 CTAs, far from a wave at 3 or 4 per SM: as many splits as the table allows (a tile per warp)
@@ -317,6 +319,22 @@ def test_decode_attention_of_several_tokens_per_sequence_runs_unfused(ops):
     attention(ops, "bf16", 64).rope_cache_decode(*args)
     assert [call[0] for call in ops.loader.calls][:2] == ["rope_and_cache::rope_and_cache_bf16",
                                                            "paged_decode_tc::paged_decode_attn_tc"]
+
+
+def test_decode_attention_past_the_tensor_core_head_dims_rotates_in_its_launches(ops):
+    """head_dim 256 has no tensor-core decode: a turbo cache's query is rotated by the cache write
+    (rotate_q) and its output rotated back by the split combine (v_signs)."""
+    from metrale_cli.kernels.cases import rope_decode_args, rope_decode_case
+
+    c = rope_decode_case([999], 16, 8, 256)
+    c["block_tables"] = torch.zeros(1, 64, dtype=torch.int32)
+    kv = cache("turbo3", d=256)
+    attention(ops, "turbo3", 256).rope_cache_decode(*rope_decode_args(c, kv, CPU))
+    (write, _, _, wargs, _), (decode, *_), (combine, _, _, cargs, _) = ops.loader.calls
+    assert (write, decode, combine) == ("rope_and_cache::rope_and_cache_turbo3",
+                                        "paged_decode_turbo3::paged_decode_attn_turbo3",
+                                        "paged_decode_turbo3::paged_decode_combine_turbo3")
+    assert wargs["rotate_q"] == 1 and cargs["v_signs"] is kv.v.signs
 
 
 def test_the_lm_head_gemv_writes_fp32_logits_and_a_bf16_sum(ops):

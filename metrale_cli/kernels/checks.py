@@ -160,14 +160,16 @@ def _check_rope_and_cache(dtype):
 
 def _check_rope_decode(dtype):
     def check(ops, hd):
-        """The one-launch decode attention against the launches it replaces (rope_and_cache, the
-        tensor-core decode and its combine): output and cache bytes equal."""
+        """The one-launch decode attention against the launches it replaces (rope_and_cache with
+        rotate_q, the tensor-core decode and its combine with restore_v): output and cache bytes
+        equal."""
         attention = ops.paged_attention(dtype, hd)
         c = rope_decode_case([1, 19, 599], 8, 2, hd, dtype, seed=7)
         fused, unfused = kv_to(c["kv"], "cuda"), kv_to(c["kv"], "cuda")
         got = attention.rope_cache_decode(*rope_decode_args(c, fused, "cuda"))
         args = rope_decode_args(c, unfused, "cuda")
-        want = attention.paged_decode(attention.rope_and_cache(*args[:11]), *args[3:4], *args[11:])
+        want = attention.paged_decode(attention.rope_and_cache(*args[:11], rotate_q=True), *args[3:4], *args[11:],
+                                      restore_v=True)
         return (compare(got, want, 0, 0) or compare_bytes(fused.k.data, unfused.k.data)
                 or compare_bytes(fused.v.data, unfused.v.data))
     return check

@@ -123,14 +123,15 @@ class CudaPagedAttention:
 
     def rope_cache_decode(self, q, k, v, kv: LayerKv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps,
                           block_tables, seq_lens, scale):
-        """One launch (paged_decode_rope_tc<suffix>) where the dtype has it and each sequence brings
-        one token, else :meth:`rope_and_cache` then :meth:`paged_decode`: the same bytes either way."""
+        """One launch (paged_decode_rope_tc<suffix>) where the dtype has it (bf16, fp8: no rotated
+        side) and each sequence brings one token, else :meth:`rope_and_cache` (``rotate_q``) then
+        :meth:`paged_decode` (``restore_v``): the same bytes either way."""
         kernel = self.kernels.decode_rope
         tokens, hq, head_dim = q.shape
         hk, rot_dim = k.shape[1], cos.shape[-1] * 2
         if kernel is None or not tokens or tokens != block_tables.shape[0]:
-            q = self.rope_and_cache(q, k, v, kv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps)
-            return self.paged_decode(q, kv, block_tables, seq_lens, scale)
+            q = self.rope_and_cache(q, k, v, kv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps, rotate_q=True)
+            return self.paged_decode(q, kv, block_tables, seq_lens, scale, restore_v=True)
         self._check_rope(kv, hk, head_dim, rot_dim)
         chunks = math.ceil(hq // hk / TC_ROWS)
         splits, part_o, part_ml = self._split_buffers(q, hk * tokens * chunks, block_tables.shape[1],

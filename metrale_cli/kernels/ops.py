@@ -287,10 +287,10 @@ class PagedAttention(Protocol):
         scale: float,
     ) -> torch.Tensor:
         """A decode step's attention, one token per sequence (q: (B, Hq, D), k / v: (B, Hk, D) as
-        for :meth:`rope_and_cache`): exactly ``paged_decode(rope_and_cache(q, k, v, ...), ...)``
-        -> (B, Hq, D), the new K / V written. For unrotated sides only (the caller rotates
-        neither q nor the output); the cuda backend runs it as one launch for the bf16 and fp8
-        caches."""
+        for :meth:`rope_and_cache`): exactly ``paged_decode(rope_and_cache(q, k, v, ...,
+        rotate_q=True), ..., restore_v=True)`` -> (B, Hq, D) in the original basis, the new K / V
+        written. The cuda backend runs it as one launch for the bf16 and fp8 caches (head_dim 64 / 128),
+        as the two launches of its other dtypes' decode step otherwise."""
 
     def paged_prefill(
         self,

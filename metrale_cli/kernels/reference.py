@@ -74,9 +74,10 @@ def rope_and_cache(q, k, v, kv: LayerKv, slot_mapping, positions, cos, sin, q_no
 
 def rope_cache_decode(q, k, v, kv: LayerKv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps, block_tables,
                       seq_lens, scale):
-    """A decode step's attention: :func:`rope_and_cache`, then :func:`paged_decode`."""
-    q = rope_and_cache(q, k, v, kv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps)
-    return paged_decode(q, kv, block_tables, seq_lens, scale)
+    """A decode step's attention: :func:`rope_and_cache` (``rotate_q``), then :func:`paged_decode`
+    (``restore_v``)."""
+    q = rope_and_cache(q, k, v, kv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps, rotate_q=True)
+    return paged_decode(q, kv, block_tables, seq_lens, scale, restore_v=True)
 
 
 def gather_context(pool: SidePool, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -13,8 +13,8 @@ running sum alone (``residual`` None). WHT bookends: when the layer's K side is 
 Q is rotated the same way (and divided by the InnerQ channel scales) before attention, so scores
 are unchanged; when the V side is rotated, the attention output comes back in the rotated basis
 and is rotated back (kernels/rotation.py). Once calibration has frozen the backend does both
-(rope_and_cache's ``rotate_q``, paged_decode's ``restore_v``): on the cuda backend they ride in the
-cache-write launch and the split combine.
+(rope_and_cache's ``rotate_q``, paged_decode's ``restore_v``, or rope_cache_decode, which does
+both): on the cuda backend they ride in the cache-write launch and the split combine.
 """
 
 from __future__ import annotations
@@ -166,10 +166,11 @@ class Qwen3AttentionLayer:
 
     def _decode_attention(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """One token per sequence: QK-norm, RoPE, the cache write and paged decode -> (B, Hq, D).
-        One backend call (one launch on the cuda backend's bf16 / fp8 cache) once calibration has
-        frozen and neither side is rotated; else :meth:`_prepare` and the decode."""
+        One backend call once calibration has frozen (one launch on the cuda backend's bf16 / fp8
+        cache, two on another: the rotations of a rotated side ride in them); else
+        :meth:`_prepare` and the decode."""
         w, kv = self.weights, self.kv
-        if self.frozen() and not self.spec.kv_dtype.row.rotated:
+        if self.frozen():
             q, k, v = self._split(qkv)
             return self.attention.rope_cache_decode(q, k, v, kv, ctx.slot_mapping, ctx.positions, self.rope_cos,
                                                     self.rope_sin, w.q_norm, w.k_norm, self.eps, ctx.block_tables,
