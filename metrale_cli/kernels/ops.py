@@ -290,7 +290,7 @@ class PagedAttention(Protocol):
         for :meth:`rope_and_cache`): exactly ``paged_decode(rope_and_cache(q, k, v, ...,
         rotate_q=True), ..., restore_v=True)`` -> (B, Hq, D) in the original basis, the new K / V
         written. The cuda backend runs it as one launch for the bf16 and fp8 caches (head_dim 64 / 128),
-        as the two launches of its other dtypes' decode step otherwise."""
+        else as its rope_and_cache and paged_decode."""
 
     def paged_prefill(
         self,

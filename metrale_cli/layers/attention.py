@@ -167,8 +167,8 @@ class Qwen3AttentionLayer:
     def _decode_attention(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """One token per sequence: QK-norm, RoPE, the cache write and paged decode -> (B, Hq, D).
         One backend call once calibration has frozen (one launch on the cuda backend's bf16 / fp8
-        cache, two on another: the rotations of a rotated side ride in them); else
-        :meth:`_prepare` and the decode."""
+        cache; on another, the rotations of a rotated side ride in the write and decode launches);
+        else :meth:`_prepare` and the decode."""
         w, kv = self.weights, self.kv
         if self.frozen():
             q, k, v = self._split(qkv)
