@@ -194,6 +194,33 @@ def test_validate_kernels_cli():
     assert_one_line_error(bad, "head_dim")
 
 
+def test_the_prefill_split_counts_every_kernel_of_the_trace():
+    """bench's prefill split over a chrome trace: a kernel launched by CuPy (a driver call, no torch
+    op above it) inside the GDN range counts as the mixer's, one launched outside it by name; a
+    copy and a memset count too, and nothing is left out of the total."""
+    from metrale_cli.commands.bench import split_device_time
+    from metrale_cli.layers.gdn import GDN_RANGE
+
+    def launch(cat, ts, corr):
+        return {"cat": cat, "name": "cuLaunchKernel", "ts": ts, "dur": 1.0, "args": {"correlation": corr}}
+
+    def kernel(cat, name, dur, corr):
+        return {"cat": cat, "name": name, "ts": 1e6 + corr, "dur": dur, "args": {"correlation": corr}}
+
+    events = [
+        {"cat": "user_annotation", "name": GDN_RANGE, "ts": 100.0, "dur": 50.0},
+        launch("cuda_driver", 110.0, 1), kernel("kernel", "gdn_chunk_walk_f32", 3000.0, 1),
+        launch("cuda_runtime", 120.0, 2), kernel("kernel", "sm80_xmma_gemm_f32f32", 2000.0, 2),
+        launch("cuda_driver", 200.0, 3), kernel("kernel", "rms_norm_bf16", 500.0, 3),
+        launch("cuda_runtime", 210.0, 4), kernel("kernel", "nvjet_sm90_tst_256x128", 4000.0, 4),
+        launch("cuda_runtime", 220.0, 5), kernel("gpu_memcpy", "Memcpy DtoD", 250.0, 5),
+        kernel("gpu_memset", "Memset (Device)", 250.0, 6),  # its launch call not in the trace
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 105.0, "dur": 10.0, "args": {}},
+    ]
+    split = split_device_time(events)
+    assert split == pytest.approx({"gdn_mixer_s": 5e-3, "gemm_s": 4e-3, "other_s": 1e-3})
+
+
 def test_bench_cpu_json():
     result = metrale("bench", "--preset", "smollm2", "-p", "8", "-n", "2", "-r", "1", "--backend", "torch",
                      "--kv-cache-dtype", "bf16", "--kv-cache-dtype", "fp8", "--compare-hf", "--json")
