@@ -9,11 +9,13 @@
 // chunk (the host's launch rate bounds it); here it is one launch for the whole prefill.
 //
 // One CTA per (sequence x value head, 16 state columns): its Dk x 16 slice of S stays in shared
-// memory for the whole walk; the columns of S are independent of each other. Sums run in fp32, in
-// index order (not torch's order: the two agree to fp32 rounding, not bit for bit).
+// memory for the whole walk; the columns of S are independent of each other. Sums run in fp32, the
+// even and the odd terms apart, then added (not torch's order: the two agree to fp32 rounding, not
+// bit for bit).
 #ifndef METRALE_HOST_EMULATION
 #include <cuda_runtime.h>
 #endif
+#include "pdl.cuh"
 
 #define GDN_WALK_THREADS 256
 #define GDN_WALK_COLS 16
@@ -50,6 +52,14 @@ gdn_chunk_walk_f32(const float* __restrict__ w, float* __restrict__ u, const flo
     const int r = tid / 4, c4 = (tid % 4) * 4;
     for (int n = 0; n < chunks; ++n) {
         const long long chunk = (long long)bh * chunks + n;
+        if (tid == 0) {  // into L2 ahead of their staging: this chunk's k_tail, the next chunk's W
+            pdl_prefetch_l2(k_tail + chunk * dk * GDN_CHUNK, dk * GDN_CHUNK * 4);
+            if (n + 1 < chunks) pdl_prefetch_l2(w + (chunk + 1) * GDN_CHUNK * dk, GDN_CHUNK * dk * 4);
+        }
+        float* u_row = u + (chunk * GDN_CHUNK + r) * dv + col0;
+        float u_in[4];  // this thread's U_n, loaded before the staging it does not depend on
+#pragma unroll
+        for (int c = 0; c < 4; ++c) u_in[c] = c4 + c < cols ? u_row[c4 + c] : 0.0f;
         const float4* w_n = reinterpret_cast<const float4*>(w + chunk * GDN_CHUNK * dk);
         for (int e = tid; e < quads; e += GDN_WALK_THREADS) {
             const int row = e / (dk / 4), quad = e % (dk / 4);
@@ -61,18 +71,22 @@ gdn_chunk_walk_f32(const float* __restrict__ w, float* __restrict__ u, const flo
             const int i = e / GDN_WALK_COLS, c = e % GDN_WALK_COLS;
             if (c < cols) start[(long long)i * dv + col0 + c] = s[e];
         }
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int i = 0; i < dk; ++i) {
-            const float x = stage[r * w_pitch + i];
-            const float4 y = reinterpret_cast<const float4*>(s)[(i * GDN_WALK_COLS + c4) / 4];
-            acc.x = fmaf(x, y.x, acc.x), acc.y = fmaf(x, y.y, acc.y), acc.z = fmaf(x, y.z, acc.z), acc.w = fmaf(x, y.w, acc.w);
+        float4 acc[2] = {make_float4(0.0f, 0.0f, 0.0f, 0.0f), make_float4(0.0f, 0.0f, 0.0f, 0.0f)};
+        for (int i = 0; i < dk; i += 2) {  // even and odd i in two sums (dk is a multiple of 4)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float x = stage[r * w_pitch + i + h];
+                const float4 y = reinterpret_cast<const float4*>(s)[((i + h) * GDN_WALK_COLS + c4) / 4];
+                acc[h].x = fmaf(x, y.x, acc[h].x), acc[h].y = fmaf(x, y.y, acc[h].y);
+                acc[h].z = fmaf(x, y.z, acc[h].z), acc[h].w = fmaf(x, y.w, acc[h].w);
+            }
         }
-        float* u_row = u + (chunk * GDN_CHUNK + r) * dv + col0;
-        const float got[4] = {acc.x, acc.y, acc.z, acc.w};
+        const float got[4] = {acc[0].x + acc[1].x, acc[0].y + acc[1].y, acc[0].z + acc[1].z, acc[0].w + acc[1].w};
+#pragma unroll
         for (int c = 0; c < 4; ++c) {
             float value = 0.0f;
             if (c4 + c < cols) {
-                value = u_row[c4 + c] - got[c];
+                value = u_in[c] - got[c];
                 u_row[c4 + c] = value;
             }
             corr[r * GDN_WALK_COLS + c4 + c] = value;
@@ -86,12 +100,18 @@ gdn_chunk_walk_f32(const float* __restrict__ w, float* __restrict__ u, const flo
         __syncthreads();
         const float decay = gamma[chunk];
         for (int i = tid / 4; i < dk; i += GDN_WALK_THREADS / 4) {
-            float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            for (int j = 0; j < GDN_CHUNK; ++j) {
-                const float x = stage[i * kt_pitch + j];
-                const float4 y = reinterpret_cast<const float4*>(corr)[(j * GDN_WALK_COLS + c4) / 4];
-                sum.x = fmaf(x, y.x, sum.x), sum.y = fmaf(x, y.y, sum.y), sum.z = fmaf(x, y.z, sum.z), sum.w = fmaf(x, y.w, sum.w);
+            float4 part[2] = {make_float4(0.0f, 0.0f, 0.0f, 0.0f), make_float4(0.0f, 0.0f, 0.0f, 0.0f)};
+            for (int j = 0; j < GDN_CHUNK; j += 2) {  // even and odd j in two sums
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float x = stage[i * kt_pitch + j + h];
+                    const float4 y = reinterpret_cast<const float4*>(corr)[((j + h) * GDN_WALK_COLS + c4) / 4];
+                    part[h].x = fmaf(x, y.x, part[h].x), part[h].y = fmaf(x, y.y, part[h].y);
+                    part[h].z = fmaf(x, y.z, part[h].z), part[h].w = fmaf(x, y.w, part[h].w);
+                }
             }
+            const float4 sum = make_float4(part[0].x + part[1].x, part[0].y + part[1].y, part[0].z + part[1].z,
+                                           part[0].w + part[1].w);
             float4* row = reinterpret_cast<float4*>(s) + (i * GDN_WALK_COLS + c4) / 4;
             const float4 old = *row;
             *row = make_float4(fmaf(decay, old.x, sum.x), fmaf(decay, old.y, sum.y), fmaf(decay, old.z, sum.z),
@@ -216,4 +236,210 @@ gdn_gated_norm_bf16(const float* __restrict__ o, const bf16_t* __restrict__ z, c
     const float zf = bf16_to_f32(z[(long long)t * z_stride + h * dv + j]);
     out[((long long)t * num_v_heads + h) * dv + j] =
         f32_to_bf16(round_bf16(rms_scaled(x, bf16_to_f32(norm[j]), r)) * gdn_silu(zf));
+}
+
+// Every chunk's own part of the chunked rule (gdn_chunked.chunks before its walk), for one chunk of
+// one (sequence x value head) a CTA, in place of a dozen torch launches. With c the chunk's
+// cumulative decay (c_i = g_0 + .. + g_i) and D[i, j] = exp(c_i - c_j):
+//   T = (I + A)^-1, A = strictly-lower(beta_i (k_i . k_j) D[i, j])   (forward substitution, a
+//                                                                      thread per column)
+//   w = T (beta k exp(c)),  u = T (beta v),  k_tail = (k exp(c_last - c))^T,  gamma = exp(c_last),
+//   scores = lower(q k^T * D) (diagonal included),  q <- q exp(c)      (in place: the walk's
+//                                                                      output GEMM reads it)
+// q, k (BH, n*L, dk), v (BH, n*L, dv), g, beta (BH, n*L) fp32 as gdn_chunk_inputs_bf16 writes
+// them; w (BH, n, L, dk), u (BH, n, L, dv), k_tail (BH, n, dk, L), gamma (BH, n), scores (BH, n,
+// L, L) fp32. Sums in fp32, in index order (torch's GEMMs sum in theirs: equal to fp32 rounding).
+// Grid (n, BH), block GDN_PREP_THREADS, dynamic shared memory of 4 * (L (dk + 4) + L (max(dk, dv)
+// + 4) + 2 L^2 + 3 L + 3 * 16^2) bytes (the layout below); dk, dv multiples of 4, dk <=
+// GDN_WALK_MAX_DK, dv <= GDN_PREP_MAX_DV.
+//
+// The chunk's rows are staged with a pitch of width + 4 floats: eight lanes reading eight rows'
+// float4 at one column (the dot products' j operand) fall in 32 distinct banks. A warp takes 8
+// rows (w, w + 8, ..) and its lanes the columns, so the row operand is a broadcast.
+#define GDN_PREP_THREADS 256
+#define GDN_PREP_MAX_DV 256
+#define GDN_PREP_WARPS (GDN_PREP_THREADS / 32)
+#define GDN_PREP_ROWS (GDN_CHUNK / GDN_PREP_WARPS)  // rows of a chunk a warp takes
+#define GDN_PREP_BLOCK 16  // the solve's blocks
+
+// acc[r][h] = rows_i . kb_j for row i = warp + 8 r of `rows` and column j = lane + 32 h of kb.
+__device__ __forceinline__ void gdn_prep_dots(const float* rows, int rows_pitch, const float* kb, int kb_pitch, int dk,
+                                              float (&acc)[GDN_PREP_ROWS][2]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < GDN_PREP_ROWS; ++r) acc[r][0] = acc[r][1] = 0.0f;
+    for (int d = 0; d < dk; d += 4) {
+        const float4 b0 = *reinterpret_cast<const float4*>(kb + lane * kb_pitch + d);
+        const float4 b1 = *reinterpret_cast<const float4*>(kb + (lane + 32) * kb_pitch + d);
+#pragma unroll
+        for (int r = 0; r < GDN_PREP_ROWS; ++r) {
+            const float4 a = *reinterpret_cast<const float4*>(rows + (warp + GDN_PREP_WARPS * r) * rows_pitch + d);
+            acc[r][0] = fmaf(a.x, b0.x, acc[r][0]), acc[r][0] = fmaf(a.y, b0.y, acc[r][0]);
+            acc[r][0] = fmaf(a.z, b0.z, acc[r][0]), acc[r][0] = fmaf(a.w, b0.w, acc[r][0]);
+            acc[r][1] = fmaf(a.x, b1.x, acc[r][1]), acc[r][1] = fmaf(a.y, b1.y, acc[r][1]);
+            acc[r][1] = fmaf(a.z, b1.z, acc[r][1]), acc[r][1] = fmaf(a.w, b1.w, acc[r][1]);
+        }
+    }
+}
+
+// out (L, width) rows of this chunk = t (L x L, row-major) @ x (L rows of `width` at x_pitch),
+// written at out_rows (row stride width): lane -> 4 columns, warp -> 8 rows; t is lower triangular
+// (zeros above), so row i sums j <= i.
+__device__ __forceinline__ void gdn_prep_lower_gemm(const float* t, const float* x, int x_pitch, int width,
+                                                    float* __restrict__ out_rows) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int c = 4 * lane; c < width; c += 128) {
+        float4 acc[GDN_PREP_ROWS];
+#pragma unroll
+        for (int r = 0; r < GDN_PREP_ROWS; ++r) acc[r] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int j = 0; j < GDN_CHUNK; ++j) {
+            const float4 y = *reinterpret_cast<const float4*>(x + j * x_pitch + c);
+#pragma unroll
+            for (int r = 0; r < GDN_PREP_ROWS; ++r) {
+                const float a = t[(warp + GDN_PREP_WARPS * r) * GDN_CHUNK + j];
+                acc[r].x = fmaf(a, y.x, acc[r].x), acc[r].y = fmaf(a, y.y, acc[r].y);
+                acc[r].z = fmaf(a, y.z, acc[r].z), acc[r].w = fmaf(a, y.w, acc[r].w);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < GDN_PREP_ROWS; ++r)
+            *reinterpret_cast<float4*>(out_rows + (long long)(warp + GDN_PREP_WARPS * r) * width + c) = acc[r];
+    }
+}
+
+// L rows of `width` floats from global (row stride width) into shared memory at `pitch`, by the
+// threads first .. GDN_PREP_THREADS - 1.
+__device__ __forceinline__ void gdn_prep_stage(const float* __restrict__ src, int width, float* dst, int pitch,
+                                               int first = 0) {
+    const int quads = width / 4;
+    for (int e = threadIdx.x - first; e < GDN_CHUNK * quads; e += GDN_PREP_THREADS - first) {
+        const int row = e / quads, quad = e % quads;
+        *reinterpret_cast<float4*>(dst + row * pitch + 4 * quad) =
+            reinterpret_cast<const float4*>(src + (long long)row * width)[quad];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GDN_PREP_THREADS)
+gdn_chunk_prep_f32(float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                   const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ w,
+                   float* __restrict__ u, float* __restrict__ k_tail, float* __restrict__ gamma,
+                   float* __restrict__ scores, int chunks, int dk, int dv) {
+#ifdef METRALE_HOST_EMULATION
+    static float smem[GDN_CHUNK * (GDN_WALK_MAX_DK + 4) + GDN_CHUNK * (GDN_PREP_MAX_DV + 4) +
+                      2 * GDN_CHUNK * GDN_CHUNK + 3 * GDN_CHUNK + 3 * GDN_PREP_BLOCK * GDN_PREP_BLOCK];
+#else
+    extern __shared__ __align__(16) float smem[];
+#endif
+    const int kp = dk + 4, xp = (dk > dv ? dk : dv) + 4;
+    float* kb = smem;                              // k rows
+    float* xb = kb + GDN_CHUNK * kp;               // v rows, then q rows
+    float* ab = xb + GDN_CHUNK * xp;               // A, then T beta exp(c)
+    float* tb = ab + GDN_CHUNK * GDN_CHUNK;        // T beta
+    float* cs = tb + GDN_CHUNK * GDN_CHUNK;        // c
+    float* bs = cs + GDN_CHUNK;                    // beta
+    float* es = bs + GDN_CHUNK;                    // exp(c)
+    float* xs = es + GDN_CHUNK;                    // the solve's sums: 3 blocks of 16 x 16
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const long long chunk = (long long)blockIdx.y * chunks + blockIdx.x;  // (BH, n) index
+    const long long row0 = chunk * GDN_CHUNK;                            // first token row
+    gdn_prep_stage(k + row0 * dk, dk, kb, kp);
+    if (tid < GDN_CHUNK) bs[tid] = beta[row0 + tid];
+    if (tid == 0) {
+        float c = 0.0f;
+        for (int i = 0; i < GDN_CHUNK; ++i) c += g[row0 + i], cs[i] = c;
+    }
+    __syncthreads();
+    if (tid < GDN_CHUNK) es[tid] = expf(cs[tid]);
+    float acc[GDN_PREP_ROWS][2];
+    gdn_prep_dots(kb, kp, kb, kp, dk, acc);
+#pragma unroll
+    for (int r = 0; r < GDN_PREP_ROWS; ++r) {
+        const int i = warp + GDN_PREP_WARPS * r;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int j = lane + 32 * h;
+            ab[i * GDN_CHUNK + j] = j < i ? bs[i] * acc[r][h] * expf(cs[i] - cs[j]) : 0.0f;
+        }
+    }
+    __syncthreads();  // A complete
+    // T = (I + A)^-1 by blocks of 16 (A is strictly lower): the four diagonal blocks by forward
+    // substitution, a thread per column (T[i][c] = [i == c] - sum_{c <= j < i} A[i][j] T[j][c]),
+    // while the other warps stage v; then the blocks below them, one block diagonal at a time:
+    // T_ij = -T_ii sum_{j <= m < i} A_im T_mj (X = the sum, in xs).
+    for (int e = tid; e < GDN_CHUNK * GDN_CHUNK; e += GDN_PREP_THREADS) tb[e] = 0.0f;
+    __syncthreads();
+    if (tid < GDN_CHUNK) {
+        const int base = tid & ~(GDN_PREP_BLOCK - 1), c = tid;
+        for (int i = base; i < base + GDN_PREP_BLOCK; ++i) {
+            float s0 = 0.0f, s1 = 0.0f;
+            int j = c;
+            for (; j + 1 < i; j += 2) {
+                s0 = fmaf(ab[i * GDN_CHUNK + j], tb[j * GDN_CHUNK + c], s0);
+                s1 = fmaf(ab[i * GDN_CHUNK + j + 1], tb[(j + 1) * GDN_CHUNK + c], s1);
+            }
+            if (j < i) s0 = fmaf(ab[i * GDN_CHUNK + j], tb[j * GDN_CHUNK + c], s0);
+            if (i >= c) tb[i * GDN_CHUNK + c] = i == c ? 1.0f : -(s0 + s1);
+        }
+    } else {
+        gdn_prep_stage(v + row0 * dv, dv, xb, xp, GDN_CHUNK);  // the other warps stage v meanwhile
+    }
+    __syncthreads();  // the diagonal blocks of T; v staged
+    for (int d = 1; d < GDN_CHUNK / GDN_PREP_BLOCK; ++d) {
+        const int blocks = GDN_CHUNK / GDN_PREP_BLOCK - d;  // (i, j = i - d) for i = d ..
+        for (int e = tid; e < blocks * GDN_PREP_BLOCK * GDN_PREP_BLOCK; e += GDN_PREP_THREADS) {
+            const int bi = d + e / (GDN_PREP_BLOCK * GDN_PREP_BLOCK), bj = bi - d;
+            const int r = bi * GDN_PREP_BLOCK + (e / GDN_PREP_BLOCK) % GDN_PREP_BLOCK;
+            const int c = bj * GDN_PREP_BLOCK + e % GDN_PREP_BLOCK;
+            float x = 0.0f;
+            for (int m = bj * GDN_PREP_BLOCK; m < bi * GDN_PREP_BLOCK; ++m)
+                x = fmaf(ab[r * GDN_CHUNK + m], tb[m * GDN_CHUNK + c], x);
+            xs[e] = x;
+        }
+        __syncthreads();
+        for (int e = tid; e < blocks * GDN_PREP_BLOCK * GDN_PREP_BLOCK; e += GDN_PREP_THREADS) {
+            const int bi = d + e / (GDN_PREP_BLOCK * GDN_PREP_BLOCK), bj = bi - d;
+            const int rr = (e / GDN_PREP_BLOCK) % GDN_PREP_BLOCK, cc = e % GDN_PREP_BLOCK;
+            const int r = bi * GDN_PREP_BLOCK + rr;
+            const float* x = xs + (e / (GDN_PREP_BLOCK * GDN_PREP_BLOCK)) * GDN_PREP_BLOCK * GDN_PREP_BLOCK;
+            float t = 0.0f;
+            for (int m = bi * GDN_PREP_BLOCK; m <= r; ++m)  // T_ii is lower triangular
+                t = fmaf(tb[r * GDN_CHUNK + m], x[(m - bi * GDN_PREP_BLOCK) * GDN_PREP_BLOCK + cc], t);
+            tb[r * GDN_CHUNK + bj * GDN_PREP_BLOCK + cc] = -t;
+        }
+        __syncthreads();
+    }
+    for (int e = tid; e < GDN_CHUNK * GDN_CHUNK; e += GDN_PREP_THREADS) {
+        const int j = e % GDN_CHUNK;
+        const float tbeta = tb[e] * bs[j];
+        ab[e] = tbeta * es[j];
+        tb[e] = tbeta;
+    }
+    __syncthreads();
+    gdn_prep_lower_gemm(tb, xb, xp, dv, u + row0 * dv);
+    gdn_prep_lower_gemm(ab, kb, kp, dk, w + row0 * dk);
+    const float last = cs[GDN_CHUNK - 1];
+    float* kt = k_tail + chunk * dk * GDN_CHUNK;
+    for (int e = tid; e < dk * GDN_CHUNK; e += GDN_PREP_THREADS) {
+        const int d = e / GDN_CHUNK, j = e % GDN_CHUNK;
+        kt[e] = kb[j * kp + d] * expf(last - cs[j]);
+    }
+    if (tid == 0) gamma[chunk] = expf(last);
+    __syncthreads();  // v no longer read
+    gdn_prep_stage(q + row0 * dk, dk, xb, xp);
+    __syncthreads();
+    gdn_prep_dots(xb, xp, kb, kp, dk, acc);
+    float* sc = scores + chunk * GDN_CHUNK * GDN_CHUNK;
+#pragma unroll
+    for (int r = 0; r < GDN_PREP_ROWS; ++r) {
+        const int i = warp + GDN_PREP_WARPS * r;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int j = lane + 32 * h;
+            sc[i * GDN_CHUNK + j] = j <= i ? acc[r][h] * expf(cs[i] - cs[j]) : 0.0f;
+        }
+    }
+    for (int e = tid; e < GDN_CHUNK * dk; e += GDN_PREP_THREADS) {
+        const int i = e / dk, d = e % dk;
+        q[row0 * dk + e] = xb[i * xp + d] * es[i];
+    }
 }

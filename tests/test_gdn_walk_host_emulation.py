@@ -17,6 +17,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from host_build import build_host_library
 from metrale_cli.kernels.gdn_chunked import torch_walk
@@ -30,6 +31,7 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     if not _LIB:
         handle = build_host_library("gdn_prefill_host.cpp", tmp_path_factory.mktemp("gdn_walk"))
         handle.host_gdn_chunk_walk.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4
+        handle.host_gdn_chunk_prep.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 4
         handle.host_gdn_chunk_inputs.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 10
         handle.host_gdn_conv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
         handle.host_gdn_gated_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.c_float]
@@ -154,3 +156,29 @@ def test_the_gated_norm_equals_the_reference(lib, tokens, hv, dv):
     err = (got.float() - want.float()).abs()
     assert (err <= 8e-3 * want.float().abs().clamp(min=1)).all()
     assert (got == want).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("pairs, chunks, dk, dv", [(1, 1, 16, 8), (2, 3, 32, 16), (1, 2, 128, 128), (1, 1, 16, 256)])
+def test_every_chunk_s_own_part_equals_the_torch_prep(lib, pairs, chunks, dk, dv):
+    """gdn_chunk_prep_f32 against gdn_chunked.torch_prep: w, u, k_tail, gamma, the intra-chunk
+    scores (zero above the diagonal) and q * exp(c) written over q, from inputs as
+    gdn_chunk_inputs_bf16 leaves them (unit-norm k and q, g <= 0, beta in (0, 1)), a padded tail
+    (g = beta = 0, q = k = 0) in the last chunk; and dv wider than dk (v staged at its own width)."""
+    from metrale_cli.kernels.gdn_chunked import torch_prep
+
+    gen = torch.Generator().manual_seed(pairs * 100 + dk + dv)
+    q = F.normalize(torch.randn(pairs, chunks, CHUNK, dk, generator=gen), dim=-1) * dk ** -0.5
+    k = F.normalize(torch.randn(pairs, chunks, CHUNK, dk, generator=gen), dim=-1)
+    v = torch.randn(pairs, chunks, CHUNK, dv, generator=gen)
+    g = -0.5 * torch.rand(pairs, chunks, CHUNK, generator=gen)
+    beta = torch.rand(pairs, chunks, CHUNK, generator=gen)
+    for x in (q, k, v, g, beta):  # the last chunk's tail is padding
+        x[:, -1, CHUNK - 9:] = 0
+    want = torch_prep(q, k, v, g, beta)
+    got_q = q.clone()
+    got = [torch.full(t.shape, float("nan")) for t in want[:5]]
+    lib.host_gdn_chunk_prep(ptr(got_q), ptr(k), ptr(v), ptr(g), ptr(beta), *(ptr(t) for t in got), pairs, chunks, dk,
+                            dv)
+    for name, x, y in zip(("w", "u", "k_tail", "gamma", "scores", "q"), [*got, got_q], want):
+        assert (x - y).abs().max() <= 1e-5 * max(1.0, y.abs().max().item()), name
+    assert not got[4].triu(1).any()  # scores: nothing above the diagonal

@@ -58,11 +58,15 @@ def _greedy(runner, prompt):
 # token of the cuda decode may be. This model's next-token logits are flat (its top six often
 # within 0.1 at logits near 4), so where the two bf16 paths part is a matter of single bf16 steps,
 # and a rule on ranks (check_logprobs_close's top-5) or on the equal prefix would test luck:
-# measured on an H200, bf16 and fp8 KV stayed within 0.016 (one bf16 step), while the lossy
-# dtypes' codes flip where the paths' inputs differ by a step (turbo2, turbo3, nvfp4,
-# bf16k_turbo2v: 0.42 to 0.59). A wrong kernel picks tokens several logits down.
+# measured on an H200, bf16 and fp8 KV stayed within 0.016 (one bf16 step) while the cuda prefill's
+# chunk arithmetic was torch's own GEMMs and solve, and bf16 reached 0.109 at the prefill's token
+# once it was gdn_chunk_prep_f32 (its chunk outputs as close to an fp64 evaluation as torch's:
+# 1.1e-8 to 2.8e-8 against 1.5e-8 to 7.4e-8 on this model's chunks; the 16 experts' routing turns
+# a bf16 step into a different expert); the lossy dtypes' codes flip where the paths' inputs differ
+# by a step (turbo2, turbo3, nvfp4, bf16k_turbo2v: 0.42 to 0.59). A wrong kernel picks tokens
+# several logits down.
 def _margin(kv: KvCacheDtype) -> float:
-    return 0.1 if kv in (KvCacheDtype.BF16, KvCacheDtype.FP8) else 1.5
+    return 0.25 if kv in (KvCacheDtype.BF16, KvCacheDtype.FP8) else 1.5
 
 
 @pytest.mark.parametrize("kv", list(KvCacheDtype))

@@ -10,6 +10,13 @@ extern "C" void host_gdn_chunk_walk(const float* w, float* u, const float* k_tai
              [&] { gdn_chunk_walk_f32(w, u, k_tail, gamma, state, starts, chunks, dk, dv); });
 }
 
+extern "C" void host_gdn_chunk_prep(float* q, const float* k, const float* v, const float* g, const float* beta,
+                                    float* w, float* u, float* k_tail, float* gamma, float* scores, int pairs,
+                                    int chunks, int dk, int dv) {
+    run_grid(chunks, pairs, GDN_PREP_THREADS,
+             [&] { gdn_chunk_prep_f32(q, k, v, g, beta, w, u, k_tail, gamma, scores, chunks, dk, dv); });
+}
+
 extern "C" void host_gdn_chunk_inputs(const bf16_t* conv, const bf16_t* b, const bf16_t* a, const float* a_log,
                                       const float* dt_bias, float* q, float* k, float* v, float* g, float* beta,
                                       int tokens, int padded, int conv_stride, int b_stride, int a_stride,

@@ -6,7 +6,8 @@ position on the device, so it neither syncs with the host nor allocates anything
 and a CUDA graph captures it. The four inputs are read in place when they are rows of one
 projection (the layer's split), copied only when misaligned. Prefill is the chunked form of
 ``gdn_chunked``: gdn_prefill.cu's conv over the slot's window, its launch for the rule's inputs,
-batched GEMMs for every chunk's own work, its walk over the chunks and its gated norm.
+its launch for every chunk's own part, its walk over the chunks, two batched GEMMs for the
+outputs and its gated norm.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from metrale_cli.kernels.cuda_launch import CudaLauncher, _head_rows, _ready
 from metrale_cli.kernels.ops import GdnTensors
 from metrale_cli.kernels.registry import GDN_HEAD_K_DIMS
 from metrale_cli.kernels.table import (
-    GDN_CHUNK_INPUTS, GDN_CHUNK_WALK, GDN_CONV, GDN_CONV_THREADS, GDN_CONV_TOKENS, GDN_DECODE, GDN_GATED_NORM,
-    GDN_MAX_DV, GDN_MAX_TAPS, GDN_WALK_COLS, GDN_WALK_MAX_DK, GDN_WALK_THREADS, gdn_threads,
+    GDN_CHUNK_INPUTS, GDN_CHUNK_PREP, GDN_CHUNK_WALK, GDN_CONV, GDN_CONV_THREADS, GDN_CONV_TOKENS, GDN_DECODE, GDN_GATED_NORM,
+    GDN_MAX_DV, GDN_MAX_TAPS, GDN_PREP_MAX_DV, GDN_PREP_THREADS, GDN_WALK_COLS, GDN_WALK_MAX_DK, GDN_WALK_THREADS,
+    gdn_prep_shared_bytes, gdn_threads,
 )
 
 
@@ -70,15 +72,16 @@ class CudaGdn:
         return out
 
     def gdn_prefill(self, mixed, z, b, a, layer: GdnTensors, slot: int, start_pos: int):
-        """The chunked form with every chunk's own work as batched GEMMs and the walk over the
-        chunks in one launch of gdn_prefill.cu (``gdn_chunked``)."""
+        """The chunked form (``gdn_chunked``): every chunk's own part in one launch of gdn_prefill.cu,
+        the walk over the chunks in another, the outputs as two batched GEMMs."""
         hv, dk, dv = layer.recurrent_pool.shape[1:]
         if dk > GDN_WALK_MAX_DK or dk % 4:
             raise MetraleError(f"the cuda backend's Gated DeltaNet prefill serves key head dims that are multiples "
                                f"of 4 up to {GDN_WALK_MAX_DK}, not {dk}", hint="use --backend torch")
-        if dv > GDN_WALK_THREADS or mixed.dtype != torch.bfloat16:
+        if dv > min(GDN_WALK_THREADS, GDN_PREP_MAX_DV) or dv % 4 or mixed.dtype != torch.bfloat16:
             raise MetraleError(f"the cuda backend's Gated DeltaNet prefill takes bf16 activations and value head dims "
-                               f"up to {GDN_WALK_THREADS}, not {mixed.dtype} and {dv}", hint="use --backend torch")
+                               f"that are multiples of 4 up to {min(GDN_WALK_THREADS, GDN_PREP_MAX_DV)}, not "
+                               f"{mixed.dtype} and {dv}", hint="use --backend torch")
         channels, taps = layer.conv.shape
         if not 0 < taps <= GDN_MAX_TAPS or layer.conv_pool.dtype != torch.float32 \
                 or not layer.conv_pool.is_contiguous():
@@ -108,12 +111,25 @@ class CudaGdn:
         self._launch(GDN_CHUNK_INPUTS, (padded, hv), (32 * -(-max(dk, dv) // 32),), c, bs, as_, _ready(layer.a_log),
                      _ready(layer.dt_bias), q, k, v, g, beta, tokens, c_stride, b_stride, a_stride, layer.num_k_heads,
                      hv, dk, dv)
-        o = gdn_chunked.chunks(q, k, v, g, beta, state.view(hv, dk, dv), walk=self._gdn_walk)
+        o = gdn_chunked.chunks(q, k, v, g, beta, state.view(hv, dk, dv), walk=self._gdn_walk, prep=self._gdn_prep)
         out = torch.empty(tokens, hv * dv, dtype=conv.dtype, device=conv.device)
         zs, z_stride = _rows(z)
         self._launch(GDN_GATED_NORM, (tokens, hv), (32 * -(-dv // 32),), o, zs, _ready(layer.norm), out, padded,
                      z_stride, hv, dv, layer.eps)
         return out
+
+    def _gdn_prep(self: CudaLauncher, q, k, v, g, beta):
+        """``gdn_chunked.torch_prep``'s contract, one launch (q, k, v, g, beta contiguous fp32; q
+        is scaled in place and returned as the last output)."""
+        pairs, n, chunk, dk = q.shape
+        dv = v.shape[-1]
+        f32 = dict(dtype=torch.float32, device=q.device)
+        w, u = torch.empty(pairs, n, chunk, dk, **f32), torch.empty(pairs, n, chunk, dv, **f32)
+        k_tail, gamma = torch.empty(pairs, n, dk, chunk, **f32), torch.empty(pairs, n, **f32)
+        scores = torch.empty(pairs, n, chunk, chunk, **f32)
+        self._launch(GDN_CHUNK_PREP, (n, pairs), (GDN_PREP_THREADS,), q, k, v, g, beta, w, u, k_tail, gamma, scores,
+                     n, dk, dv, shared_mem=gdn_prep_shared_bytes(dk, dv, chunk))
+        return w, u, k_tail, gamma, scores, q
 
     def _gdn_walk(self: CudaLauncher, w, u, k_tail, gamma, state, starts) -> None:
         """``gdn_chunked.torch_walk``'s contract, one launch (all tensors contiguous fp32)."""

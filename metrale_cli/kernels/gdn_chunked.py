@@ -10,7 +10,10 @@ state it starts from. Here everything else runs for all chunks at once, as batch
 - the walk over the chunks: u_n = U_n - W_n S, then S <- exp(c_last) S + (k * exp(c_last - c))^T u_n,
   keeping each chunk's starting state (:func:`torch_walk`: three launches a chunk; the cuda backend
   passes ``kernels_cu/gdn_prefill.cu``'s one launch for all of them);
-- then every chunk's output at once: o = (q * exp(c)) S_start + P u.
+- then every chunk's output at once: o = P u + (q * exp(c)) S_start (two batched GEMMs).
+
+Every chunk's own part is :func:`torch_prep` (a dozen launches); the cuda backend passes
+``kernels_cu/gdn_prefill.cu``'s one launch in its place.
 
 The math is the reference's (its docstring derives it); the sums run in another order, so the
 two agree to fp32 rounding, not bit for bit. A last partial chunk is padded with tokens that
@@ -59,28 +62,40 @@ def chunked_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.reshape(batch, heads, -1, v.shape[-1])[:, :, :tokens].transpose(1, 2).to(dtype)
 
 
-def chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-           chunk: int = CHUNK, walk=torch_walk) -> torch.Tensor:
-    """The rule over prepared inputs (q L2-normalised and scaled, k L2-normalised; padded to whole
-    chunks with tokens of g = beta = 0): q, k (BH, n*L, Dk), v (BH, n*L, Dv), g, beta (BH, n*L),
-    fp32; state (BH, Dk, Dv) fp32 contiguous, updated in place -> out (BH, n*L, Dv) fp32."""
-    pairs, padded, dk = q.shape
-    dv, n = v.shape[-1], padded // chunk
-    q, k, v = (x.view(pairs, n, chunk, x.shape[-1]) for x in (q, k, v))
-    g, beta = g.view(pairs, n, chunk), beta.view(pairs, n, chunk)
+def torch_prep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
+    """Every chunk's own part, batched: q, k (BH, n, L, Dk), v (BH, n, L, Dv), g, beta (BH, n, L)
+    fp32 -> (w (BH, n, L, Dk), u (BH, n, L, Dv), k_tail (BH, n, Dk, L), gamma (BH, n), scores (BH,
+    n, L, L), q * exp(c) (BH, n, L, Dk)), all contiguous (the module docstring's forms). The cuda
+    backend passes ``kernels_cu/gdn_prefill.cu``'s one launch with this contract."""
+    chunk = q.shape[2]
     c = g.cumsum(-1)
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * decay  # I + its strict lower part: the solve reads no more
-    t = torch.linalg.solve_triangular(system, torch.eye(chunk, device=q.device).expand_as(system), upper=False,
+    t = torch.linalg.solve_triangular(system, torch.eye(chunk, dtype=q.dtype, device=q.device).expand_as(system), upper=False,
                                       unitriangular=True)
-    w = t @ (k_beta * c.exp()[..., None])  # (BH, n, L, Dk)
-    u = (t @ (v * beta[..., None])).contiguous()  # (BH, n, L, Dv): becomes the corrections in the walk
+    w = t @ (k_beta * c.exp()[..., None])
+    u = t @ (v * beta[..., None])
     scores = (q @ k.transpose(-1, -2)) * decay
-    last = c[..., -1]  # (BH, n)
-    k_tail = (k * (last[..., None] - c).exp()[..., None]).transpose(-1, -2).contiguous()  # (BH, n, Dk, L)
-    starts = torch.empty(pairs, n, dk, dv, device=q.device)
-    walk(w.contiguous(), u, k_tail, last.exp().contiguous(), state, starts)
-    out = (q * c.exp()[..., None]) @ starts + scores @ u
+    last = c[..., -1]
+    k_tail = (k * (last[..., None] - c).exp()[..., None]).transpose(-1, -2)
+    return (w.contiguous(), u.contiguous(), k_tail.contiguous(), last.exp().contiguous(), scores.contiguous(),
+            (q * c.exp()[..., None]).contiguous())
+
+
+def chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+           chunk: int = CHUNK, walk=torch_walk, prep=torch_prep) -> torch.Tensor:
+    """The rule over prepared inputs (q L2-normalised and scaled, k L2-normalised; padded to whole
+    chunks with tokens of g = beta = 0): q, k (BH, n*L, Dk), v (BH, n*L, Dv), g, beta (BH, n*L),
+    fp32; state (BH, Dk, Dv) fp32 contiguous, updated in place -> out (BH, n*L, Dv) fp32.
+    ``prep``: :func:`torch_prep` or a function with its contract (which may overwrite q)."""
+    pairs, padded, dk = q.shape
+    dv, n = v.shape[-1], padded // chunk
+    q, k, v = (x.view(pairs, n, chunk, x.shape[-1]) for x in (q, k, v))
+    w, u, k_tail, gamma, scores, qe = prep(q, k, v, g.view(pairs, n, chunk), beta.view(pairs, n, chunk))
+    starts = torch.empty(pairs, n, dk, dv, dtype=q.dtype, device=q.device)
+    walk(w, u, k_tail, gamma, state, starts)
+    out = torch.bmm(scores.view(-1, chunk, chunk), u.view(-1, chunk, dv))
+    out.baddbmm_(qe.view(-1, chunk, dk), starts.view(-1, dk, dv))
     return out.view(pairs, padded, dv)

@@ -120,10 +120,11 @@ MODULES: dict[str, KernelModule] = {
                                            "moe_route_rows_bf16", "moe_combine_bf16")),
         # A Gated DeltaNet mixer's decode step: conv, the gated delta rule and the gated norm.
         KernelModule("gdn", "gdn.cu", (), ("gdn_decode_bf16",), head_dims=GDN_HEAD_K_DIMS),
-        # A Gated DeltaNet prefill: the conv, the rule's inputs, the walk over its chunks (the rest of
-        # the chunked form is GEMMs) and the gated norm.
-        KernelModule("gdn_prefill", "gdn_prefill.cu", (), ("gdn_chunk_walk_f32", "gdn_chunk_inputs_bf16",
-                                                           "gdn_conv_bf16", "gdn_gated_norm_bf16")),
+        # A Gated DeltaNet prefill: the conv, the rule's inputs, every chunk's own part, the walk over
+        # the chunks (the outputs are two batched GEMMs) and the gated norm.
+        KernelModule("gdn_prefill", "gdn_prefill.cu", (), ("gdn_chunk_walk_f32", "gdn_chunk_prep_f32",
+                                                           "gdn_chunk_inputs_bf16", "gdn_conv_bf16",
+                                                           "gdn_gated_norm_bf16")),
         KernelModule("wht_bf16", "wht_bf16.cu", (), ("wht_bf16_inplace", "wht_bf16_inplace_inv"),
                      EXACT, HEAD_DIMS),
         KernelModule("reshape_and_cache", "reshape_and_cache.cu", (), _writes("reshape_and_cache"), EXACT),

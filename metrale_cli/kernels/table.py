@@ -117,10 +117,16 @@ GDN_DECODE = K("gdn::gdn_decode_bf16"), Signature.parse(
     "eps: f32"
 )
 # The walk over a prefill's chunks of the chunked gated delta rule (gdn_prefill.cu): a CTA per
-# (sequence x head, GDN_WALK_COLS state columns); the rest of the chunked form is torch's GEMMs.
+# (sequence x head, GDN_WALK_COLS state columns).
 GDN_CHUNK_WALK = K("gdn_prefill::gdn_chunk_walk_f32"), Signature.parse(
     "w: f32*, u: f32*, k_tail: f32*, gamma: f32*, state: f32*, starts: f32*, chunks: i32, head_k_dim: i32, "
     "head_v_dim: i32"
+)
+# Every chunk's own part of the chunked rule before the walk (w, u, k_tail, gamma, the
+# intra-chunk scores; q scaled in place), a CTA per chunk and (sequence x head) (gdn_prefill.cu).
+GDN_CHUNK_PREP = K("gdn_prefill::gdn_chunk_prep_f32"), Signature.parse(
+    "q: f32*, k: f32*, v: f32*, g: f32*, beta: f32*, w: f32*, u: f32*, k_tail: f32*, gamma: f32*, scores: f32*, "
+    "chunks: i32, head_k_dim: i32, head_v_dim: i32"
 )
 # The chunked rule's inputs of one sequence in the walk's layout, one pass (gdn_prefill.cu).
 GDN_CHUNK_INPUTS = K("gdn_prefill::gdn_chunk_inputs_bf16"), Signature.parse(
@@ -144,7 +150,18 @@ GDN_WALK_MAX_DK = 128
 GDN_CONV_THREADS = 256  # gdn_conv_bf16's CTA: a thread per channel
 GDN_CONV_TOKENS = 64  # the tokens each of its threads walks
 GDN_MAX_TAPS = 8
-GDN_KERNELS = (GDN_DECODE[0], GDN_CHUNK_WALK[0], GDN_CHUNK_INPUTS[0], GDN_CONV[0], GDN_GATED_NORM[0])
+GDN_PREP_THREADS = 256  # gdn_chunk_prep_f32's CTA
+GDN_PREP_MAX_DV = 256
+
+
+def gdn_prep_shared_bytes(dk: int, dv: int, chunk: int = 64) -> int:
+    """gdn_chunk_prep_f32's dynamic shared memory: k rows, v-then-q rows (pitch width + 4), A and
+    T (L x L), c, beta and exp(c), the solve's three 16 x 16 sums."""
+    return 4 * (chunk * (dk + 4) + chunk * (max(dk, dv) + 4) + 2 * chunk * chunk + 3 * chunk + 3 * 16 * 16)
+
+
+GDN_KERNELS = (GDN_DECODE[0], GDN_CHUNK_WALK[0], GDN_CHUNK_PREP[0], GDN_CHUNK_INPUTS[0], GDN_CONV[0],
+               GDN_GATED_NORM[0])
 GDN_MAX_DV = 256  # GDN_MAX_DV in gdn.cu
 GDN_SPLIT = 4  # gdn.cu's threads per state column (GDN_SPLIT)
 
