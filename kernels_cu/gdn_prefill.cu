@@ -32,6 +32,22 @@
 // the same buffer and each thread updates two rows of 4 columns of S. Staged rows are padded by
 // GDN_WALK_PAD floats: a warp reads 8 rows at a time, which unpadded (a multiple of 32 floats
 // apart) would all hit one bank.
+// sum over m < len of a[m] * b[m][c4 .. c4 + 3] (b: rows of GDN_WALK_COLS floats in shared memory),
+// the even and the odd terms in two sums, then added; len even.
+__device__ __forceinline__ float4 gdn_walk_row_dot(const float* a, const float* b, int len, int c4) {
+    float4 part[2] = {make_float4(0.0f, 0.0f, 0.0f, 0.0f), make_float4(0.0f, 0.0f, 0.0f, 0.0f)};
+    for (int m = 0; m < len; m += 2) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float x = a[m + h];
+            const float4 y = reinterpret_cast<const float4*>(b)[((m + h) * GDN_WALK_COLS + c4) / 4];
+            part[h].x = fmaf(x, y.x, part[h].x), part[h].y = fmaf(x, y.y, part[h].y);
+            part[h].z = fmaf(x, y.z, part[h].z), part[h].w = fmaf(x, y.w, part[h].w);
+        }
+    }
+    return make_float4(part[0].x + part[1].x, part[0].y + part[1].y, part[0].z + part[1].z, part[0].w + part[1].w);
+}
+
 extern "C" __global__ void __launch_bounds__(GDN_WALK_THREADS)
 gdn_chunk_walk_f32(const float* __restrict__ w, float* __restrict__ u, const float* __restrict__ k_tail,
                    const float* __restrict__ gamma, float* __restrict__ state, float* __restrict__ starts,
@@ -71,17 +87,8 @@ gdn_chunk_walk_f32(const float* __restrict__ w, float* __restrict__ u, const flo
             const int i = e / GDN_WALK_COLS, c = e % GDN_WALK_COLS;
             if (c < cols) start[(long long)i * dv + col0 + c] = s[e];
         }
-        float4 acc[2] = {make_float4(0.0f, 0.0f, 0.0f, 0.0f), make_float4(0.0f, 0.0f, 0.0f, 0.0f)};
-        for (int i = 0; i < dk; i += 2) {  // even and odd i in two sums (dk is a multiple of 4)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float x = stage[r * w_pitch + i + h];
-                const float4 y = reinterpret_cast<const float4*>(s)[((i + h) * GDN_WALK_COLS + c4) / 4];
-                acc[h].x = fmaf(x, y.x, acc[h].x), acc[h].y = fmaf(x, y.y, acc[h].y);
-                acc[h].z = fmaf(x, y.z, acc[h].z), acc[h].w = fmaf(x, y.w, acc[h].w);
-            }
-        }
-        const float got[4] = {acc[0].x + acc[1].x, acc[0].y + acc[1].y, acc[0].z + acc[1].z, acc[0].w + acc[1].w};
+        const float4 dot = gdn_walk_row_dot(stage + r * w_pitch, s, dk, c4);  // (W_n S)[r, c4 ..]
+        const float got[4] = {dot.x, dot.y, dot.z, dot.w};
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             float value = 0.0f;
@@ -100,18 +107,7 @@ gdn_chunk_walk_f32(const float* __restrict__ w, float* __restrict__ u, const flo
         __syncthreads();
         const float decay = gamma[chunk];
         for (int i = tid / 4; i < dk; i += GDN_WALK_THREADS / 4) {
-            float4 part[2] = {make_float4(0.0f, 0.0f, 0.0f, 0.0f), make_float4(0.0f, 0.0f, 0.0f, 0.0f)};
-            for (int j = 0; j < GDN_CHUNK; j += 2) {  // even and odd j in two sums
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float x = stage[i * kt_pitch + j + h];
-                    const float4 y = reinterpret_cast<const float4*>(corr)[((j + h) * GDN_WALK_COLS + c4) / 4];
-                    part[h].x = fmaf(x, y.x, part[h].x), part[h].y = fmaf(x, y.y, part[h].y);
-                    part[h].z = fmaf(x, y.z, part[h].z), part[h].w = fmaf(x, y.w, part[h].w);
-                }
-            }
-            const float4 sum = make_float4(part[0].x + part[1].x, part[0].y + part[1].y, part[0].z + part[1].z,
-                                           part[0].w + part[1].w);
+            const float4 sum = gdn_walk_row_dot(stage + i * kt_pitch, corr, GDN_CHUNK, c4);  // (k_tail_n u_n)[i, c4 ..]
             float4* row = reinterpret_cast<float4*>(s) + (i * GDN_WALK_COLS + c4) / 4;
             const float4 old = *row;
             *row = make_float4(fmaf(decay, old.x, sum.x), fmaf(decay, old.y, sum.y), fmaf(decay, old.z, sum.z),
@@ -282,6 +278,26 @@ __device__ __forceinline__ void gdn_prep_dots(const float* rows, int rows_pitch,
     }
 }
 
+// out[i][j] = scale_i (rows_i . kb_j) exp(c_i - c_j) for j < i (or j <= i with `diagonal`), 0 above;
+// scale_i = scale[i], or 1 where scale is null. out: L x L, row-major (shared or global memory).
+__device__ __forceinline__ void gdn_prep_decayed_dots(const float* rows, int rows_pitch, const float* kb, int kb_pitch,
+                                                      int dk, const float* cs, const float* scale, bool diagonal,
+                                                      float* out) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float acc[GDN_PREP_ROWS][2];
+    gdn_prep_dots(rows, rows_pitch, kb, kb_pitch, dk, acc);
+#pragma unroll
+    for (int r = 0; r < GDN_PREP_ROWS; ++r) {
+        const int i = warp + GDN_PREP_WARPS * r;
+        const float si = scale != nullptr ? scale[i] : 1.0f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int j = lane + 32 * h;
+            out[i * GDN_CHUNK + j] = j < i || (diagonal && j == i) ? si * acc[r][h] * expf(cs[i] - cs[j]) : 0.0f;
+        }
+    }
+}
+
 // out (L, width) rows of this chunk = t (L x L, row-major) @ x (L rows of `width` at x_pitch),
 // written at out_rows (row stride width): lane -> 4 columns, warp -> 8 rows; t is lower triangular
 // (zeros above), so row i sums j <= i.
@@ -339,7 +355,7 @@ gdn_chunk_prep_f32(float* __restrict__ q, const float* __restrict__ k, const flo
     float* bs = cs + GDN_CHUNK;                    // beta
     float* es = bs + GDN_CHUNK;                    // exp(c)
     float* xs = es + GDN_CHUNK;                    // the solve's sums: 3 blocks of 16 x 16
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     const long long chunk = (long long)blockIdx.y * chunks + blockIdx.x;  // (BH, n) index
     const long long row0 = chunk * GDN_CHUNK;                            // first token row
     gdn_prep_stage(k + row0 * dk, dk, kb, kp);
@@ -350,17 +366,7 @@ gdn_chunk_prep_f32(float* __restrict__ q, const float* __restrict__ k, const flo
     }
     __syncthreads();
     if (tid < GDN_CHUNK) es[tid] = expf(cs[tid]);
-    float acc[GDN_PREP_ROWS][2];
-    gdn_prep_dots(kb, kp, kb, kp, dk, acc);
-#pragma unroll
-    for (int r = 0; r < GDN_PREP_ROWS; ++r) {
-        const int i = warp + GDN_PREP_WARPS * r;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int j = lane + 32 * h;
-            ab[i * GDN_CHUNK + j] = j < i ? bs[i] * acc[r][h] * expf(cs[i] - cs[j]) : 0.0f;
-        }
-    }
+    gdn_prep_decayed_dots(kb, kp, kb, kp, dk, cs, bs, false, ab);  // A
     __syncthreads();  // A complete
     // T = (I + A)^-1 by blocks of 16 (A is strictly lower): the four diagonal blocks by forward
     // substitution, a thread per column (T[i][c] = [i == c] - sum_{c <= j < i} A[i][j] T[j][c]),
@@ -427,17 +433,7 @@ gdn_chunk_prep_f32(float* __restrict__ q, const float* __restrict__ k, const flo
     __syncthreads();  // v no longer read
     gdn_prep_stage(q + row0 * dk, dk, xb, xp);
     __syncthreads();
-    gdn_prep_dots(xb, xp, kb, kp, dk, acc);
-    float* sc = scores + chunk * GDN_CHUNK * GDN_CHUNK;
-#pragma unroll
-    for (int r = 0; r < GDN_PREP_ROWS; ++r) {
-        const int i = warp + GDN_PREP_WARPS * r;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int j = lane + 32 * h;
-            sc[i * GDN_CHUNK + j] = j <= i ? acc[r][h] * expf(cs[i] - cs[j]) : 0.0f;
-        }
-    }
+    gdn_prep_decayed_dots(xb, xp, kb, kp, dk, cs, nullptr, true, scores + chunk * GDN_CHUNK * GDN_CHUNK);
     for (int e = tid; e < GDN_CHUNK * dk; e += GDN_PREP_THREADS) {
         const int i = e / dk, d = e % dk;
         q[row0 * dk + e] = xb[i * xp + d] * es[i];
