@@ -20,9 +20,9 @@ from metrale_cli.kernels.cuda_launch import CudaLauncher, _head_rows, _ready
 from metrale_cli.kernels.ops import GdnTensors
 from metrale_cli.kernels.registry import GDN_HEAD_K_DIMS
 from metrale_cli.kernels.table import (
-    GDN_CHUNK_INPUTS, GDN_CHUNK_PREP, GDN_CHUNK_WALK, GDN_CONV, GDN_CONV_THREADS, GDN_CONV_TOKENS, GDN_DECODE, GDN_GATED_NORM,
-    GDN_MAX_DV, GDN_MAX_TAPS, GDN_PREP_MAX_DV, GDN_PREP_THREADS, GDN_WALK_COLS, GDN_WALK_MAX_DK, GDN_WALK_THREADS,
-    gdn_prep_shared_bytes, gdn_threads,
+    GDN_CHUNK_INPUTS, GDN_CHUNK_PREP, GDN_CHUNK_WALK, GDN_CONV, GDN_CONV_THREADS, GDN_CONV_TOKENS, GDN_DECODE,
+    GDN_GATED_NORM, GDN_MAX_DV, GDN_MAX_TAPS, GDN_PREP_MAX_DV, GDN_PREP_THREADS, GDN_WALK_COLS, GDN_WALK_MAX_DK,
+    GDN_WALK_THREADS, gdn_prep_shared_bytes, gdn_threads,
 )
 
 

@@ -73,8 +73,8 @@ def torch_prep(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     decay = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * decay  # I + its strict lower part: the solve reads no more
-    t = torch.linalg.solve_triangular(system, torch.eye(chunk, dtype=q.dtype, device=q.device).expand_as(system), upper=False,
-                                      unitriangular=True)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device).expand_as(system)
+    t = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
     w = t @ (k_beta * c.exp()[..., None])
     u = t @ (v * beta[..., None])
     scores = (q @ k.transpose(-1, -2)) * decay
