@@ -221,6 +221,17 @@ def test_the_prefill_split_counts_every_kernel_of_the_trace():
     assert split == pytest.approx({"gdn_mixer_s": 5e-3, "gemm_s": 4e-3, "other_s": 1e-3})
 
 
+def test_the_prefill_split_is_a_line_of_the_table_and_of_md():
+    """The split's line, from a row that carries it (a hybrid's cuda prefill): its total and shares;
+    a row without it gives no line."""
+    from metrale_cli.commands.bench import split_lines
+
+    result = {"rows": [{"engine": "metrale cuda graphs kv=bf16", "test": "pp4096", "gdn_mixer_s": 0.2,
+                        "gemm_s": 0.15, "other_s": 0.05}, {"engine": "HF transformers (eager)", "test": "pp4096"}]}
+    assert split_lines(result) == ["metrale cuda graphs kv=bf16 pp4096: device time of one prefill 400.0 ms = Gated "
+                                   "DeltaNet mixers 200.0 ms (50%), GEMMs 150.0 ms (38%), other 50.0 ms"]
+
+
 def test_bench_cpu_json():
     result = metrale("bench", "--preset", "smollm2", "-p", "8", "-n", "2", "-r", "1", "--backend", "torch",
                      "--kv-cache-dtype", "bf16", "--kv-cache-dtype", "fp8", "--compare-hf", "--json")

@@ -370,6 +370,22 @@ def _render(out: Output, result: dict, fmt: str) -> None:
         for r in result["rows"]:
             out.stream("| " + " | ".join(c.replace("|", "\\|") for c in _cells(result, r)) + " |\n")
         out.stream(f"\n{result['device']}; {_build_line(result)}\n")
+        for line in split_lines(result):
+            out.stream(f"\n{line}\n")
+
+
+def split_lines(result: dict) -> list[str]:
+    """A line per row that carries a hybrid prefill's device-time split (:func:`prefill_split`)."""
+    lines = []
+    for r in result["rows"]:
+        if "gdn_mixer_s" in r:
+            parts = {k: r[k] for k in ("gdn_mixer_s", "gemm_s", "other_s")}
+            total = sum(parts.values())
+            lines.append(f"{r['engine']} {r['test']}: device time of one prefill {total * 1e3:.1f} ms = Gated "
+                         f"DeltaNet mixers {parts['gdn_mixer_s'] * 1e3:.1f} ms "
+                         f"({100 * parts['gdn_mixer_s'] / total:.0f}%), GEMMs {parts['gemm_s'] * 1e3:.1f} ms "
+                         f"({100 * parts['gemm_s'] / total:.0f}%), other {parts['other_s'] * 1e3:.1f} ms")
+    return lines
 
 
 def bench_rank(tp: TensorParallel, device, out: Output | None, opts: BenchOptions,
@@ -393,14 +409,8 @@ def run_bench_cmd(out: Output, opts: BenchOptions, sweep: list[tuple[int, int, i
               f"parameters" + (f" per rank of {tp.size} (tensor parallel)" if tp.size > 1 else "") \
         + (f"; roofline bandwidth {peak:.0f} GB/s" if peak else "") + f"; {_build_line(result)}"
     out.table(f"metrale bench: {result['model']}", COLUMNS[3:], rows, caption)
-    for r in result["rows"]:
-        if "gdn_mixer_s" in r:
-            parts = {k: r[k] for k in ("gdn_mixer_s", "gemm_s", "other_s")}
-            total = sum(parts.values())
-            out.text(f"{r['engine']} {r['test']}: device time of one prefill {total * 1e3:.1f} ms = Gated DeltaNet "
-                     f"mixers {parts['gdn_mixer_s'] * 1e3:.1f} ms ({100 * parts['gdn_mixer_s'] / total:.0f}%), GEMMs "
-                     f"{parts['gemm_s'] * 1e3:.1f} ms ({100 * parts['gemm_s'] / total:.0f}%), other "
-                     f"{parts['other_s'] * 1e3:.1f} ms")
+    for line in split_lines(result):
+        out.text(line)
     for name, table in result["profiles"].items():
         out.text(f"top kernels, {name} (one pp + tg repetition):\n{table}")
     return result
