@@ -237,8 +237,9 @@ gdn_gated_norm_bf16(const float* __restrict__ o, const bf16_t* __restrict__ z, c
 // Every chunk's own part of the chunked rule (gdn_chunked.chunks before its walk), for one chunk of
 // one (sequence x value head) a CTA, in place of a dozen torch launches. With c the chunk's
 // cumulative decay (c_i = g_0 + .. + g_i) and D[i, j] = exp(c_i - c_j):
-//   T = (I + A)^-1, A = strictly-lower(beta_i (k_i . k_j) D[i, j])   (forward substitution, a
-//                                                                      thread per column)
+//   T = (I + A)^-1, A = strictly-lower(beta_i (k_i . k_j) D[i, j])   (by blocks of 16: the
+//                                                                      diagonal ones by forward
+//                                                                      substitution)
 //   w = T (beta k exp(c)),  u = T (beta v),  k_tail = (k exp(c_last - c))^T,  gamma = exp(c_last),
 //   scores = lower(q k^T * D) (diagonal included),  q <- q exp(c)      (in place: the walk's
 //                                                                      output GEMM reads it)
