@@ -3,11 +3,14 @@ no asserts). Qwen3-30B-A3B's shapes by default:
 
     python -m tools.moe_layer_launches                # context 600
     python -m tools.moe_layer_launches --context 4096
+    python -m tools.moe_layer_launches --experts 512 --inter 512 --top-k 10 --shared 512 --layers 24  # Qwen3-Next's
 
 Every launch runs ``--layers`` times on distinct random weights (so a launch does not find its
 weights in L2 from the one before), replayed from one CUDA graph; the figure is µs per launch.
 "whole layer" chains them as the decoder's batch-1 path does: gemv_norm (q/k/v), the fused
-decode attention, gemv_add (o_proj and the residual), moe_norm_route, moe_routed.
+decode attention, gemv_add (o_proj and the residual), moe_norm_route, moe_routed. With
+``--shared N`` the MoE FFN has a shared expert of width N (Qwen2-MoE, Qwen3-Next), and the lines
+"MoE FFN" (the layers' ``MoeFfn.add_row``, with and without it) give what the shared expert costs.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import torch.nn.functional as F
 
 from metrale_cli.kernels.cases import kv_to, rope_decode_args, rope_decode_case
 from metrale_cli.kernels.cuda_ops import CudaOps
+from metrale_cli.layers.ffn import DenseSwiGluFfn
+from metrale_cli.layers.moe import MoeFfn
+from metrale_cli.layers.spec import MoeSpec
 from tools.gemv_chain import replay_us
 
 
@@ -43,6 +49,7 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--context", type=int, default=600)
     p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--shared", type=int, default=0, help="a shared expert of this width (0: none)")
     a = p.parse_args()
     ops, dev = CudaOps(), "cuda"
     h, hq, hk, d, e, inter, k, n = a.hidden, a.heads, a.kv_heads, a.head_dim, a.experts, a.inter, a.top_k, a.layers
@@ -76,6 +83,11 @@ def main() -> None:
         normed = ops.rms_norm(residual, gamma, 1e-6)
         return ops.moe_route(F.linear(normed, router[i]), k, True)
 
+    spec = MoeSpec(num_experts=e, top_k=k, expert_size=inter, norm_topk_prob=True, shared_expert_size=a.shared)
+    plain = [MoeFfn(spec, router[i], gate_up[i], down[i], ops) for i in range(n)]
+    shared = [MoeFfn(spec, router[i], gate_up[i], down[i], ops,
+                     DenseSwiGluFfn(rand(2 * a.shared, h), rand(h, a.shared), ops), rand(1, h))
+              for i in range(n)] if a.shared else []
     launches = [
         ("qkv gemv_norm", lambda i: ops.gemv_norm(x, residual, gamma, 1e-6, qkv_w[i])),
         ("attention", lambda i: attention.rope_cache_decode(*args[i % 4])),
@@ -84,9 +96,13 @@ def main() -> None:
         ("moe_router_bf16", lambda i: ops.moe_norm_route(residual, gamma, 1e-6, router[i], k, True, read)),
         ("route + experts", lambda i: ops.moe(x, logits, gate_up[i], down[i], k, True, residual, read)),
         ("whole layer", layer),
+        ("MoE FFN (MoeFfn.add_row)", lambda i: plain[i].add_row(residual, gamma, 1e-6)),
     ]
+    if shared:
+        launches.append((f"MoE FFN with a shared expert of {a.shared}",
+                         lambda i: shared[i].add_row(residual, gamma, 1e-6)))
     print(f"batch-1 MoE layer, hidden {h}, {hq} heads on {hk} KV heads of {d}, {e} experts of {inter} "
-          f"(top {k}), context {a.context}, {n} layers")
+          f"(top {k}){f', a shared expert of {a.shared}' if a.shared else ''}, context {a.context}, {n} layers")
     for name, fn in launches:
         print(f"  {name:36s} {_time(fn, n):7.2f} µs")
 
