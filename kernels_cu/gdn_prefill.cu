@@ -23,15 +23,6 @@
 #define GDN_WALK_MAX_DK 128  // a chunk's W (L x Dk) or k_tail (Dk x L) staged in shared memory: 34 KB
 #define GDN_WALK_PAD 4  // floats after each staged row: the 8 rows a warp reads at once fall in 8 banks
 
-// w: (BH, n, L, dk); u: (BH, n, L, dv), U in, u out; k_tail: (BH, n, dk, L); gamma: (BH, n);
-// state: (BH, dk, dv) in / out; starts: (BH, n, dk, dv) out. Grid (ceil(dv / 16), BH); dk a
-// multiple of 4 up to GDN_WALK_MAX_DK.
-//
-// Per chunk: W_n is staged in shared memory (coalesced 16-byte loads), each thread computes one
-// row of 4 columns of u_n (a float4 of S's slice and one W value a step); then k_tail_n is staged in
-// the same buffer and each thread updates two rows of 4 columns of S. Staged rows are padded by
-// GDN_WALK_PAD floats: a warp reads 8 rows at a time, which unpadded (a multiple of 32 floats
-// apart) would all hit one bank.
 // sum over m < len of a[m] * b[m][c4 .. c4 + 3] (b: rows of GDN_WALK_COLS floats in shared memory),
 // the even and the odd terms in two sums, then added; len even.
 __device__ __forceinline__ float4 gdn_walk_row_dot(const float* a, const float* b, int len, int c4) {
@@ -48,6 +39,15 @@ __device__ __forceinline__ float4 gdn_walk_row_dot(const float* a, const float* 
     return make_float4(part[0].x + part[1].x, part[0].y + part[1].y, part[0].z + part[1].z, part[0].w + part[1].w);
 }
 
+// w: (BH, n, L, dk); u: (BH, n, L, dv), U in, u out; k_tail: (BH, n, dk, L); gamma: (BH, n);
+// state: (BH, dk, dv) in / out; starts: (BH, n, dk, dv) out. Grid (ceil(dv / 16), BH); dk a
+// multiple of 4 up to GDN_WALK_MAX_DK.
+//
+// Per chunk: W_n is staged in shared memory (coalesced 16-byte loads), each thread computes one
+// row of 4 columns of u_n (a float4 of S's slice and one W value a step); then k_tail_n is staged in
+// the same buffer and each thread updates two rows of 4 columns of S. Staged rows are padded by
+// GDN_WALK_PAD floats: a warp reads 8 rows at a time, which unpadded (a multiple of 32 floats
+// apart) would all hit one bank.
 extern "C" __global__ void __launch_bounds__(GDN_WALK_THREADS)
 gdn_chunk_walk_f32(const float* __restrict__ w, float* __restrict__ u, const float* __restrict__ k_tail,
                    const float* __restrict__ gamma, float* __restrict__ state, float* __restrict__ starts,
@@ -245,7 +245,8 @@ gdn_gated_norm_bf16(const float* __restrict__ o, const bf16_t* __restrict__ z, c
 //                                                                      output GEMM reads it)
 // q, k (BH, n*L, dk), v (BH, n*L, dv), g, beta (BH, n*L) fp32 as gdn_chunk_inputs_bf16 writes
 // them; w (BH, n, L, dk), u (BH, n, L, dv), k_tail (BH, n, dk, L), gamma (BH, n), scores (BH, n,
-// L, L) fp32. Sums in fp32, in index order (torch's GEMMs sum in theirs: equal to fp32 rounding).
+// L, L) fp32. Sums in fp32, in index order but for the substitution's two interleaved sums (torch's
+// GEMMs and solve sum in theirs: equal to fp32 rounding).
 // Grid (n, BH), block GDN_PREP_THREADS, dynamic shared memory of 4 * (L (dk + 4) + L (max(dk, dv)
 // + 4) + 2 L^2 + 3 L + 3 * 16^2) bytes (the layout below); dk, dv multiples of 4, dk <=
 // GDN_WALK_MAX_DK, dv <= GDN_PREP_MAX_DV.

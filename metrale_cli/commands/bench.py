@@ -176,8 +176,8 @@ def split_device_time(events: list[dict]) -> dict:
     time. Seconds."""
     launches = {e["args"]["correlation"]: e["ts"] for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    ranges = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                    if e.get("cat") == "user_annotation" and e.get("name") == GDN_RANGE)
+    ranges = [(e["ts"], e["ts"] + e["dur"]) for e in events
+              if e.get("cat") == "user_annotation" and e.get("name") == GDN_RANGE]
     split = {"gdn_mixer_s": 0.0, "gemm_s": 0.0, "other_s": 0.0}
     for e in events:
         if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):

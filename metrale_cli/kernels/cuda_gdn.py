@@ -78,10 +78,11 @@ class CudaGdn:
         if dk > GDN_WALK_MAX_DK or dk % 4:
             raise MetraleError(f"the cuda backend's Gated DeltaNet prefill serves key head dims that are multiples "
                                f"of 4 up to {GDN_WALK_MAX_DK}, not {dk}", hint="use --backend torch")
-        if dv > min(GDN_WALK_THREADS, GDN_PREP_MAX_DV) or dv % 4 or mixed.dtype != torch.bfloat16:
+        max_dv = min(GDN_WALK_THREADS, GDN_PREP_MAX_DV)
+        if dv > max_dv or dv % 4 or mixed.dtype != torch.bfloat16:
             raise MetraleError(f"the cuda backend's Gated DeltaNet prefill takes bf16 activations and value head dims "
-                               f"that are multiples of 4 up to {min(GDN_WALK_THREADS, GDN_PREP_MAX_DV)}, not "
-                               f"{mixed.dtype} and {dv}", hint="use --backend torch")
+                               f"that are multiples of 4 up to {max_dv}, not {mixed.dtype} and {dv}",
+                               hint="use --backend torch")
         channels, taps = layer.conv.shape
         if not 0 < taps <= GDN_MAX_TAPS or layer.conv_pool.dtype != torch.float32 \
                 or not layer.conv_pool.is_contiguous():

@@ -152,12 +152,14 @@ GDN_CONV_TOKENS = 64  # the tokens each of its threads walks
 GDN_MAX_TAPS = 8
 GDN_PREP_THREADS = 256  # gdn_chunk_prep_f32's CTA
 GDN_PREP_MAX_DV = 256
+GDN_PREP_BLOCK = 16  # its solve's blocks
 
 
 def gdn_prep_shared_bytes(dk: int, dv: int, chunk: int = 64) -> int:
     """gdn_chunk_prep_f32's dynamic shared memory: k rows, v-then-q rows (pitch width + 4), A and
-    T (L x L), c, beta and exp(c), the solve's three 16 x 16 sums."""
-    return 4 * (chunk * (dk + 4) + chunk * (max(dk, dv) + 4) + 2 * chunk * chunk + 3 * chunk + 3 * 16 * 16)
+    T (L x L), c, beta and exp(c), the solve's three block sums."""
+    return 4 * (chunk * (dk + 4) + chunk * (max(dk, dv) + 4) + 2 * chunk * chunk + 3 * chunk
+                + 3 * GDN_PREP_BLOCK * GDN_PREP_BLOCK)
 
 
 GDN_KERNELS = (GDN_DECODE[0], GDN_CHUNK_WALK[0], GDN_CHUNK_PREP[0], GDN_CHUNK_INPUTS[0], GDN_CONV[0],
