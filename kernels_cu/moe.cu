@@ -23,8 +23,16 @@
 //   moe_combine_bf16     a CTA per row: the row's top-k outputs, found in the grouped order,
 //                        weighted and summed in slot order [+ residual] -> out.
 //
+// A shared expert (Qwen2-MoE, Qwen3-Next) rides along as `shared` more experts: its width W cut
+// into chunks of the routed experts' width I (the last one short when I does not divide W), ids
+// E .. E + shared - 1 after the routed ones. The routing gives every row those slots after its
+// top k, each weighted sigmoid(the shared gate's logit, one more router row), and the expert
+// kernels read a chunk's rows from the shared expert's own tensors as they read a chosen expert's,
+// so the shared expert costs no launch of its own. Below, k counts a row's slots (top_k + shared)
+// and E the experts (routed + shared) where the plan and the expert kernels are concerned.
+//
 // The plan (int32): plan[0] = chosen experts n; plan[1 .. 1+E) their ids, ascending; plan[1+E ..
-// 2+2E) offsets (n + 1 entries) into the pairs plan[2+2E ..), each the index row * top_k + slot.
+// 2+2E) offsets (n + 1 entries) into the pairs plan[2+2E ..), each the index row * k + slot.
 #include "gemv.cuh"
 #include "mma.cuh"
 #include "pdl.cuh"
@@ -52,17 +60,21 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // One row's routing by one warp, V = ceil(E / 32) probabilities a lane (expert lane + 32 v):
 // softmax, top-k by k rounds of a warp arg-max, the weights; the chosen ids go to `chosen` and
-// are counted per expert.
+// are counted per expert. With `shared` slots the row's logits hold one more, the shared
+// expert's gate, after the E routed ones; the row's slots top_k .. top_k + shared - 1 are the
+// shared expert's chunks E .. E + shared - 1, each weighted sigmoid(gate).
 template <int V>
 __device__ void route_row(const bf16_t* logits, int* ids, float* weights, int* chosen, unsigned* count, int r,
-                          int num_experts, int top_k, int normalize) {
+                          int num_experts, int top_k, int shared, int normalize) {
     const int lane = threadIdx.x & 31;
+    const int slots = top_k + shared;
+    const bf16_t* row = logits + (long long)r * (num_experts + (shared > 0));
     float p[V];
     float m = METRALE_NEG_INF;
 #pragma unroll
     for (int v = 0; v < V; ++v) {
         const int e = lane + 32 * v;
-        p[v] = e < num_experts ? bf16_to_f32(__ldcg(logits + (long long)r * num_experts + e)) : METRALE_NEG_INF;
+        p[v] = e < num_experts ? bf16_to_f32(__ldcg(row + e)) : METRALE_NEG_INF;
         m = fmaxf(m, p[v]);
     }
     m = warp_max(m);
@@ -89,12 +101,31 @@ __device__ void route_row(const bf16_t* logits, int* ids, float* weights, int* c
         if (lane == s) mine = best;
         picked += best;
         if (lane == 0) {
-            chosen[r * top_k + s] = i;
-            ids[r * top_k + s] = i;
+            chosen[r * slots + s] = i;
+            ids[r * slots + s] = i;
             atomicAdd(&count[i], 1u);
         }
     }
-    if (lane < top_k) weights[r * top_k + lane] = normalize ? mine / picked : mine;
+    if (lane < top_k) weights[r * slots + lane] = normalize ? mine / picked : mine;
+    if (shared > 0) {
+        const float gate = 1.0f / (1.0f + expf(-bf16_to_f32(__ldcg(row + num_experts))));
+        for (int j = lane; j < shared; j += 32) {
+            const int q = r * slots + top_k + j;
+            chosen[q] = ids[q] = num_experts + j;
+            weights[q] = gate;
+            atomicAdd(&count[num_experts + j], 1u);
+        }
+    }
+}
+
+// route_row with V sized to the experts a lane holds.
+__device__ void route_row_any(const bf16_t* logits, int* ids, float* weights, int* chosen, unsigned* count, int r,
+                              int num_experts, int top_k, int shared, int normalize) {
+    const int per_lane = (num_experts + 31) / 32;
+    if (per_lane <= 4) route_row<4>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
+    else if (per_lane <= 8) route_row<8>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
+    else if (per_lane <= 16) route_row<16>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
+    else route_row<32>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
 }
 
 // The routing CTA's shared scratch: each pair's expert, each expert's pair count and fill.
@@ -106,24 +137,20 @@ struct RouteScratch {
 };
 
 // moe_route_bf16's work, by the whole CTA (a warp per row at a time): every row routed, then the
-// plan and experts_read.
+// plan over the E + shared experts and experts_read (rows >= 1).
 __device__ void route_plan(const bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read,
-                           int rows, int num_experts, int top_k, int normalize, RouteScratch& sh) {
+                           int rows, int num_experts, int top_k, int shared, int normalize, RouteScratch& sh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int per_lane = (num_experts + 31) / 32;
+    const int total = num_experts + shared, per_lane = (total + 31) / 32, slots = top_k + shared;
     int* chosen = sh.chosen;
     unsigned *count = sh.count, *fill = sh.fill;
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
+    for (int e = threadIdx.x; e < total; e += blockDim.x) count[e] = 0;
     __syncthreads();
-    for (int r = warp; r < rows; r += warps) {
-        if (per_lane <= 4) route_row<4>(logits, ids, weights, chosen, count, r, num_experts, top_k, normalize);
-        else if (per_lane <= 8) route_row<8>(logits, ids, weights, chosen, count, r, num_experts, top_k, normalize);
-        else if (per_lane <= 16) route_row<16>(logits, ids, weights, chosen, count, r, num_experts, top_k, normalize);
-        else route_row<32>(logits, ids, weights, chosen, count, r, num_experts, top_k, normalize);
-    }
+    for (int r = warp; r < rows; r += warps)
+        route_row_any(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
     __syncthreads();
     if (warp == 0) {  // the plan's experts and offsets: lane l scans experts [l * per_lane, ...)
-        const int lo = lane * per_lane, hi = min(lo + per_lane, num_experts);
+        const int lo = lane * per_lane, hi = min(lo + per_lane, total);
         int n = 0, pairs = 0;
         for (int e = lo; e < hi; ++e) n += count[e] > 0, pairs += (int)count[e];
         sh.lane_active[lane] = n, sh.lane_pairs[lane] = pairs;
@@ -131,7 +158,7 @@ __device__ void route_plan(const bf16_t* logits, int* ids, float* weights, int* 
         int slot = 0, offset = 0;
         for (int l = 0; l < lane; ++l) slot += sh.lane_active[l], offset += sh.lane_pairs[l];
         int* active = plan + 1;
-        int* offsets = plan + 1 + num_experts;
+        int* offsets = plan + 1 + total;
         for (int e = lo; e < hi; ++e) {
             fill[e] = (unsigned)offset;
             if (count[e] > 0) active[slot] = e, offsets[slot] = offset, ++slot, offset += (int)count[e];
@@ -139,24 +166,25 @@ __device__ void route_plan(const bf16_t* logits, int* ids, float* weights, int* 
         if (lane == 31) {
             plan[0] = slot;
             offsets[slot] = offset;
-            if (experts_read != nullptr) experts_read[0] += slot;
+            if (experts_read != nullptr) experts_read[0] += slot - shared;  // routed experts: every row has the chunks
         }
     }
     __syncthreads();
-    int* pairs = plan + 2 + 2 * num_experts;
-    for (int q = threadIdx.x; q < rows * top_k; q += blockDim.x) pairs[atomicAdd(&fill[chosen[q]], 1u)] = q;
+    int* pairs = plan + 2 + 2 * total;
+    for (int q = threadIdx.x; q < rows * slots; q += blockDim.x) pairs[atomicAdd(&fill[chosen[q]], 1u)] = q;
 }
 
-// logits (rows, E) bf16 -> ids (rows, k) int32, weights (rows, k) fp32, the plan, experts_read[0]
-// += n. rows * k <= MOE_MAX_PAIRS, E <= MOE_MAX_EXPERTS, k <= min(E, 32). grid 1, block: up to
-// MOE_ROUTE_THREADS, a multiple of 32 (a warp per row at a time).
+// logits (rows, E [+ 1]) bf16 -> ids (rows, k + shared) int32, weights (rows, k + shared) fp32,
+// the plan, experts_read[0] += n - shared (the routed experts read). rows * (k + shared) <= MOE_MAX_PAIRS, E + shared <=
+// MOE_MAX_EXPERTS, k <= min(E, 32). grid 1, block: up to MOE_ROUTE_THREADS, a multiple of 32 (a
+// warp per row at a time).
 extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
     moe_route_bf16(const bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read, int rows,
-                   int num_experts, int top_k, int normalize) {
+                   int num_experts, int top_k, int shared, int normalize) {
     __shared__ RouteScratch sh;
     pdl_wait();
     pdl_launch_dependents();
-    route_plan(logits, ids, weights, plan, experts_read, rows, num_experts, top_k, normalize, sh);
+    route_plan(logits, ids, weights, plan, experts_read, rows, num_experts, top_k, shared, normalize, sh);
 }
 
 // Batch-1 decode's norm, router and routing in one launch (rms_norm_bf16, the router's GEMV and
@@ -165,24 +193,25 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
 // gemv_norm_bf16's order (each logit is the value that kernel stores); then the last CTA to
 // finish (counter: a zeroed word, left zero) routes the row as moe_route_bf16 does, its scratch
 // in the staged row's shared memory. The router rows are loaded before the PDL wait (a constant).
-// router (E, hidden) bf16; hidden % 8 == 0, hidden <= GEMV_MAX_K, every pointer 16-byte aligned;
-// E <= MOE_MAX_EXPERTS, k <= min(E, 32). grid ceil(E / GEMV_WARPS), block GEMV_THREADS.
+// router (E [+ 1 with shared slots: the shared expert's gate], hidden) bf16; hidden % 8 == 0,
+// hidden <= GEMV_MAX_K, every pointer 16-byte aligned; E + shared <= MOE_MAX_EXPERTS, k <= min(E,
+// 32). grid ceil(router rows / GEMV_WARPS), block GEMV_THREADS.
 #define ROUTER_U 8  // chunks a lane per batch: gemv_norm_bf16's U
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     moe_router_bf16(const bf16_t* router, const bf16_t* h, const bf16_t* gamma, bf16_t* x_out, bf16_t* logits,
                     int* ids, float* weights, int* plan, long long* experts_read, unsigned* counter,
-                    int num_experts, int hidden, int top_k, int normalize, float eps) {
+                    int num_experts, int hidden, int top_k, int shared, int normalize, float eps) {
     static_assert(sizeof(RouteScratch) <= GEMV_MAX_K / 8 * sizeof(Chunk), "the route's scratch fits the row's");
     __shared__ Chunk xs[GEMV_MAX_K / 8];
     __shared__ int is_last;
     const int lane = threadIdx.x & 31, e = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    const int chunks = hidden / 8;
+    const int chunks = hidden / 8, num_logits = num_experts + (shared > 0);
     const bf16_t* row = router + (long long)e * hidden;
     Chunk first[ROUTER_U];
 #pragma unroll
     for (int u = 0; u < ROUTER_U; ++u) {
         const int ci = lane + 32 * u;
-        if (e < num_experts && ci < chunks) first[u] = load_weights(row + ci * 8);
+        if (e < num_logits && ci < chunks) first[u] = load_weights(row + ci * 8);
     }
     const EarlyGamma early = early_gamma<true>(gamma, hidden);
     pdl_wait();
@@ -191,7 +220,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     if (blockIdx.x == 0) {
         for (int i = threadIdx.x; i < chunks; i += blockDim.x) reinterpret_cast<Chunk*>(x_out)[i] = xs[i];
     }
-    if (e < num_experts) {
+    if (e < num_logits) {
         float acc = 0.0f;
         for (int b = 0; b * 32 * ROUTER_U < chunks; ++b) {
             Chunk c[ROUTER_U];
@@ -219,26 +248,23 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     }
     __syncthreads();
     if (is_last) {
-        route_plan(logits, ids, weights, plan, experts_read, 1, num_experts, top_k, normalize,
+        route_plan(logits, ids, weights, plan, experts_read, 1, num_experts, top_k, shared, normalize,
                    *reinterpret_cast<RouteScratch*>(xs));
     }
 }
 
-// logits (rows, E) bf16 -> ids (rows, k) int32, weights (rows, k) fp32 as moe_route_bf16's; counts[e]
-// += the pairs that chose e (zeroed by the caller). E <= MOE_MAX_EXPERTS, k <= min(E, 32). grid
-// ceil(rows / (block / 32)), block a multiple of 32: a warp per row.
+// logits (rows, E [+ 1]) bf16 -> ids, weights (rows, k + shared) as moe_route_bf16's; counts[e]
+// += the pairs that chose e (E + shared entries, zeroed by the caller). E + shared <=
+// MOE_MAX_EXPERTS, k <= min(E, 32). grid ceil(rows / (block / 32)), block a multiple of 32: a
+// warp per row.
 extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
     moe_route_rows_bf16(const bf16_t* logits, int* ids, float* weights, unsigned* counts, int rows, int num_experts,
-                        int top_k, int normalize) {
+                        int top_k, int shared, int normalize) {
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int per_lane = (num_experts + 31) / 32;
     pdl_wait();
     pdl_launch_dependents();
     if (r >= rows) return;
-    if (per_lane <= 4) route_row<4>(logits, ids, weights, ids, counts, r, num_experts, top_k, normalize);
-    else if (per_lane <= 8) route_row<8>(logits, ids, weights, ids, counts, r, num_experts, top_k, normalize);
-    else if (per_lane <= 16) route_row<16>(logits, ids, weights, ids, counts, r, num_experts, top_k, normalize);
-    else route_row<32>(logits, ids, weights, ids, counts, r, num_experts, top_k, normalize);
+    route_row_any(logits, ids, weights, ids, counts, r, num_experts, top_k, shared, normalize);
 }
 
 // out (rows, hidden) = bf16(sum over slots s, in order, of bf16(ys[where[r * k + s]] * bf16(weights[r *
@@ -307,12 +333,12 @@ __device__ __forceinline__ unsigned block_word(const Block16& b, int w) { return
 // TILES weight tiles of 16 rows share the B operand (gate/up: the gate rows and the up rows).
 template <int TILES>
 struct TcWork {
-    const bf16_t* w;     // the expert's weight rows (kdim elements each)
-    const bf16_t* in;    // input rows
+    const bf16_t* w;     // the expert's weight rows: ld elements apart, the first wk of each read
+    const bf16_t* in;    // input rows (kdim elements each)
     const int* pairs;
     int row0[TILES];     // first weight row of each tile
     int rows_valid;      // weight rows of a tile in range: j0 + g < n
-    int j0, n, kdim, top_k, lo, hi;
+    int j0, n, kdim, ld, wk, top_k, lo, hi;
     bool input_by_row;   // gate/up: a pair's input is row q / top_k of `in`; down: row q
 
     // acc[t][nt][4]: the warp's sums over its K blocks for the pass's pairs [base, base + MOE_TC_PAIRS).
@@ -331,7 +357,7 @@ struct TcWork {
 #pragma unroll
         for (int t = 0; t < TILES; ++t)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) wrow[t][h] = w + (long long)(row0[t] + g + 8 * h) * kdim;
+            for (int h = 0; h < 2; ++h) wrow[t][h] = w + (long long)(row0[t] + g + 8 * h) * ld;
         const bool valid[2] = {g < rows_valid, g + 8 < rows_valid};
         for (int kb = warp; kb < blocks; kb += MOE_TC_WARPS) {
             const int k0 = kb * 64 + 16 * c;
@@ -339,7 +365,7 @@ struct TcWork {
 #pragma unroll
             for (int t = 0; t < TILES; ++t)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) a[t][h] = load_block(wrow[t][h], k0, kdim, valid[h], true);
+                for (int h = 0; h < 2; ++h) a[t][h] = load_block(wrow[t][h], k0, wk, valid[h], true);
 #pragma unroll
             for (int nt = 0; nt < MOE_TC_NT; ++nt) {
                 if (nt * 8 >= npairs) continue;  // warp-uniform
@@ -386,11 +412,36 @@ __device__ void tc_reduce(float (&acc)[TILES][MOE_TC_NT][4], float* red) {
     __syncthreads();  // red is free for the next pass
 }
 
-// act (rows * top_k, inter) = silu(gate_e · x) * (up_e · x) for each pair's expert e. gate_up (E, 2 * inter, hidden); hidden % 8 == 0. grid (ceil(inter / 16),
-// min(E, rows * top_k)), block MOE_TC_THREADS.
+// Where expert e's weights are: a routed expert's in the stacked tensors; the shared expert's chunk
+// c = e - (E - chunks) in its own (2W, H) gate/up = [gate; up] and (H, W) down, its rows or
+// columns [cI, cI + I) (fewer in the last chunk: `valid`, the rest read as zeros).
+struct ExpertRows {
+    const bf16_t* w;  // gate/up: the gate rows; down: the first column of row 0
+    int up;           // gate/up: the up rows' offset from the gate rows, in rows
+    int ld;           // down: elements between rows
+    int valid;        // rows (gate/up) or columns (down) of the chunk that exist
+};
+
+__device__ __forceinline__ ExpertRows gate_up_rows(const bf16_t* gate_up, const bf16_t* shared, int e, int num_experts,
+                                                   int hidden, int inter, int shared_width) {
+    const int chunks = (shared_width + inter - 1) / inter, c = e - (num_experts - chunks);
+    if (c < 0) return {gate_up + (long long)e * 2 * inter * hidden, inter, hidden, inter};
+    return {shared + (long long)c * inter * hidden, shared_width, hidden, min(inter, shared_width - c * inter)};
+}
+
+__device__ __forceinline__ ExpertRows down_rows(const bf16_t* down, const bf16_t* shared, int e, int num_experts,
+                                                int hidden, int inter, int shared_width) {
+    const int chunks = (shared_width + inter - 1) / inter, c = e - (num_experts - chunks);
+    if (c < 0) return {down + (long long)e * hidden * inter, 0, inter, inter};
+    return {shared + (long long)c * inter, 0, shared_width, min(inter, shared_width - c * inter)};
+}
+
+// act (rows * top_k, inter) = silu(gate_e · x) * (up_e · x) for each pair's expert e. gate_up (E -
+// chunks, 2 * inter, hidden); shared_gate_up (2 * shared_width, hidden) or null (shared_width 0);
+// hidden % 8 == 0. grid (ceil(inter / 16), min(E, rows * top_k)), block MOE_TC_THREADS.
 extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
-    moe_gate_up_bf16(const bf16_t* x, const bf16_t* gate_up, const int* plan, bf16_t* act, int hidden, int inter,
-                        int num_experts, int top_k) {
+    moe_gate_up_bf16(const bf16_t* x, const bf16_t* gate_up, const bf16_t* shared_gate_up, const int* plan,
+                     bf16_t* act, int hidden, int inter, int shared_width, int num_experts, int top_k) {
     __shared__ float red[(MOE_TC_WARPS - 1) * 2 * MOE_TC_NT * 4 * 32];
     pdl_wait();
     pdl_launch_dependents();
@@ -398,8 +449,9 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
     if (slot >= plan[0]) return;
     const int e = plan[1 + slot], lo = plan[1 + num_experts + slot], hi = plan[2 + num_experts + slot];
     const int j0 = blockIdx.x * MOE_TC_ROWS;
-    TcWork<2> wk{gate_up + (long long)e * 2 * inter * hidden, x, plan + 2 + 2 * num_experts, {j0, inter + j0},
-                 inter - j0, j0, inter, hidden, top_k, lo, hi, true};
+    const ExpertRows er = gate_up_rows(gate_up, shared_gate_up, e, num_experts, hidden, inter, shared_width);
+    TcWork<2> wk{er.w, x, plan + 2 + 2 * num_experts, {j0, er.up + j0}, er.valid - j0, j0, inter, hidden, hidden,
+                 hidden, top_k, lo, hi, true};
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     for (int base = lo; base < hi; base += MOE_TC_PAIRS) {
         float acc[2][MOE_TC_NT][4] = {};
@@ -421,12 +473,13 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
 // y (rows * top_k, hidden) fp32 = bf16(bf16(down_e · act) * bf16(weight)) for each pair; then the
 // last CTA of each blockIdx.x to finish (counters: zeroed words, one per blockIdx.x, left zero)
 // writes out (rows, hidden) = bf16(sum over the row's slots of y, in slot order) [then
-// bf16(residual + that)] for its 16 columns. out may alias residual. down (E, hidden, inter);
-// inter % 8 == 0. grid (ceil(hidden / 16), min(E, rows * top_k)), block MOE_TC_THREADS.
+// bf16(residual + that)] for its 16 columns. out may alias residual. down (E - chunks, hidden,
+// inter), shared_down (hidden, shared_width) or null; inter % 8 == 0, shared_width % 8 == 0. grid
+// (ceil(hidden / 16), min(E, rows * top_k)), block MOE_TC_THREADS.
 extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
-    moe_down_bf16(const bf16_t* act, const bf16_t* down, const int* plan, const float* weights, float* y,
-                     const bf16_t* residual, bf16_t* out, unsigned* counters, int rows, int hidden, int inter,
-                     int num_experts, int top_k) {
+    moe_down_bf16(const bf16_t* act, const bf16_t* down, const bf16_t* shared_down, const int* plan,
+                  const float* weights, float* y, const bf16_t* residual, bf16_t* out, unsigned* counters, int rows,
+                  int hidden, int inter, int shared_width, int num_experts, int top_k) {
     __shared__ float red[(MOE_TC_WARPS - 1) * MOE_TC_NT * 4 * 32];
     __shared__ bool last;
     pdl_wait();
@@ -435,8 +488,9 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
     if (slot >= plan[0]) return;
     const int e = plan[1 + slot], lo = plan[1 + num_experts + slot], hi = plan[2 + num_experts + slot];
     const int j0 = blockIdx.x * MOE_TC_ROWS;
-    TcWork<1> wk{down + (long long)e * hidden * inter, act, plan + 2 + 2 * num_experts, {j0}, hidden - j0, j0,
-                 hidden, inter, top_k, lo, hi, false};
+    const ExpertRows er = down_rows(down, shared_down, e, num_experts, hidden, inter, shared_width);
+    TcWork<1> wk{er.w, act, plan + 2 + 2 * num_experts, {j0}, hidden - j0, j0, hidden, inter, er.ld, er.valid,
+                 top_k, lo, hi, false};
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     for (int base = lo; base < hi; base += MOE_TC_PAIRS) {
         float acc[1][MOE_TC_NT][4] = {};

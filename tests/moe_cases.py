@@ -1,9 +1,12 @@
 """MoE kernel cases shared by the host-emulation and GPU tests: router logits that make experts
-chosen by no row, by one, by every row, and exact ties, with weights at odd sizes."""
+chosen by no row, by one, by every row, and exact ties, with weights at odd sizes; and the same
+with a shared expert folded in as chunk experts (``SHARED_CASES``)."""
 
 from __future__ import annotations
 
 import torch
+
+from metrale_cli.kernels.ops import SharedExpert
 
 # (rows, experts, top_k, hidden, inter, pattern)
 CASES = [
@@ -21,8 +24,20 @@ CASES = [
 ]
 
 
+# (rows, experts, top_k, hidden, inter, pattern, shared expert's width): one chunk of the experts'
+# width, four, two with the last one short (40 over 24), three with the last 8 wide
+SHARED_CASES = [
+    (1, 8, 2, 64, 24, "random", 24),
+    (1, 60, 4, 72, 16, "random", 64),  # Qwen1.5-MoE's four chunks
+    (7, 16, 4, 64, 24, "ties", 40),
+    (33, 12, 3, 64, 32, "few", 64),
+    (64, 128, 8, 64, 24, "random", 24),
+    (2, 8, 2, 1288, 784, "all", 1576),
+]
+
+
 def case_id(case) -> str:
-    return "r{}-e{}-k{}-h{}-i{}-{}".format(*case)
+    return "r{}-e{}-k{}-h{}-i{}-{}".format(*case) + ("-w{}".format(case[6]) if len(case) > 6 else "")
 
 
 def moe_case(rows, experts, top_k, hidden, inter, pattern, seed=0, device="cpu"):
@@ -43,12 +58,31 @@ def moe_case(rows, experts, top_k, hidden, inter, pattern, seed=0, device="cpu")
     return {k: v.to(device) for k, v in tensors.items()}
 
 
-def stable_route(logits, top_k, normalize):
+def shared_case(rows, experts, top_k, hidden, inter, pattern, width, seed=0, device="cpu"):
+    """moe_case with a shared expert of ``width`` (``shared``: a SharedExpert, bf16 (2W, H) and (H,
+    W)) and its gate's logit as one more column of logits, large enough that sigmoid spreads over
+    (0, 1); ``chunks``: the experts it adds."""
+    t = moe_case(rows, experts, top_k, hidden, inter, pattern, seed, device)
+    g = torch.Generator().manual_seed(seed + 100)
+    rnd = lambda *s, scale: (torch.randn(*s, generator=g) * scale).to(torch.bfloat16).to(device)
+    t["logits"] = torch.cat([t["logits"], rnd(rows, 1, scale=2.0)], dim=1)
+    t["shared"] = SharedExpert(rnd(2 * width, hidden, scale=hidden**-0.5), rnd(hidden, width, scale=width**-0.5))
+    t["chunks"] = t["shared"].chunks(inter)
+    return t
+
+
+def stable_route(logits, top_k, normalize, shared=0):
     """moe_route with its tie rule spelled out: a stable descending sort (equal probabilities in
-    expert-id order), which torch.topk follows on CUDA but not on the CPU."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    expert-id order), which torch.topk follows on CUDA but not on the CPU; ``shared`` chunk slots
+    after the row's top k, as moe_route gives them."""
+    experts = logits.shape[1] - (shared > 0)
+    probs = torch.softmax(logits[:, :experts], dim=-1, dtype=torch.float32)
     ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
     weights = probs.gather(1, ids)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if shared:
+        rows = logits.shape[0]
+        ids = torch.cat([ids, torch.arange(experts, experts + shared, device=ids.device).expand(rows, shared)], 1)
+        weights = torch.cat([weights, torch.sigmoid(logits[:, experts:].float()).expand(rows, shared)], 1)
     return ids.to(torch.int32), weights

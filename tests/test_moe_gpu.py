@@ -14,12 +14,22 @@ import pytest
 import torch
 
 from metrale_cli.kernels import reference as ref
+from metrale_cli.kernels.ops import SharedExpert
 from metrale_cli.kernels.tolerances import bounds
-from moe_cases import CASES, case_id, moe_case, stable_route
+from moe_cases import CASES, SHARED_CASES, case_id, moe_case, shared_case, stable_route
 
 pytestmark = pytest.mark.gpu
 
 PREFILL = [(99, 60, 4, 64, 24, "random"), (989, 128, 8, 256, 64, "random"), (99, 16, 4, 64, 24, "few")]
+SHARED_PREFILL = [(99, 60, 4, 64, 24, "random", 96), (200, 512, 10, 128, 32, "random", 40)]
+
+
+def _case(case, seed=0):
+    """(tensors on the GPU, shared chunks) of a case with or without a shared expert."""
+    if len(case) == 6:
+        return moe_case(*case, seed=seed, device="cuda"), 0
+    t = shared_case(*case, seed=seed, device="cuda")
+    return t, t["chunks"]
 
 
 def close(got, want, row):
@@ -29,36 +39,40 @@ def close(got, want, row):
 
 
 def _reference(t, top_k, normalize, residual):
-    ids, weights = ref.moe_route(t["logits"], top_k, normalize)
-    return ref.moe_experts(t["x"].float(), ids, weights, t["gate_up"].float(), t["down"].float(),
-                           None if residual is None else residual.float())
+    """TorchOps.moe in fp32 on the case's bf16 inputs (a shared expert's chunks stacked, padded)."""
+    shared = t.get("shared")
+    if shared is not None:
+        shared = SharedExpert(shared.gate_up.float(), shared.down.float())
+    return ref.moe(t["x"].float(), t["logits"], t["gate_up"].float(), t["down"].float(), top_k, normalize,
+                   None if residual is None else residual.float(), None, shared)
 
 
 @pytest.mark.parametrize("normalize", [True, False])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES + SHARED_CASES, ids=case_id)
 def test_routing_takes_torch_topk_values_in_expert_id_order(ops, case, normalize):
     """torch.topk's values, in its order; among equal probabilities the lower expert id first
-    (torch.topk orders ties arbitrarily, on CUDA as on the CPU: the 'ties' and 'all' cases)."""
-    t = moe_case(*case, device="cuda")
-    k = case[2]
-    ids, weights = ops.moe_route(t["logits"], k, normalize)
-    probs = torch.softmax(t["logits"], dim=-1, dtype=torch.float32)
-    assert torch.equal(probs.gather(1, ids.long()), torch.topk(probs, k).values)
-    want_ids, want_w = stable_route(t["logits"], k, normalize)
+    (torch.topk orders ties arbitrarily, on CUDA as on the CPU: the 'ties' and 'all' cases); then
+    any shared chunks, weighted sigmoid(the shared gate's logit)."""
+    t, shared = _case(case)
+    k, experts = case[2], case[1]
+    ids, weights = ops.moe_route(t["logits"], k, normalize, shared)
+    probs = torch.softmax(t["logits"][:, :experts], dim=-1, dtype=torch.float32)
+    assert torch.equal(probs.gather(1, ids[:, :k].long()), torch.topk(probs, k).values)
+    want_ids, want_w = stable_route(t["logits"], k, normalize, shared)
     assert torch.equal(ids, want_ids)
     close(weights, want_w, "moe route")
 
 
 @pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("case", CASES + PREFILL, ids=case_id)
+@pytest.mark.parametrize("case", CASES + PREFILL + SHARED_CASES + SHARED_PREFILL, ids=case_id)
 def test_moe_equals_the_reference(ops, case, with_residual):
     top_k = case[2]
-    t = moe_case(*case, seed=1, device="cuda")
+    t, shared = _case(case, seed=1)
     residual = t["residual"] if with_residual else None
     read = torch.zeros(1, dtype=torch.long, device="cuda")
-    got = ops.moe(t["x"], t["logits"], t["gate_up"], t["down"], top_k, True, residual, read)
+    got = ops.moe(t["x"], t["logits"], t["gate_up"], t["down"], top_k, True, residual, read, t.get("shared"))
     close(got.float(), _reference(t, top_k, True, residual), "moe")
-    assert int(read) == len(torch.unique(ref.moe_route(t["logits"], top_k, True)[0]))
+    assert int(read) == len(torch.unique(ref.moe_route(t["logits"], top_k, True, shared)[0][:, :top_k]))
 
 
 @pytest.mark.parametrize("case", [CASES[4], CASES[6], PREFILL[0]], ids=case_id)
@@ -110,35 +124,42 @@ def test_a_cuda_graph_replays_the_decode_path(ops):
     assert int(read) == len(torch.unique(ref.moe_route(other["logits"], 8, True)[0]))
 
 
-@pytest.mark.parametrize("experts, top_k, hidden", [(128, 8, 2048), (60, 4, 1000), (512, 10, 4096), (6, 2, 8)])
-def test_batch_one_router_equals_norm_gemv_and_route(ops, experts, top_k, hidden):
+@pytest.mark.parametrize("experts, top_k, hidden, width", [(128, 8, 2048, 0), (60, 4, 1000, 0), (512, 10, 4096, 0),
+                                                            (6, 2, 8, 0), (512, 10, 2048, 32), (60, 4, 2048, 120)])
+def test_batch_one_router_equals_norm_gemv_and_route(ops, experts, top_k, hidden, width):
     """moe_router_bf16 through ``CudaOps.moe_norm_route`` (one row): x is ``rms_norm``'s bytes, the
     route ``moe_route``'s on the logits ``gemv_norm`` gives with the router as its weight (ids,
-    weights and plan), ``experts_read`` counts its experts, and ``moe_routed`` on it equals ``moe``
-    on those logits; the same again from a CUDA graph replayed on new inputs."""
+    weights and plan; with a shared expert of ``width`` the router's last row is its gate, and the
+    experts are 32 wide, so one chunk or four, the last one short), ``experts_read`` counts its
+    routed experts, and ``moe_routed`` on it equals ``moe`` on those logits; the same again from a
+    CUDA graph replayed on new inputs."""
     g = torch.Generator(device="cuda").manual_seed(experts)
-    h = (torch.randn(1, hidden, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    rand = lambda *shape, scale: (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+    sh = SharedExpert(rand(2 * width, hidden, scale=hidden ** -0.5), rand(hidden, width, scale=0.2)) if width else None
+    slots = sh.chunks(32) if sh else 0
+    total = experts + slots
+    h = rand(1, hidden, scale=3)
     gamma = (1 + torch.randn(hidden, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
-    router = (torch.randn(experts, hidden, device="cuda", generator=g) * hidden ** -0.5).to(torch.bfloat16)
-    gate_up = (torch.randn(experts, 64, hidden, device="cuda", generator=g) * hidden ** -0.5).to(torch.bfloat16)
-    down = (torch.randn(experts, hidden, 32, device="cuda", generator=g) * 0.2).to(torch.bfloat16)
+    router = rand(experts + (slots > 0), hidden, scale=hidden ** -0.5)
+    gate_up = rand(experts, 64, hidden, scale=hidden ** -0.5)
+    down = rand(experts, hidden, 32, scale=0.2)
     read = torch.zeros(1, dtype=torch.long, device="cuda")
 
     def check(x, route, out):
         want_x = ops.rms_norm(h, gamma, 1e-6)
         logits = ops.gemv_norm(h, None, gamma, 1e-6, router)[0]
-        ids, weights, plan = ops._route(logits, top_k, True, None)
+        ids, weights, plan = ops._route(logits, top_k, True, None, slots)
         assert torch.equal(x, want_x)
         assert torch.equal(route.ids, ids) and torch.equal(route.weights, weights)
         n = int(plan[0])  # the plan's defined entries: n experts, n + 1 offsets, every pair
-        for part in (slice(0, 1 + n), slice(1 + experts, 2 + experts + n), slice(2 + 2 * experts, None)):
+        for part in (slice(0, 1 + n), slice(1 + total, 2 + total + n), slice(2 + 2 * total, None)):
             assert torch.equal(route.plan[part], plan[part])
-        assert int(read) == len(torch.unique(ids))
-        assert torch.equal(out, ops.moe(want_x, logits, gate_up, down, top_k, True, h, None))
+        assert int(read) == len(torch.unique(ids[:, :top_k]))
+        assert torch.equal(out, ops.moe(want_x, logits, gate_up, down, top_k, True, h, None, sh))
 
     def step():
-        x, route = ops.moe_norm_route(h, gamma, 1e-6, router, top_k, True, read)
-        return x, route, ops.moe_routed(x, route, gate_up, down, h)
+        x, route = ops.moe_norm_route(h, gamma, 1e-6, router, top_k, True, read, slots)
+        return x, route, ops.moe_routed(x, route, gate_up, down, h, sh)
 
     check(*step())
     graph = torch.cuda.CUDAGraph()

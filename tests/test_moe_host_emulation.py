@@ -2,9 +2,11 @@
 
 ``kernels_cu/host/moe_host.cpp`` runs the routing CTA and the expert grids as CudaOps launches
 them, on the cases of ``tests/moe_cases.py``: 1, 7, 19, 33 and 64 rows; 6 to 1024 experts; top-k 1
-to 8; experts chosen by no row, by one and by every row; exact ties in the logits. The routing's
-ids must be torch.topk's as it runs on CUDA (equal probabilities in expert-id order), the plan must list each chosen expert once with
-exactly the pairs that chose it, and the outputs are held to the reference with the "moe" row.
+to 8; experts chosen by no row, by one and by every row; exact ties in the logits; a shared
+expert read in place as one to four chunks of the experts' width, the last one short. The
+routing's ids must be torch.topk's as it runs on CUDA (equal probabilities in expert-id order),
+the plan must list each chosen expert once with exactly the pairs that chose it, and the outputs
+are held to the reference with the "moe" row.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from host_build import build_host_library
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.tolerances import bounds
-from moe_cases import CASES, case_id, moe_case, stable_route
+from moe_cases import CASES, SHARED_CASES, case_id, moe_case, shared_case, stable_route
 
 _LIB: list[ctypes.CDLL] = []
 
@@ -26,11 +28,11 @@ _LIB: list[ctypes.CDLL] = []
 def lib(tmp_path_factory) -> ctypes.CDLL:
     if not _LIB:
         handle = build_host_library("moe_host.cpp", tmp_path_factory.mktemp("moe"))
-        handle.host_moe_route.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
-        handle.host_moe_experts.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5
-        handle.host_moe_route_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+        handle.host_moe_route.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6
+        handle.host_moe_experts.argtypes = [ctypes.c_void_p] * 12 + [ctypes.c_int] * 6
+        handle.host_moe_route_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6
         handle.host_moe_combine.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
-        handle.host_moe_router.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 4 + [ctypes.c_float]
+        handle.host_moe_router.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5 + [ctypes.c_float]
         _LIB.append(handle)
     return _LIB[0]
 
@@ -39,14 +41,15 @@ def _p(t):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
-def route(lib, logits, top_k, normalize, threads=128):
-    rows, experts = logits.shape
-    ids = torch.full((rows, top_k), -1, dtype=torch.int32)
-    weights = torch.full((rows, top_k), float("nan"))
-    plan = torch.full((2 + 2 * experts + rows * top_k,), -7, dtype=torch.int32)
+def route(lib, logits, top_k, normalize, threads=128, shared=0):
+    rows, experts = logits.shape[0], logits.shape[1] - (shared > 0)
+    slots, total = top_k + shared, experts + shared
+    ids = torch.full((rows, slots), -1, dtype=torch.int32)
+    weights = torch.full((rows, slots), float("nan"))
+    plan = torch.full((2 + 2 * total + rows * slots,), -7, dtype=torch.int32)
     read = torch.tensor([5], dtype=torch.long)
-    lib.host_moe_route(_p(logits), _p(ids), _p(weights), _p(plan), _p(read), rows, experts, top_k, int(normalize),
-                       threads)
+    lib.host_moe_route(_p(logits), _p(ids), _p(weights), _p(plan), _p(read), rows, experts, top_k, shared,
+                       int(normalize), threads)
     return ids, weights, plan, int(read) - 5
 
 
@@ -56,22 +59,47 @@ def close(got, want, row):
     assert bool((err <= atol + rtol * want.double().abs()).all()), f"{row}: max |err| {err.max().item():.3g}"
 
 
+def _case(case, seed=0):
+    """(tensors, shared chunks) of a CASES or SHARED_CASES entry."""
+    if len(case) == 6:
+        return moe_case(*case, seed=seed), 0
+    t = shared_case(*case, seed=seed)
+    return t, t["chunks"]
+
+
+def experts(lib, t, plan, weights, residual, rows, top_k, shared=0):
+    """host_moe_experts over a case's tensors (``top_k``: the row's slots, any shared among them)
+    -> (out, counters after)."""
+    experts, inter2, hidden = t["gate_up"].shape
+    inter, sh = inter2 // 2, t.get("shared")
+    act = torch.full((rows * top_k, inter), float("nan"), dtype=torch.bfloat16)
+    y = torch.full((rows * top_k, hidden), float("nan"))
+    out = torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16)
+    counters = torch.zeros(hidden, dtype=torch.int32)
+    lib.host_moe_experts(_p(t["x"]), _p(t["gate_up"]), _p(t["down"]), _p(sh and sh.gate_up), _p(sh and sh.down),
+                         _p(plan), _p(weights), _p(residual), _p(act), _p(y), _p(out), _p(counters), rows, hidden,
+                         inter, sh.width if shared else 0, experts + shared, top_k)
+    return out, counters
+
+
 @pytest.mark.parametrize("normalize", [True, False])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES + SHARED_CASES, ids=case_id)
 def test_routing_is_torch_topk_and_the_plan_lists_every_pair_once(lib, case, normalize):
+    """The routed slots as torch.topk takes them; shared chunk slots after them, every row's,
+    weighted sigmoid(the shared gate's logit); the plan over routed and shared experts."""
     rows, experts, top_k = case[:3]
-    t = moe_case(*case)
-    ids, weights, plan, read = route(lib, t["logits"], top_k, normalize)
-    want_ids, want_w = stable_route(t["logits"], top_k, normalize)
+    t, shared = _case(case)
+    ids, weights, plan, read = route(lib, t["logits"], top_k, normalize, shared=shared)
+    want_ids, want_w = stable_route(t["logits"], top_k, normalize, shared)
     assert torch.equal(ids, want_ids)
     close(weights, want_w, "moe route")
     chosen = sorted(set(want_ids.flatten().tolist()))
-    n = int(plan[0])
-    assert n == len(chosen) == read
+    n, total = int(plan[0]), experts + shared
+    assert n == len(chosen) and read == n - shared  # the routed experts read
     assert plan[1:1 + n].tolist() == chosen
-    offsets = plan[1 + experts:2 + experts + n].tolist()
-    pairs = plan[2 + 2 * experts:].tolist()
-    assert offsets[0] == 0 and offsets[-1] == rows * top_k
+    offsets = plan[1 + total:2 + total + n].tolist()
+    pairs = plan[2 + 2 * total:].tolist()
+    assert offsets[0] == 0 and offsets[-1] == rows * (top_k + shared)
     flat = want_ids.flatten().tolist()
     for slot, e in enumerate(chosen):
         assert sorted(pairs[offsets[slot]:offsets[slot + 1]]) == [q for q, x in enumerate(flat) if x == e]
@@ -84,19 +112,15 @@ def test_routing_runs_rows_on_fewer_warps_than_rows(lib):
 
 
 @pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES + SHARED_CASES, ids=case_id)
 def test_experts_equal_the_reference(lib, case, with_residual):
-    rows, experts, top_k, hidden, inter, _ = case
-    t = moe_case(*case, seed=1)
-    ids, weights, plan, _ = route(lib, t["logits"], top_k, True)
+    rows, top_k = case[0], case[2]
+    t, shared = _case(case, seed=1)
+    ids, weights, plan, _ = route(lib, t["logits"], top_k, True, shared=shared)
     residual = t["residual"] if with_residual else None
-    act = torch.full((rows * top_k, inter), float("nan"), dtype=torch.bfloat16)
-    y = torch.full((rows * top_k, hidden), float("nan"))
-    out = torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16)
-    counters = torch.zeros(hidden, dtype=torch.int32)
-    lib.host_moe_experts(_p(t["x"]), _p(t["gate_up"]), _p(t["down"]), _p(plan), _p(weights), _p(residual), _p(act),
-                         _p(y), _p(out), _p(counters), rows, hidden, inter, experts, top_k)
-    want = ref.moe_experts(t["x"].float(), ids, weights, t["gate_up"].float(), t["down"].float(),
+    out, counters = experts(lib, t, plan, weights, residual, rows, top_k + shared, shared)
+    gate_up, down = ref.shared_chunks(t["gate_up"], t["down"], t.get("shared"))  # chunks zero-padded
+    want = ref.moe_experts(t["x"].float(), ids, weights, gate_up.float(), down.float(),
                            None if residual is None else residual.float())
     close(out.float(), want, "moe")
     assert not counters.any()  # left zero for the next launch
@@ -110,32 +134,27 @@ def test_a_row_is_the_same_alone_and_in_a_batch(lib):
         x, logits = t["x"][rows].contiguous(), t["logits"][rows].contiguous()
         n = x.shape[0]
         _, weights, plan, _ = route(lib, logits, 4, True)
-        act = torch.empty(n * 4, 24, dtype=torch.bfloat16)
-        y = torch.empty(n * 4, 64)
-        out = torch.empty(n, 64, dtype=torch.bfloat16)
-        counters = torch.zeros(64, dtype=torch.int32)
-        lib.host_moe_experts(_p(x), _p(t["gate_up"]), _p(t["down"]), _p(plan), _p(weights), None, _p(act), _p(y),
-                             _p(out), _p(counters), n, 64, 24, 16, 4)
-        outs.append(out)
+        outs.append(experts(lib, dict(t, x=x), plan, weights, None, n, 4)[0])
     assert torch.equal(outs[0][3:4], outs[1])
 
 
 @pytest.mark.parametrize("normalize", [True, False])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES + SHARED_CASES, ids=case_id)
 def test_prefill_routing_is_torch_topk_and_counts_every_pair(lib, case, normalize):
     """moe_route_rows_bf16, a warp per row over CTAs of 2 warps: the decode routing's ids and
-    weights, and each expert's number of pairs."""
+    weights, and each expert's number of pairs (shared chunks: every row)."""
     rows, experts, top_k = case[:3]
-    t = moe_case(*case)
-    ids = torch.full((rows, top_k), -1, dtype=torch.int32)
-    weights = torch.full((rows, top_k), float("nan"))
-    counts = torch.zeros(experts, dtype=torch.int32)
-    lib.host_moe_route_rows(_p(t["logits"]), _p(ids), _p(weights), _p(counts), rows, experts, top_k,
+    t, shared = _case(case)
+    ids = torch.full((rows, top_k + shared), -1, dtype=torch.int32)
+    weights = torch.full((rows, top_k + shared), float("nan"))
+    counts = torch.zeros(experts + shared, dtype=torch.int32)
+    lib.host_moe_route_rows(_p(t["logits"]), _p(ids), _p(weights), _p(counts), rows, experts, top_k, shared,
                             int(normalize), 64)
-    want_ids, want_w = stable_route(t["logits"], top_k, normalize)
+    want_ids, want_w = stable_route(t["logits"], top_k, normalize, shared)
     assert torch.equal(ids, want_ids)
     close(weights, want_w, "moe route")
-    assert torch.equal(counts, torch.bincount(want_ids.flatten(), minlength=experts).to(torch.int32))
+    want_counts = torch.bincount(want_ids.flatten(), minlength=experts + shared).to(torch.int32)
+    assert torch.equal(counts, want_counts)
 
 
 @pytest.mark.parametrize("with_residual", [True, False])
@@ -174,32 +193,35 @@ def gemv_lib(tmp_path_factory) -> ctypes.CDLL:
     return handle
 
 
-@pytest.mark.parametrize("experts, top_k, hidden", [(128, 8, 2048), (60, 4, 1000), (6, 2, 8), (512, 10, 4096),
-                                                     (33, 1, 2056)])
-def test_fused_router_equals_norm_gemv_and_route(lib, gemv_lib, experts, top_k, hidden):
+@pytest.mark.parametrize("experts, top_k, hidden, shared", [(128, 8, 2048, 0), (60, 4, 1000, 0), (6, 2, 8, 0),
+                                                             (512, 10, 4096, 0), (33, 1, 2056, 0), (512, 10, 2048, 1),
+                                                             (60, 4, 1000, 4), (7, 2, 8, 1)])
+def test_fused_router_equals_norm_gemv_and_route(lib, gemv_lib, experts, top_k, hidden, shared):
     """moe_router_bf16 (batch 1): its x is rms_norm_bf16's row, its logits gemv_norm_bf16's
     (the router as the weight: both prologue block sizes, rows of one and of two load batches, a
-    CTA's warps partly idle), and its route moe_route_bf16's on those logits: ids, weights, plan,
-    experts_read; the counter is left zero. Repeated with the counter reused."""
+    CTA's warps partly idle; with shared slots one more row, the shared gate), and its route
+    moe_route_bf16's on those logits: ids, weights, plan, experts_read; the counter is left zero.
+    Repeated with the counter reused."""
     g = torch.Generator().manual_seed(experts + hidden)
+    rows = experts + (shared > 0)
     h = (torch.randn(1, hidden, generator=g) * 3).to(torch.bfloat16)
     gamma = (1 + torch.randn(hidden, generator=g) * 0.1).to(torch.bfloat16)
-    router = (torch.randn(experts, hidden, generator=g) * hidden ** -0.5).to(torch.bfloat16)
+    router = (torch.randn(rows, hidden, generator=g) * hidden ** -0.5).to(torch.bfloat16)
     counter = torch.zeros(1, dtype=torch.int32)
     want_x = torch.full_like(h, float("nan"))
     gemv_lib.host_norm(_p(h), None, _p(gamma), _p(want_x), None, hidden, 1e-6)
-    want_logits = torch.full((1, experts), float("nan"), dtype=torch.bfloat16)
-    gemv_lib.host_gemv(0, _p(router), _p(h), None, _p(gamma), None, _p(want_logits), experts, hidden, 1e-6, 5)
-    want_ids, want_w, want_plan, want_read = route(lib, want_logits, top_k, True)
+    want_logits = torch.full((1, rows), float("nan"), dtype=torch.bfloat16)
+    gemv_lib.host_gemv(0, _p(router), _p(h), None, _p(gamma), None, _p(want_logits), rows, hidden, 1e-6, 5)
+    want_ids, want_w, want_plan, want_read = route(lib, want_logits, top_k, True, shared=shared)
     for _ in range(2):
         x = torch.full_like(h, float("nan"))
-        logits = torch.full((1, experts), float("nan"), dtype=torch.bfloat16)
-        ids = torch.full((1, top_k), -1, dtype=torch.int32)
-        weights = torch.full((1, top_k), float("nan"))
-        plan = torch.full((2 + 2 * experts + top_k,), -7, dtype=torch.int32)
+        logits = torch.full((1, rows), float("nan"), dtype=torch.bfloat16)
+        ids = torch.full((1, top_k + shared), -1, dtype=torch.int32)
+        weights = torch.full((1, top_k + shared), float("nan"))
+        plan = torch.full((2 + 2 * (experts + shared) + top_k + shared,), -7, dtype=torch.int32)
         read = torch.tensor([5], dtype=torch.long)
         lib.host_moe_router(_p(router), _p(h), _p(gamma), _p(x), _p(logits), _p(ids), _p(weights), _p(plan),
-                            _p(read), _p(counter), experts, hidden, top_k, 1, 1e-6)
+                            _p(read), _p(counter), experts, hidden, top_k, shared, 1, 1e-6)
         assert torch.equal(x.view(torch.int16), want_x.view(torch.int16))
         assert torch.equal(logits.view(torch.int16), want_logits.view(torch.int16))
         assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)

@@ -29,6 +29,7 @@ from hf_oracle import (
     check_logprobs_close,
     hf_folder_greedy,
     hf_greedy,
+    hf_kv_rounded_to_bf16,
     make_hf,
     ours,
     planned,
@@ -44,7 +45,9 @@ from metrale_cli.engine.sampler import SamplingParams
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
-from metrale_cli.layers.spec import unserved
+from metrale_cli.layers.ffn import DenseSwiGluFfn
+from metrale_cli.layers.moe import MoeFfn
+from metrale_cli.layers.spec import MoeSpec, unserved
 from metrale_cli.models import build_model, model_config
 
 # case -> (family, config overrides, each layer's FFN kind); hidden 64, 4 heads, 3 layers
@@ -127,6 +130,77 @@ def test_batch_equals_each_alone(case):
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     alone = [ours(hf, raw).generate([p], params)[0][0].output_ids for p in prompts]
     assert [s.output_ids for s in ours(hf, raw).generate(prompts, params)[0]] == alone
+
+
+class _FoldingReferences(TorchOps):
+    """The torch references with the shared expert folded in as chunk experts, as the cuda backend
+    runs it (``moe_folds_shared``), and the fused batch-1 path switched on (CudaOps.gemv_fits);
+    ``rows_routed`` counts the batch-1 rows that took it."""
+
+    moe_folds_shared = True
+
+    def __init__(self):
+        self.rows_routed = 0
+
+    @staticmethod
+    def gemv_fits(k: int) -> bool:
+        return k % 8 == 0
+
+    def moe_norm_route(self, *args, **kwargs):
+        self.rows_routed += 1
+        return super().moe_norm_route(*args, **kwargs)
+
+
+def _moe_ffns(engine: Engine) -> list[MoeFfn]:
+    return [layer.ffn for layer in engine.model.layers if isinstance(layer.ffn, MoeFfn)]
+
+
+@pytest.mark.parametrize("case, qkv_bias", [("qwen2_moe", False), ("qwen2_moe-sparse-step", True)])
+def test_a_folded_shared_expert_gives_hf_tokens(case, qkv_bias):
+    """The shared expert as chunk experts after the routed ones and its gate as a router row: widths
+    48 and 40 over experts of 32 and 24, so two chunks, the last one zero-padded. HF's 32 greedy
+    tokens in fp32 (prefill chunks and the batched decode path); in bf16 HF's within
+    check_logprobs_close, without q/k/v biases through the batch-1 path (``add_row``)."""
+    family, overrides, _ = CASES[case]
+    hf, raw = make_hf(family, **overrides, qkv_bias=qkv_bias)
+    prompt = random_ids(21, seed=3)
+    with hf_kv_rounded_to_bf16():
+        ref_ids, _ = hf_greedy(hf, prompt, 32)
+    engine = ours(hf, raw, dtype=torch.float32, chunk=9, ops=_FoldingReferences())
+    ffns = _moe_ffns(engine)
+    assert ffns and [(f.shared_slots, f.folded is not None) for f in ffns] == [(2, True)] * len(ffns)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    assert engine.generate([prompt], params)[0][0].output_ids == ref_ids
+    ref_ids, ref_logits = hf_greedy(as_dtype(hf, torch.bfloat16), prompt, 32)
+    ops = _FoldingReferences()
+    engine = ours(hf, raw, chunk=10, ops=ops)
+    got_ids = engine.generate([prompt], params)[0][0].output_ids
+    check_logprobs_close(got_ids, teacher_forced(engine, prompt + got_ids)[len(prompt) - 1:-1], ref_ids, ref_logits)
+    assert (ops.rows_routed > 0) == (not qkv_bias)
+
+
+@pytest.mark.parametrize("width, inter", [(48, 32), (64, 32), (24, 32), (96, 32)])
+def test_folding_the_shared_expert_keeps_the_ffn_s_output(width, inter):
+    """MoeFfn with the shared expert folded in (``width`` read as ceil(width / inter) chunks, the
+    last one zero-padded) against it run apart, in fp64, on prefill rows and on the batch-1 row
+    with its norm: equal but for the gate's sigmoid, which the route takes in fp32 (as HF does in
+    an fp32 model); and the same bytes counted as read."""
+    g = torch.Generator().manual_seed(width)
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
+    spec, hidden = MoeSpec(6, 2, inter, False, width), 40
+    weights = (rand(6, hidden), rand(6, 2 * inter, hidden) * 0.2, rand(6, hidden, inter) * 0.2, TorchOps(),
+               DenseSwiGluFfn(rand(2 * width, hidden) * 0.2, rand(hidden, width) * 0.2, TorchOps()), rand(1, hidden))
+    apart, folded = MoeFfn(spec, *weights), MoeFfn(spec, *weights, fold_shared=True)
+    chunks = -(-width // inter)
+    assert (apart.shared_slots, folded.shared_slots, apart.router.shape[0], folded.router.shape[0]) == (
+        0, chunks, 6, 7)
+    x, h, norm = rand(7, hidden), rand(1, hidden), rand(hidden)
+    torch.testing.assert_close(folded(x), apart(x), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(folded.add_row(h, norm, 1e-6), apart.add_row(h, norm, 1e-6), rtol=1e-6, atol=1e-6)
+    # the bytes a call reads: the routed experts it chose, and whole: the router, the shared
+    # expert and its gate (folded: the router's last row)
+    assert folded.routed_bytes() == apart.routed_bytes() > 0
+    assert sum(t.numel() for t in folded.tensors()) == sum(t.numel() for t in apart.tensors())
 
 
 def test_fused_and_per_expert_tensors_build_the_same_model(tmp_path):

@@ -63,10 +63,13 @@ def _greedy(runner, prompt):
 # once it was gdn_chunk_prep_f32 (its chunk outputs as close to an fp64 evaluation as torch's:
 # 1.1e-8 to 2.8e-8 against 1.5e-8 to 7.4e-8 on this model's chunks; the 16 experts' routing turns
 # a bf16 step into a different expert); the lossy dtypes' codes flip where the paths' inputs differ
-# by a step (turbo2, turbo3, nvfp4, bf16k_turbo2v: 0.42 to 0.59). A wrong kernel picks tokens
-# several logits down.
+# by a step (turbo2, turbo3, nvfp4, bf16k_turbo2v: 0.42 to 0.59). fp8 joined them once the cuda
+# decode folded the shared expert into the routed experts' sum (one rounding fewer than the torch
+# backend's HF order): each backend calibrates its fp8 scales on its own prefill, and one prompt
+# of three then put a token 1.125 below (the others 0.16 and 0.06; with fixed scales, all three
+# within 0.17). A wrong kernel picks tokens several logits down.
 def _margin(kv: KvCacheDtype) -> float:
-    return 0.25 if kv in (KvCacheDtype.BF16, KvCacheDtype.FP8) else 1.5
+    return 0.25 if kv == KvCacheDtype.BF16 else 1.5
 
 
 @pytest.mark.parametrize("kv", list(KvCacheDtype))

@@ -3,14 +3,16 @@ no asserts). Qwen3-30B-A3B's shapes by default:
 
     python -m tools.moe_layer_launches                # context 600
     python -m tools.moe_layer_launches --context 4096
-    python -m tools.moe_layer_launches --experts 512 --inter 512 --top-k 10 --shared 512 --layers 24  # Qwen3-Next's
+    python -m tools.moe_layer_launches --experts 512 --inter 512 --top-k 10 --shared 512 --layers 24 \
+        --heads 16 --kv-heads 2 --head-dim 256  # Qwen3-Next's
 
 Every launch runs ``--layers`` times on distinct random weights (so a launch does not find its
 weights in L2 from the one before), replayed from one CUDA graph; the figure is µs per launch.
 "whole layer" chains them as the decoder's batch-1 path does: gemv_norm (q/k/v), the fused
 decode attention, gemv_add (o_proj and the residual), moe_norm_route, moe_routed. With
 ``--shared N`` the MoE FFN has a shared expert of width N (Qwen2-MoE, Qwen3-Next), and the lines
-"MoE FFN" (the layers' ``MoeFfn.add_row``, with and without it) give what the shared expert costs.
+"MoE FFN" (the layers' ``MoeFfn.add_row``: without it, with it run apart, with it folded into the
+routed experts as the cuda backend runs it) give what the shared expert costs.
 """
 
 from __future__ import annotations
@@ -85,9 +87,12 @@ def main() -> None:
 
     spec = MoeSpec(num_experts=e, top_k=k, expert_size=inter, norm_topk_prob=True, shared_expert_size=a.shared)
     plain = [MoeFfn(spec, router[i], gate_up[i], down[i], ops) for i in range(n)]
-    shared = [MoeFfn(spec, router[i], gate_up[i], down[i], ops,
-                     DenseSwiGluFfn(rand(2 * a.shared, h), rand(h, a.shared), ops), rand(1, h))
-              for i in range(n)] if a.shared else []
+    shared_w = [(DenseSwiGluFfn(rand(2 * a.shared, h), rand(h, a.shared), ops), rand(1, h))
+                for _ in range(n)] if a.shared else []
+    apart = [MoeFfn(spec, router[i], gate_up[i], down[i], ops, *shared_w[i], fold_shared=False)
+             for i in range(len(shared_w))]
+    folded = [MoeFfn(spec, router[i], gate_up[i], down[i], ops, *shared_w[i], fold_shared=True)
+              for i in range(len(shared_w))]
     launches = [
         ("qkv gemv_norm", lambda i: ops.gemv_norm(x, residual, gamma, 1e-6, qkv_w[i])),
         ("attention", lambda i: attention.rope_cache_decode(*args[i % 4])),
@@ -98,9 +103,11 @@ def main() -> None:
         ("whole layer", layer),
         ("MoE FFN (MoeFfn.add_row)", lambda i: plain[i].add_row(residual, gamma, 1e-6)),
     ]
-    if shared:
-        launches.append((f"MoE FFN with a shared expert of {a.shared}",
-                         lambda i: shared[i].add_row(residual, gamma, 1e-6)))
+    if shared_w:
+        launches.append((f"... with a shared expert of {a.shared} apart",
+                         lambda i: apart[i].add_row(residual, gamma, 1e-6)))
+        launches.append((f"... with it folded ({folded[0].shared_slots} chunks)",
+                         lambda i: folded[i].add_row(residual, gamma, 1e-6)))
     print(f"batch-1 MoE layer, hidden {h}, {hq} heads on {hk} KV heads of {d}, {e} experts of {inter} "
           f"(top {k}){f', a shared expert of {a.shared}' if a.shared else ''}, context {a.context}, {n} layers")
     for name, fn in launches:

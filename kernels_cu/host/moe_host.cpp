@@ -5,27 +5,32 @@
 #include "../moe.cu"
 
 extern "C" void host_moe_route(const bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read,
-                               int rows, int num_experts, int top_k, int normalize, int threads) {
-    run_grid(1, 1, threads, [&] { moe_route_bf16(logits, ids, weights, plan, experts_read, rows, num_experts, top_k, normalize); });
+                               int rows, int num_experts, int top_k, int shared, int normalize, int threads) {
+    run_grid(1, 1, threads, [&] {
+        moe_route_bf16(logits, ids, weights, plan, experts_read, rows, num_experts, top_k, shared, normalize);
+    });
 }
 
-// Batch 1's norm, router and routing: ceil(E / GEMV_WARPS) CTAs of GEMV_THREADS, as CudaOps;
-// counter: one zeroed word.
+// Batch 1's norm, router and routing: a CTA of GEMV_THREADS per GEMV_WARPS router rows (E, one
+// more with shared slots), as CudaOps; counter: one zeroed word.
 extern "C" void host_moe_router(const bf16_t* router, const bf16_t* h, const bf16_t* gamma, bf16_t* x_out,
                                 bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read,
-                                unsigned* counter, int num_experts, int hidden, int top_k, int normalize, float eps) {
-    run_grid((num_experts + GEMV_WARPS - 1) / GEMV_WARPS, 1, GEMV_THREADS, [&] {
+                                unsigned* counter, int num_experts, int hidden, int top_k, int shared, int normalize,
+                                float eps) {
+    const int rows = num_experts + (shared > 0);
+    run_grid((rows + GEMV_WARPS - 1) / GEMV_WARPS, 1, GEMV_THREADS, [&] {
         moe_router_bf16(router, h, gamma, x_out, logits, ids, weights, plan, experts_read, counter, num_experts,
-                        hidden, top_k, normalize, eps);
+                        hidden, top_k, shared, normalize, eps);
     });
 }
 
 // The prefill chunk's routing: a warp per row over ceil(rows / (threads / 32)) CTAs, as CudaOps.
 extern "C" void host_moe_route_rows(const bf16_t* logits, int* ids, float* weights, unsigned* counts, int rows,
-                                    int num_experts, int top_k, int normalize, int threads) {
+                                    int num_experts, int top_k, int shared, int normalize, int threads) {
     const int per_cta = threads / 32;
-    run_grid((rows + per_cta - 1) / per_cta, 1, threads,
-             [&] { moe_route_rows_bf16(logits, ids, weights, counts, rows, num_experts, top_k, normalize); });
+    run_grid((rows + per_cta - 1) / per_cta, 1, threads, [&] {
+        moe_route_rows_bf16(logits, ids, weights, counts, rows, num_experts, top_k, shared, normalize);
+    });
 }
 
 // The prefill chunk's weighted sum: a CTA per row.
@@ -35,14 +40,19 @@ extern "C" void host_moe_combine(const bf16_t* ys, const int* where, const float
 }
 
 // The expert kernels over a grid of `chosen` = min(E, rows * top_k) expert slots and 16 weight rows
-// a CTA, as CudaOps; counters: one zeroed word per column tile of moe_down_bf16.
-extern "C" void host_moe_experts(const bf16_t* x, const bf16_t* gate_up, const bf16_t* down, const int* plan,
+// a CTA, as CudaOps; counters: one zeroed word per column tile of moe_down_bf16. E counts any
+// shared chunks, whose weights are shared_gate_up / shared_down (shared_width 0: none).
+extern "C" void host_moe_experts(const bf16_t* x, const bf16_t* gate_up, const bf16_t* down,
+                                 const bf16_t* shared_gate_up, const bf16_t* shared_down, const int* plan,
                                  const float* weights, const bf16_t* residual, bf16_t* act, float* y, bf16_t* out,
-                                 unsigned* counters, int rows, int hidden, int inter, int num_experts, int top_k) {
+                                 unsigned* counters, int rows, int hidden, int inter, int shared_width, int num_experts,
+                                 int top_k) {
     const unsigned chosen = (unsigned)min(num_experts, rows * top_k);
-    run_grid((inter + MOE_TC_ROWS - 1) / MOE_TC_ROWS, chosen, MOE_TC_THREADS,
-             [&] { moe_gate_up_bf16(x, gate_up, plan, act, hidden, inter, num_experts, top_k); });
+    run_grid((inter + MOE_TC_ROWS - 1) / MOE_TC_ROWS, chosen, MOE_TC_THREADS, [&] {
+        moe_gate_up_bf16(x, gate_up, shared_gate_up, plan, act, hidden, inter, shared_width, num_experts, top_k);
+    });
     run_grid((hidden + MOE_TC_ROWS - 1) / MOE_TC_ROWS, chosen, MOE_TC_THREADS, [&] {
-        moe_down_bf16(act, down, plan, weights, y, residual, out, counters, rows, hidden, inter, num_experts, top_k);
+        moe_down_bf16(act, down, shared_down, plan, weights, y, residual, out, counters, rows, hidden, inter,
+                      shared_width, num_experts, top_k);
     });
 }

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.cuda_launch import CudaLauncher, _ready
-from metrale_cli.kernels.ops import MoeRoute
+from metrale_cli.kernels.ops import MoeRoute, SharedExpert
 from metrale_cli.kernels.table import (
     GEMV_THREADS, MOE_COMBINE, MOE_DECODE_ROWS, MOE_DOWN, MOE_GATE_UP, MOE_MAX_EXPERTS, MOE_MAX_PAIRS, MOE_MAX_TOP_K,
     MOE_ROUTE, MOE_ROUTE_ROWS, MOE_ROUTER, MOE_TC_ROWS, MOE_TC_THREADS, MOE_THREADS, MOE_WARPS,
@@ -27,98 +27,118 @@ from metrale_cli.kernels.table import (
 GEMV_WARPS = GEMV_THREADS // 32  # moe_router_bf16: a warp per expert
 
 
-def check_moe_shapes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> None:
-    """The shapes the kernels and grouped GEMMs serve: bf16, 8-element aligned rows."""
+def check_moe_shapes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                     shared: SharedExpert | None = None) -> None:
+    """The shapes the kernels and grouped GEMMs serve: bf16, 8-element aligned rows (``top_k``: the
+    slots of a row that the experts take)."""
     experts, inter2, hidden = gate_up.shape
-    if x.dtype != torch.bfloat16 or gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16:
+    tensors = (gate_up, down) if shared is None else (gate_up, down, shared.gate_up, shared.down)
+    if x.dtype != torch.bfloat16 or any(t.dtype != torch.bfloat16 for t in tensors):
         raise MetraleError(f"the cuda backend's MoE experts take bf16 activations and weights, not {x.dtype} / "
                            f"{gate_up.dtype}", hint="load the model in bf16, or use --backend torch")
-    if hidden % 8 or inter2 % 16 or not hidden:
+    width = 0 if shared is None else shared.width
+    if hidden % 8 or inter2 % 16 or width % 8 or not hidden:
         raise MetraleError(f"the cuda backend's MoE experts need hidden and expert sizes that are multiples of 8, "
-                           f"not {hidden} and {inter2 // 2}", hint="use --backend torch")
-    if not 0 < top_k <= min(experts, MOE_MAX_TOP_K) or experts > MOE_MAX_EXPERTS:
+                           f"not {hidden}, {inter2 // 2} and a shared expert of {width}", hint="use --backend torch")
+    total = experts + (0 if shared is None else shared.chunks(inter2 // 2))
+    if not 0 < top_k <= min(total, MOE_MAX_TOP_K) or total > MOE_MAX_EXPERTS:
         raise MetraleError(f"the cuda backend's MoE routing serves up to {MOE_MAX_EXPERTS} experts and top-k "
-                           f"{MOE_MAX_TOP_K}, not {experts} and {top_k}", hint="use --backend torch")
+                           f"{MOE_MAX_TOP_K}, not {total} and {top_k}", hint="use --backend torch")
 
 
 class CudaMoe:
     """The MoE part of ``CudaOps`` (mixed into it)."""
 
-    def moe_route(self: CudaLauncher, logits, top_k, normalize):
-        route = self._routes(logits, top_k, normalize, None)
+    def moe_route(self: CudaLauncher, logits, top_k, normalize, shared=0):
+        route = self._routes(logits, top_k, normalize, None, shared, False)
         return route.ids, route.weights
 
-    def _routes(self: CudaLauncher, logits, top_k, normalize, experts_read) -> MoeRoute:
-        """Decode rows: moe_route_bf16 (the ids, weights and the experts' plan); more rows: a warp
-        per row (the ids, weights and each expert's count)."""
+    def _routes(self: CudaLauncher, logits, top_k, normalize, experts_read, shared, apart=True) -> MoeRoute:
+        """Decode rows: moe_route_bf16 (the ids, weights and the experts' plan, with the ``shared``
+        slots); more rows: a warp per row (the ids, weights and each expert's count), where with
+        ``apart`` the shared expert is left to run apart (the grouped GEMMs have no chunk of it:
+        the route keeps its gate's logits, and experts_read counts its chunks)."""
         rows = logits.shape[0]
-        if _decode_rows(rows, top_k):
-            return MoeRoute(*self._route(logits, top_k, normalize, experts_read))
-        ids, weights, counts = _route_rows(self, logits, top_k, normalize)
+        if _decode_rows(rows, top_k + shared):
+            return MoeRoute(*self._route(logits, top_k, normalize, experts_read, shared))
+        experts, gate = _routed(logits.shape[1], shared), None
+        if shared and apart:
+            logits, gate = logits[:, :experts], logits[:, experts:]
+        ids, weights, counts = _route_rows(self, logits, top_k, normalize, 0 if gate is not None else shared)
         if experts_read is not None:
-            experts_read += (counts > 0).sum()
-        return MoeRoute(ids, weights, counts=counts)
+            experts_read += (counts[:experts] > 0).sum()
+        return MoeRoute(ids, weights, counts=counts, gate=gate)
 
-    def _route_buffers(self: CudaLauncher, rows, experts, top_k, dev):
-        """(ids, weights, plan) for moe_route_bf16 and moe_router_bf16 to fill."""
-        return (torch.empty(rows, top_k, dtype=torch.int32, device=dev),
-                torch.empty(rows, top_k, dtype=torch.float32, device=dev),
-                torch.empty(2 + 2 * experts + rows * top_k, dtype=torch.int32, device=dev))
+    def _route_buffers(self: CudaLauncher, rows, experts, slots, dev):
+        """(ids, weights, plan) for moe_route_bf16 and moe_router_bf16 to fill (``experts`` and
+        ``slots`` a row's: shared chunks counted)."""
+        return (torch.empty(rows, slots, dtype=torch.int32, device=dev),
+                torch.empty(rows, slots, dtype=torch.float32, device=dev),
+                torch.empty(2 + 2 * experts + rows * slots, dtype=torch.int32, device=dev))
 
-    def _route(self: CudaLauncher, logits, top_k, normalize, experts_read):
-        rows, experts = logits.shape
-        ids, weights, plan = self._route_buffers(rows, experts, top_k, logits.device)
+    def _route(self: CudaLauncher, logits, top_k, normalize, experts_read, shared):
+        rows, experts = logits.shape[0], _routed(logits.shape[1], shared)
+        ids, weights, plan = self._route_buffers(rows, experts + shared, top_k + shared, logits.device)
         threads = 32 * min(16, max(4, rows))
         self._launch(MOE_ROUTE, (1,), (threads,), _ready(logits.to(torch.bfloat16)), ids, weights, plan,
-                     experts_read, rows, experts, top_k, int(bool(normalize)), pdl=True)
+                     experts_read, rows, experts, top_k, shared, int(bool(normalize)), pdl=True)
         return ids, weights, plan
 
-    def moe(self: CudaLauncher, x, logits, gate_up, down, top_k, normalize, residual, experts_read):
-        check_moe_shapes(x, gate_up, down, top_k)
+    def moe(self: CudaLauncher, x, logits, gate_up, down, top_k, normalize, residual, experts_read, shared=None):
+        check_moe_shapes(x, gate_up, down, top_k, shared)
         if x.shape[0] == 0:
             return torch.empty_like(x) if residual is None else residual.clone()
-        return self.moe_routed(x, self._routes(logits, top_k, normalize, experts_read), gate_up, down, residual)
+        slots = 0 if shared is None else shared.chunks(gate_up.shape[1] // 2)
+        route = self._routes(logits, top_k, normalize, experts_read, slots)
+        return self.moe_routed(x, route, gate_up, down, residual, shared)
 
-    def moe_norm_route(self: CudaLauncher, h, norm_weight, eps, router, top_k, normalize, experts_read):
+    def moe_norm_route(self: CudaLauncher, h, norm_weight, eps, router, top_k, normalize, experts_read, shared=0):
         rows, hidden = h.shape
-        experts = router.shape[0]
+        experts = _routed(router.shape[0], shared)
         fused = (rows == 1 and self.gemv_fits(hidden) and h.dtype == router.dtype == torch.bfloat16
-                 and 0 < top_k <= min(experts, MOE_MAX_TOP_K) and experts <= MOE_MAX_EXPERTS)
+                 and 0 < top_k <= min(experts, MOE_MAX_TOP_K) and experts + shared <= MOE_MAX_EXPERTS)
         if not fused:
             x = self.rms_norm(h, norm_weight, eps)
-            return x, self._routes(F.linear(x, router), top_k, normalize, experts_read)
+            return x, self._routes(F.linear(x, router), top_k, normalize, experts_read, shared)
         dev = h.device
         x = torch.empty_like(h)
-        logits = torch.empty(1, experts, dtype=h.dtype, device=dev)
-        ids, weights, plan = self._route_buffers(1, experts, top_k, dev)
-        self._launch(MOE_ROUTER, (math.ceil(experts / GEMV_WARPS),), (GEMV_THREADS,), _ready(router), _ready(h),
-                     _ready(norm_weight), x, logits, ids, weights, plan, experts_read,
-                     self._moe_counters(dev, 1, "router"), experts, hidden, top_k, int(bool(normalize)), eps, pdl=True)
+        logits = torch.empty(1, router.shape[0], dtype=h.dtype, device=dev)
+        ids, weights, plan = self._route_buffers(1, experts + shared, top_k + shared, dev)
+        self._launch(MOE_ROUTER, (math.ceil(router.shape[0] / GEMV_WARPS),), (GEMV_THREADS,), _ready(router),
+                     _ready(h), _ready(norm_weight), x, logits, ids, weights, plan, experts_read,
+                     self._moe_counters(dev, 1, "router"), experts, hidden, top_k, shared, int(bool(normalize)), eps,
+                     pdl=True)
         return x, MoeRoute(ids, weights, plan)
 
-    def moe_routed(self: CudaLauncher, x, route: MoeRoute, gate_up, down, residual):
-        check_moe_shapes(x, gate_up, down, route.ids.shape[1])
+    def moe_routed(self: CudaLauncher, x, route: MoeRoute, gate_up, down, residual, shared=None):
+        check_moe_shapes(x, gate_up, down, route.ids.shape[1] if route.plan is not None else 1, shared)
         if x.shape[0] == 0:
             return torch.empty_like(x) if residual is None else residual.clone()
         if route.plan is not None:
-            return self._moe_rows(x, route, gate_up, down, residual)
+            return self._moe_rows(x, route, gate_up, down, residual, shared)
+        if shared is not None:  # HF's order: the shared expert's gated output added to the residual first
+            term = torch.sigmoid(route.gate) * F.linear(self.silu_and_mul(F.linear(x, shared.gate_up)), shared.down)
+            residual = term if residual is None else residual + term
         return _moe_grouped(self, x, route, gate_up, down, residual)
 
-    def _moe_rows(self: CudaLauncher, x, route: MoeRoute, gate_up, down, residual):
+    def _moe_rows(self: CudaLauncher, x, route: MoeRoute, gate_up, down, residual, shared):
         rows, hidden = x.shape
-        top_k = route.ids.shape[1]
-        experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        top_k = route.ids.shape[1]  # the row's slots, any shared chunks' among them
+        inter = gate_up.shape[1] // 2
+        width = 0 if shared is None else shared.width
+        experts = gate_up.shape[0] + (0 if shared is None else shared.chunks(inter))
         pairs, chosen = rows * top_k, min(experts, rows * top_k)
         x = _ready(x)
         act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
         y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
         out = torch.empty_like(x)
         gate_up_ctas, down_ctas = math.ceil(inter / MOE_TC_ROWS), math.ceil(hidden / MOE_TC_ROWS)
-        self._launch(MOE_GATE_UP, (gate_up_ctas, chosen), (MOE_TC_THREADS,), x, _ready(gate_up), route.plan, act,
-                     hidden, inter, experts, top_k, pdl=True)
-        self._launch(MOE_DOWN, (down_ctas, chosen), (MOE_TC_THREADS,), act, _ready(down), route.plan, route.weights, y,
-                     None if residual is None else _ready(residual), out, self._moe_counters(x.device, down_ctas),
-                     rows, hidden, inter, experts, top_k, pdl=True)
+        shared_gate_up, shared_down = (None, None) if shared is None else (_ready(shared.gate_up), _ready(shared.down))
+        self._launch(MOE_GATE_UP, (gate_up_ctas, chosen), (MOE_TC_THREADS,), x, _ready(gate_up), shared_gate_up,
+                     route.plan, act, hidden, inter, width, experts, top_k, pdl=True)
+        self._launch(MOE_DOWN, (down_ctas, chosen), (MOE_TC_THREADS,), act, _ready(down), shared_down, route.plan,
+                     route.weights, y, None if residual is None else _ready(residual), out,
+                     self._moe_counters(x.device, down_ctas), rows, hidden, inter, width, experts, top_k, pdl=True)
         return out
 
     def _moe_counters(self: CudaLauncher, device: torch.device, count: int, user: str = "down") -> torch.Tensor:
@@ -132,21 +152,29 @@ class CudaMoe:
         return have
 
 
-def _decode_rows(rows: int, top_k: int) -> bool:
+def _decode_rows(rows: int, slots: int) -> bool:
     """Rows that moe.cu's decode launches serve (else the grouped GEMMs)."""
-    return rows <= MOE_DECODE_ROWS and rows * top_k <= MOE_MAX_PAIRS
+    return rows <= MOE_DECODE_ROWS and rows * slots <= MOE_MAX_PAIRS
 
 
-def _route_rows(ops, logits, top_k, normalize):
-    """A warp per row (moe.cu): ids (rows, k) int32, weights (rows, k) fp32 and each expert's count
-    of pairs (E,) int32."""
-    rows, experts = logits.shape
+def _routed(logit_columns: int, shared: int) -> int:
+    """The routed experts of a router's logits: one column fewer with shared slots (the shared gate's)."""
+    experts = logit_columns - (shared > 0)
+    if shared < 0 or experts < 1:
+        raise ValueError(f"{logit_columns} router logits cannot hold {shared} shared slots")
+    return experts
+
+
+def _route_rows(ops, logits, top_k, normalize, shared):
+    """A warp per row (moe.cu): ids (rows, k + shared) int32, weights (rows, k + shared) fp32 and
+    each expert's count of pairs (E + shared,) int32."""
+    rows, experts = logits.shape[0], _routed(logits.shape[1], shared)
     dev = logits.device
-    ids = torch.empty(rows, top_k, dtype=torch.int32, device=dev)
-    weights = torch.empty(rows, top_k, dtype=torch.float32, device=dev)
-    counts = torch.zeros(experts, dtype=torch.int32, device=dev)
+    ids = torch.empty(rows, top_k + shared, dtype=torch.int32, device=dev)
+    weights = torch.empty(rows, top_k + shared, dtype=torch.float32, device=dev)
+    counts = torch.zeros(experts + shared, dtype=torch.int32, device=dev)
     ops._launch(MOE_ROUTE_ROWS, (math.ceil(rows / MOE_WARPS),), (MOE_THREADS,), _ready(logits.to(torch.bfloat16)),
-                ids, weights, counts, rows, experts, top_k, int(bool(normalize)), pdl=True)
+                ids, weights, counts, rows, experts, top_k, shared, int(bool(normalize)), pdl=True)
     return ids, weights, counts
 
 

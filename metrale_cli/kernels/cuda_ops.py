@@ -35,6 +35,7 @@ class CudaOps(CudaMoe, CudaGdn, CudaLauncher):
     """The CUDA backend of the kernel contract (see ``ops.py`` for shapes and dtypes)."""
 
     name = "cuda"
+    moe_folds_shared = True
 
     def __init__(self, loader: KernelLoader | None = None):
         super().__init__(loader)

@@ -83,10 +83,33 @@ class MoeRoute:
     weights: torch.Tensor
     plan: torch.Tensor | None = None
     counts: torch.Tensor | None = None
+    gate: torch.Tensor | None = None  # (T, 1): a shared expert's gate logits, where it runs apart
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """A MoE's shared expert handed to its routed experts' call (:meth:`Ops.moe`), to run as
+    :meth:`chunks` more experts of the routed width I after the routed ones: ``gate_up`` (2W, H)
+    = [gate; up], ``down`` (H, W); chunk c is its width's [cI, cI + I), the last one zero-padded
+    (zero rows and columns add exact zeros)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return self.down.shape[1]
+
+    def chunks(self, inter: int) -> int:
+        return -(-self.width // inter)
 
 
 class Ops(Protocol):
     name: str
+    # Whether a MoE FFN hands this backend its shared expert as chunk experts beside the routed
+    # ones (``shared`` slots of :meth:`moe_route`) rather than running it apart: the cuda backend,
+    # where that saves the shared expert's own launches; torch keeps HF's order of operations.
+    moe_folds_shared: bool
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x: (T, H), weight: (H,) -> (T, H) in x's dtype. HF convention: w * (x·rsqrt(mean x²+eps))."""
@@ -113,31 +136,43 @@ class Ops(Protocol):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: (T, 2I) = [gate | up] -> silu(gate) * up: (T, I)."""
 
-    def moe_route(self, logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def moe_route(self, logits: torch.Tensor, top_k: int, normalize: bool,
+                  shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """A MoE router's choice, as HF transformers makes it: logits (T, E) -> (ids (T, top_k)
         int32, weights (T, top_k) float32): softmax over the E experts in fp32, the top_k largest
         in descending order, divided by their sum when ``normalize``. Among equal probabilities
         the lower expert id is taken first, as torch.topk does on CUDA; the torch backend is
-        torch.topk itself (HF's call, whose tie order on the CPU is its own)."""
+        torch.topk itself (HF's call, whose tie order on the CPU is its own).
+
+        With ``shared`` > 0 a shared expert rides along as ``shared`` chunk experts after the E
+        routed ones (:class:`SharedExpert`): logits (T, E + 1) end with its gate's, and every row
+        gets the slots top_k .. top_k + shared - 1 = experts E .. E + shared - 1, each weighted
+        sigmoid(gate) (ids and weights (T, top_k + shared))."""
 
     def moe(self, x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-            normalize: bool, residual: torch.Tensor | None, experts_read: torch.Tensor | None) -> torch.Tensor:
+            normalize: bool, residual: torch.Tensor | None, experts_read: torch.Tensor | None,
+            shared: SharedExpert | None = None) -> torch.Tensor:
         """The routed experts of a MoE FFN: x (T, H), logits (T, E) (the router's, in x's dtype),
         gate_up (E, 2I, H) = [gate; up], down (E, H, I) -> (T, H) in x's dtype:
         [residual +] sum over the row's :meth:`moe_route` choice of weight * down_e(silu(gate_e x) *
         up_e x), the weight rounded to x's dtype first (HF). ``experts_read`` ((1,) int64), when
-        given, grows by the number of distinct experts the call read, on the device."""
+        given, grows by the number of distinct experts the call read, on the device. With a
+        ``shared`` expert the logits end with its gate's and its chunks join every row's choice
+        (:meth:`moe_route`'s ``shared`` slots); ``experts_read`` counts the routed experts alone."""
 
     def moe_norm_route(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, router: torch.Tensor,
-                       top_k: int, normalize: bool, experts_read: torch.Tensor | None) -> tuple[torch.Tensor, MoeRoute]:
+                       top_k: int, normalize: bool, experts_read: torch.Tensor | None,
+                       shared: int = 0) -> tuple[torch.Tensor, MoeRoute]:
         """What comes before a MoE FFN's experts: x = :meth:`rms_norm` (h), the router's logits
-        ``F.linear(x, router)`` (router (E, H)) and their :meth:`moe_route` -> (x, the route).
+        ``F.linear(x, router)`` (router (E, H), or (E + 1, H) ending with the shared expert's gate
+        when ``shared`` chunk slots are asked for) and their :meth:`moe_route` -> (x, the route).
         ``experts_read`` grows as in :meth:`moe`. The cuda backend runs a row in one launch, its
         router GEMV in gemv_norm_bf16's summation order rather than cuBLAS's."""
 
     def moe_routed(self, x: torch.Tensor, route: MoeRoute, gate_up: torch.Tensor, down: torch.Tensor,
-                   residual: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`moe`'s experts over a route of :meth:`moe_norm_route`'s."""
+                   residual: torch.Tensor | None, shared: SharedExpert | None = None) -> torch.Tensor:
+        """:meth:`moe`'s experts over a route of :meth:`moe_norm_route`'s (with its shared slots,
+        the ``shared`` expert whose chunks they are)."""
 
     def gdn_decode(self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                    layer: GdnTensors, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -149,11 +149,17 @@ def decode_advance(logits, step: StepBuffers, rows: int) -> None:
     slots.copy_(torch.where(live.bool(), block * BLOCK_SIZE + pos % BLOCK_SIZE, -1))
 
 
-def moe_route(logits, top_k, normalize):
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+def moe_route(logits, top_k, normalize, shared=0):
+    routed = logits[:, :logits.shape[1] - (shared > 0)]
+    probs = torch.softmax(routed, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if shared:  # the shared expert's chunks, after the routed experts, weighted sigmoid(its gate)
+        rows, experts = routed.shape
+        chunks = torch.arange(experts, experts + shared, device=ids.device).expand(rows, shared)
+        gate = torch.sigmoid(logits[:, experts:].float()).expand(rows, shared)
+        ids, weights = torch.cat([ids, chunks], dim=1), torch.cat([weights, gate], dim=1)
     return ids.to(torch.int32), weights
 
 
@@ -176,22 +182,40 @@ def count_experts(ids, num_experts, experts_read) -> None:
     experts_read += hit.index_fill_(0, ids.flatten().long(), 1).sum()
 
 
-def moe(x, logits, gate_up, down, top_k, normalize, residual, experts_read):
-    ids, weights = moe_route(logits, top_k, normalize)
-    if experts_read is not None:
-        count_experts(ids, gate_up.shape[0], experts_read)
+def shared_chunks(gate_up, down, shared):
+    """gate_up and down with a :class:`SharedExpert`'s chunks stacked after the routed experts
+    (copies: a reference's layout of what the kernels read in place)."""
+    if shared is None:
+        return gate_up, down
+    experts, inter2, hidden = gate_up.shape
+    inter, width = inter2 // 2, shared.width
+    chunks = shared.chunks(inter)
+    pad = chunks * inter - width
+    gate, up = (F.pad(w, (0, 0, 0, pad)).view(chunks, inter, hidden) for w in shared.gate_up.split(width))
+    down_chunks = F.pad(shared.down, (0, pad)).view(hidden, chunks, inter).transpose(0, 1)
+    return torch.cat([gate_up, torch.cat([gate, up], dim=1).to(gate_up.dtype)]), torch.cat(
+        [down, down_chunks.to(down.dtype)])
+
+
+def moe(x, logits, gate_up, down, top_k, normalize, residual, experts_read, shared=None):
+    gate_up, down = shared_chunks(gate_up, down, shared)
+    slots = 0 if shared is None else shared.chunks(gate_up.shape[1] // 2)
+    ids, weights = moe_route(logits, top_k, normalize, slots)
+    if experts_read is not None:  # the routed experts (a shared expert is read whole every call)
+        count_experts(ids[:, :top_k], gate_up.shape[0], experts_read)
     return moe_experts(x, ids, weights, gate_up, down, residual)
 
 
-def moe_norm_route(h, norm_weight, eps, router, top_k, normalize, experts_read):
+def moe_norm_route(h, norm_weight, eps, router, top_k, normalize, experts_read, shared=0):
     x = rms_norm(h, norm_weight, eps)
-    ids, weights = moe_route(F.linear(x, router), top_k, normalize)
+    ids, weights = moe_route(F.linear(x, router), top_k, normalize, shared)
     if experts_read is not None:
-        count_experts(ids, router.shape[0], experts_read)
+        count_experts(ids[:, :top_k], router.shape[0], experts_read)
     return x, MoeRoute(ids, weights)
 
 
-def moe_routed(x, route, gate_up, down, residual):
+def moe_routed(x, route, gate_up, down, residual, shared=None):
+    gate_up, down = shared_chunks(gate_up, down, shared)
     return moe_experts(x, route.ids, route.weights, gate_up, down, residual)
 
 
@@ -215,6 +239,7 @@ class TorchOps:
     """The pure-torch backend: runs on CPU or GPU."""
 
     name = "torch"
+    moe_folds_shared = False
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
     rope = staticmethod(rope)

@@ -80,21 +80,24 @@ COMMON_KERNELS = tuple(k[0] for k in (RMS_NORM, ADD_RMS_NORM, ROPE, SILU_AND_MUL
 # grouped GEMMs (torch._grouped_mm) between moe.cu's routing of many rows and its combine.
 MOE_ROUTE = K("moe::moe_route_bf16"), Signature.parse(
     "logits: bf16*, ids: i32*, weights: f32*, plan: i32*, experts_read: i64*?, rows: i32, num_experts: i32, "
-    "top_k: i32, normalize: i32"
+    "top_k: i32, shared: i32, normalize: i32"
 )
 MOE_ROUTER = K("moe::moe_router_bf16"), Signature.parse(
     "router: bf16*, h: bf16*, gamma: bf16*, x_out: bf16*, logits: bf16*, ids: i32*, weights: f32*, plan: i32*, "
-    "experts_read: i64*?, counter: i32*, num_experts: i32, hidden: i32, top_k: i32, normalize: i32, eps: f32"
+    "experts_read: i64*?, counter: i32*, num_experts: i32, hidden: i32, top_k: i32, shared: i32, normalize: i32, "
+    "eps: f32"
 )
 MOE_GATE_UP = K("moe::moe_gate_up_bf16"), Signature.parse(
-    "x: bf16*, gate_up: bf16*, plan: i32*, act: bf16*, hidden: i32, inter: i32, num_experts: i32, top_k: i32"
+    "x: bf16*, gate_up: bf16*, shared_gate_up: bf16*?, plan: i32*, act: bf16*, hidden: i32, inter: i32, "
+    "shared_width: i32, num_experts: i32, top_k: i32"
 )
 MOE_DOWN = K("moe::moe_down_bf16"), Signature.parse(
-    "act: bf16*, down: bf16*, plan: i32*, weights: f32*, y: f32*, residual: bf16*?, out: bf16*, counters: i32*, "
-    "rows: i32, hidden: i32, inter: i32, num_experts: i32, top_k: i32"
+    "act: bf16*, down: bf16*, shared_down: bf16*?, plan: i32*, weights: f32*, y: f32*, residual: bf16*?, "
+    "out: bf16*, counters: i32*, rows: i32, hidden: i32, inter: i32, shared_width: i32, num_experts: i32, top_k: i32"
 )
 MOE_ROUTE_ROWS = K("moe::moe_route_rows_bf16"), Signature.parse(
-    "logits: bf16*, ids: i32*, weights: f32*, counts: i32*, rows: i32, num_experts: i32, top_k: i32, normalize: i32"
+    "logits: bf16*, ids: i32*, weights: f32*, counts: i32*, rows: i32, num_experts: i32, top_k: i32, shared: i32, "
+    "normalize: i32"
 )
 MOE_COMBINE = K("moe::moe_combine_bf16"), Signature.parse(
     "ys: bf16*, where: i32*, weights: f32*, residual: bf16*?, out: bf16*, hidden: i32, top_k: i32"

@@ -7,6 +7,12 @@ sigmoid(shared_gate(x)) * shared(x). The experts are stored stacked: ``gate_up``
 [gate; up] per expert and ``down`` (E, H, I), so the backend reads only the experts a step routes
 to. ``experts_read`` counts, on the device and without a host sync, the distinct experts each call
 read (the bench's roofline counts those bytes, not every expert's).
+
+Where the backend takes it (``Ops.moe_folds_shared``: the cuda backend), the shared expert rides
+along with the routed ones: its gate is one more router row, and every row is routed to its
+width's chunks of the experts' width too, weighted sigmoid(gate) (:class:`SharedExpert`; the
+kernels read the chunks in place, so no weight is copied but the router). Its weights then cost
+no launch of their own: apart, at batch 1, they were seven (three GEMVs and four element-wise).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from metrale_cli.kernels.ops import Ops
+from metrale_cli.kernels.ops import Ops, SharedExpert
 from metrale_cli.layers.context import ForwardContext
 from metrale_cli.layers.ffn import DenseSwiGluFfn
 from metrale_cli.layers.spec import MoeSpec
@@ -24,19 +30,27 @@ from metrale_cli.layers.parallel import SINGLE, TensorParallel
 class MoeFfn:
     """An :class:`~metrale_cli.layers.protocols.FfnComponent`. ``router``: (E, H);
     ``gate_up``: (E, 2I, H); ``down``: (E, H, I); ``shared`` / ``shared_gate`` ((1, H)) together
-    or neither."""
+    or neither. ``fold_shared``: route to the shared expert's chunks rather than run it apart
+    (default: as the backend prefers)."""
 
     def __init__(self, spec: MoeSpec, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ops: Ops,
                  shared: DenseSwiGluFfn | None = None, shared_gate: torch.Tensor | None = None,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, fold_shared: bool | None = None):
         if (shared is None) != (shared_gate is None):
             raise ValueError("a shared expert comes with its gate")
         self.spec, self.ops, self.tp = spec, ops, tp
         # add_row: the norm, then the routed experts with the residual add fused in (one process:
         # a tensor-parallel shard must sum its experts over the ranks before the residual add)
         self.fuses_row = tp.size == 1
-        self.router, self.gate_up, self.down = router, gate_up, down
+        self.gate_up, self.down = gate_up, down
         self.shared, self.shared_gate = shared, shared_gate
+        self.folded: SharedExpert | None = None
+        self.shared_slots = 0
+        if shared is not None and (ops.moe_folds_shared if fold_shared is None else fold_shared):
+            self.folded = SharedExpert(shared.gate_up, shared.down)
+            self.shared_slots = self.folded.chunks(gate_up.shape[1] // 2)
+            router = torch.cat([router, shared_gate])  # the gate's logit comes with the experts'
+        self.router = router
         self.experts_read = torch.zeros(1, dtype=torch.long, device=router.device)
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
@@ -45,20 +59,21 @@ class MoeFfn:
     def add_row(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
         s = self.spec
         x, route = self.ops.moe_norm_route(h, norm_weight, eps, self.router, s.top_k, s.norm_topk_prob,
-                                           self.experts_read)
-        return self.ops.moe_routed(x, route, self.gate_up, self.down, self._with_shared(x, h))
+                                           self.experts_read, self.shared_slots)
+        return self.ops.moe_routed(x, route, self.gate_up, self.down, self._apart(x, h), self.folded)
 
     def _forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         s = self.spec
-        residual = self._with_shared(x, residual)
+        residual = self._apart(x, residual)
         logits = F.linear(x, self.router)
         out = self.ops.moe(x, logits, self.gate_up, self.down, s.top_k, s.norm_topk_prob, residual,
-                           self.experts_read)
+                           self.experts_read, self.folded)
         return self.tp.reduce(out)
 
-    def _with_shared(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
-        """The addend of the routed sum: the residual, plus the shared expert's term where there is one."""
-        if self.shared is None:
+    def _apart(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+        """The addend of the routed sum: the residual, plus the shared expert's term where it runs
+        apart (not folded)."""
+        if self.shared is None or self.folded is not None:
             return residual
         # HF: routed + sigmoid(gate) * shared, then the residual add; the shared term is added
         # first here so that the routed sum's kernel takes one addend.
@@ -70,7 +85,8 @@ class MoeFfn:
         return int(self.experts_read) * expert
 
     def tensors(self) -> list[torch.Tensor]:
-        """What a step reads whatever it routes: the router and the shared expert. The routed
-        experts are counted by ``experts_read``."""
-        shared = [] if self.shared is None else [*self.shared.tensors(), self.shared_gate]
-        return [self.router, *shared]
+        """What a step reads whatever it routes: the router (with a folded shared expert's gate)
+        and the shared expert. The routed experts are counted by ``experts_read``."""
+        shared = [] if self.shared is None else [*self.shared.tensors()]
+        gate = [] if self.shared is None or self.folded is not None else [self.shared_gate]
+        return [self.router, *shared, *gate]
