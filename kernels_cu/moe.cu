@@ -137,13 +137,33 @@ struct RouteScratch {
 };
 
 // moe_route_bf16's work, by the whole CTA (a warp per row at a time): every row routed, then the
-// plan over the E + shared experts and experts_read (rows >= 1).
+// plan over the E + shared experts and experts_read (rows >= 1). One row (batch 1) has a pair an
+// expert, so warp 0 ranks its slots by id instead of counting and scanning every expert.
 __device__ void route_plan(const bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read,
                            int rows, int num_experts, int top_k, int shared, int normalize, RouteScratch& sh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int total = num_experts + shared, per_lane = (total + 31) / 32, slots = top_k + shared;
     int* chosen = sh.chosen;
     unsigned *count = sh.count, *fill = sh.fill;
+    if (rows == 1 && slots <= 32) {  // one pair an expert: the plan is the row's slots in id order
+        if (warp != 0) return;
+        route_row_any(logits, ids, weights, chosen, count, 0, num_experts, top_k, shared, normalize);  // count unread
+        __syncwarp();
+        if (lane < slots) {
+            const int e = chosen[lane];
+            int rank = 0;  // the ids are distinct
+            for (int j = 0; j < slots; ++j) rank += chosen[j] < e;
+            plan[1 + rank] = e;
+            plan[1 + total + rank] = rank;
+            plan[2 + 2 * total + rank] = lane;
+        }
+        if (lane == 0) {
+            plan[0] = slots;
+            plan[1 + total + slots] = slots;
+            if (experts_read != nullptr) experts_read[0] += top_k;
+        }
+        return;
+    }
     for (int e = threadIdx.x; e < total; e += blockDim.x) count[e] = 0;
     __syncthreads();
     for (int r = warp; r < rows; r += warps)
