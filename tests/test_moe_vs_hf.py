@@ -203,6 +203,19 @@ def test_folding_the_shared_expert_keeps_the_ffn_s_output(width, inter):
     assert sum(t.numel() for t in folded.tensors()) == sum(t.numel() for t in apart.tensors())
 
 
+@pytest.mark.parametrize("width, folded", [(48, True), (44, False)])
+def test_a_backend_that_folds_takes_widths_its_kernels_read(width, folded):
+    """Where the backend folds (``moe_folds_shared``), a shared width the kernels read in 8-element
+    pieces is folded; another one runs apart, as on the torch backend."""
+    g = torch.Generator().manual_seed(width)
+    rand = lambda *shape: torch.randn(*shape, generator=g)
+    ops = _FoldingReferences()
+    ffn = MoeFfn(MoeSpec(6, 2, 32, False, width), rand(6, 40), rand(6, 64, 40), rand(6, 40, 32), ops,
+                 DenseSwiGluFfn(rand(2 * width, 40), rand(40, width), ops), rand(1, 40))
+    assert (ffn.folded is not None, ffn.shared_slots, ffn.router.shape[0]) == (
+        (True, 2, 7) if folded else (False, 0, 6))
+
+
 def test_fused_and_per_expert_tensors_build_the_same_model(tmp_path):
     """HF's in-memory state dict holds each layer's experts fused; save_pretrained writes one
     tensor per expert: both build the same model, and the build pops every expert tensor."""

@@ -46,7 +46,9 @@ class MoeFfn:
         self.shared, self.shared_gate = shared, shared_gate
         self.folded: SharedExpert | None = None
         self.shared_slots = 0
-        if shared is not None and (ops.moe_folds_shared if fold_shared is None else fold_shared):
+        # the kernels read the shared width in 8-element pieces; a width they cannot read runs apart
+        backend_folds = ops.moe_folds_shared and shared is not None and shared.down.shape[1] % 8 == 0
+        if shared is not None and (backend_folds if fold_shared is None else fold_shared):
             self.folded = SharedExpert(shared.gate_up, shared.down)
             self.shared_slots = self.folded.chunks(gate_up.shape[1] // 2)
             router = torch.cat([router, shared_gate])  # the gate's logit comes with the experts'
