@@ -7,6 +7,10 @@ GEMV and the routing are one more launch, moe_router_bf16, in place of three. Mo
 (prefill): moe.cu routes the rows, the tokens are sorted by expert, both expert projections run as
 grouped GEMMs on tensor cores (``torch._grouped_mm``, CUTLASS on sm_90), and moe.cu gathers each
 token's weighted sum back in slot order. Neither syncs with the host, so both can be captured in a CUDA graph.
+
+A shared expert (:class:`~metrale_cli.kernels.ops.SharedExpert`) rides along in the decode
+launches as chunks of the experts' width that every row is routed to, read in place; the grouped
+path runs it apart, in HF's order (its gated output added to the residual first).
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ class CudaMoe:
         """Decode rows: moe_route_bf16 (the ids, weights and the experts' plan, with the ``shared``
         slots); more rows: a warp per row (the ids, weights and each expert's count), where with
         ``apart`` the shared expert is left to run apart (the grouped GEMMs have no chunk of it:
-        the route keeps its gate's logits, and experts_read counts its chunks)."""
+        the route keeps its gate's logits). ``experts_read`` counts the routed experts."""
         rows = logits.shape[0]
         if _decode_rows(rows, top_k + shared):
             return MoeRoute(*self._route(logits, top_k, normalize, experts_read, shared))
@@ -111,7 +115,7 @@ class CudaMoe:
         return x, MoeRoute(ids, weights, plan)
 
     def moe_routed(self: CudaLauncher, x, route: MoeRoute, gate_up, down, residual, shared=None):
-        check_moe_shapes(x, gate_up, down, route.ids.shape[1] if route.plan is not None else 1, shared)
+        check_moe_shapes(x, gate_up, down, route.ids.shape[1], shared)
         if x.shape[0] == 0:
             return torch.empty_like(x) if residual is None else residual.clone()
         if route.plan is not None:
