@@ -121,7 +121,7 @@ class CudaMoe:
         if route.plan is not None:
             return self._moe_rows(x, route, gate_up, down, residual, shared)
         if shared is not None:  # HF's order: the shared expert's gated output added to the residual first
-            term = torch.sigmoid(route.gate) * F.linear(self.silu_and_mul(F.linear(x, shared.gate_up)), shared.down)
+            term = shared.term(self, x, route.gate)
             residual = term if residual is None else residual + term
         return _moe_grouped(self, x, route, gate_up, down, residual)
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.kv.pool import LayerKv
@@ -102,6 +103,11 @@ class SharedExpert:
 
     def chunks(self, inter: int) -> int:
         return -(-self.width // inter)
+
+    def term(self, ops: Ops, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Run apart, in HF's order: sigmoid(gate) * down(silu(gate_up x)), ``gate`` (T, 1) the
+        gate's logits."""
+        return torch.sigmoid(gate) * F.linear(ops.silu_and_mul(F.linear(x, self.gate_up)), self.down)
 
 
 class Ops(Protocol):

@@ -193,8 +193,7 @@ def shared_chunks(gate_up, down, shared):
     pad = chunks * inter - width
     gate, up = (F.pad(w, (0, 0, 0, pad)).view(chunks, inter, hidden) for w in shared.gate_up.split(width))
     down_chunks = F.pad(shared.down, (0, pad)).view(hidden, chunks, inter).transpose(0, 1)
-    return torch.cat([gate_up, torch.cat([gate, up], dim=1).to(gate_up.dtype)]), torch.cat(
-        [down, down_chunks.to(down.dtype)])
+    return torch.cat([gate_up, torch.cat([gate, up], dim=1)]), torch.cat([down, down_chunks])
 
 
 def moe(x, logits, gate_up, down, top_k, normalize, residual, experts_read, shared=None):

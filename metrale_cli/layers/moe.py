@@ -43,17 +43,21 @@ class MoeFfn:
         # a tensor-parallel shard must sum its experts over the ranks before the residual add)
         self.fuses_row = tp.size == 1
         self.gate_up, self.down = gate_up, down
-        self.shared, self.shared_gate = shared, shared_gate
-        self.folded: SharedExpert | None = None
-        self.shared_slots = 0
+        self.shared = None if shared is None else SharedExpert(shared.gate_up, shared.down)
+        self.shared_gate = shared_gate
+        self.shared_slots = 0  # the shared expert's chunks routed to (0: it runs apart, or there is none)
         # the kernels read the shared width in 8-element pieces; a width they cannot read runs apart
-        backend_folds = ops.moe_folds_shared and shared is not None and shared.down.shape[1] % 8 == 0
+        backend_folds = ops.moe_folds_shared and shared is not None and self.shared.width % 8 == 0
         if shared is not None and (backend_folds if fold_shared is None else fold_shared):
-            self.folded = SharedExpert(shared.gate_up, shared.down)
-            self.shared_slots = self.folded.chunks(gate_up.shape[1] // 2)
+            self.shared_slots = self.shared.chunks(gate_up.shape[1] // 2)
             router = torch.cat([router, shared_gate])  # the gate's logit comes with the experts'
         self.router = router
         self.experts_read = torch.zeros(1, dtype=torch.long, device=router.device)
+
+    @property
+    def folded(self) -> SharedExpert | None:
+        """The shared expert where it rides along with the routed ones."""
+        return self.shared if self.shared_slots else None
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         return self._forward(x, None)
@@ -75,11 +79,11 @@ class MoeFfn:
     def _apart(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
         """The addend of the routed sum: the residual, plus the shared expert's term where it runs
         apart (not folded)."""
-        if self.shared is None or self.folded is not None:
+        if self.shared is None or self.shared_slots:
             return residual
         # HF: routed + sigmoid(gate) * shared, then the residual add; the shared term is added
         # first here so that the routed sum's kernel takes one addend.
-        shared = torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x, None)
+        shared = self.shared.term(self.ops, x, F.linear(x, self.shared_gate))
         return shared if residual is None else residual + shared
 
     def routed_bytes(self) -> int:
@@ -89,6 +93,7 @@ class MoeFfn:
     def tensors(self) -> list[torch.Tensor]:
         """What a step reads whatever it routes: the router (with a folded shared expert's gate)
         and the shared expert. The routed experts are counted by ``experts_read``."""
-        shared = [] if self.shared is None else [*self.shared.tensors()]
-        gate = [] if self.shared is None or self.folded is not None else [self.shared_gate]
-        return [self.router, *shared, *gate]
+        if self.shared is None:
+            return [self.router]
+        gate = [] if self.shared_slots else [self.shared_gate]
+        return [self.router, self.shared.gate_up, self.shared.down, *gate]
