@@ -16,6 +16,7 @@
 // differs from cuBLAS's.
 #include "gemv.cuh"
 #include "pdl.cuh"
+#include "timeline.cuh"
 
 enum Epilogue { STORE, ADD, SWIGLU };
 
@@ -42,13 +43,16 @@ __device__ void gemv(const bf16_t* w, const bf16_t* x, const bf16_t* residual, c
         }
     };
 
+    TL_BEGIN((int)EPI + (sizeof(Out) == 4 ? 3 : 0));
     int t = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), b = 0;
     Chunk cur[R][U];
     if (t < tasks) load(cur, t, 0);  // weights (and the norm's) only: before the wait
     const EarlyGamma early = early_gamma<NORM>(gamma, k);
     pdl_wait();
     pdl_launch_dependents();
+    TL_MARK(1);
     stage_x<NORM>(xs, x, residual, gamma, sum_out, k, eps, &early);
+    TL_MARK(2);
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
@@ -90,6 +94,7 @@ __device__ void gemv(const bf16_t* w, const bf16_t* x, const bf16_t* residual, c
             for (int u = 0; u < U; ++u) cur[r][u] = nxt[r][u];
         t = nt, b = nb;
     }
+    TL_MARK(5);
 }
 
 // out (n,) = W (n, k) · RMSNorm(x [+ residual]) with weight gamma; sum_out (k,) receives

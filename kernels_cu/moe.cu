@@ -12,6 +12,8 @@
 //   moe_down_bf16      per chosen expert and 16 hidden columns: w * (down·act) for each pair -> y;
 //                      the last CTA of a column tile sums each row's top-k slots in slot order
 //                      [+ residual] -> out (tensor cores).
+//   moe_down_one_bf16  batch 1: moe_down_bf16's out with a CTA per 16 hidden columns taking every
+//                      slot (no y in global memory, no counter), the same sums in the same order.
 // Every output of a pair depends on that pair's row alone, and each row's sum runs in slot order,
 // so a row's result does not depend on the other rows of the batch. Rounding follows HF's bf16
 // expert loop where it stores: gate, up, silu(gate), the product, down's output, its product with
@@ -36,6 +38,7 @@
 #include "gemv.cuh"
 #include "mma.cuh"
 #include "pdl.cuh"
+#include "timeline.cuh"
 
 #define MOE_THREADS 256  // moe_combine_bf16's CTA
 #define MOE_ROUTE_THREADS 512
@@ -224,6 +227,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     static_assert(sizeof(RouteScratch) <= GEMV_MAX_K / 8 * sizeof(Chunk), "the route's scratch fits the row's");
     __shared__ Chunk xs[GEMV_MAX_K / 8];
     __shared__ int is_last;
+    TL_BEGIN(0);
     const int lane = threadIdx.x & 31, e = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int chunks = hidden / 8, num_logits = num_experts + (shared > 0);
     const bf16_t* row = router + (long long)e * hidden;
@@ -236,7 +240,9 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     const EarlyGamma early = early_gamma<true>(gamma, hidden);
     pdl_wait();
     pdl_launch_dependents();
+    TL_MARK(1);
     stage_x<true>(xs, h, nullptr, gamma, nullptr, hidden, eps, &early);
+    TL_MARK(2);
     if (blockIdx.x == 0) {
         for (int i = threadIdx.x; i < chunks; i += blockDim.x) reinterpret_cast<Chunk*>(x_out)[i] = xs[i];
     }
@@ -259,6 +265,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
         if (lane == 0) logits[e] = f32_to_bf16(acc);
     }
     __syncthreads();  // every logit of the CTA stored, xs no longer read
+    TL_MARK(3);
     if (threadIdx.x == 0) {
         __threadfence();
         const bool last = atomicAdd(counter, 1u) == gridDim.x - 1;
@@ -267,10 +274,12 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
         is_last = last;
     }
     __syncthreads();
+    TL_MARK(4);
     if (is_last) {
         route_plan(logits, ids, weights, plan, experts_read, 1, num_experts, top_k, shared, normalize,
                    *reinterpret_cast<RouteScratch*>(xs));
     }
+    TL_MARK(5);
 }
 
 // logits (rows, E [+ 1]) bf16 -> ids, weights (rows, k + shared) as moe_route_bf16's; counts[e]
@@ -361,9 +370,10 @@ struct TcWork {
     int j0, n, kdim, ld, wk, top_k, lo, hi;
     bool input_by_row;   // gate/up: a pair's input is row q / top_k of `in`; down: row q
 
-    // acc[t][nt][4]: the warp's sums over its K blocks for the pass's pairs [base, base + MOE_TC_PAIRS).
-    __device__ void pass(int base, float (&acc)[TILES][MOE_TC_NT][4]) const {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    // acc[t][nt][4]: the sums over K blocks part, part + MOE_TC_WARPS, .. (the CTA's warp by
+    // default) for the pass's pairs [base, base + MOE_TC_PAIRS).
+    __device__ void pass(int base, float (&acc)[TILES][MOE_TC_NT][4], int part = threadIdx.x >> 5) const {
+        const int lane = threadIdx.x & 31, warp = part, g = lane >> 2, c = lane & 3;
         const int blocks = (kdim + 63) / 64;
         const int npairs = min(MOE_TC_PAIRS, hi - base);
         const bf16_t* xrow[MOE_TC_NT];
@@ -463,11 +473,17 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
     moe_gate_up_bf16(const bf16_t* x, const bf16_t* gate_up, const bf16_t* shared_gate_up, const int* plan,
                      bf16_t* act, int hidden, int inter, int shared_width, int num_experts, int top_k) {
     __shared__ float red[(MOE_TC_WARPS - 1) * 2 * MOE_TC_NT * 4 * 32];
+    TL_BEGIN(1);
     pdl_wait();
     pdl_launch_dependents();
+    TL_MARK(1);
     const int slot = blockIdx.y;
-    if (slot >= plan[0]) return;
+    if (slot >= plan[0]) {
+        TL_MARK(5);
+        return;
+    }
     const int e = plan[1 + slot], lo = plan[1 + num_experts + slot], hi = plan[2 + num_experts + slot];
+    TL_MARK(2);
     const int j0 = blockIdx.x * MOE_TC_ROWS;
     const ExpertRows er = gate_up_rows(gate_up, shared_gate_up, e, num_experts, hidden, inter, shared_width);
     TcWork<2> wk{er.w, x, plan + 2 + 2 * num_experts, {j0, er.up + j0}, er.valid - j0, j0, inter, hidden, hidden,
@@ -488,6 +504,69 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
                 act[(long long)wk.pairs[p] * inter + j] = f32_to_bf16(round_bf16(gv / (1.0f + expf(-gv))) * uv);
             }
     }
+    TL_MARK(5);
+}
+
+// Batch 1 (one row, so each chosen expert has one pair): moe_down_bf16's out for a column tile in
+// one CTA, with no y in global memory and no counter. Warps 4p .. 4p + 3 take the plan's expert p
+// (MOE_DOWN_ONE_WARPS / 4 experts a round) and split its K blocks as moe_down_bf16's CTA does, their
+// sums added in warp order; y = bf16(bf16(that) * bf16(weight)) per slot goes to shared memory, and
+// the tile's out = bf16(the slots' y summed in slot order) [then bf16(residual + that)]: the values
+// moe_down_bf16 gives. Arguments as moe_down_bf16's (top_k: the row's slots); grid ceil(hidden /
+// 16), block MOE_DOWN_ONE_WARPS * 32; top_k <= MOE_DOWN_ONE_SLOTS.
+#define MOE_DOWN_ONE_WARPS 32
+#define MOE_DOWN_ONE_SLOTS 32
+extern "C" __global__ void __launch_bounds__(MOE_DOWN_ONE_WARPS * 32, 1)
+    moe_down_one_bf16(const bf16_t* act, const bf16_t* down, const bf16_t* shared_down, const int* plan,
+                      const float* weights, const bf16_t* residual, bf16_t* out, int hidden, int inter,
+                      int shared_width, int num_experts, int top_k) {
+    __shared__ float part[MOE_DOWN_ONE_WARPS][MOE_TC_NT * 4][32];
+    __shared__ float ys[MOE_DOWN_ONE_SLOTS][MOE_TC_ROWS];
+    TL_BEGIN(3);
+    pdl_wait();
+    pdl_launch_dependents();
+    TL_MARK(1);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int n = plan[0], j0 = blockIdx.x * MOE_TC_ROWS;
+    const int* pairs = plan + 2 + 2 * num_experts;
+    for (int round = 0; round < n * MOE_TC_WARPS; round += MOE_DOWN_ONE_WARPS) {
+        const int item = round + warp, p = item / MOE_TC_WARPS, kw = item % MOE_TC_WARPS;
+        float acc[1][MOE_TC_NT][4] = {};
+        int lo = 0;
+        if (p < n) {
+            const int e = plan[1 + p];
+            lo = plan[1 + num_experts + p];
+            const ExpertRows er = down_rows(down, shared_down, e, num_experts, hidden, inter, shared_width);
+            const TcWork<1> wk{er.w, act, pairs, {j0}, hidden - j0, j0, hidden, inter, er.ld, er.valid,
+                               top_k, lo, lo + 1, false};
+            wk.pass(lo, acc, kw);
+        }
+#pragma unroll
+        for (int nt = 0; nt < MOE_TC_NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) part[warp][nt * 4 + i][lane] = acc[0][nt][i];
+        __syncthreads();
+        if (p < n && kw == 0 && c == 0) {  // lanes 4g: the pair's rows g (i = 0) and g + 8 (i = 2)
+            const int q = pairs[lo];
+#pragma unroll
+            for (int i = 0; i < 4; i += 2) {
+                float v = acc[0][0][i];
+                for (int w = 1; w < MOE_TC_WARPS; ++w) v += part[warp + w][i][lane];
+                ys[q][g + (i >= 2 ? 8 : 0)] = round_bf16(round_bf16(v) * round_bf16(weights[q]));
+            }
+        }
+        __syncthreads();
+    }
+    TL_MARK(2);
+    const int col = j0 + threadIdx.x;
+    if (threadIdx.x < MOE_TC_ROWS && col < hidden) {
+        float s = 0.0f;
+        for (int q = 0; q < top_k; ++q) s += ys[q][threadIdx.x];
+        s = round_bf16(s);
+        if (residual != nullptr) s = bf16_to_f32(residual[col]) + s;
+        out[col] = f32_to_bf16(s);
+    }
+    TL_MARK(5);
 }
 
 // y (rows * top_k, hidden) fp32 = bf16(bf16(down_e · act) * bf16(weight)) for each pair; then the
@@ -502,11 +581,17 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
                   int hidden, int inter, int shared_width, int num_experts, int top_k) {
     __shared__ float red[(MOE_TC_WARPS - 1) * MOE_TC_NT * 4 * 32];
     __shared__ bool last;
+    TL_BEGIN(2);
     pdl_wait();
     pdl_launch_dependents();
+    TL_MARK(1);
     const int slot = blockIdx.y;
-    if (slot >= plan[0]) return;
+    if (slot >= plan[0]) {
+        TL_MARK(5);
+        return;
+    }
     const int e = plan[1 + slot], lo = plan[1 + num_experts + slot], hi = plan[2 + num_experts + slot];
+    TL_MARK(2);
     const int j0 = blockIdx.x * MOE_TC_ROWS;
     const ExpertRows er = down_rows(down, shared_down, e, num_experts, hidden, inter, shared_width);
     TcWork<1> wk{er.w, act, plan + 2 + 2 * num_experts, {j0}, hidden - j0, j0, hidden, inter, er.ld, er.valid,
@@ -528,12 +613,17 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
             }
     }
     __syncthreads();  // this CTA's y is written
+    TL_MARK(3);
     if (threadIdx.x == 0) {
         __threadfence();
         last = atomicAdd(counters + blockIdx.x, 1u) == (unsigned)plan[0] - 1;
     }
     __syncthreads();
-    if (!last) return;
+    TL_MARK(4);
+    if (!last) {
+        TL_MARK(5);
+        return;
+    }
     __threadfence();
     for (int i = threadIdx.x; i < rows * MOE_TC_ROWS; i += blockDim.x) {
         const int r = i / MOE_TC_ROWS, col = j0 + i % MOE_TC_ROWS;
@@ -545,4 +635,5 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
         out[(long long)r * hidden + col] = f32_to_bf16(s);
     }
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;
+    TL_MARK(5);
 }

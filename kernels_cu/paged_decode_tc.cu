@@ -35,6 +35,7 @@
 #include "head_norm.cuh"
 #include "kv_write.cuh"
 #include "pdl.cuh"
+#include "timeline.cuh"
 
 // --- the split combine inside a decode launch ----------------------------------------------------
 // With a split context the last split of a (sequence, KV head, chunk) to finish (a counter each,
@@ -295,6 +296,7 @@ struct TcStore<true> {
 template <int D, bool FP8>
 __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
     typedef typename TcStore<FP8>::type Store;
+    TL_BEGIN(FP8 ? 1 : 0);
     const int warp = threadIdx.x >> 5;
     const int b = blockIdx.y, kvh = blockIdx.x, chunk = blockIdx.z / a.num_splits, split = blockIdx.z % a.num_splits;
     // Before the wait, what does not come from the launch just before (pdl.cuh): the step's
@@ -338,10 +340,14 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
     __syncthreads();
     pdl_wait();
     pdl_launch_dependents();
+    TL_MARK(1);
     if (idle && len == 0 && split == 0) {  // an empty context: the combine writes zeros
         for (int idx = threadIdx.x; idx < rows * D; idx += TC_THREADS) a.out[head0 * D + idx] = f32_to_bf16(0.0f);
     }
-    if (idle && !writes) return;
+    if (idle && !writes) {
+        TL_MARK(5);
+        return;
+    }
     const float *cos_row = sh.cos_sin, *sin_row = sh.cos_sin + half;
     const bf16_t* q_norm = a.q_norm == nullptr ? nullptr : sh.q_norm;
     const bf16_t* k_norm = a.k_norm == nullptr ? nullptr : sh.k_norm;
@@ -356,8 +362,12 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
             store_elements<Store, D>(a.v + b * a.v_stride + kvh * D, a.v_cache, slot, kvh, a.hk, a.v_scale);
         }
     }
-    if (idle) return;
+    if (idle) {
+        TL_MARK(5);
+        return;
+    }
     __syncthreads();  // q rows staged; the new K / V stored (visible to this CTA's loads)
+    TL_MARK(2);
     const TcWork w{sh.q,
                    static_cast<const unsigned char*>(a.k_cache),
                    static_cast<const unsigned char*>(a.v_cache),
@@ -378,11 +388,17 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
                    sh.o,
                    sh.ml};
     decode_tc<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16>(w);
-    if (a.num_splits == 1) return;
+    TL_MARK(3);
+    if (a.num_splits == 1) {
+        TL_MARK(5);
+        return;
+    }
     const int active = active_splits(len, a.num_splits);
     const SplitCombine combine{a.part_o, a.part_ml, a.out, a.counters, nullptr, a.num_splits};
-    if (last_split(combine, sh.combine, (b * a.hk + kvh) * chunks + chunk, active))
-        combine_rows<D>(combine, sh.combine, head0, rows, active, nullptr);
+    const bool is_last = last_split(combine, sh.combine, (b * a.hk + kvh) * chunks + chunk, active);
+    TL_MARK(4);
+    if (is_last) combine_rows<D>(combine, sh.combine, head0, rows, active, nullptr);
+    TL_MARK(5);
 }
 
 // q / k / v: Hq / Hk / Hk heads of head_dim bf16 per sequence, sequence b's at b * {q,k,v}_stride

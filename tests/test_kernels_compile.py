@@ -5,6 +5,7 @@ all of them runs in parallel processes); the cache behaviour itself is checked i
 folder.
 """
 
+import dataclasses
 import re
 import shutil
 
@@ -27,6 +28,20 @@ def test_module_compiles_and_exports_its_functions(compiled, name):
     result = compiled[name]
     assert result.ok, result.log
     assert result.symbols == tuple(sorted(MODULES[name].functions))
+
+
+def test_the_timeline_builds_compile():
+    """The measuring build of tools/decode_timeline.py (METRALE_TIMELINE: thread 0 of each CTA
+    stamps the global timer) compiles for every module it times and keeps their functions."""
+    from tools.decode_timeline import TIMED
+
+    timed = [dataclasses.replace(MODULES[n], defines=MODULES[n].defines + (("METRALE_TIMELINE", "1"),))
+             for n in TIMED]
+    results = kc.check_modules(timed)
+    for module in timed:
+        result = results[module.name]
+        assert result.ok, result.log
+        assert set(module.functions) <= set(result.symbols)
 
 
 def test_warm_check_is_served_from_the_disk_cache(tmp_path, monkeypatch):

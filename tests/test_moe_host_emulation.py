@@ -30,6 +30,7 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
         handle = build_host_library("moe_host.cpp", tmp_path_factory.mktemp("moe"))
         handle.host_moe_route.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6
         handle.host_moe_experts.argtypes = [ctypes.c_void_p] * 12 + [ctypes.c_int] * 6
+        handle.host_moe_experts_one.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5
         handle.host_moe_route_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6
         handle.host_moe_combine.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
         handle.host_moe_router.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5 + [ctypes.c_float]
@@ -105,6 +106,19 @@ def test_routing_is_torch_topk_and_the_plan_lists_every_pair_once(lib, case, nor
         assert sorted(pairs[offsets[slot]:offsets[slot + 1]]) == [q for q, x in enumerate(flat) if x == e]
 
 
+@pytest.mark.parametrize("rows, experts, top_k, pattern", [(7, 16, 4, "ties"), (5, 512, 10, "ties"),
+                                                           (5, 128, 8, "random"), (3, 60, 4, "few")])
+def test_batch_one_routing_equals_the_rows_routing(lib, rows, experts, top_k, pattern):
+    """A row routed alone (every expert ranked at once) gets the ids and weights, bit for bit, that
+    it gets among other rows (a warp's k rounds of arg-max)."""
+    t = moe_case(rows, experts, top_k, 64, 16, pattern, seed=4)
+    for normalize in (True, False):
+        ids, weights, _, _ = route(lib, t["logits"], top_k, normalize)
+        for r in range(rows):
+            one_ids, one_w, _, _ = route(lib, t["logits"][r:r + 1].contiguous(), top_k, normalize, threads=256)
+            assert torch.equal(one_ids, ids[r:r + 1]) and torch.equal(one_w, weights[r:r + 1])
+
+
 def test_routing_runs_rows_on_fewer_warps_than_rows(lib):
     t = moe_case(33, 12, 3, 64, 32, "random", seed=3)
     ids, _, _, _ = route(lib, t["logits"], 3, True, threads=64)
@@ -124,6 +138,30 @@ def test_experts_equal_the_reference(lib, case, with_residual):
                            None if residual is None else residual.float())
     close(out.float(), want, "moe")
     assert not counters.any()  # left zero for the next launch
+
+
+ONE_ROW = [c for c in CASES + SHARED_CASES if c[0] == 1] + [(1, 64, 32, 72, 16, "random"), (1, 8, 2, 200, 48, "all", 88)]
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("case", ONE_ROW, ids=case_id)
+def test_batch_one_down_in_one_cta_equals_moe_down(lib, case, with_residual):
+    """moe_down_one_bf16 (batch 1: a CTA takes every slot of its column tile) gives moe_down_bf16's
+    out bit for bit: K split in the same warps, summed in the same order, the slots in slot order.
+    32 slots (the most it takes) need four rounds of its warps; 200 columns a short last tile."""
+    t, shared = _case(case, seed=5)
+    top_k, slots = case[2], case[2] + shared
+    ids, weights, plan, _ = route(lib, t["logits"], top_k, True, shared=shared)
+    residual = t["residual"] if with_residual else None
+    want, _ = experts(lib, t, plan, weights, residual, 1, slots, shared)
+    experts_, inter2, hidden = t["gate_up"].shape
+    sh = t.get("shared")
+    act = torch.full((slots, inter2 // 2), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((1, hidden), float("nan"), dtype=torch.bfloat16)
+    lib.host_moe_experts_one(_p(t["x"]), _p(t["gate_up"]), _p(t["down"]), _p(sh and sh.gate_up), _p(sh and sh.down),
+                             _p(plan), _p(weights), _p(residual), _p(act), _p(out), hidden, inter2 // 2,
+                             sh.width if sh else 0, experts_ + shared, slots)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
 
 def test_a_row_is_the_same_alone_and_in_a_batch(lib):

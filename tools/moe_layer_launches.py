@@ -40,7 +40,7 @@ def _time(fn, layers: int, replays: int = 30) -> float:
     return replay_us(graph, replays) / layers
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=32)
@@ -52,8 +52,12 @@ def main() -> None:
     p.add_argument("--context", type=int, default=600)
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--shared", type=int, default=0, help="a shared expert of this width (0: none)")
-    a = p.parse_args()
-    ops, dev = CudaOps(), "cuda"
+    return p
+
+
+def build(a: argparse.Namespace, ops: CudaOps) -> dict:
+    """The shape's random weights, one per layer, and the launches to time: name -> fn(layer)."""
+    dev = "cuda"
     h, hq, hk, d, e, inter, k, n = a.hidden, a.heads, a.kv_heads, a.head_dim, a.experts, a.inter, a.top_k, a.layers
     torch.manual_seed(0)
 
@@ -93,25 +97,31 @@ def main() -> None:
              for i in range(len(shared_w))]
     folded = [MoeFfn(spec, router[i], gate_up[i], down[i], ops, *shared_w[i], fold_shared=True)
               for i in range(len(shared_w))]
-    launches = [
-        ("qkv gemv_norm", lambda i: ops.gemv_norm(x, residual, gamma, 1e-6, qkv_w[i])),
-        ("attention", lambda i: attention.rope_cache_decode(*args[i % 4])),
-        ("o gemv_add", lambda i: ops.gemv_add(o_in, o_w[i], residual)),
-        ("rms_norm + router GEMM + moe_route", unfused_router),
-        ("moe_router_bf16", lambda i: ops.moe_norm_route(residual, gamma, 1e-6, router[i], k, True, read)),
-        ("route + experts", lambda i: ops.moe(x, logits, gate_up[i], down[i], k, True, residual, read)),
-        ("whole layer", layer),
-        ("MoE FFN (MoeFfn.add_row)", lambda i: plain[i].add_row(residual, gamma, 1e-6)),
-    ]
+    launches = {
+        "qkv gemv_norm": lambda i: ops.gemv_norm(x, residual, gamma, 1e-6, qkv_w[i]),
+        "attention": lambda i: attention.rope_cache_decode(*args[i % 4]),
+        "o gemv_add": lambda i: ops.gemv_add(o_in, o_w[i], residual),
+        "rms_norm + router GEMM + moe_route": unfused_router,
+        "moe_router_bf16": lambda i: ops.moe_norm_route(residual, gamma, 1e-6, router[i], k, True, read),
+        "route + experts": lambda i: ops.moe(x, logits, gate_up[i], down[i], k, True, residual, read),
+        "whole layer": layer,
+        "MoE FFN (MoeFfn.add_row)": lambda i: plain[i].add_row(residual, gamma, 1e-6),
+    }
     if shared_w:
-        launches.append((f"... with a shared expert of {a.shared} apart",
-                         lambda i: apart[i].add_row(residual, gamma, 1e-6)))
-        launches.append((f"... with it folded ({folded[0].shared_slots} chunks)",
-                         lambda i: folded[i].add_row(residual, gamma, 1e-6)))
-    print(f"batch-1 MoE layer, hidden {h}, {hq} heads on {hk} KV heads of {d}, {e} experts of {inter} "
-          f"(top {k}){f', a shared expert of {a.shared}' if a.shared else ''}, context {a.context}, {n} layers")
-    for name, fn in launches:
-        print(f"  {name:36s} {_time(fn, n):7.2f} µs")
+        launches[f"... with a shared expert of {a.shared} apart"] = lambda i: apart[i].add_row(residual, gamma, 1e-6)
+        launches[f"... with it folded ({folded[0].shared_slots} chunks)"] = \
+            lambda i: folded[i].add_row(residual, gamma, 1e-6)
+    return launches
+
+
+def main() -> None:
+    a = parser().parse_args()
+    launches = build(a, CudaOps())
+    print(f"batch-1 MoE layer, hidden {a.hidden}, {a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}, "
+          f"{a.experts} experts of {a.inter} (top {a.top_k}){f', a shared expert of {a.shared}' if a.shared else ''}, "
+          f"context {a.context}, {a.layers} layers")
+    for name, fn in launches.items():
+        print(f"  {name:36s} {_time(fn, a.layers):7.2f} µs")
 
 
 if __name__ == "__main__":

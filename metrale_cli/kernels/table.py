@@ -95,6 +95,10 @@ MOE_DOWN = K("moe::moe_down_bf16"), Signature.parse(
     "act: bf16*, down: bf16*, shared_down: bf16*?, plan: i32*, weights: f32*, y: f32*, residual: bf16*?, "
     "out: bf16*, counters: i32*, rows: i32, hidden: i32, inter: i32, shared_width: i32, num_experts: i32, top_k: i32"
 )
+MOE_DOWN_ONE = K("moe::moe_down_one_bf16"), Signature.parse(
+    "act: bf16*, down: bf16*, shared_down: bf16*?, plan: i32*, weights: f32*, residual: bf16*?, out: bf16*, "
+    "hidden: i32, inter: i32, shared_width: i32, num_experts: i32, top_k: i32"
+)
 MOE_ROUTE_ROWS = K("moe::moe_route_rows_bf16"), Signature.parse(
     "logits: bf16*, ids: i32*, weights: f32*, counts: i32*, rows: i32, num_experts: i32, top_k: i32, shared: i32, "
     "normalize: i32"
@@ -102,9 +106,12 @@ MOE_ROUTE_ROWS = K("moe::moe_route_rows_bf16"), Signature.parse(
 MOE_COMBINE = K("moe::moe_combine_bf16"), Signature.parse(
     "ys: bf16*, where: i32*, weights: f32*, residual: bf16*?, out: bf16*, hidden: i32, top_k: i32"
 )
-MOE_KERNELS = tuple(k[0] for k in (MOE_ROUTE, MOE_ROUTER, MOE_GATE_UP, MOE_DOWN, MOE_ROUTE_ROWS, MOE_COMBINE))
+MOE_KERNELS = tuple(k[0] for k in (MOE_ROUTE, MOE_ROUTER, MOE_GATE_UP, MOE_DOWN, MOE_DOWN_ONE, MOE_ROUTE_ROWS,
+                                    MOE_COMBINE))
 MOE_TC_THREADS = 128  # moe.cu's expert CTA: 4 warps splitting K
 MOE_TC_ROWS = 16  # the weight rows (output columns) of one expert CTA
+MOE_DOWN_ONE_THREADS = 1024  # moe_down_one_bf16's CTA: every slot's experts of a column tile (batch 1)
+MOE_DOWN_ONE_SLOTS = 32  # the row's slots it serves
 MOE_THREADS = 256  # moe.cu's prefill routing (a warp per row) and combine CTAs
 MOE_WARPS = MOE_THREADS // 32
 MOE_MAX_EXPERTS = 1024  # its routing CTA's

@@ -1,0 +1,136 @@
+"""Where a batch-1 MoE layer's decode step spends its time, launch by launch (GPU only; figures,
+no asserts):
+
+    python -m tools.decode_timeline                  # Qwen3-30B-A3B's shapes, context 600
+    python -m tools.decode_timeline --experts 512 --inter 512 --top-k 10 --layers 24 \\
+        --heads 16 --kv-heads 2 --head-dim 256      # (any tools.moe_layer_launches shape)
+
+The kernels are compiled with METRALE_TIMELINE (kernels_cu/include/timeline.cuh): thread 0 of
+every CTA stamps the GPU's global timer at its start, at the return of its PDL wait, at marks
+inside the kernel and at its end. The layer chain of tools.moe_layer_launches (q/k/v GEMV, the
+one-launch attention, o_proj, the MoE router, gate/up, down) is replayed from a CUDA graph and,
+for the middle layers, each launch is split into:
+
+  hop     from the end of the launch before (its last CTA) to this launch's first wait return
+  spread  from the first wait return to the median CTA's
+  marks   per CTA from its wait return to each mark (median over the CTAs, and the slowest)
+  span    from the first wait return to the last CTA's end
+
+hop + span summed over the launches is the layer. The marks: gemv 2 = the row staged (norm);
+attention 2 = q staged and the new K / V written, 3 = the split's decode, 4 = the split counter
+taken; router 2 = the row staged, 3 = logits stored, 4 = the last-CTA counter; gate/up 2 = the
+plan read; down (batch 1's one CTA a column tile) 2 = every slot's y in shared memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from metrale_cli.kernels import registry
+from metrale_cli.kernels.cuda_ops import CudaOps
+from metrale_cli.kernels.loader import device_arch
+from tools import moe_layer_launches
+
+TIMED = ("gemv", "moe", "paged_decode_tc")
+KINDS, LAUNCHES, CTAS, MARKS = 4, 64, 2048, 6
+# The layer's launches in order: (module, kind in timeline.cuh's numbering, name)
+CHAIN = (("gemv", 0, "q/k/v gemv_norm"), ("paged_decode_tc", 0, "attention"), ("gemv", 1, "o gemv_add"),
+         ("moe", 0, "moe_router"), ("moe", 1, "moe_gate_up"), ("moe", 3, "moe_down_one"))
+
+
+def _timed_modules() -> None:
+    for name in TIMED:
+        m = registry.MODULES[name]
+        registry.MODULES[name] = dataclasses.replace(m, defines=m.defines + (("METRALE_TIMELINE", "1"),))
+
+
+def _globals(ops: CudaOps, name: str):
+    """The module's timeline arrays (marks, CTA counts), or None where it was not loaded."""
+    import cupy as cp
+
+    module = registry.MODULES[name]
+    raw = ops.loader._modules.get((module.name, module.defines, device_arch(0), 0))
+    if raw is None:
+        return None
+    marks = cp.ndarray((KINDS, LAUNCHES, CTAS, MARKS), dtype=cp.uint64, memptr=raw.get_global("metrale_timeline"))
+    counts = cp.ndarray((KINDS,), dtype=cp.uint32, memptr=raw.get_global("metrale_timeline_ctas"))
+    return marks, counts
+
+
+def _launch(m: np.ndarray) -> dict | None:
+    """One launch's CTAs' marks (ns) -> its figures in µs, None where it did not run."""
+    m = m[m[:, 0] > 0].astype(np.float64) / 1e3
+    if not len(m):
+        return None
+    waited = m[:, 1]
+    marks = [m[:, j] - waited for j in range(2, MARKS)]  # -waited where a mark was not reached
+    return dict(ctas=len(m), first=waited.min(), spread=np.median(waited) - waited.min(), end=m[:, 5].max(),
+                med=[np.median(x[x >= 0]) if (x >= 0).any() else np.nan for x in marks],
+                slow=[x.max() if (x >= 0).any() else np.nan for x in marks])
+
+
+def main() -> None:
+    a = moe_layer_launches.parser().parse_args()
+    _timed_modules()
+    ops = CudaOps()
+    layer = moe_layer_launches.build(a, ops)["whole layer"]
+    n = a.layers
+    for i in range(n):
+        layer(i)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            layer(i)
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    loaded = {name: g for name in TIMED if (g := _globals(ops, name)) is not None}
+    for marks, counts in loaded.values():
+        marks.fill(0)
+        counts.fill(0)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    us_layer = start.elapsed_time(end) * 1e3 / n
+    stamps = {name: g[0].get() for name, g in loaded.items()}
+    print(f"batch-1 MoE layer, hidden {a.hidden}, {a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}, "
+          f"{a.experts} experts of {a.inter} (top {a.top_k}), context {a.context}, {n} layers: "
+          f"{us_layer:.2f} µs a layer in this replay (the timeline build)")
+    chain = [key for key in CHAIN if key[0] in stamps and _launch(stamps[key[0]][key[1], 1]) is not None]
+    missing = [key[2] for key in CHAIN if key not in chain]
+    layers = range(2, n - 1)
+    rows = {key: [] for key in chain}
+    hops = []
+    for l in layers:
+        prev_end = None
+        for key in chain:
+            r = _launch(stamps[key[0]][key[1], l])
+            r["hop"] = r["first"] - prev_end if prev_end is not None else np.nan
+            rows[key].append(r)
+            prev_end = r["end"]
+        nxt = _launch(stamps[chain[0][0]][chain[0][1], l + 1])
+        hops.append(nxt["first"] - prev_end)
+    print(f"  {'launch':16s} {'CTAs':>5s} {'hop':>6s} {'spread':>6s} {'span':>6s}   the marks after the wait, "
+          f"median [slowest], µs")
+    total = float(np.mean(hops))
+    for key in chain:
+        r = rows[key]
+        hop = float(np.mean([x["hop"] for x in r])) if key != chain[0] else total
+        span = float(np.mean([x["end"] - x["first"] for x in r]))
+        total += span + (hop if key != chain[0] else 0.0)
+        med, slow = np.mean([x["med"] for x in r], axis=0), np.mean([x["slow"] for x in r], axis=0)
+        marks = "  ".join("     -      " if np.isnan(md) else f"{md:5.2f} [{sl:5.2f}]" for md, sl in zip(med, slow))
+        print(f"  {key[2]:16s} {r[0]['ctas']:5d} {hop:6.2f} {np.mean([x['spread'] for x in r]):6.2f} {span:6.2f}   "
+              f"{marks}")
+    print(f"  (the first hop is from the layer before's last launch) hops and spans: {total:.2f} µs a layer"
+          + (f"; not timed: {', '.join(missing)} (no timeline marks in that launch)" if missing else ""))
+
+
+if __name__ == "__main__":
+    main()
