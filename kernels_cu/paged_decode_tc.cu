@@ -110,14 +110,26 @@ template <int D>
 __device__ void combine_rows(const SplitCombine& c, CombineShared& sh, long long head0, int rows, int active,
                              float* stage) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int r = warp; r < rows; r += TC_WARPS) {
-        const float* ml = c.part_ml + ((head0 + r) * c.num_splits + lane) * 2;
-        const float m = lane < active ? __ldcg(ml) : METRALE_NEG_INF;
+    // A warp's heads (max, sum) pairs are loaded together, one 8-byte load each: one trip to L2.
+    constexpr int PER_WARP = (TC_ROWS + TC_WARPS - 1) / TC_WARPS;
+    float2 ml[PER_WARP];
+#pragma unroll
+    for (int i = 0; i < PER_WARP; ++i) {
+        const int r = warp + i * TC_WARPS;
+        ml[i] = r < rows && lane < active
+                    ? __ldcg(reinterpret_cast<const float2*>(c.part_ml + ((head0 + r) * c.num_splits + lane) * 2))
+                    : make_float2(METRALE_NEG_INF, 0.0f);
+    }
+#pragma unroll
+    for (int i = 0; i < PER_WARP; ++i) {
+        const int r = warp + i * TC_WARPS;
+        if (r >= rows) break;
+        const float m = ml[i].x;
         float big = m;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
         const float w = (lane < active && big != METRALE_NEG_INF) ? exp2f(m - big) : 0.0f;
-        const float l = warp_sum(lane < active ? __ldcg(ml + 1) * w : 0.0f);
+        const float l = warp_sum(lane < active ? ml[i].y * w : 0.0f);
         sh.weight[r][lane] = w;
         if (lane == 0) sh.total[r] = l;
     }
