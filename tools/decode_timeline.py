@@ -72,17 +72,17 @@ def _launch(m: np.ndarray) -> dict | None:
                 slow=[x.max() if (x >= 0).any() else np.nan for x in marks])
 
 
-def main() -> None:
-    a = moe_layer_launches.parser().parse_args()
+def _replay(a) -> tuple[dict, float]:
+    """The layer chain captured in a graph and replayed with the marks zeroed first: each loaded
+    module's marks (ns) and the replay's µs a layer."""
     _timed_modules()
     ops = CudaOps()
     layer = moe_layer_launches.build(a, ops)["whole layer"]
-    n = a.layers
-    for i in range(n):
+    for i in range(a.layers):
         layer(i)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(n):
+        for i in range(a.layers):
             layer(i)
     for _ in range(5):
         graph.replay()
@@ -97,39 +97,51 @@ def main() -> None:
     graph.replay()
     end.record()
     torch.cuda.synchronize()
-    us_layer = start.elapsed_time(end) * 1e3 / n
-    stamps = {name: g[0].get() for name, g in loaded.items()}
-    print(f"batch-1 MoE layer, hidden {a.hidden}, {a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}, "
-          f"{a.experts} experts of {a.inter} (top {a.top_k}), context {a.context}, {n} layers: "
-          f"{us_layer:.2f} µs a layer in this replay (the timeline build)")
-    chain = [key for key in CHAIN if key[0] in stamps and _launch(stamps[key[0]][key[1], 1]) is not None]
-    missing = [key[2] for key in CHAIN if key not in chain]
-    layers = range(2, n - 1)
+    return {name: g[0].get() for name, g in loaded.items()}, start.elapsed_time(end) * 1e3 / a.layers
+
+
+def _per_layer(stamps: dict, chain: list, layers: int) -> tuple[dict, list]:
+    """Each launch's figures in layers 2 .. layers - 2, with its hop from the launch before; and
+    the hop from each layer's last launch into the next layer's first."""
     rows = {key: [] for key in chain}
     hops = []
-    for l in layers:
+    for layer in range(2, layers - 1):
         prev_end = None
         for key in chain:
-            r = _launch(stamps[key[0]][key[1], l])
+            r = _launch(stamps[key[0]][key[1], layer])
             r["hop"] = r["first"] - prev_end if prev_end is not None else np.nan
             rows[key].append(r)
             prev_end = r["end"]
-        nxt = _launch(stamps[chain[0][0]][chain[0][1], l + 1])
-        hops.append(nxt["first"] - prev_end)
+        hops.append(_launch(stamps[chain[0][0]][chain[0][1], layer + 1])["first"] - prev_end)
+    return rows, hops
+
+
+def _report(chain: list, rows: dict, hops: list, missing: list) -> None:
     print(f"  {'launch':16s} {'CTAs':>5s} {'hop':>6s} {'spread':>6s} {'span':>6s}   the marks after the wait, "
           f"median [slowest], µs")
-    total = float(np.mean(hops))
+    total = 0.0
     for key in chain:
         r = rows[key]
-        hop = float(np.mean([x["hop"] for x in r])) if key != chain[0] else total
+        hop = float(np.mean(hops if key == chain[0] else [x["hop"] for x in r]))
         span = float(np.mean([x["end"] - x["first"] for x in r]))
-        total += span + (hop if key != chain[0] else 0.0)
+        total += hop + span
         med, slow = np.mean([x["med"] for x in r], axis=0), np.mean([x["slow"] for x in r], axis=0)
         marks = "  ".join("     -      " if np.isnan(md) else f"{md:5.2f} [{sl:5.2f}]" for md, sl in zip(med, slow))
         print(f"  {key[2]:16s} {r[0]['ctas']:5d} {hop:6.2f} {np.mean([x['spread'] for x in r]):6.2f} {span:6.2f}   "
               f"{marks}")
     print(f"  (the first hop is from the layer before's last launch) hops and spans: {total:.2f} µs a layer"
           + (f"; not timed: {', '.join(missing)} (no timeline marks in that launch)" if missing else ""))
+
+
+def main() -> None:
+    a = moe_layer_launches.parser().parse_args()
+    stamps, us_layer = _replay(a)
+    print(f"batch-1 MoE layer, hidden {a.hidden}, {a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}, "
+          f"{a.experts} experts of {a.inter} (top {a.top_k}), context {a.context}, {a.layers} layers: "
+          f"{us_layer:.2f} µs a layer in this replay (the timeline build)")
+    chain = [key for key in CHAIN if key[0] in stamps and _launch(stamps[key[0]][key[1], 1]) is not None]
+    rows, hops = _per_layer(stamps, chain, a.layers)
+    _report(chain, rows, hops, [key[2] for key in CHAIN if key not in chain])
 
 
 if __name__ == "__main__":
