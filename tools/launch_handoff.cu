@@ -10,8 +10,7 @@
 //      counter (ld.acquire) until all its CTAs have added theirs (red.release after their
 //      stores), then the next launch is let in. The chain's first launch waits on nothing.
 // With `early` the launch's first 8 weight chunks a lane are loaded before it waits (gemv.cu).
-#include "numeric.cuh"
-#include "reduce.cuh"
+#include "gemv.cuh"  // load_weights: the decode GEMVs' streamed 16-byte load
 
 __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
     unsigned v;
@@ -23,26 +22,18 @@ __device__ __forceinline__ void add_release(unsigned* p, unsigned v) {
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-    uint4 c;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(c.x), "=r"(c.y), "=r"(c.z), "=r"(c.w)
-        : "l"(p));
-    return c;
-}
-
 extern "C" __global__ void __launch_bounds__(256, 2)
-    relay(const bf16_t* in, bf16_t* out, const uint4* weights, long long stream_chunks, unsigned* wait_on,
+    relay(const bf16_t* in, bf16_t* out, const bf16_t* weights, long long stream_chunks, unsigned* wait_on,
           unsigned* signal, int producers, int n, int mode, int early, float* sink) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long per_cta = stream_chunks / gridDim.x;
-    const uint4* w = weights + blockIdx.x * per_cta;
-    uint4 first[8];
+    const bf16_t* w = weights + blockIdx.x * per_cta * 8;
+    Chunk first[8];
     if (early) {
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
             const long long i = (long long)(warp * 8 + u) * 32 + lane;
-            if (i < per_cta) first[u] = load_stream(w + i);
+            if (i < per_cta) first[u] = load_weights(w + i * 8);
         }
     }
     if (mode == 1) {
@@ -71,20 +62,20 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
             const long long i = (long long)(warp * 8 + u) * 32 + lane;
-            if (i < per_cta) acc ^= first[u].x ^ first[u].y ^ first[u].z ^ first[u].w;
+            if (i < per_cta) acc ^= first[u].w[0] ^ first[u].w[1] ^ first[u].w[2] ^ first[u].w[3];
         }
     }
     for (long long base = (early ? 64 * 32 : 0) + (long long)warp * 8 * 32; base < per_cta; base += 64 * 32) {
-        uint4 c[8];
+        Chunk c[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
             const long long i = base + u * 32 + lane;
-            if (i < per_cta) c[u] = load_stream(w + i);
+            if (i < per_cta) c[u] = load_weights(w + i * 8);
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
             const long long i = base + u * 32 + lane;
-            if (i < per_cta) acc ^= c[u].x ^ c[u].y ^ c[u].z ^ c[u].w;
+            if (i < per_cta) acc ^= c[u].w[0] ^ c[u].w[1] ^ c[u].w[2] ^ c[u].w[3];
         }
     }
     if (acc == 0x12345678u) sink[0] = 1.0f;  // keeps the stream
