@@ -31,6 +31,7 @@
 // decode_tc.cuh's tc_quad), so a packed tile costs no more registers than its codes. A rotated
 // side's Q rotation stays outside (rope_and_cache's rotate_q); the in-launch split combine
 // rotates a rotated V side's output back.
+#include "cluster.cuh"
 #include "decode_tc.cuh"
 #include "head_norm.cuh"
 #include "kv_write.cuh"
@@ -279,6 +280,7 @@ struct RopeDecodeArgs {
 };
 
 #define TC_STAGED_BLOCKS 64
+#define TC_MAX_CLUSTER 16  // the most splits combined in a cluster (a non-portable cluster size)
 
 // The kernel's shared memory (one copy for both head_dims).
 struct RopeDecodeShared {
@@ -293,6 +295,9 @@ struct RopeDecodeShared {
     alignas(16) bf16_t q_norm[TC_MAX_D];
     alignas(16) bf16_t k_norm[TC_MAX_D];
     int blocks[TC_STAGED_BLOCKS];
+    // In a cluster: the split's partial (decode_tc's keep_o / keep_ml), read by the cluster's CTAs.
+    float part_o[TC_ROWS * TC_MAX_D];
+    float part_ml[TC_ROWS * 2];
 };
 
 // The cache's element store (kv_write.cuh).
@@ -304,6 +309,76 @@ template <>
 struct TcStore<true> {
     typedef store_fp8 type;
 };
+
+// The split's attention over its keys (the q rows staged): its partial to part_o / part_ml, to
+// shared memory in a cluster, or the output when the context is not split.
+template <int D, bool FP8>
+__device__ void decode_rope_split(const RopeDecodeArgs& a, RopeDecodeShared& sh, bool staged, const int* table,
+                                  long long head0, int rows, int kvh, int begin, int end, int split, bool clustered) {
+    const bool split_ = a.num_splits > 1;
+    const TcWork w{sh.q,
+                   static_cast<const unsigned char*>(a.k_cache),
+                   static_cast<const unsigned char*>(a.v_cache),
+                   staged ? sh.blocks - begin / ATTN_BLOCK : table,  // indexed by tile / ATTN_BLOCK
+                   head0,
+                   rows,
+                   a.hk,
+                   kvh,
+                   begin,
+                   end,
+                   a.num_splits,
+                   split,
+                   FP8 ? a.scale * *a.k_scale : a.scale,
+                   FP8 ? *a.v_scale : 1.0f,
+                   a.out,
+                   split_ && !clustered ? a.part_o : nullptr,
+                   a.part_ml,
+                   sh.o,
+                   sh.ml,
+                   split_ && clustered ? sh.part_o : nullptr,
+                   sh.part_ml};
+    decode_tc<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16>(w);
+}
+
+// The split combine of a cluster whose CTAs are the splits of one (sequence, KV head, chunk), each
+// holding its partial in shared memory: CTA `rank` reduces heads rank, rank + cluster, .. of the
+// chunk from the `active` splits' partials, read across the cluster, with combine_rows' arithmetic
+// in its order (the output is the counter path's bit for bit). One cluster barrier before (the
+// partials written), one after (no CTA leaves while another reads its shared memory).
+template <int D>
+__device__ void cluster_combine(const RopeDecodeArgs& a, RopeDecodeShared& sh, long long head0, int rows,
+                                int active) {
+    const unsigned rank = cluster_rank(), size = cluster_ctas();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int mine = (int)rank < rows ? (rows - (int)rank + (int)size - 1) / (int)size : 0;  // <= TC_WARPS
+    cluster_sync();
+    if (warp < mine && active > 0) {  // warp i: the weights of head rank + i * size
+        const int r = (int)rank + warp * (int)size;
+        const float m = lane < active ? cluster_load(&sh.part_ml[r * 2], lane) : METRALE_NEG_INF;
+        const float l_in = lane < active ? cluster_load(&sh.part_ml[r * 2 + 1], lane) : 0.0f;
+        float big = m;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
+        const float w = (lane < active && big != METRALE_NEG_INF) ? exp2f(m - big) : 0.0f;
+        const float l = warp_sum(lane < active ? l_in * w : 0.0f);
+        sh.combine.weight[warp][lane] = w;
+        if (lane == 0) sh.combine.total[warp] = l;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; active > 0 && idx < mine * D; idx += TC_THREADS) {
+        const int i = idx / D, d = idx % D, r = (int)rank + i * (int)size;
+        float p[TC_MAX_CLUSTER];
+#pragma unroll
+        for (int s = 0; s < TC_MAX_CLUSTER; ++s) p[s] = s < active ? cluster_load(&sh.part_o[r * D + d], s) : 0.0f;
+        float val = 0.0f;
+#pragma unroll
+        for (int s = 0; s < TC_MAX_CLUSTER; ++s)
+            if (s < active) val += p[s] * sh.combine.weight[i][s];
+        const float t = sh.combine.total[i];
+        a.out[(head0 + r) * D + d] = f32_to_bf16(t > 0.0f ? val / t : 0.0f);
+    }
+    cluster_sync();
+}
 
 template <int D, bool FP8>
 __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
@@ -356,7 +431,10 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
     if (idle && len == 0 && split == 0) {  // an empty context: the combine writes zeros
         for (int idx = threadIdx.x; idx < rows * D; idx += TC_THREADS) a.out[head0 * D + idx] = f32_to_bf16(0.0f);
     }
-    if (idle && !writes) {
+    // In a cluster (the splits of one (sequence, KV head, chunk): rope_cache_decode's launch when
+    // they are few) every CTA takes part in the combine, an idle one too.
+    const bool clustered = cluster_ctas() > 1;
+    if (idle && !writes && !clustered) {
         TL_MARK(5);
         return;
     }
@@ -374,38 +452,26 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
             store_elements<Store, D>(a.v + b * a.v_stride + kvh * D, a.v_cache, slot, kvh, a.hk, a.v_scale);
         }
     }
-    if (idle) {
+    if (idle && !clustered) {
         TL_MARK(5);
         return;
     }
-    __syncthreads();  // q rows staged; the new K / V stored (visible to this CTA's loads)
-    TL_MARK(2);
-    const TcWork w{sh.q,
-                   static_cast<const unsigned char*>(a.k_cache),
-                   static_cast<const unsigned char*>(a.v_cache),
-                   staged ? sh.blocks - begin / ATTN_BLOCK : table,  // indexed by tile / ATTN_BLOCK
-                   head0,
-                   rows,
-                   a.hk,
-                   kvh,
-                   begin,
-                   end,
-                   a.num_splits,
-                   split,
-                   FP8 ? a.scale * *a.k_scale : a.scale,
-                   FP8 ? *a.v_scale : 1.0f,
-                   a.out,
-                   a.num_splits > 1 ? a.part_o : nullptr,
-                   a.part_ml,
-                   sh.o,
-                   sh.ml};
-    decode_tc<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16>(w);
+    if (!idle) {
+        __syncthreads();  // q rows staged; the new K / V stored (visible to this CTA's loads)
+        TL_MARK(2);
+        decode_rope_split<D, FP8>(a, sh, staged, table, head0, rows, kvh, begin, end, split, clustered);
+    }
     TL_MARK(3);
     if (a.num_splits == 1) {
         TL_MARK(5);
         return;
     }
     const int active = active_splits(len, a.num_splits);
+    if (clustered) {
+        cluster_combine<D>(a, sh, head0, rows, active);
+        TL_MARK(5);
+        return;
+    }
     const SplitCombine combine{a.part_o, a.part_ml, a.out, a.counters, nullptr, a.num_splits};
     const bool is_last = last_split(combine, sh.combine, (b * a.hk + kvh) * chunks + chunk, active);
     TL_MARK(4);

@@ -5,11 +5,15 @@ the torch reference on the CPU, and CUDA-graph replays that leave the combine's 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from metrale_cli.kernels import reference as ref
+from metrale_cli.kernels import cuda_attention, reference as ref
+from metrale_cli.kernels.cuda_attention import decode_splits, rope_decode_cluster
 from metrale_cli.kernels.cases import compare, compare_bytes, kv_to, rope_decode_args, rope_decode_case
+from metrale_cli.kernels.table import TC_MIN_KEYS_PER_SPLIT, TC_ROWS
 from metrale_cli.kernels.tolerances import bounds
 
 pytestmark = pytest.mark.gpu
@@ -44,6 +48,30 @@ def test_one_launch_equals_the_three(ops, dtype, lens, hq, hk, head_dim):
     if sum(lens) <= 5000:
         expect = ref.rope_cache_decode(*rope_decode_args(c, kv_to(c["kv"], "cpu"), "cpu"))
         assert compare(got, expect, *ATTENTION_TOL) is None, compare(got, expect, *ATTENTION_TOL)
+
+
+@pytest.mark.parametrize("lens, hq, hk", [([577], 32, 4), ([1000], 16, 2), ([600, 300, 0, 33], 16, 2), ([200], 8, 8)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_a_cluster_combines_as_the_counter_does(ops, monkeypatch, dtype, lens, hq, hk, head_dim):
+    """Few splits on a small grid combine in a cluster: 10 and 16 splits (non-portable sizes), idle
+    splits and an empty sequence in a batch, 4 splits. Output and cache bytes equal the counter
+    combine's (clusters turned off) and the three launches'."""
+    c = rope_decode_case(lens, hq, hk, head_dim, dtype, seed=len(lens) + hq + head_dim)
+    attention = _attention(ops, c)
+    items = hk * len(lens) * math.ceil(hq // hk / TC_ROWS)
+    splits = decode_splits(torch.device("cuda"), items, c["block_tables"].shape[1], attention.tc.ctas_per_sm,
+                           TC_MIN_KEYS_PER_SPLIT)
+    assert rope_decode_cluster(torch.device("cuda"), items, splits) == splits > 1
+    got, want, mine, theirs = _both(ops, c)
+    monkeypatch.setattr(cuda_attention, "TC_MAX_CLUSTER", 1)
+    assert rope_decode_cluster(torch.device("cuda"), items, splits) == 1
+    counter, _, by_counter, _ = _both(ops, c)
+    assert torch.equal(got, counter), compare(got, counter, 0, 0)
+    assert torch.equal(got, want), compare(got, want, 0, 0)
+    for a, b in ((mine, theirs), (mine, by_counter)):
+        assert compare_bytes(a.k.data, b.k.data) is None
+        assert compare_bytes(a.v.data, b.v.data) is None
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])

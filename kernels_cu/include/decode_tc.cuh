@@ -216,6 +216,8 @@ struct TcWork {
     float* part_ml;
     float* smem_o;   // [WARPS][TC_ROWS][TC_MAX_D]
     float* smem_ml;  // [WARPS][TC_ROWS][2]
+    float* keep_o = nullptr;   // [TC_ROWS][D] in shared memory: the split's partial kept there (a
+    float* keep_ml = nullptr;  // cluster's combine reads it) instead of part_o / part_ml; [TC_ROWS][2]
 };
 
 // The tile key of this lane's V word set v (0-3): keys 2c, 2c + 1, 8 + 2c, 9 + 2c.
@@ -478,7 +480,13 @@ __device__ void decode_tc(const TcWork& w) {
         }
         val *= w.v_scale;
         const long long head = w.head0 + r;
-        if (w.part_o == nullptr) {
+        if (w.keep_o != nullptr) {
+            w.keep_o[r * D + d] = val;
+            if (d == 0) {
+                w.keep_ml[r * 2] = big;
+                w.keep_ml[r * 2 + 1] = sum;
+            }
+        } else if (w.part_o == nullptr) {
             w.out[head * D + d] = f32_to_bf16(sum > 0.0f ? val / sum : 0.0f);
         } else {
             const long long part = head * w.num_splits + w.split;

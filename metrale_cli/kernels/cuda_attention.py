@@ -14,11 +14,12 @@ from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import cuda_launch
 from metrale_cli.kernels.cuda_launch import CudaLauncher, _head_rows, _ready
 from metrale_cli.kernels.kv_kernels import KvKernels
+from metrale_cli.kernels.loader import clusters_available
 from metrale_cli.kernels.rotation import restore_output
 from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
 from metrale_cli.kernels.table import (
     ATTN_THREADS, DECODE_CTAS_PER_SM, MAX_SPLITS, MIN_KEYS_PER_SPLIT, ROPE_AND_CACHE_WARPS, SDPA_MIN_TOKENS,
-    TC_MIN_KEYS_PER_SPLIT, TC_ROWS, decode_rows, rows_per_cta,
+    TC_MAX_CLUSTER, TC_MIN_KEYS_PER_SPLIT, TC_ROWS, decode_rows, rows_per_cta,
 )
 from metrale_cli.kv.pool import LayerKv
 
@@ -136,6 +137,7 @@ class CudaPagedAttention:
         chunks = math.ceil(hq // hk / TC_ROWS)
         splits, part_o, part_ml = self._split_buffers(q, hk * tokens * chunks, block_tables.shape[1],
                                                       self.tc.ctas_per_sm, TC_MIN_KEYS_PER_SPLIT)
+        cluster = rope_decode_cluster(q.device, hk * tokens * chunks, splits)
         out = torch.empty(tokens, hq, head_dim, dtype=q.dtype, device=q.device)
         (qs, q_stride), (ks, k_stride), (vs, v_stride) = (_head_rows(x) for x in (q, k, v))
         q_norm, k_norm = (None if t is None else _ready(t) for t in (q_norm, k_norm))
@@ -144,7 +146,7 @@ class CudaPagedAttention:
             _ready(slot_mapping), _ready(positions), _ready(cos), _ready(sin), q_norm, k_norm, _ready(block_tables),
             _ready(seq_lens), out, part_o, part_ml, self.ops.combine_counters(q.device, tokens * hk * chunks),
             kv.k.scale, kv.v.scale, scale, q_stride, k_stride, v_stride, hq, hk, head_dim, rot_dim,
-            block_tables.shape[1], splits, eps, pdl=self.tc.programmatic,
+            block_tables.shape[1], splits, eps, pdl=self.tc.programmatic, cluster_z=cluster,
         )
         return out
 
@@ -178,6 +180,16 @@ class CudaPagedAttention:
             return splits, None, None
         return (splits, torch.empty(batch, hq, splits, head_dim, dtype=torch.float32, device=q.device),
                 torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device))
+
+
+def rope_decode_cluster(device: torch.device, items: int, splits: int) -> int:
+    """The cluster size of a one-launch decode of ``items`` (sequence, KV head, chunk) triples
+    split ``splits`` ways: the splits of an item as one cluster, combining through distributed
+    shared memory (no partials in global memory, no counter), when they are 2 to TC_MAX_CLUSTER
+    and the grid has at most one CTA an SM (batch 1 at short and middle contexts, where the
+    combine is on the step's critical path); else 1 (the last split combines, by counter)."""
+    few = 1 < splits <= TC_MAX_CLUSTER and items * splits <= cuda_launch._sm_count(device.index)
+    return splits if few and clusters_available(device.index) else 1
 
 
 def decode_splits(device: torch.device, ctas: int, max_blocks: int, per_sm: int = DECODE_CTAS_PER_SM,

@@ -41,11 +41,12 @@ class CudaLauncher:
         self.loader = loader or KernelLoader()
         self._counters: dict[int, torch.Tensor] = {}  # per device: the fused decode's combine counters
 
-    def _launch(self, kernel, grid, block, *args, shared_mem: int = 0, pdl: bool = False):
+    def _launch(self, kernel, grid, block, *args, shared_mem: int = 0, pdl: bool = False, cluster_z: int = 1):
         """``pdl``: a kernel that waits on its predecessor in-kernel (pdl.cuh), launched so that
-        it may start during that predecessor's tail. ``shared_mem``: dynamic shared memory bytes."""
+        it may start during that predecessor's tail. ``shared_mem``: dynamic shared memory bytes.
+        ``cluster_z``: clusters of that many CTAs along z (cluster.cuh)."""
         spec, sig = kernel
-        self.loader.launch(spec, sig, grid, block, *args, shared_mem=shared_mem, pdl=pdl)
+        self.loader.launch(spec, sig, grid, block, *args, shared_mem=shared_mem, pdl=pdl, cluster_z=cluster_z)
 
     def combine_counters(self, device: torch.device, count: int) -> torch.Tensor:
         """Zeroed int32 words, one per (sequence, KV head, chunk), that every fused decode launch

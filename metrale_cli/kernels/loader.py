@@ -124,22 +124,46 @@ def _pdl_driver():
     return driver
 
 
+def clusters_available(index: int) -> bool:
+    """Whether launches on GPU ``index`` may run in thread block clusters (sm_90 and cuda-bindings)."""
+    return int(device_arch(index)[3:]) >= 90 and _pdl_driver() is not None
+
+
 _CTYPES = {np.int32: ctypes.c_int32, np.float32: ctypes.c_float, np.uint64: ctypes.c_uint64}
 
 
-def _launch_pdl(driver, fn, grid, block, shared_mem: int, stream_ptr: int, typed: list) -> None:
-    """``fn`` (a CuPy function) with the programmatic-stream-serialization attribute."""
+PORTABLE_CLUSTER = 8  # the largest cluster every sm_90 GPU schedules; larger ones are opted into
+
+
+def _launch_pdl(driver, fn, grid, block, shared_mem: int, stream_ptr: int, typed: list, programmatic: bool = True,
+                cluster_z: int = 1) -> None:
+    """``fn`` (a CuPy function) with the programmatic-stream-serialization attribute, and in
+    clusters of ``cluster_z`` CTAs along z when that is above 1."""
     grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid
     config.blockDimX, config.blockDimY, config.blockDimZ = block
     config.sharedMemBytes = shared_mem
     config.hStream = driver.CUstream(stream_ptr)
-    attr = driver.CUlaunchAttribute()
-    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 1
-    config.attrs = [attr]
-    config.numAttrs = 1
+    attrs = []
+    if programmatic:
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    if cluster_z > 1:
+        if cluster_z > PORTABLE_CLUSTER:
+            (err,) = driver.cuFuncSetAttribute(
+                driver.CUfunction(fn.kernel.ptr),
+                driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise MetraleError(f"clusters of {cluster_z} CTAs are not allowed: {err.name}")
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = 1, 1, cluster_z
+        attrs.append(attr)
+    config.attrs = attrs
+    config.numAttrs = len(attrs)
     values = [_CTYPES[type(v)](v) for v in typed]
     params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
     (err,) = driver.cuLaunchKernelEx(config, driver.CUfunction(fn.kernel.ptr), ctypes.addressof(params), 0)
@@ -204,9 +228,10 @@ class KernelLoader:
         return self._streams[ptr]
 
     def launch(self, spec: KernelSpec, sig: Signature, grid, block, *args, shared_mem: int = 0,
-               pdl: bool = False):
+               pdl: bool = False, cluster_z: int = 1):
         """Check ``args`` against ``sig`` and launch ``spec`` on torch's current stream
-        (``pdl``: programmatically, where the GPU and cuda-bindings allow)."""
+        (``pdl``: programmatically, where the GPU and cuda-bindings allow; ``cluster_z`` > 1: in
+        clusters of that many CTAs along z, which needs :func:`clusters_available`)."""
         device = _device_of(spec, args)
         params = zip(sig.params, args, strict=True)
         typed = [_typed(spec, name, kind, arg, device) for (name, kind), arg in params]
@@ -216,9 +241,11 @@ class KernelLoader:
             fn.max_dynamic_shared_size_bytes = shared_mem  # an opt-in above the default 48 KB
         stream = self._stream(cp, device)
         with cp.cuda.Device(device.index), stream:
-            driver = _pdl_driver() if pdl and int(device_arch(device.index)[3:]) >= 90 else None
+            driver = _pdl_driver() if (pdl or cluster_z > 1) and int(device_arch(device.index)[3:]) >= 90 else None
+            if cluster_z > 1 and driver is None:
+                raise MetraleError(f"{spec}: a cluster launch needs an sm_90 GPU and cuda-bindings")
             if driver is not None:
-                _launch_pdl(driver, fn, grid, block, shared_mem, stream.ptr, typed)
+                _launch_pdl(driver, fn, grid, block, shared_mem, stream.ptr, typed, pdl, cluster_z)
             else:
                 fn(tuple(grid), tuple(block), tuple(typed), shared_mem=shared_mem)
 

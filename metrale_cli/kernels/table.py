@@ -205,3 +205,4 @@ TC_ROWS = 8  # query heads per CTA of the tensor-core decode (TC_ROWS in paged_d
 # batch 1 and a 640-token context, Qwen3-8B / 0.6B decode at 231.1 / 1226.0 tok/s with it against
 # 227.7 / 1180.9 with CUDA-core decode's 32 keys (an H200): fewer, fuller CTAs, fewer partials.
 TC_MIN_KEYS_PER_SPLIT = 64
+TC_MAX_CLUSTER = 16  # the most splits the one-launch decode combines in a cluster (paged_decode_tc.cu)

@@ -1,0 +1,50 @@
+// Thread block clusters (sm_90+): the CTAs of a cluster run at once on one GPC, meet at a cluster
+// barrier and read each other's shared memory (distributed shared memory) without going through
+// L2. A kernel launched without a cluster is a cluster of one, as it is below sm_90 and in the
+// host emulation (which runs one CTA at a time: a cluster path is GPU-only there).
+#pragma once
+
+__device__ __forceinline__ unsigned cluster_ctas() {
+#if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+#else
+    return 1;
+#endif
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+#if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+#else
+    return 0;
+#endif
+}
+
+// Every thread of the cluster's CTAs: the shared-memory writes before it are visible to the
+// cluster's reads after it.
+__device__ __forceinline__ void cluster_sync() {
+#if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __syncthreads();
+#endif
+}
+
+// The float at the same shared-memory address as `mine`, in the cluster's CTA `rank`.
+__device__ __forceinline__ float cluster_load(const float* mine, unsigned rank) {
+#if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned local = (unsigned)__cvta_generic_to_shared(mine);
+    unsigned remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote));
+    return v;
+#else
+    (void)rank;
+    return *mine;
+#endif
+}
