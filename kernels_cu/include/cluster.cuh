@@ -4,30 +4,30 @@
 // host emulation (which runs one CTA at a time: a cluster path is GPU-only there).
 #pragma once
 
-__device__ __forceinline__ unsigned cluster_ctas() {
 #if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned n;
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-    return n;
-#else
-    return 1;
+#define METRALE_CLUSTERS 1
 #endif
+
+__device__ __forceinline__ unsigned cluster_ctas() {
+    unsigned n = 1;
+#ifdef METRALE_CLUSTERS
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+    return n;
 }
 
 __device__ __forceinline__ unsigned cluster_rank() {
-#if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned r;
+    unsigned r = 0;
+#ifdef METRALE_CLUSTERS
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-#else
-    return 0;
 #endif
+    return r;
 }
 
 // Every thread of the cluster's CTAs: the shared-memory writes before it are visible to the
 // cluster's reads after it.
 __device__ __forceinline__ void cluster_sync() {
-#if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#ifdef METRALE_CLUSTERS
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 #else
     __syncthreads();
@@ -36,7 +36,7 @@ __device__ __forceinline__ void cluster_sync() {
 
 // The float at the same shared-memory address as `mine`, in the cluster's CTA `rank`.
 __device__ __forceinline__ float cluster_load(const float* mine, unsigned rank) {
-#if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#ifdef METRALE_CLUSTERS
     const unsigned local = (unsigned)__cvta_generic_to_shared(mine);
     unsigned remote;
     float v;
