@@ -27,11 +27,15 @@ class RecordingLoader:
         self.calls = []
         self.programmatic = []  # the kernels launched with pdl=True
         self.shared_mem = {}  # dynamic shared memory by kernel, where asked
+        self.clusters = {}  # cluster size (along z) by kernel, where asked
 
-    def launch(self, spec, sig, grid, block, *args, shared_mem=0, pdl=False):
+    def launch(self, spec, sig, grid, block, *args, shared_mem=0, pdl=False, cluster_z=1):
         assert len(sig.params) == len(args)
         if shared_mem:
             self.shared_mem[str(spec)] = shared_mem
+        if cluster_z > 1:
+            assert grid[2] % cluster_z == 0
+            self.clusters[str(spec)] = cluster_z
         if pdl:
             self.programmatic.append(str(spec))
         self.calls.append((str(spec), tuple(grid), tuple(block), dict(zip((n for n, _ in sig.params), args)),
@@ -41,6 +45,7 @@ class RecordingLoader:
 @pytest.fixture
 def ops(monkeypatch):
     monkeypatch.setattr(cuda_launch, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(cuda_attention, "clusters_available", lambda index: True)  # an sm_90 GPU
     for module in (cuda_ops, cuda_attention):
         monkeypatch.setattr(module, "_ready", lambda t: t.contiguous())
     return cuda_ops.CudaOps(RecordingLoader())
@@ -301,12 +306,27 @@ def test_decode_attention_is_one_launch_for_a_bf16_or_fp8_cache(ops, dtype, laun
     assert grid == (8, 1, 16) and args["num_splits"] == 16 and args["k_scale"] is kv.k.scale
     assert kinds["k_cache"] == f"{dtype}*" and ops.loader.programmatic == (launches if dtype == "bf16" else [])
     assert block == (128,) and args["out"] is out
+    assert ops.loader.clusters == {launches[0]: 16}  # 128 CTAs: each KV head's 16 splits combine in a cluster
     assert args["part_o"].shape == (1, 32, 16, 128) and args["counters"].dtype == torch.int32
     assert not args["counters"].any() and args["counters"].numel() >= 8
     assert args["q"].data_ptr() == c["q"].data_ptr() and args["q_stride"] == 32 * 128  # one token: its own width
     assert args["k"].data_ptr() == c["q"].data_ptr() + 2 * 32 * 128 and args["rot_dim"] == 128
     attn.rope_cache_decode(*rope_decode_args(c, kv, CPU))
     assert ops.loader.calls[1][3]["counters"] is args["counters"]  # one buffer per device: graphs replay on it
+
+
+@pytest.mark.parametrize("items, splits, cluster", [
+    (8, 16, 16),  # Qwen3-8B at batch 1: 128 CTAs
+    (4, 10, 10),  # Qwen3-30B-A3B at batch 1, context 640
+    (4, 2, 2),
+    (1, 1, 1),  # not split: nothing to combine
+    (4, 17, 1),  # more splits than a cluster may hold
+    (9, 16, 1),  # 144 CTAs: more than one an SM
+])
+def test_few_splits_on_a_small_grid_combine_in_a_cluster(ops, monkeypatch, items, splits, cluster):
+    assert cuda_attention.rope_decode_cluster(CPU, items, splits) == cluster
+    monkeypatch.setattr(cuda_attention, "clusters_available", lambda index: False)  # no cuda-bindings
+    assert cuda_attention.rope_decode_cluster(CPU, items, splits) == 1
 
 
 def test_decode_attention_of_several_tokens_per_sequence_runs_unfused(ops):

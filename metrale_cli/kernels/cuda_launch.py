@@ -46,7 +46,8 @@ class CudaLauncher:
         it may start during that predecessor's tail. ``shared_mem``: dynamic shared memory bytes.
         ``cluster_z``: clusters of that many CTAs along z (cluster.cuh)."""
         spec, sig = kernel
-        self.loader.launch(spec, sig, grid, block, *args, shared_mem=shared_mem, pdl=pdl, cluster_z=cluster_z)
+        clusters = {"cluster_z": cluster_z} if cluster_z > 1 else {}
+        self.loader.launch(spec, sig, grid, block, *args, shared_mem=shared_mem, pdl=pdl, **clusters)
 
     def combine_counters(self, device: torch.device, count: int) -> torch.Tensor:
         """Zeroed int32 words, one per (sequence, KV head, chunk), that every fused decode launch
