@@ -45,25 +45,18 @@
 #define MOE_MAX_EXPERTS 1024
 #define MOE_MAX_PAIRS 1024  // rows * top_k of one launch
 
-// Warp arg-max: the larger value, on ties the lower index (torch.topk's order).
-__device__ __forceinline__ void warp_argmax(float& v, int& i) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = (int)__shfl_xor_sync(0xffffffffu, (float)i, o);
-        if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
-    }
-}
-
+// The warp's largest float (one redux: its bits mapped to an unsigned order), exact as fmaxf's
+// rounds: -inf where every lane holds -inf.
 __device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
+    const unsigned u = __float_as_uint(v);
+    const unsigned k = __reduce_max_sync(0xffffffffu, (u & 0x80000000u) ? ~u : (u | 0x80000000u));
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
 // One row's routing by one warp, V = ceil(E / 32) probabilities a lane (expert lane + 32 v):
-// softmax, top-k by k rounds of a warp arg-max, the weights; the chosen ids go to `chosen` and
-// are counted per expert. With `shared` slots the row's logits hold one more, the shared
+// softmax; top-k by k rounds of two warp reductions (the largest probability, then the lowest
+// expert id holding it: torch.topk's order among equals); the weights. Lane s keeps slot s, and
+// the chosen ids go to `chosen` and are counted per expert after the rounds. With `shared` slots the row's logits hold one more, the shared
 // expert's gate, after the E routed ones; the row's slots top_k .. top_k + shared - 1 are the
 // shared expert's chunks E .. E + shared - 1, each weighted sigmoid(gate).
 template <int V>
@@ -88,28 +81,35 @@ __device__ void route_row(const bf16_t* logits, int* ids, float* weights, int* c
         sum += p[v];
     }
     sum = warp_sum(sum);
+    // An expert's key: its probability's bits + 1 (p >= 0, so the bits order as p does); 0 for no
+    // expert or one taken.
+    unsigned key[V];
 #pragma unroll
-    for (int v = 0; v < V; ++v) p[v] = lane + 32 * v < num_experts ? p[v] / sum : -1.0f;  // -1: no expert
+    for (int v = 0; v < V; ++v) key[v] = lane + 32 * v < num_experts ? __float_as_uint(p[v] / sum) + 1u : 0u;
     float picked = 0.0f, mine = 0.0f;
+    int mine_id = 0;
     for (int s = 0; s < top_k; ++s) {
-        float best = -1.0f;
-        int i = MOE_MAX_EXPERTS;
+        unsigned best = 0u;
+#pragma unroll
+        for (int v = 0; v < V; ++v) best = key[v] > best ? key[v] : best;
+        best = __reduce_max_sync(0xffffffffu, best);
+        unsigned i = MOE_MAX_EXPERTS;
+#pragma unroll
+        for (int v = V - 1; v >= 0; --v)
+            if (key[v] == best) i = lane + 32 * v;  // the lane's lowest id of that key
+        i = __reduce_min_sync(0xffffffffu, i);
 #pragma unroll
         for (int v = 0; v < V; ++v)
-            if (p[v] > best) best = p[v], i = lane + 32 * v;  // ascending ids: the first of equals stays
-        warp_argmax(best, i);
-#pragma unroll
-        for (int v = 0; v < V; ++v)
-            if (lane + 32 * v == i) p[v] = -2.0f;  // taken
-        if (lane == s) mine = best;
-        picked += best;
-        if (lane == 0) {
-            chosen[r * slots + s] = i;
-            ids[r * slots + s] = i;
-            atomicAdd(&count[i], 1u);
-        }
+            if (lane + 32 * v == (int)i) key[v] = 0u;  // taken
+        const float p_best = __uint_as_float(best - 1u);
+        if (lane == s) mine = p_best, mine_id = (int)i;
+        picked += p_best;
     }
-    if (lane < top_k) weights[r * slots + lane] = normalize ? mine / picked : mine;
+    if (lane < top_k) {
+        chosen[r * slots + lane] = ids[r * slots + lane] = mine_id;
+        atomicAdd(&count[mine_id], 1u);
+        weights[r * slots + lane] = normalize ? mine / picked : mine;
+    }
     if (shared > 0) {
         const float gate = 1.0f / (1.0f + expf(-bf16_to_f32(__ldcg(row + num_experts))));
         for (int j = lane; j < shared; j += 32) {
@@ -163,7 +163,8 @@ __device__ void route_plan(const bf16_t* logits, int* ids, float* weights, int* 
         if (lane == 0) {
             plan[0] = slots;
             plan[1 + total + slots] = slots;
-            if (experts_read != nullptr) experts_read[0] += top_k;
+            if (experts_read != nullptr)  // a reduction: the lane does not wait for the old value
+                atomicAdd(reinterpret_cast<unsigned long long*>(experts_read), (unsigned long long)top_k);
         }
         return;
     }
