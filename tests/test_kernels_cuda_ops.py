@@ -4,6 +4,8 @@ A recording loader stands in for CuPy, so kernel choice, grids, split counts and
 (checked against the registry's head dims and the KV_DTYPES.md table) are tested on the CPU.
 """
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -327,6 +329,15 @@ def test_few_splits_on_a_small_grid_combine_in_a_cluster(ops, monkeypatch, items
     assert cuda_attention.rope_decode_cluster(CPU, items, splits) == cluster
     monkeypatch.setattr(cuda_attention, "clusters_available", lambda index: False)  # no cuda-bindings
     assert cuda_attention.rope_decode_cluster(CPU, items, splits) == 1
+
+
+def test_the_cluster_limits_mirror_the_kernel_sources():
+    from metrale_cli.kernels import table
+    from metrale_cli.kernels.registry import KERNELS_DIR
+
+    for source, name in (("paged_decode_tc.cu", "TC_MAX_CLUSTER"),):
+        text = (KERNELS_DIR / source).read_text()
+        assert int(re.search(rf"^#define {name} (\d+)", text, re.MULTILINE).group(1)) == getattr(table, name)
 
 
 def test_decode_attention_of_several_tokens_per_sequence_runs_unfused(ops):
