@@ -18,7 +18,7 @@ for the middle layers, each launch is split into:
 
 hop + span summed over the launches is the layer. The marks: gemv 2 = the row staged (norm);
 attention 2 = q staged and the new K / V written, 3 = the split's decode, 4 = the split counter
-taken; router 2 = the row staged, 3 = logits stored, 4 = the last-CTA counter; gate/up 2 = the
+taken (none where the splits combine in a cluster); router 2 = the row staged, 3 = logits stored, 4 = the last-CTA counter; gate/up 2 = the
 plan read; down (batch 1's one CTA a column tile) 2 = every slot's y in shared memory.
 """
 
