@@ -3,7 +3,7 @@ no asserts):
 
     python -m tools.decode_timeline                  # Qwen3-30B-A3B's shapes, context 600
     python -m tools.decode_timeline --experts 512 --inter 512 --top-k 10 --layers 24 \\
-        --heads 16 --kv-heads 2 --head-dim 256      # (any tools.moe_layer_launches shape)
+        --heads 16 --kv-heads 2 --head-dim 256      # (any tools.moe_layer_launches MoE shape)
 
 The kernels are compiled with METRALE_TIMELINE (kernels_cu/include/timeline.cuh): thread 0 of
 every CTA stamps the GPU's global timer at its start, at the return of its PDL wait, at marks
@@ -135,6 +135,8 @@ def _report(chain: list, rows: dict, hops: list, missing: list) -> None:
 
 def main() -> None:
     a = moe_layer_launches.parser().parse_args()
+    if a.dense:
+        raise SystemExit("decode_timeline follows a MoE layer's launches: --dense is not served")
     stamps, us_layer = _replay(a)
     print(f"batch-1 MoE layer, hidden {a.hidden}, {a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}, "
           f"{a.experts} experts of {a.inter} (top {a.top_k}), context {a.context}, {a.layers} layers: "
