@@ -60,3 +60,23 @@ def test_prefill_host_timing_times_every_phase_from_outside_the_layers():
     assert all(us > 0 for us in phases.values())
     assert sum(phases.values()) == pytest.approx(totals["layer"] / 2)
     assert runner.model.layers[0].attention.dtype.value == "bf16"  # the wrapped attention is still the layer's
+
+
+@pytest.mark.parametrize("ffn", [["--dense", "96"], ["--experts", "8", "--inter", "32", "--top-k", "2"],
+                                 ["--experts", "8", "--inter", "32", "--top-k", "2", "--shared", "48"]])
+def test_the_layer_launches_run_on_the_reference_ops(ffn):
+    """moe_layer_launches' launches, built on the torch reference on the CPU at a small shape: each
+    runs, and the whole layer gives a row of the hidden size."""
+    import torch
+
+    from metrale_cli.kernels.reference import TorchOps
+    from tools import moe_layer_launches
+
+    a = moe_layer_launches.parser().parse_args(["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                                                "--layers", "2", "--context", "40", *ffn])
+    launches = moe_layer_launches.build(a, TorchOps(), "cpu")
+    assert ("dense FFN (DenseSwiGluFfn.add_row)" in launches) == ("--dense" in ffn)
+    for fn in launches.values():
+        fn(1)
+    out = launches["whole layer"](0)
+    assert out.shape == (1, 64) and torch.isfinite(out.float()).all()

@@ -3,7 +3,7 @@ no asserts):
 
     python -m tools.decode_timeline                  # Qwen3-30B-A3B's shapes, context 600
     python -m tools.decode_timeline --experts 512 --inter 512 --top-k 10 --layers 24 \\
-        --heads 16 --kv-heads 2 --head-dim 256      # (any tools.moe_layer_launches shape)
+        --heads 16 --kv-heads 2 --head-dim 256      # (any tools.moe_layer_launches MoE shape)
 
 The kernels are compiled with METRALE_TIMELINE (kernels_cu/include/timeline.cuh): thread 0 of
 every CTA stamps the GPU's global timer at its start, at the return of its PDL wait, at marks
@@ -18,7 +18,7 @@ for the middle layers, each launch is split into:
 
 hop + span summed over the launches is the layer. The marks: gemv 2 = the row staged (norm);
 attention 2 = q staged and the new K / V written, 3 = the split's decode, 4 = the split counter
-taken; router 2 = the row staged, 3 = logits stored, 4 = the last-CTA counter; gate/up 2 = the
+taken (none where the splits combine in a cluster); router 2 = the row staged, 3 = logits stored, 4 = the last-CTA counter; gate/up 2 = the
 plan read; down (batch 1's one CTA a column tile) 2 = every slot's y in shared memory.
 """
 
@@ -135,6 +135,8 @@ def _report(chain: list, rows: dict, hops: list, missing: list) -> None:
 
 def main() -> None:
     a = moe_layer_launches.parser().parse_args()
+    if a.dense:
+        raise SystemExit("decode_timeline follows a MoE layer's launches: --dense is not served")
     stamps, us_layer = _replay(a)
     print(f"batch-1 MoE layer, hidden {a.hidden}, {a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}, "
           f"{a.experts} experts of {a.inter} (top {a.top_k}), context {a.context}, {a.layers} layers: "

@@ -5,6 +5,7 @@ no asserts). Qwen3-30B-A3B's shapes by default:
     python -m tools.moe_layer_launches --context 4096
     python -m tools.moe_layer_launches --experts 512 --inter 512 --top-k 10 --shared 512 --layers 24 \
         --heads 16 --kv-heads 2 --head-dim 256  # Qwen3-Next's
+    python -m tools.moe_layer_launches --hidden 4096 --kv-heads 8 --dense 12288 --layers 36  # Qwen3-8B's
 
 Every launch runs ``--layers`` times on distinct random weights (so a launch does not find its
 weights in L2 from the one before), replayed from one CUDA graph; the figure is µs per launch.
@@ -12,7 +13,8 @@ weights in L2 from the one before), replayed from one CUDA graph; the figure is 
 decode attention, gemv_add (o_proj and the residual), moe_norm_route, moe_routed. With
 ``--shared N`` the MoE FFN has a shared expert of width N (Qwen2-MoE, Qwen3-Next), and the lines
 "MoE FFN" (the layers' ``MoeFfn.add_row``: without it, with it run apart, with it folded into the
-routed experts as the cuda backend runs it) give what the shared expert costs.
+routed experts as the cuda backend runs it) give what the shared expert costs. With ``--dense N``
+the layer's FFN is a dense SwiGLU of width N instead (a dense model's batch-1 path).
 """
 
 from __future__ import annotations
@@ -52,12 +54,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=600)
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--shared", type=int, default=0, help="a shared expert of this width (0: none)")
+    p.add_argument("--dense", type=int, default=0,
+                   help="a dense SwiGLU FFN of this width in place of the MoE (Qwen3-8B: 12288)")
     return p
 
 
-def build(a: argparse.Namespace, ops: CudaOps) -> dict:
-    """The shape's random weights, one per layer, and the launches to time: name -> fn(layer)."""
-    dev = "cuda"
+def build(a: argparse.Namespace, ops: CudaOps, dev: str = "cuda") -> dict:
+    """The shape's random weights, one per layer, and the launches to time: name -> fn(layer)
+    (``ops`` and ``dev``: the torch reference on the CPU too, as the tests build them)."""
     h, hq, hk, d, e, inter, k, n = a.hidden, a.heads, a.kv_heads, a.head_dim, a.experts, a.inter, a.top_k, a.layers
     torch.manual_seed(0)
 
@@ -66,22 +70,36 @@ def build(a: argparse.Namespace, ops: CudaOps) -> dict:
 
     qkv_w = [rand((hq + 2 * hk) * d, h) for _ in range(n)]
     o_w = [rand(h, hq * d) for _ in range(n)]
-    router = [rand(e, h) for _ in range(n)]
-    gate_up = [rand(e, 2 * inter, h) for _ in range(n)]
-    down = [rand(e, h, inter) for _ in range(n)]
     gamma = torch.ones(h, device=dev, dtype=torch.bfloat16)
     case = rope_decode_case([a.context], hq, hk, d, "bf16", seed=1)
     attention = ops.paged_attention(case["kv"].dtype, d)
     args = [list(rope_decode_args(case, kv_to(case["kv"], dev), dev)) for _ in range(4)]
     x, residual, o_in = rand(1, h) * 50, rand(1, h) * 50, rand(1, hq * d)
+
+    def attend(i):  # the layer up to the residual after o_proj
+        qkv, s = ops.gemv_norm(x, residual, gamma, 1e-6, qkv_w[i])
+        q, kk, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        out = attention.rope_cache_decode(q.view(1, hq, d), kk.view(1, hk, d), v.view(1, hk, d), *args[i % 4][3:])
+        return ops.gemv_add(out.reshape(1, -1), o_w[i], s)
+
+    launches = {
+        "qkv gemv_norm": lambda i: ops.gemv_norm(x, residual, gamma, 1e-6, qkv_w[i]),
+        "attention": lambda i: attention.rope_cache_decode(*args[i % 4]),
+        "o gemv_add": lambda i: ops.gemv_add(o_in, o_w[i], residual),
+    }
+    if a.dense:
+        ffn = [DenseSwiGluFfn(rand(2 * a.dense, h), rand(h, a.dense), ops) for _ in range(n)]
+        launches["dense FFN (DenseSwiGluFfn.add_row)"] = lambda i: ffn[i].add_row(residual, gamma, 1e-6)
+        launches["whole layer"] = lambda i: ffn[i].add_row(attend(i), gamma, 1e-6)
+        return launches
+    router = [rand(e, h) for _ in range(n)]
+    gate_up = [rand(e, 2 * inter, h) for _ in range(n)]
+    down = [rand(e, h, inter) for _ in range(n)]
     logits = rand(1, e)
     read = torch.zeros(1, dtype=torch.long, device=dev)
 
     def layer(i):
-        qkv, s = ops.gemv_norm(x, residual, gamma, 1e-6, qkv_w[i])
-        q, kk, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
-        out = attention.rope_cache_decode(q.view(1, hq, d), kk.view(1, hk, d), v.view(1, hk, d), *args[i % 4][3:])
-        s = ops.gemv_add(out.reshape(1, -1), o_w[i], s)
+        s = attend(i)
         normed, route = ops.moe_norm_route(s, gamma, 1e-6, router[i], k, True, read)
         return ops.moe_routed(normed, route, gate_up[i], down[i], s)
 
@@ -97,10 +115,7 @@ def build(a: argparse.Namespace, ops: CudaOps) -> dict:
              for i in range(len(shared_w))]
     folded = [MoeFfn(spec, router[i], gate_up[i], down[i], ops, *shared_w[i], fold_shared=True)
               for i in range(len(shared_w))]
-    launches = {
-        "qkv gemv_norm": lambda i: ops.gemv_norm(x, residual, gamma, 1e-6, qkv_w[i]),
-        "attention": lambda i: attention.rope_cache_decode(*args[i % 4]),
-        "o gemv_add": lambda i: ops.gemv_add(o_in, o_w[i], residual),
+    launches |= {
         "rms_norm + router GEMM + moe_route": unfused_router,
         "moe_router_bf16": lambda i: ops.moe_norm_route(residual, gamma, 1e-6, router[i], k, True, read),
         "route + experts": lambda i: ops.moe(x, logits, gate_up[i], down[i], k, True, residual, read),
@@ -117,9 +132,10 @@ def build(a: argparse.Namespace, ops: CudaOps) -> dict:
 def main() -> None:
     a = parser().parse_args()
     launches = build(a, CudaOps())
-    print(f"batch-1 MoE layer, hidden {a.hidden}, {a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}, "
-          f"{a.experts} experts of {a.inter} (top {a.top_k}){f', a shared expert of {a.shared}' if a.shared else ''}, "
-          f"context {a.context}, {a.layers} layers")
+    ffn = (f"a dense FFN of {a.dense}" if a.dense else f"{a.experts} experts of {a.inter} (top {a.top_k})"
+           + (f", a shared expert of {a.shared}" if a.shared else ""))
+    print(f"batch-1 decode layer, hidden {a.hidden}, {a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}, "
+          f"{ffn}, context {a.context}, {a.layers} layers")
     for name, fn in launches.items():
         print(f"  {name:36s} {_time(fn, a.layers):7.2f} µs")
 
