@@ -340,6 +340,47 @@ def test_a_batch_one_router_of_up_to_16_ctas_is_one_cluster(monkeypatch, ctas, c
     assert cuda_moe.router_cluster(CPU, ctas) == 1
 
 
+@pytest.mark.parametrize("cluster_z, opted_in", [(16, True), (8, False), (1, False)])
+def test_a_launch_sets_its_attributes_and_opts_into_large_clusters_once(monkeypatch, cluster_z, opted_in):
+    """cuLaunchKernelEx's config, built from cuda-bindings' own types with the driver's two calls
+    recorded: the programmatic attribute, the cluster's dims along z, and the non-portable opt-in
+    for clusters above 8 made once a function, not every launch."""
+    from types import SimpleNamespace
+
+    from metrale_cli.kernels import loader
+
+    real = pytest.importorskip("cuda.bindings.driver")
+    calls = {"opt_in": [], "launch": []}
+
+    class Driver:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def cuFuncSetAttribute(self, fn, attribute, value):
+            calls["opt_in"].append((attribute, value))
+            return (real.CUresult.CUDA_SUCCESS,)
+
+        def cuLaunchKernelEx(self, config, fn, params, extra):
+            calls["launch"].append(config)
+            return (real.CUresult.CUDA_SUCCESS,)
+
+    monkeypatch.setattr(loader, "_NON_PORTABLE", set())
+    fn = SimpleNamespace(kernel=SimpleNamespace(ptr=4096))
+    for _ in range(2):
+        loader._launch_ex(Driver(), fn, (4, 1, 32), (128,), 0, 0, [np.int32(7)], True, (1, 1, cluster_z))
+    attribute = real.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+    assert calls["opt_in"] == ([(attribute, 1)] if opted_in else [])
+    config = calls["launch"][-1]
+    ids = real.CUlaunchAttributeID
+    want = [ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION]
+    want += [ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION] if cluster_z > 1 else []
+    assert [a.id for a in config.attrs] == want and config.numAttrs == len(want)
+    if cluster_z > 1:
+        dim = config.attrs[1].value.clusterDim
+        assert (dim.x, dim.y, dim.z) == (1, 1, cluster_z)
+    assert (config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX) == (4, 1, 32, 128)
+
+
 def test_the_cluster_limits_mirror_the_kernel_sources():
     from metrale_cli.kernels import table
     from metrale_cli.kernels.registry import KERNELS_DIR

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from metrale_cli.kernels.loader import _launch_pdl, _pdl_driver
+from metrale_cli.kernels.loader import _launch_ex, _pdl_driver
 from metrale_cli.kernels.registry import INCLUDE_DIR
 
 SOURCE = Path(__file__).with_name("launch_handoff.cu")
@@ -62,7 +62,7 @@ def main() -> None:
                             if mode == 0 or i == 0:
                                 fn((grid,), (256,), tuple(typed), stream=stream)
                             else:
-                                _launch_pdl(driver, fn, (grid,), (256,), 0, stream.ptr, typed)
+                                _launch_ex(driver, fn, (grid,), (256,), 0, stream.ptr, typed)
                     with stream:
                         stream.begin_capture()
                         chain()

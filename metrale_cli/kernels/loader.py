@@ -133,12 +133,13 @@ _CTYPES = {np.int32: ctypes.c_int32, np.float32: ctypes.c_float, np.uint64: ctyp
 
 
 PORTABLE_CLUSTER = 8  # the largest cluster every sm_90 GPU schedules; larger ones are opted into
+_NON_PORTABLE: set[int] = set()  # the functions opted into larger clusters (once each)
 
 
-def _launch_pdl(driver, fn, grid, block, shared_mem: int, stream_ptr: int, typed: list, programmatic: bool = True,
-                cluster: tuple = (1, 1, 1)) -> None:
-    """``fn`` (a CuPy function) with the programmatic-stream-serialization attribute, and in
-    clusters of ``cluster`` (x, y, z) CTAs when that is more than one."""
+def _launch_ex(driver, fn, grid, block, shared_mem: int, stream_ptr: int, typed: list, programmatic: bool = True,
+               cluster: tuple = (1, 1, 1)) -> None:
+    """``fn`` (a CuPy function) through cuLaunchKernelEx: with the programmatic-stream-serialization
+    attribute, and in clusters of ``cluster`` (x, y, z) CTAs when that is more than one."""
     grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid
@@ -153,12 +154,13 @@ def _launch_pdl(driver, fn, grid, block, shared_mem: int, stream_ptr: int, typed
         attrs.append(attr)
     size = cluster[0] * cluster[1] * cluster[2]
     if size > 1:
-        if size > PORTABLE_CLUSTER:
+        if size > PORTABLE_CLUSTER and fn.kernel.ptr not in _NON_PORTABLE:
             (err,) = driver.cuFuncSetAttribute(
                 driver.CUfunction(fn.kernel.ptr),
                 driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
             if err != driver.CUresult.CUDA_SUCCESS:
                 raise MetraleError(f"clusters of {size} CTAs are not allowed: {err.name}")
+            _NON_PORTABLE.add(fn.kernel.ptr)
         attr = driver.CUlaunchAttribute()
         attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
         attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
@@ -247,7 +249,7 @@ class KernelLoader:
             if clustered and driver is None:
                 raise MetraleError(f"{spec}: a cluster launch needs an sm_90 GPU and cuda-bindings")
             if driver is not None:
-                _launch_pdl(driver, fn, grid, block, shared_mem, stream.ptr, typed, pdl, tuple(cluster))
+                _launch_ex(driver, fn, grid, block, shared_mem, stream.ptr, typed, pdl, tuple(cluster))
             else:
                 fn(tuple(grid), tuple(block), tuple(typed), shared_mem=shared_mem)
 
