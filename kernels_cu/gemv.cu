@@ -19,9 +19,6 @@
 #include "timeline.cuh"
 
 enum Epilogue { STORE, ADD, SWIGLU };
-#ifndef GEMV_EARLY_ADD
-#define GEMV_EARLY_ADD 1
-#endif
 
 // R rows per warp task (row t, or rows t and inter + t for SWIGLU), U chunks of each per lane
 // per batch; a task's batches walk the row in 512-byte warp-wide steps.
@@ -49,13 +46,10 @@ __device__ void gemv(const bf16_t* w, const bf16_t* x, const bf16_t* residual, c
     TL_BEGIN((int)EPI + (sizeof(Out) == 4 ? 3 : 0));
     int t = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), b = 0;
     Chunk cur[R][U];
-    // GEMV_EARLY_ADD 0 (an experiment): gemv_add loads its first weights after the wait instead.
-    constexpr bool EARLY = EPI != ADD || GEMV_EARLY_ADD;
-    if (EARLY && t < tasks) load(cur, t, 0);  // weights (and the norm's) only: before the wait
+    if (t < tasks) load(cur, t, 0);  // weights (and the norm's) only: before the wait
     const EarlyGamma early = early_gamma<NORM>(gamma, k);
     pdl_wait();
     pdl_launch_dependents();
-    if (!EARLY && t < tasks) load(cur, t, 0);
     TL_MARK(1);
     stage_x<NORM>(xs, x, residual, gamma, sum_out, k, eps, &early);
     TL_MARK(2);

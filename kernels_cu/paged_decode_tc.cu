@@ -281,9 +281,6 @@ struct RopeDecodeArgs {
 
 #define TC_STAGED_BLOCKS 64
 #define TC_MAX_CLUSTER 16  // the most splits combined in a cluster (a non-portable cluster size)
-#ifndef TC_LATE_TRIGGER
-#define TC_LATE_TRIGGER 0
-#endif
 
 // The kernel's shared memory (one copy for both head_dims).
 struct RopeDecodeShared {
@@ -427,11 +424,9 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
             pdl_prefetch_l2(cache + (block * a.hk + kvh) * (ATTN_BLOCK * D * (FP8 ? 1 : 2)), ATTN_BLOCK * D * (FP8 ? 1 : 2));
         }
     }
-    // TC_LATE_TRIGGER 1 (an experiment): a cluster lets the next launch in after its decode.
-    const bool late = TC_LATE_TRIGGER && cluster_ctas() > 1;
     __syncthreads();
     pdl_wait();
-    if (!late) pdl_launch_dependents();
+    pdl_launch_dependents();
     TL_MARK(1);
     if (idle && len == 0 && split == 0) {  // an empty context: the combine writes zeros
         for (int idx = threadIdx.x; idx < rows * D; idx += TC_THREADS) a.out[head0 * D + idx] = f32_to_bf16(0.0f);
@@ -466,7 +461,6 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
         TL_MARK(2);
         decode_rope_split<D, FP8>(a, sh, staged, table, head0, rows, kvh, begin, end, split, clustered);
     }
-    if (late) pdl_launch_dependents();
     TL_MARK(3);
     if (a.num_splits == 1) {
         TL_MARK(5);

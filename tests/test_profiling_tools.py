@@ -87,7 +87,7 @@ def test_a_layer_variant_names_a_registry_module_and_its_defines():
 
     from tools.layer_variants import parse_variant
 
-    assert parse_variant("gemv:GEMV_EARLY_ADD=0") == ("gemv", (("GEMV_EARLY_ADD", "0"),))
+    assert parse_variant("gemv:GEMV_X=0") == ("gemv", (("GEMV_X", "0"),))
     assert parse_variant("paged_decode_tc:A=1,B=x") == ("paged_decode_tc", (("A", "1"), ("B", "x")))
     for bad in ("nomodule:A=1", "gemv", "gemv:A", "gemv:=1"):
         with pytest.raises(argparse.ArgumentTypeError):

@@ -1,15 +1,15 @@
 """A/B kernel build variants on a batch-1 decode layer, in one process (GPU only; figures, no
 asserts):
 
-    python -m tools.layer_variants --variant paged_decode_tc:TC_LATE_TRIGGER=1 \\
-        --variant gemv:GEMV_EARLY_ADD=0                          # Qwen3-30B-A3B's layer
-    python -m tools.layer_variants --variant paged_decode_tc:TC_LATE_TRIGGER=1 -- --hidden 4096 \\
-        --kv-heads 8 --dense 12288 --layers 36                   # Qwen3-8B's layer (after --)
+    python -m tools.layer_variants --variant MODULE:NAME=VALUE             # Qwen3-30B-A3B's layer
+    python -m tools.layer_variants --variant MODULE:NAME=VALUE -- --hidden 4096 --kv-heads 8 \\
+        --dense 12288 --layers 36                                         # Qwen3-8B's layer (after --)
 
 Each variant is a module of the kernel registry rebuilt with extra defines (several in one
-variant: module:NAME=V,NAME=V); the base is the registry as it is. The layer and its launches are
-tools.moe_layer_launches' (its options after --), built once; the variants take turns over
---rounds rounds, so that a drift of the GPU's clock shows as a drift of every column.
+variant: module:NAME=V,NAME=V), macros its source reads under #ifndef; the base is the registry
+as it is. The layer and its launches are tools.moe_layer_launches' (its options after --), built
+once; the variants take turns over --rounds rounds, so that a drift of the GPU's clock shows as a
+drift of every column.
 """
 
 from __future__ import annotations
