@@ -35,6 +35,7 @@
 //
 // The plan (int32): plan[0] = chosen experts n; plan[1 .. 1+E) their ids, ascending; plan[1+E ..
 // 2+2E) offsets (n + 1 entries) into the pairs plan[2+2E ..), each the index row * k + slot.
+#include "cluster.cuh"
 #include "gemv.cuh"
 #include "mma.cuh"
 #include "pdl.cuh"
@@ -45,25 +46,27 @@
 #define MOE_MAX_EXPERTS 1024
 #define MOE_MAX_PAIRS 1024  // rows * top_k of one launch
 
-// Warp arg-max: the larger value, on ties the lower index (torch.topk's order).
-__device__ __forceinline__ void warp_argmax(float& v, int& i) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = (int)__shfl_xor_sync(0xffffffffu, (float)i, o);
-        if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
-    }
+// A router logit: written by another CTA of the launch (through L2), or gathered into this CTA's
+// shared memory (moe_router_bf16 in a cluster).
+__device__ __forceinline__ bf16_t load_logit(const bf16_t* p) {
+#ifndef METRALE_HOST_EMULATION
+    if (__isShared(p)) return *p;
+#endif
+    return __ldcg(p);
 }
 
+// The warp's largest float (one redux: its bits mapped to an unsigned order), exact as fmaxf's
+// rounds: -inf where every lane holds -inf.
 __device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
+    const unsigned u = __float_as_uint(v);
+    const unsigned k = __reduce_max_sync(0xffffffffu, (u & 0x80000000u) ? ~u : (u | 0x80000000u));
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
 // One row's routing by one warp, V = ceil(E / 32) probabilities a lane (expert lane + 32 v):
-// softmax, top-k by k rounds of a warp arg-max, the weights; the chosen ids go to `chosen` and
-// are counted per expert. With `shared` slots the row's logits hold one more, the shared
+// softmax; top-k by k rounds of two warp reductions (the largest probability, then the lowest
+// expert id holding it: torch.topk's order among equals); the weights. Lane s keeps slot s, and
+// the chosen ids go to `chosen` and are counted per expert after the rounds. With `shared` slots the row's logits hold one more, the shared
 // expert's gate, after the E routed ones; the row's slots top_k .. top_k + shared - 1 are the
 // shared expert's chunks E .. E + shared - 1, each weighted sigmoid(gate).
 template <int V>
@@ -77,7 +80,7 @@ __device__ void route_row(const bf16_t* logits, int* ids, float* weights, int* c
 #pragma unroll
     for (int v = 0; v < V; ++v) {
         const int e = lane + 32 * v;
-        p[v] = e < num_experts ? bf16_to_f32(__ldcg(row + e)) : METRALE_NEG_INF;
+        p[v] = e < num_experts ? bf16_to_f32(load_logit(row + e)) : METRALE_NEG_INF;
         m = fmaxf(m, p[v]);
     }
     m = warp_max(m);
@@ -88,30 +91,37 @@ __device__ void route_row(const bf16_t* logits, int* ids, float* weights, int* c
         sum += p[v];
     }
     sum = warp_sum(sum);
+    // An expert's key: its probability's bits + 1 (p >= 0, so the bits order as p does); 0 for no
+    // expert or one taken.
+    unsigned key[V];
 #pragma unroll
-    for (int v = 0; v < V; ++v) p[v] = lane + 32 * v < num_experts ? p[v] / sum : -1.0f;  // -1: no expert
+    for (int v = 0; v < V; ++v) key[v] = lane + 32 * v < num_experts ? __float_as_uint(p[v] / sum) + 1u : 0u;
     float picked = 0.0f, mine = 0.0f;
+    int mine_id = 0;
     for (int s = 0; s < top_k; ++s) {
-        float best = -1.0f;
-        int i = MOE_MAX_EXPERTS;
+        unsigned best = 0u;
+#pragma unroll
+        for (int v = 0; v < V; ++v) best = key[v] > best ? key[v] : best;
+        best = __reduce_max_sync(0xffffffffu, best);
+        unsigned i = MOE_MAX_EXPERTS;
+#pragma unroll
+        for (int v = V - 1; v >= 0; --v)
+            if (key[v] == best) i = lane + 32 * v;  // the lane's lowest id of that key
+        i = __reduce_min_sync(0xffffffffu, i);
 #pragma unroll
         for (int v = 0; v < V; ++v)
-            if (p[v] > best) best = p[v], i = lane + 32 * v;  // ascending ids: the first of equals stays
-        warp_argmax(best, i);
-#pragma unroll
-        for (int v = 0; v < V; ++v)
-            if (lane + 32 * v == i) p[v] = -2.0f;  // taken
-        if (lane == s) mine = best;
-        picked += best;
-        if (lane == 0) {
-            chosen[r * slots + s] = i;
-            ids[r * slots + s] = i;
-            atomicAdd(&count[i], 1u);
-        }
+            if (lane + 32 * v == (int)i) key[v] = 0u;  // taken
+        const float p_best = __uint_as_float(best - 1u);
+        if (lane == s) mine = p_best, mine_id = (int)i;
+        picked += p_best;
     }
-    if (lane < top_k) weights[r * slots + lane] = normalize ? mine / picked : mine;
+    if (lane < top_k) {
+        chosen[r * slots + lane] = ids[r * slots + lane] = mine_id;
+        atomicAdd(&count[mine_id], 1u);
+        weights[r * slots + lane] = normalize ? mine / picked : mine;
+    }
     if (shared > 0) {
-        const float gate = 1.0f / (1.0f + expf(-bf16_to_f32(__ldcg(row + num_experts))));
+        const float gate = 1.0f / (1.0f + expf(-bf16_to_f32(load_logit(row + num_experts))));
         for (int j = lane; j < shared; j += 32) {
             const int q = r * slots + top_k + j;
             chosen[q] = ids[q] = num_experts + j;
@@ -163,7 +173,8 @@ __device__ void route_plan(const bf16_t* logits, int* ids, float* weights, int* 
         if (lane == 0) {
             plan[0] = slots;
             plan[1 + total + slots] = slots;
-            if (experts_read != nullptr) experts_read[0] += top_k;
+            if (experts_read != nullptr)  // a reduction: the lane does not wait for the old value
+                atomicAdd(reinterpret_cast<unsigned long long*>(experts_read), (unsigned long long)top_k);
         }
         return;
     }
@@ -215,11 +226,14 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
 // arithmetic) and stored to x_out by CTA 0; logits (E,) bf16 = router · x, a warp per expert in
 // gemv_norm_bf16's order (each logit is the value that kernel stores); then the last CTA to
 // finish (counter: a zeroed word, left zero) routes the row as moe_route_bf16 does, its scratch
-// in the staged row's shared memory. The router rows are loaded before the PDL wait (a constant).
+// in the staged row's shared memory. Launched as one cluster (grid <= MOE_ROUTER_CLUSTER), CTA 0
+// routes instead, after a cluster barrier, from the logits it gathers from the CTAs' shared
+// memory: no counter, no logits read back through L2. The router rows are loaded before the PDL wait (a constant).
 // router (E [+ 1 with shared slots: the shared expert's gate], hidden) bf16; hidden % 8 == 0,
 // hidden <= GEMV_MAX_K, every pointer 16-byte aligned; E + shared <= MOE_MAX_EXPERTS, k <= min(E,
 // 32). grid ceil(router rows / GEMV_WARPS), block GEMV_THREADS.
 #define ROUTER_U 8  // chunks a lane per batch: gemv_norm_bf16's U
+#define MOE_ROUTER_CLUSTER 16  // the most CTAs of a router launched as one cluster
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     moe_router_bf16(const bf16_t* router, const bf16_t* h, const bf16_t* gamma, bf16_t* x_out, bf16_t* logits,
                     int* ids, float* weights, int* plan, long long* experts_read, unsigned* counter,
@@ -227,6 +241,8 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     static_assert(sizeof(RouteScratch) <= GEMV_MAX_K / 8 * sizeof(Chunk), "the route's scratch fits the row's");
     __shared__ Chunk xs[GEMV_MAX_K / 8];
     __shared__ int is_last;
+    __shared__ float mine[GEMV_WARPS];  // in a cluster: this CTA's logits
+    __shared__ bf16_t gathered[MOE_ROUTER_CLUSTER * GEMV_WARPS];  // CTA 0 of a cluster: every logit
     TL_BEGIN(0);
     const int lane = threadIdx.x & 31, e = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int chunks = hidden / 8, num_logits = num_experts + (shared > 0);
@@ -262,10 +278,26 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
             }
         }
         acc = warp_sum(acc);
-        if (lane == 0) logits[e] = f32_to_bf16(acc);
+        if (lane == 0) logits[e] = f32_to_bf16(acc), mine[threadIdx.x >> 5] = round_bf16(acc);
     }
     __syncthreads();  // every logit of the CTA stored, xs no longer read
     TL_MARK(3);
+    if (cluster_ctas() > 1) {  // the grid is one cluster
+        const bool first = cluster_rank() == 0;
+        cluster_sync();  // every CTA's logits in its shared memory
+        if (first) {
+            for (int i = threadIdx.x; i < num_logits; i += blockDim.x)
+                gathered[i] = f32_to_bf16(cluster_load(&mine[i % GEMV_WARPS], i / GEMV_WARPS));
+            __syncthreads();
+        }
+        cluster_arrive();  // CTA 0 has every logit: the others may leave
+        TL_MARK(4);
+        if (first) route_plan(gathered, ids, weights, plan, experts_read, 1, num_experts, top_k, shared, normalize,
+                              *reinterpret_cast<RouteScratch*>(xs));
+        cluster_wait();
+        TL_MARK(5);
+        return;
+    }
     if (threadIdx.x == 0) {
         __threadfence();
         const bool last = atomicAdd(counter, 1u) == gridDim.x - 1;

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from metrale_cli.errors import MetraleError
-from metrale_cli.kernels import cuda_attention, cuda_launch, cuda_ops
+from metrale_cli.kernels import cuda_attention, cuda_launch, cuda_moe, cuda_ops
 from metrale_cli.kernels.cuda_attention import decode_splits
 from metrale_cli.kernels.kv_kernels import layer_kernels, required_kernels
 from metrale_cli.kernels.loader import KernelLoader
@@ -29,15 +29,15 @@ class RecordingLoader:
         self.calls = []
         self.programmatic = []  # the kernels launched with pdl=True
         self.shared_mem = {}  # dynamic shared memory by kernel, where asked
-        self.clusters = {}  # cluster size (along z) by kernel, where asked
+        self.clusters = {}  # cluster dims by kernel, where asked
 
-    def launch(self, spec, sig, grid, block, *args, shared_mem=0, pdl=False, cluster_z=1):
+    def launch(self, spec, sig, grid, block, *args, shared_mem=0, pdl=False, cluster=(1, 1, 1)):
         assert len(sig.params) == len(args)
         if shared_mem:
             self.shared_mem[str(spec)] = shared_mem
-        if cluster_z > 1:
-            assert grid[2] % cluster_z == 0
-            self.clusters[str(spec)] = cluster_z
+        if cluster != (1, 1, 1):
+            assert all(g % c == 0 for g, c in zip(tuple(grid) + (1, 1), cluster))
+            self.clusters[str(spec)] = cluster
         if pdl:
             self.programmatic.append(str(spec))
         self.calls.append((str(spec), tuple(grid), tuple(block), dict(zip((n for n, _ in sig.params), args)),
@@ -308,7 +308,7 @@ def test_decode_attention_is_one_launch_for_a_bf16_or_fp8_cache(ops, dtype, laun
     assert grid == (8, 1, 16) and args["num_splits"] == 16 and args["k_scale"] is kv.k.scale
     assert kinds["k_cache"] == f"{dtype}*" and ops.loader.programmatic == (launches if dtype == "bf16" else [])
     assert block == (128,) and args["out"] is out
-    assert ops.loader.clusters == {launches[0]: 16}  # 128 CTAs: each KV head's 16 splits combine in a cluster
+    assert ops.loader.clusters == {launches[0]: (1, 1, 16)}  # 128 CTAs: each KV head's 16 splits combine in a cluster
     assert args["part_o"].shape == (1, 32, 16, 128) and args["counters"].dtype == torch.int32
     assert not args["counters"].any() and args["counters"].numel() >= 8
     assert args["q"].data_ptr() == c["q"].data_ptr() and args["q_stride"] == 32 * 128  # one token: its own width
@@ -329,6 +329,15 @@ def test_few_splits_on_a_small_grid_combine_in_a_cluster(ops, monkeypatch, items
     assert cuda_attention.rope_decode_cluster(CPU, items, splits) == cluster
     monkeypatch.setattr(cuda_attention, "clusters_available", lambda index: False)  # no cuda-bindings
     assert cuda_attention.rope_decode_cluster(CPU, items, splits) == 1
+
+
+@pytest.mark.parametrize("ctas, cluster", [(16, 16), (8, 8), (2, 2), (1, 1), (17, 1), (65, 1)])
+def test_a_batch_one_router_of_up_to_16_ctas_is_one_cluster(monkeypatch, ctas, cluster):
+    """Qwen3-30B-A3B's 128 experts: 16 CTAs; Qwen1.5-MoE's 60 and a gate: 8; Qwen3-Next's 513: 65."""
+    monkeypatch.setattr(cuda_moe, "clusters_available", lambda index: True)
+    assert cuda_moe.router_cluster(CPU, ctas) == cluster
+    monkeypatch.setattr(cuda_moe, "clusters_available", lambda index: False)
+    assert cuda_moe.router_cluster(CPU, ctas) == 1
 
 
 @pytest.mark.parametrize("cluster_z, opted_in", [(16, True), (8, False), (1, False)])
@@ -358,7 +367,7 @@ def test_a_launch_sets_its_attributes_and_opts_into_large_clusters_once(monkeypa
     monkeypatch.setattr(loader, "_NON_PORTABLE", set())
     fn = SimpleNamespace(kernel=SimpleNamespace(ptr=4096))
     for _ in range(2):
-        loader._launch_ex(Driver(), fn, (4, 1, 32), (128,), 0, 0, [np.int32(7)], True, cluster_z)
+        loader._launch_ex(Driver(), fn, (4, 1, 32), (128,), 0, 0, [np.int32(7)], True, (1, 1, cluster_z))
     attribute = real.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
     assert calls["opt_in"] == ([(attribute, 1)] if opted_in else [])
     config = calls["launch"][-1]
@@ -376,7 +385,7 @@ def test_the_cluster_limits_mirror_the_kernel_sources():
     from metrale_cli.kernels import table
     from metrale_cli.kernels.registry import KERNELS_DIR
 
-    for source, name in (("paged_decode_tc.cu", "TC_MAX_CLUSTER"),):
+    for source, name in (("paged_decode_tc.cu", "TC_MAX_CLUSTER"), ("moe.cu", "MOE_ROUTER_CLUSTER")):
         text = (KERNELS_DIR / source).read_text()
         assert int(re.search(rf"^#define {name} (\d+)", text, re.MULTILINE).group(1)) == getattr(table, name)
 

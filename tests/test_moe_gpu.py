@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metrale_cli.kernels import reference as ref
+from metrale_cli.kernels import cuda_moe, reference as ref
 from metrale_cli.kernels.ops import SharedExpert
 from metrale_cli.kernels.tolerances import bounds
 from moe_cases import CASES, SHARED_CASES, case_id, moe_case, shared_case, stable_route
@@ -124,15 +124,19 @@ def test_a_cuda_graph_replays_the_decode_path(ops):
     assert int(read) == len(torch.unique(ref.moe_route(other["logits"], 8, True)[0]))
 
 
+@pytest.mark.parametrize("clusters", [True, False])
 @pytest.mark.parametrize("experts, top_k, hidden, width", [(128, 8, 2048, 0), (60, 4, 1000, 0), (512, 10, 4096, 0),
                                                             (6, 2, 8, 0), (512, 10, 2048, 32), (60, 4, 2048, 120)])
-def test_batch_one_router_equals_norm_gemv_and_route(ops, experts, top_k, hidden, width):
+def test_batch_one_router_equals_norm_gemv_and_route(ops, monkeypatch, experts, top_k, hidden, width, clusters):
     """moe_router_bf16 through ``CudaOps.moe_norm_route`` (one row): x is ``rms_norm``'s bytes, the
     route ``moe_route``'s on the logits ``gemv_norm`` gives with the router as its weight (ids,
     weights and plan; with a shared expert of ``width`` the router's last row is its gate, and the
     experts are 32 wide, so one chunk or four, the last one short), ``experts_read`` counts its
     routed experts, and ``moe_routed`` on it equals ``moe`` on those logits; the same again from a
-    CUDA graph replayed on new inputs."""
+    CUDA graph replayed on new inputs. With clusters, a grid of 2 to 16 CTAs (128 experts: 16; 60:
+    8) routes in CTA 0 from the logits the cluster gathers; without, the last CTA by counter."""
+    if not clusters:
+        monkeypatch.setattr(cuda_moe, "MOE_ROUTER_CLUSTER", 1)
     g = torch.Generator(device="cuda").manual_seed(experts)
     rand = lambda *shape, scale: (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
     sh = SharedExpert(rand(2 * width, hidden, scale=hidden ** -0.5), rand(hidden, width, scale=0.2)) if width else None

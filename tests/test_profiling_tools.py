@@ -80,3 +80,15 @@ def test_the_layer_launches_run_on_the_reference_ops(ffn):
         fn(1)
     out = launches["whole layer"](0)
     assert out.shape == (1, 64) and torch.isfinite(out.float()).all()
+
+
+def test_a_layer_variant_names_a_registry_module_and_its_defines():
+    import argparse
+
+    from tools.layer_variants import parse_variant
+
+    assert parse_variant("gemv:GEMV_X=0") == ("gemv", (("GEMV_X", "0"),))
+    assert parse_variant("paged_decode_tc:A=1,B=x") == ("paged_decode_tc", (("A", "1"), ("B", "x")))
+    for bad in ("nomodule:A=1", "gemv", "gemv:A", "gemv:=1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_variant(bad)

@@ -110,6 +110,11 @@ inline float fmaxf(float a, float b) { return std::fmax(a, b); }
 // Blocks run one after another: atomics are plain read-modify-writes, fences and L2 loads plain.
 inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p += v; return old; }
 inline unsigned atomicExch(unsigned* p, unsigned v) { const unsigned old = *p; *p = v; return old; }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    const unsigned long long old = *p;
+    *p += v;
+    return old;
+}
 inline void __threadfence() {}
 template <class T>
 inline T __ldcg(const T* p) { return *p; }
@@ -146,6 +151,20 @@ inline void e4m3x2_to_f32x2(unsigned short v, float& lo, float& hi) {
 
 // mma.cuh on the CPU. The lane's words: 0-3 A, 4-5 B, 6 movmatrix.
 inline unsigned* emulated_warp_words() { return emulated_words.data() + threadIdx.x / 32 * 32 * 8; }
+
+// redux.sync's unsigned max / min over the warp, through each lane's first exchange word.
+template <bool MAX>
+inline unsigned emulated_reduce(unsigned v) {
+    unsigned* words = emulated_warp_words();
+    words[(threadIdx.x & 31) * 8] = v;
+    __syncwarp();
+    unsigned r = words[0];
+    for (int l = 1; l < 32; ++l) r = MAX ? std::max(r, words[l * 8]) : std::min(r, words[l * 8]);
+    __syncwarp();
+    return r;
+}
+inline unsigned __reduce_max_sync(unsigned, unsigned v) { return emulated_reduce<true>(v); }
+inline unsigned __reduce_min_sync(unsigned, unsigned v) { return emulated_reduce<false>(v); }
 
 inline float emulated_bf16(unsigned short h) { return __uint_as_float((unsigned)h << 16); }
 inline float emulated_f16(unsigned short h) {

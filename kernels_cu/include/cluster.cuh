@@ -25,13 +25,25 @@ __device__ __forceinline__ unsigned cluster_rank() {
 }
 
 // Every thread of the cluster's CTAs: the shared-memory writes before it are visible to the
-// cluster's reads after it.
-__device__ __forceinline__ void cluster_sync() {
+// cluster's reads after it. cluster_arrive then cluster_wait is the same barrier split in two: a
+// CTA arrives when it is done reading the others' shared memory and waits only before it leaves.
+__device__ __forceinline__ void cluster_arrive() {
 #ifdef METRALE_CLUSTERS
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#ifdef METRALE_CLUSTERS
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 #else
     __syncthreads();
 #endif
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    cluster_arrive();
+    cluster_wait();
 }
 
 // The float at the same shared-memory address as `mine`, in the cluster's CTA `rank`.

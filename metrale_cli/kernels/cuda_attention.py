@@ -146,7 +146,7 @@ class CudaPagedAttention:
             _ready(slot_mapping), _ready(positions), _ready(cos), _ready(sin), q_norm, k_norm, _ready(block_tables),
             _ready(seq_lens), out, part_o, part_ml, self.ops.combine_counters(q.device, tokens * hk * chunks),
             kv.k.scale, kv.v.scale, scale, q_stride, k_stride, v_stride, hq, hk, head_dim, rot_dim,
-            block_tables.shape[1], splits, eps, pdl=self.tc.programmatic, cluster_z=cluster,
+            block_tables.shape[1], splits, eps, pdl=self.tc.programmatic, cluster=(1, 1, cluster),
         )
         return out
 

@@ -41,12 +41,13 @@ class CudaLauncher:
         self.loader = loader or KernelLoader()
         self._counters: dict[int, torch.Tensor] = {}  # per device: the fused decode's combine counters
 
-    def _launch(self, kernel, grid, block, *args, shared_mem: int = 0, pdl: bool = False, cluster_z: int = 1):
+    def _launch(self, kernel, grid, block, *args, shared_mem: int = 0, pdl: bool = False,
+                cluster: tuple = (1, 1, 1)):
         """``pdl``: a kernel that waits on its predecessor in-kernel (pdl.cuh), launched so that
         it may start during that predecessor's tail. ``shared_mem``: dynamic shared memory bytes.
-        ``cluster_z``: clusters of that many CTAs along z (cluster.cuh)."""
+        ``cluster``: clusters of (x, y, z) CTAs (cluster.cuh)."""
         spec, sig = kernel
-        clusters = {"cluster_z": cluster_z} if cluster_z > 1 else {}
+        clusters = {"cluster": tuple(cluster)} if tuple(cluster) != (1, 1, 1) else {}
         self.loader.launch(spec, sig, grid, block, *args, shared_mem=shared_mem, pdl=pdl, **clusters)
 
     def combine_counters(self, device: torch.device, count: int) -> torch.Tensor:

@@ -23,14 +23,22 @@ import torch.nn.functional as F
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.cuda_launch import CudaLauncher, _ready
+from metrale_cli.kernels.loader import clusters_available
 from metrale_cli.kernels.ops import MoeRoute, SharedExpert
 from metrale_cli.kernels.table import (
     GEMV_THREADS, MOE_COMBINE, MOE_DECODE_ROWS, MOE_DOWN, MOE_DOWN_ONE, MOE_DOWN_ONE_SLOTS, MOE_DOWN_ONE_THREADS,
     MOE_GATE_UP, MOE_MAX_EXPERTS, MOE_MAX_PAIRS, MOE_MAX_TOP_K,
-    MOE_ROUTE, MOE_ROUTE_ROWS, MOE_ROUTER, MOE_TC_ROWS, MOE_TC_THREADS, MOE_THREADS, MOE_WARPS,
+    MOE_ROUTE, MOE_ROUTE_ROWS, MOE_ROUTER, MOE_ROUTER_CLUSTER, MOE_TC_ROWS, MOE_TC_THREADS, MOE_THREADS, MOE_WARPS,
 )
 
 GEMV_WARPS = GEMV_THREADS // 32  # moe_router_bf16: a warp per expert
+
+
+def router_cluster(device: torch.device, ctas: int) -> int:
+    """The cluster size of a batch-1 router launch of ``ctas`` CTAs: the whole grid, so that its
+    first CTA routes from the logits in the CTAs' shared memory, when it has 2 to
+    MOE_ROUTER_CLUSTER CTAs; else 1 (the last CTA routes, by counter, from the logits in L2)."""
+    return ctas if 1 < ctas <= MOE_ROUTER_CLUSTER and clusters_available(device.index) else 1
 
 
 def check_moe_shapes(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
@@ -110,10 +118,11 @@ class CudaMoe:
         x = torch.empty_like(h)
         logits = torch.empty(1, router.shape[0], dtype=h.dtype, device=dev)
         ids, weights, plan = self._route_buffers(1, experts + shared, top_k + shared, dev)
-        self._launch(MOE_ROUTER, (math.ceil(router.shape[0] / GEMV_WARPS),), (GEMV_THREADS,), _ready(router),
+        grid = math.ceil(router.shape[0] / GEMV_WARPS)
+        self._launch(MOE_ROUTER, (grid,), (GEMV_THREADS,), _ready(router),
                      _ready(h), _ready(norm_weight), x, logits, ids, weights, plan, experts_read,
                      self._moe_counters(dev, 1, "router"), experts, hidden, top_k, shared, int(bool(normalize)), eps,
-                     pdl=True)
+                     pdl=True, cluster=(router_cluster(dev, grid), 1, 1))
         return x, MoeRoute(ids, weights, plan)
 
     def moe_routed(self: CudaLauncher, x, route: MoeRoute, gate_up, down, residual, shared=None):

@@ -137,9 +137,9 @@ _NON_PORTABLE: set[int] = set()  # the functions opted into larger clusters (onc
 
 
 def _launch_ex(driver, fn, grid, block, shared_mem: int, stream_ptr: int, typed: list, programmatic: bool = True,
-               cluster_z: int = 1) -> None:
+               cluster: tuple = (1, 1, 1)) -> None:
     """``fn`` (a CuPy function) through cuLaunchKernelEx: with the programmatic-stream-serialization
-    attribute, and in clusters of ``cluster_z`` CTAs along z when that is above 1."""
+    attribute, and in clusters of ``cluster`` (x, y, z) CTAs when that is more than one."""
     grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid
@@ -152,17 +152,18 @@ def _launch_ex(driver, fn, grid, block, shared_mem: int, stream_ptr: int, typed:
         attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value.programmaticStreamSerializationAllowed = 1
         attrs.append(attr)
-    if cluster_z > 1:
-        if cluster_z > PORTABLE_CLUSTER and fn.kernel.ptr not in _NON_PORTABLE:
+    size = cluster[0] * cluster[1] * cluster[2]
+    if size > 1:
+        if size > PORTABLE_CLUSTER and fn.kernel.ptr not in _NON_PORTABLE:
             (err,) = driver.cuFuncSetAttribute(
                 driver.CUfunction(fn.kernel.ptr),
                 driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
             if err != driver.CUresult.CUDA_SUCCESS:
-                raise MetraleError(f"clusters of {cluster_z} CTAs are not allowed: {err.name}")
+                raise MetraleError(f"clusters of {size} CTAs are not allowed: {err.name}")
             _NON_PORTABLE.add(fn.kernel.ptr)
         attr = driver.CUlaunchAttribute()
         attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = 1, 1, cluster_z
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
         attrs.append(attr)
     config.attrs = attrs
     config.numAttrs = len(attrs)
@@ -230,10 +231,10 @@ class KernelLoader:
         return self._streams[ptr]
 
     def launch(self, spec: KernelSpec, sig: Signature, grid, block, *args, shared_mem: int = 0,
-               pdl: bool = False, cluster_z: int = 1):
+               pdl: bool = False, cluster: tuple = (1, 1, 1)):
         """Check ``args`` against ``sig`` and launch ``spec`` on torch's current stream
-        (``pdl``: programmatically, where the GPU and cuda-bindings allow; ``cluster_z`` > 1: in
-        clusters of that many CTAs along z, which needs :func:`clusters_available`)."""
+        (``pdl``: programmatically, where the GPU and cuda-bindings allow; ``cluster``: in clusters
+        of (x, y, z) CTAs, which needs :func:`clusters_available` when more than one)."""
         device = _device_of(spec, args)
         params = zip(sig.params, args, strict=True)
         typed = [_typed(spec, name, kind, arg, device) for (name, kind), arg in params]
@@ -243,11 +244,12 @@ class KernelLoader:
             fn.max_dynamic_shared_size_bytes = shared_mem  # an opt-in above the default 48 KB
         stream = self._stream(cp, device)
         with cp.cuda.Device(device.index), stream:
-            driver = _pdl_driver() if (pdl or cluster_z > 1) and int(device_arch(device.index)[3:]) >= 90 else None
-            if cluster_z > 1 and driver is None:
+            clustered = cluster != (1, 1, 1)
+            driver = _pdl_driver() if (pdl or clustered) and int(device_arch(device.index)[3:]) >= 90 else None
+            if clustered and driver is None:
                 raise MetraleError(f"{spec}: a cluster launch needs an sm_90 GPU and cuda-bindings")
             if driver is not None:
-                _launch_ex(driver, fn, grid, block, shared_mem, stream.ptr, typed, pdl, cluster_z)
+                _launch_ex(driver, fn, grid, block, shared_mem, stream.ptr, typed, pdl, tuple(cluster))
             else:
                 fn(tuple(grid), tuple(block), tuple(typed), shared_mem=shared_mem)
 

@@ -112,6 +112,7 @@ MOE_TC_THREADS = 128  # moe.cu's expert CTA: 4 warps splitting K
 MOE_TC_ROWS = 16  # the weight rows (output columns) of one expert CTA
 MOE_DOWN_ONE_THREADS = 1024  # moe_down_one_bf16's CTA: every slot's experts of a column tile (batch 1)
 MOE_DOWN_ONE_SLOTS = 32  # the row's slots it serves
+MOE_ROUTER_CLUSTER = 16  # moe_router_bf16's grid up to this many CTAs runs as one cluster
 MOE_THREADS = 256  # moe.cu's prefill routing (a warp per row) and combine CTAs
 MOE_WARPS = MOE_THREADS // 32
 MOE_MAX_EXPERTS = 1024  # its routing CTA's

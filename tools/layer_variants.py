@@ -1,0 +1,65 @@
+"""A/B kernel build variants on a batch-1 decode layer, in one process (GPU only; figures, no
+asserts):
+
+    python -m tools.layer_variants --variant MODULE:NAME=VALUE             # Qwen3-30B-A3B's layer
+    python -m tools.layer_variants --variant MODULE:NAME=VALUE -- --hidden 4096 --kv-heads 8 \\
+        --dense 12288 --layers 36                                         # Qwen3-8B's layer (after --)
+
+Each variant is a module of the kernel registry rebuilt with extra defines (several in one
+variant: module:NAME=V,NAME=V), macros its source reads under #ifndef; the base is the registry
+as it is. The layer and its launches are tools.moe_layer_launches' (its options after --), built
+once; the variants take turns over --rounds rounds, so that a drift of the GPU's clock shows as a
+drift of every column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from metrale_cli.kernels import registry
+from metrale_cli.kernels.cuda_ops import CudaOps
+from tools import moe_layer_launches
+
+
+def parse_variant(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """'module:NAME=V,NAME=V' -> (module, ((NAME, V), ...))."""
+    module, _, defines = text.partition(":")
+    if module not in registry.MODULES or not defines:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected module:NAME=VALUE[,NAME=VALUE] with a registry module")
+    pairs = tuple(tuple(d.split("=", 1)) for d in defines.split(","))
+    if any(len(p) != 2 or not p[0] for p in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: each define is NAME=VALUE")
+    return module, pairs
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", type=parse_variant, action="append", default=[])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--launch", action="append", default=None, help="launches to time (default: attention, whole layer)")
+    p.add_argument("layer", nargs=argparse.REMAINDER, help="tools.moe_layer_launches options, after --")
+    a = p.parse_args(argv)
+    shape = moe_layer_launches.parser().parse_args([x for x in a.layer if x != "--"])
+    base = dict(registry.MODULES)
+    ops = CudaOps()
+    launches = moe_layer_launches.build(shape, ops)
+    names = a.launch or ["attention", "whole layer"]
+    for _ in range(a.rounds):
+        for variant in [None, *a.variant]:
+            registry.MODULES.clear()
+            registry.MODULES.update(base)
+            if variant is not None:
+                module, defines = variant
+                m = base[module]
+                registry.MODULES[module] = dataclasses.replace(m, defines=m.defines + defines)
+            ops.loader._functions.clear()
+            label = "base" if variant is None else f"{variant[0]}:" + ",".join(f"{k}={v}" for k, v in variant[1])
+            print(f"{label:40s} " + "  ".join(f"{n} {moe_layer_launches._time(launches[n], shape.layers):7.2f}"
+                                            for n in names), flush=True)
+    registry.MODULES.clear()
+    registry.MODULES.update(base)
+
+
+if __name__ == "__main__":
+    main()
