@@ -245,6 +245,19 @@ inline unsigned mul_bf16x2(unsigned a, unsigned b) {
     return pack_bf16x2(emulated_bf16(a & 0xffffu) * emulated_bf16(b & 0xffffu),
                        emulated_bf16(a >> 16) * emulated_bf16(b >> 16));
 }
+inline unsigned mul_f16x2(unsigned a, unsigned b) {  // an f16 product is exact in fp32: one rounding
+    return pack_f16x2(emulated_f16(a & 0xffffu) * emulated_f16(b & 0xffffu),
+                      emulated_f16(a >> 16) * emulated_f16(b >> 16));
+}
+inline unsigned prmt(unsigned a, unsigned b, unsigned s) {
+    const unsigned long long bytes = a | (unsigned long long)b << 32;
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) {
+        const unsigned sel = (s >> (4 * i)) & 15u, byte = (unsigned)(bytes >> (8 * (sel & 7))) & 0xffu;
+        r |= (sel & 8 ? (byte & 0x80u ? 0xffu : 0u) : byte) << (8 * i);
+    }
+    return r;
+}
 inline unsigned e4m3x4_hi_to_f16x2(unsigned v) {
     return pack_f16x2(e4m3_value((v >> 16) & 0xffu), e4m3_value(v >> 24));
 }

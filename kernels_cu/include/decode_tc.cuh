@@ -16,7 +16,8 @@ template <int F>
 struct TcFmt {
     // Packed: codes (or turbo8's e4m3 bytes) with a scale per group of 16; dequantized to bf16.
     static constexpr bool kPacked = F >= TC_NVFP4;
-    static constexpr bool kF16 = F == TC_FP8;  // f16 MMAs (e4m3 is exact in f16); else bf16 ones
+    // f16 MMAs (e4m3, and e2m1 times an e4m3 scale, are exact in f16); else bf16 ones
+    static constexpr bool kF16 = F == TC_FP8 || F == TC_NVFP4;
     static constexpr int kBits = F == TC_BF16 ? 16
                                  : F == TC_FP8 || F == TC_TURBO8 ? 8
                                  : F == TC_TURBO3 ? 3
@@ -41,6 +42,16 @@ __device__ __forceinline__ int tc_dim(int c, int t) {
         constexpr int E = TcElems<F>::value;
         return (4 * (t / E) + c) * E + t % E;
     }
+}
+
+// The lane-share elements that register `hi` of q's B fragment for MMA step j pairs (lo in the
+// low half; the A fragment's K registers pair the same elements): 4j + 2hi and the next one, or for
+// nvfp4 (decoded a 32-bit word of eight codes at a time, tc_e2m1_word) 8w + p and 8w + p + 4 of
+// word w = j / 2, p = 2 (j % 2) + hi.
+template <int F>
+__device__ __forceinline__ int tc_k_elem(int j, int hi, int half) {
+    if constexpr (F == TC_NVFP4) return 8 * (j / 2) + 2 * (j % 2) + hi + 4 * half;
+    else return 4 * j + 2 * hi + half;
 }
 
 template <bool F16>
@@ -133,12 +144,10 @@ template <int F>
 __device__ __forceinline__ TcCodes tc_codes() {
     TcCodes t{{0u, 0u}, {0u, 0u}};
     constexpr int N = F == TC_TURBO2 ? 4 : 8;
-    if constexpr (TcFmt<F>::kPacked && F != TC_TURBO8) {
+    if constexpr (TcFmt<F>::kPacked && F != TC_TURBO8 && F != TC_NVFP4) {
 #pragma unroll
         for (int m = 0; m < N; ++m) {
-            const float level = F == TC_NVFP4    ? kE2m1[m]
-                                : F == TC_TURBO4 ? kTurbo4Half[m]
-                                                 : codebook_level<TcFmt<F>::kBits>(m);
+            const float level = F == TC_TURBO4 ? kTurbo4Half[m] : codebook_level<TcFmt<F>::kBits>(m);
             const unsigned b = f32_to_bf16(level);
             t.hi[m / 4] |= (b >> 8) << (8 * (m % 4));
             t.lo[m / 4] |= (b & 0xffu) << (8 * (m % 4));
@@ -146,6 +155,46 @@ __device__ __forceinline__ TcCodes tc_codes() {
     }
     return t;
 }
+
+// nvfp4's e2m1 magnitudes 0-3 and 4-7 as f16, high bytes only (their low bytes are zero):
+// 0, 0.5, 1, 1.5 and 2, 3, 4, 6.
+#define TC_E2M1_F16_LO 0x3e3c3800u
+#define TC_E2M1_F16_HI 0x46444240u
+
+// Eight nvfp4 codes (a 32-bit word of a slice, code i at bits 4i .. 4i + 3) times their group's
+// scale (f16x2, the scale twice) as four f16x2 words, h[p] = codes p (low half) and p + 4 (high),
+// exact (e2m1 times e4m3 needs 5 significant bits): the magnitudes' high bytes by two table
+// permutes, each pair placed over zero low bytes by one permute (selector bit 3 copies a byte's
+// sign bit, zero in the table), its two signs or-ed in, one f16 multiply.
+__device__ __forceinline__ void tc_e2m1_word(unsigned x, unsigned scale2, unsigned (&h)[4]) {
+    const unsigned m = x & 0x77777777u;
+    const unsigned lo = prmt(TC_E2M1_F16_LO, TC_E2M1_F16_HI, m);
+    const unsigned hi = prmt(TC_E2M1_F16_LO, TC_E2M1_F16_HI, m >> 16);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const unsigned v = prmt(lo, hi, (8u + p) | p << 4 | (8u + p) << 8 | (4u + p) << 12);
+        h[p] = mul_f16x2(v | ((x << (12 - 4 * p)) & 0x80008000u), scale2);
+    }
+}
+
+// The same for two keys' words x, y at once (V's registers pair one dim of two keys):
+// lo[p] = (x's code p, y's code p), hi[p] = (x's code p + 4, y's), times (x's scale, y's) in scales.
+__device__ __forceinline__ void tc_e2m1_pair(unsigned x, unsigned y, unsigned scales, unsigned (&lo)[4],
+                                             unsigned (&hi)[4]) {
+    const unsigned mx = x & 0x77777777u, my = y & 0x77777777u;
+    const unsigned xl = prmt(TC_E2M1_F16_LO, TC_E2M1_F16_HI, mx), xh = prmt(TC_E2M1_F16_LO, TC_E2M1_F16_HI, mx >> 16);
+    const unsigned yl = prmt(TC_E2M1_F16_LO, TC_E2M1_F16_HI, my), yh = prmt(TC_E2M1_F16_LO, TC_E2M1_F16_HI, my >> 16);
+    const unsigned sl = prmt(x, y, 0x5410u), sh = prmt(x, y, 0x7632u);  // codes 0-3 (4-7) of x low, of y high
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const unsigned sel = (8u + p) | p << 4 | (8u + p) << 8 | (4u + p) << 12;
+        lo[p] = mul_f16x2(prmt(xl, yl, sel) | ((sl << (12 - 4 * p)) & 0x80008000u), scales);
+        hi[p] = mul_f16x2(prmt(xh, yh, sel) | ((sh << (12 - 4 * p)) & 0x80008000u), scales);
+    }
+}
+
+// Two e4m3 scale bytes (bits 0-7: the low half, 8-15: the high half) as f16x2, exact.
+__device__ __forceinline__ unsigned tc_e4m3_f16x2(unsigned b) { return e4m3x4_lo_to_f16x2(b & 0xffffu); }
 
 // Elements 4q .. 4q + 3 of a slice as two bf16x2 words (w0: 4q, 4q + 1), each rounded to bf16 once:
 // codes to table indices in the four nibbles of a word (4-bit codes: magnitude index and sign, as
@@ -163,11 +212,9 @@ __device__ __forceinline__ void tc_quad(const TcSlice<F, S>& s, int q, const TcC
         unsigned x = s.w[word] >> sh;
         if (sh + 4 * B > 32) x |= s.w[word + 1] << (32 - sh);
         x &= (1u << (4 * B)) - 1u;
+        static_assert(F != TC_NVFP4, "nvfp4: tc_e2m1_word");
         unsigned neg = 0u, idx;  // neg: a flag at bit 4i for code i below zero (4-bit codes)
-        if constexpr (F == TC_NVFP4) {
-            neg = (x >> 3) & 0x1111u;
-            idx = x & 0x7777u;
-        } else if constexpr (F == TC_TURBO4) {
+        if constexpr (F == TC_TURBO4) {
             neg = (~x >> 3) & 0x1111u;
             idx = (x ^ (neg * 7u)) & 0x7777u;
         } else if constexpr (B == 3) {  // codes at bits 0, 3, 6, 9 -> 0, 4, 8, 12
@@ -224,9 +271,13 @@ struct TcWork {
 __device__ __forceinline__ int tc_v_key(int c, int v) { return 2 * c + (v & 1) + 8 * (v >> 1); }
 
 // The dim of O^T row 8r + g of output tile n: lane group g holds dims D/8 g .. D/8 g + D/8 of V,
-// tile n pairs dims 2n (row g) and 2n + 1 (row g + 8) of them.
-template <int D>
-__device__ __forceinline__ int tc_out_dim(int n, int r, int g) { return D / 8 * g + 2 * n + r; }
+// tile n pairs dims 2n (row g) and 2n + 1 (row g + 8) of them; nvfp4's tile 4w + p dims 8w + p
+// and 8w + p + 4 (tc_e2m1_pair's order).
+template <int D, int VF>
+__device__ __forceinline__ int tc_out_dim(int n, int r, int g) {
+    if constexpr (VF == TC_NVFP4) return D / 8 * g + 8 * (n / 4) + n % 4 + 4 * r;
+    else return D / 8 * g + 2 * n + r;
+}
 
 // Run by all WARPS warps of the CTA (one CTA_SYNC inside). KF / VF: the
 // K and V sides' formats (TcFormat).
@@ -273,9 +324,9 @@ __device__ void decode_tc(const TcWork& w) {
     for (int j = 0; j < KS; ++j) {
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) {
-            const int d = tc_dim<D, KF>(c, 4 * j + 2 * hi);  // d + 1 is element 4j + 2 hi + 1
-            qb[j][hi] = tc_pack<KF16>(has ? bf16_to_f32(qr[d]) * q_scale : 0.0f,
-                                      has ? bf16_to_f32(qr[d + 1]) * q_scale : 0.0f);
+            const int d0 = tc_dim<D, KF>(c, tc_k_elem<KF>(j, hi, 0)), d1 = tc_dim<D, KF>(c, tc_k_elem<KF>(j, hi, 1));
+            qb[j][hi] = tc_pack<KF16>(has ? bf16_to_f32(qr[d0]) * q_scale : 0.0f,
+                                      has ? bf16_to_f32(qr[d1]) * q_scale : 0.0f);
         }
     }
 
@@ -324,25 +375,39 @@ __device__ void decode_tc(const TcWork& w) {
         // S^T (16 keys x 8 heads per query tile): K rows g, g + 8 are the A operand as loaded
         // (element sides) or as dequantized (packed sides).
         float st[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if constexpr (KF == TC_NVFP4) {  // a word of eight codes of each key: two steps
 #pragma unroll
-        for (int j = 0; j < KS; ++j) {
-            unsigned a[4];  // key g low pair, key g + 8 low pair, key g high pair, key g + 8 high
-            if constexpr (KFmt::kPacked) {
-                tc_quad(kr[0], j, kcodes, a[0], a[2]);
-                tc_quad(kr[1], j, kcodes, a[1], a[3]);
-            } else if constexpr (KF16) {
-                const unsigned x0 = kr[0].c[j / 4].w[j % 4], x1 = kr[1].c[j / 4].w[j % 4];
-                a[0] = e4m3x4_lo_to_f16x2(x0);
-                a[1] = e4m3x4_lo_to_f16x2(x1);
-                a[2] = e4m3x4_hi_to_f16x2(x0);
-                a[3] = e4m3x4_hi_to_f16x2(x1);
-            } else {
-                a[0] = kr[0].c[j / 2].w[(j % 2) * 2];
-                a[1] = kr[1].c[j / 2].w[(j % 2) * 2];
-                a[2] = kr[0].c[j / 2].w[(j % 2) * 2 + 1];
-                a[3] = kr[1].c[j / 2].w[(j % 2) * 2 + 1];
+            for (int x = 0; x < KS / 2; ++x) {
+                unsigned h0[4], h1[4];
+                tc_e2m1_word(kr[0].w[x], tc_e4m3_f16x2(((kr[0].scales >> (8 * (x / 2))) & 0xffu) * 0x101u), h0);
+                tc_e2m1_word(kr[1].w[x], tc_e4m3_f16x2(((kr[1].scales >> (8 * (x / 2))) & 0xffu) * 0x101u), h1);
+#pragma unroll
+                for (int s = 0; s < 2; ++s) {
+                    const unsigned a[4] = {h0[2 * s], h1[2 * s], h0[2 * s + 1], h1[2 * s + 1]};
+                    tc_mma<true>(st, a, qb[2 * x + s]);
+                }
             }
-            tc_mma<KF16>(st, a, qb[j]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < KS; ++j) {
+                unsigned a[4];  // key g low pair, key g + 8 low pair, key g high pair, key g + 8 high
+                if constexpr (KFmt::kPacked) {
+                    tc_quad(kr[0], j, kcodes, a[0], a[2]);
+                    tc_quad(kr[1], j, kcodes, a[1], a[3]);
+                } else if constexpr (KF16) {
+                    const unsigned x0 = kr[0].c[j / 4].w[j % 4], x1 = kr[1].c[j / 4].w[j % 4];
+                    a[0] = e4m3x4_lo_to_f16x2(x0);
+                    a[1] = e4m3x4_lo_to_f16x2(x1);
+                    a[2] = e4m3x4_hi_to_f16x2(x0);
+                    a[3] = e4m3x4_hi_to_f16x2(x1);
+                } else {
+                    a[0] = kr[0].c[j / 2].w[(j % 2) * 2];
+                    a[1] = kr[1].c[j / 2].w[(j % 2) * 2];
+                    a[2] = kr[0].c[j / 2].w[(j % 2) * 2 + 1];
+                    a[3] = kr[1].c[j / 2].w[(j % 2) * 2 + 1];
+                }
+                tc_mma<KF16>(st, a, qb[j]);
+            }
         }
         // Online softmax of heads 2c + e over keys g (st[e]) and g + 8 (st[2 + e]);
         // P^T goes back to registers and, transposed, is the B operand of O^T += V^T P^T.
@@ -395,7 +460,28 @@ __device__ void decode_tc(const TcWork& w) {
         // V^T as the A operand of output tile n: rows g, g + 8 are dims tc_out_dim(n, 0 / 1, g),
         // columns keys 2c, 2c + 1 (registers 0, 1) and 8 + 2c, 9 + 2c (2, 3): each register
         // pairs one dim of two keys, byte-permuted from the two keys' words.
-        if constexpr (VFmt::kPacked) {  // quad m of each key: pairs 2m, 2m + 1, tiles 2m and 2m + 1
+        if constexpr (VF == TC_NVFP4) {  // word x of each key: tiles 4x .. 4x + 3
+            unsigned sc[2];  // keys 8h + 2c and 8h + 2c + 1: their scales (a slice lies in one group)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                sc[h] = tc_e4m3_f16x2((vr[2 * h].scales & 0xffu) | (vr[2 * h + 1].scales & 0xffu) << 8);
+#pragma unroll
+            for (int x = 0; x < KS / 4; ++x) {
+                unsigned a[4][4];  // tile 4x + p: dims 8x + p (row g) and 8x + p + 4 (row g + 8)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    unsigned lo[4], hi[4];
+                    tc_e2m1_pair(vr[2 * h].w[x], vr[2 * h + 1].w[x], sc[h], lo, hi);
+#pragma unroll
+                    for (int p = 0; p < 4; ++p) {
+                        a[p][2 * h] = lo[p];
+                        a[p][2 * h + 1] = hi[p];
+                    }
+                }
+#pragma unroll
+                for (int p = 0; p < 4; ++p) tc_mma<true>(o[4 * x + p], a[p], pb);
+            }
+        } else if constexpr (VFmt::kPacked) {  // quad m of each key: pairs 2m, 2m + 1, tiles 2m and 2m + 1
 #pragma unroll
             for (int m = 0; m < KS / 2; ++m) {
                 unsigned a0[4], a1[4];
@@ -454,8 +540,8 @@ __device__ void decode_tc(const TcWork& w) {
         if (r < w.rows) {
 #pragma unroll
             for (int n = 0; n < KS; ++n) {
-                so[r * TC_MAX_D + tc_out_dim<D>(n, 0, g)] = o[n][e];
-                so[r * TC_MAX_D + tc_out_dim<D>(n, 1, g)] = o[n][2 + e];
+                so[r * TC_MAX_D + tc_out_dim<D, VF>(n, 0, g)] = o[n][e];
+                so[r * TC_MAX_D + tc_out_dim<D, VF>(n, 1, g)] = o[n][2 + e];
             }
             if (g == 0) {
                 sml[r * 2] = m[e];

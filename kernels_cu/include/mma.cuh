@@ -22,6 +22,8 @@ void unpack_f16x2(unsigned v, float& lo, float& hi);
 unsigned e4m3x4_lo_to_f16x2(unsigned v);
 unsigned e4m3x4_hi_to_f16x2(unsigned v);
 unsigned mul_bf16x2(unsigned a, unsigned b);
+unsigned mul_f16x2(unsigned a, unsigned b);
+unsigned prmt(unsigned a, unsigned b, unsigned s);
 #else
 // d += A B (bf16 inputs).
 __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
@@ -84,6 +86,22 @@ __device__ __forceinline__ unsigned e4m3x4_hi_to_f16x2(unsigned v) {
 __device__ __forceinline__ unsigned mul_bf16x2(unsigned a, unsigned b) {
     unsigned d;
     asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// a * b, two f16 lanes, each rounded to f16 (RNE) once.
+__device__ __forceinline__ unsigned mul_f16x2(unsigned a, unsigned b) {
+    unsigned d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// Byte permute in PTX's default mode: byte i of the result is byte s[4i+2 : 4i] of (b:a), or,
+// where selector bit 4i + 3 is set, that byte's sign bit in all eight bits (__byte_perm ignores
+// bit 3).
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned s) {
+    unsigned d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
     return d;
 }
 #endif
