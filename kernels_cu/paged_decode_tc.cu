@@ -26,11 +26,12 @@
 //
 // Packed sides (nvfp4, turbo2/3/4/8): lane c's share of a key's K is the c-th quarter of its dims
 // (q is loaded through the same order), a V share the g-th eighth, each one load of its codes and
-// one of its group scales; the MMAs are bf16 ones, each value dequantized as it is used (four codes'
-// levels by two byte permutes of a table in registers, times the group scale in one bf16 multiply:
-// decode_tc.cuh's tc_quad), so a packed tile costs no more registers than its codes. A rotated
-// side's Q rotation stays outside (rope_and_cache's rotate_q); the in-launch split combine
-// rotates a rotated V side's output back.
+// one of its group scales; each value is dequantized as it is used, eight codes at a time
+// (decode_tc.cuh's tc_word: table lookups by byte permutes of tables in registers, the signs
+// or-ed in, one multiply by the group scale a pair), so a packed tile costs no more registers than
+// its codes. nvfp4 and the codebook sides run f16 MMAs (q scaled as for fp8; P rounded to f16),
+// turbo8 (bf16 scales) bf16 ones. A rotated side's Q rotation stays outside (rope_and_cache's
+// rotate_q); the in-launch split combine rotates a rotated V side's output back.
 #include "cluster.cuh"
 #include "decode_tc.cuh"
 #include "head_norm.cuh"

@@ -16,8 +16,9 @@ template <int F>
 struct TcFmt {
     // Packed: codes (or turbo8's e4m3 bytes) with a scale per group of 16; dequantized to bf16.
     static constexpr bool kPacked = F >= TC_NVFP4;
-    // f16 MMAs (e4m3, and e2m1 times an e4m3 scale, are exact in f16); else bf16 ones
-    static constexpr bool kF16 = F == TC_FP8 || F == TC_NVFP4;
+    // f16 MMAs (e4m3 and e2m1 times an e4m3 scale are exact in f16; a codebook level times its
+    // e4m3 scale is rounded to f16 once); bf16 ones for bf16 and turbo8 (bf16 scales)
+    static constexpr bool kF16 = F != TC_BF16 && F != TC_TURBO8;
     static constexpr int kBits = F == TC_BF16 ? 16
                                  : F == TC_FP8 || F == TC_TURBO8 ? 8
                                  : F == TC_TURBO3 ? 3
@@ -133,9 +134,9 @@ __device__ __forceinline__ unsigned tc_pair(const TcSlice<F, S>& s, int i) {
     return pack_bf16x2(lo * scale, hi * scale);
 }
 
-// A code side's levels as bf16, high and low bytes apart, for byte-permute lookups of four codes
-// at once (no shared memory, no per-element multiply): nvfp4 / turbo4 their eight magnitudes (the
-// sign apart), turbo3 / turbo2 their 8 / 4 signed levels.
+// A codebook side's levels as f16, high and low bytes apart, for byte-permute lookups of four codes
+// at once (no shared memory): turbo4 its eight magnitudes (the sign apart), turbo3 / turbo2 their
+// 8 / 4 signed levels.
 struct TcCodes {
     unsigned hi[2], lo[2];  // entries 0-3, 4-7
 };
@@ -148,7 +149,7 @@ __device__ __forceinline__ TcCodes tc_codes() {
 #pragma unroll
         for (int m = 0; m < N; ++m) {
             const float level = F == TC_TURBO4 ? kTurbo4Half[m] : codebook_level<TcFmt<F>::kBits>(m);
-            const unsigned b = f32_to_bf16(level);
+            const unsigned b = pack_f16x2(level, 0.0f) & 0xffffu;
             t.hi[m / 4] |= (b >> 8) << (8 * (m % 4));
             t.lo[m / 4] |= (b & 0xffu) << (8 * (m % 4));
         }
@@ -196,42 +197,61 @@ __device__ __forceinline__ void tc_e2m1_pair(unsigned x, unsigned y, unsigned sc
 // Two e4m3 scale bytes (bits 0-7: the low half, 8-15: the high half) as f16x2, exact.
 __device__ __forceinline__ unsigned tc_e4m3_f16x2(unsigned b) { return e4m3x4_lo_to_f16x2(b & 0xffffu); }
 
-// Elements 4q .. 4q + 3 of a slice as two bf16x2 words (w0: 4q, 4q + 1), each rounded to bf16 once:
-// codes to table indices in the four nibbles of a word (4-bit codes: magnitude index and sign, as
-// turbo4's negative levels mirror the positive ones below code 8, index 7 - c there; 3- and 2-bit
-// codes: spread out of their bit stream), two table permutes, two byte interleaves, the signs
-// or-ed in, and one bf16 multiply by the group's scale a word. turbo8: tc_pair.
-template <int F, int S>
-__device__ __forceinline__ void tc_quad(const TcSlice<F, S>& s, int q, const TcCodes& t, unsigned& w0, unsigned& w1) {
+// turbo8's elements 4q .. 4q + 3 of a slice as two bf16x2 words (w0: 4q, 4q + 1).
+template <int S>
+__device__ __forceinline__ void tc_quad(const TcSlice<TC_TURBO8, S>& s, int q, unsigned& w0, unsigned& w1) {
+    w0 = tc_pair(s, 2 * q);
+    w1 = tc_pair(s, 2 * q + 1);
+}
+
+// (a & k) | (b & ~k): one LOP3.
+__device__ __forceinline__ unsigned tc_select(unsigned k, unsigned a, unsigned b) { return (a & k) | (b & ~k); }
+
+// Eight codes of a codebook side (turbo4, turbo3, turbo2; code i at bits B i of x, bits above 8B
+// ignored) times their group's scale (f16x2, the scale twice) as four f16x2 words, h[i] = codes
+// 2i (low half) and 2i + 1, each rounded to f16 once: the codes spread to table indices in the
+// nibbles of a word (turbo4: the magnitude index, as its negative levels mirror the positive ones
+// below code 8, index 7 - c there, and a flag for the sign), four table permutes (the levels'
+// low and high bytes of codes 0-3 and 4-7), four byte interleaves, turbo4's signs or-ed in, one f16
+// multiply a word.
+template <int F>
+__device__ __forceinline__ void tc_code_word(unsigned x, const TcCodes& t, unsigned scale2, unsigned (&h)[4]) {
     constexpr int B = TcFmt<F>::kBits;
-    if constexpr (F == TC_TURBO8) {
-        w0 = tc_pair(s, 2 * q);
-        w1 = tc_pair(s, 2 * q + 1);
-    } else {
-        const int bit = 4 * B * q, word = bit / 32, sh = bit % 32;
-        unsigned x = s.w[word] >> sh;
-        if (sh + 4 * B > 32) x |= s.w[word + 1] << (32 - sh);
-        x &= (1u << (4 * B)) - 1u;
-        static_assert(F != TC_NVFP4, "nvfp4: tc_e2m1_word");
-        unsigned neg = 0u, idx;  // neg: a flag at bit 4i for code i below zero (4-bit codes)
-        if constexpr (F == TC_TURBO4) {
-            neg = (~x >> 3) & 0x1111u;
-            idx = (x ^ (neg * 7u)) & 0x7777u;
-        } else if constexpr (B == 3) {  // codes at bits 0, 3, 6, 9 -> 0, 4, 8, 12
-            const unsigned y = (x & 0x3fu) | ((x << 2) & 0x3f00u);
-            idx = (y & 0x0707u) | ((y << 1) & 0x7070u);
-        } else {  // 2 bits: 0, 2, 4, 6 -> 0, 4, 8, 12
-            const unsigned y = (x & 0x0fu) | ((x << 4) & 0x0f00u);
-            idx = (y & 0x0303u) | ((y << 2) & 0x3030u);
-        }
-        const unsigned hi = __byte_perm(t.hi[0], t.hi[1], idx), lo = __byte_perm(t.lo[0], t.lo[1], idx);
-        const int grp = S >= KV_GROUP ? 4 * q / KV_GROUP : 0;
-        const unsigned b = __float_as_uint(e4m3_to_f32((s.scales >> (8 * grp)) & 0xffu)) >> 16;  // exact in bf16
-        const unsigned scale = b | b << 16;
-        // flags 0, 1 to bits 15, 31 (and 2, 3 for w1): no other product term or carry reaches them
-        w0 = mul_bf16x2(__byte_perm(lo, hi, 0x5140) | ((neg * 0x08008000u) & 0x80008000u), scale);
-        w1 = mul_bf16x2(__byte_perm(lo, hi, 0x7362) | ((neg * 0x00080080u) & 0x80008000u), scale);
+    unsigned idx, neg = 0u;  // neg: a flag at bit 4i for code i below zero (turbo4)
+    if constexpr (F == TC_TURBO4) {
+        neg = (~x >> 3) & 0x11111111u;
+        idx = (x ^ (neg * 7u)) & 0x77777777u;
+    } else if constexpr (B == 3) {  // codes at bits 3i -> 4i
+        const unsigned y = tc_select(0x00000fffu, x, x << 4);  // codes 0-3 at bits 0-11, 4-7 at 16-27
+        const unsigned z = tc_select(0x003f003fu, y, y << 2);  // pairs at bits 0, 8, 16, 24
+        idx = (z & 0x07070707u) | ((z << 1) & 0x70707070u);
+    } else {  // 2 bits: 2i -> 4i
+        const unsigned y = tc_select(0x000000ffu, x, x << 8);  // codes 0-3 at bits 0-7, 4-7 at 16-23
+        const unsigned z = tc_select(0x000f000fu, y, y << 4);  // pairs at bits 0, 8, 16, 24
+        idx = (z & 0x03030303u) | ((z << 2) & 0x30303030u);
     }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // codes 4 half .. 4 half + 3
+        const unsigned i4 = idx >> (16 * half), n4 = half ? neg >> 16 : neg & 0xffffu;
+        const unsigned lo = prmt(t.lo[0], t.lo[1], i4), hi = prmt(t.hi[0], t.hi[1], i4);
+        // flags 0, 1 to bits 15, 31 (2, 3 for the second word): no other product term or carry reaches them
+        h[2 * half] = mul_f16x2(prmt(lo, hi, 0x5140u) | ((n4 * 0x08008000u) & 0x80008000u), scale2);
+        h[2 * half + 1] = mul_f16x2(prmt(lo, hi, 0x7362u) | ((n4 * 0x00080080u) & 0x80008000u), scale2);
+    }
+}
+
+// Codes 8x .. 8x + 7 of a slice as four f16x2 words times their group's scale: nvfp4's h[p] hold
+// codes 8x + p and 8x + p + 4 (tc_e2m1_word), a codebook side's h[i] codes 8x + 2i and 8x + 2i + 1.
+template <int F, int S>
+__device__ __forceinline__ void tc_word(const TcSlice<F, S>& s, int x, const TcCodes& t, unsigned (&h)[4]) {
+    constexpr int B = TcFmt<F>::kBits;
+    const int grp = S >= KV_GROUP ? 8 * x / KV_GROUP : 0;
+    const unsigned scale2 = tc_e4m3_f16x2(((s.scales >> (8 * grp)) & 0xffu) * 0x101u);
+    const int bit = 8 * B * x, word = bit / 32, sh = bit % 32;
+    unsigned v = s.w[word] >> sh;
+    if (sh + 8 * B > 32) v |= s.w[word + 1] << (32 - sh);
+    if constexpr (F == TC_NVFP4) tc_e2m1_word(v, scale2, h);
+    else tc_code_word<F>(v, t, scale2, h);
 }
 
 // A lane's share of one key's K (NC 16-byte chunks, or a packed side's quarter slice) and V
@@ -375,12 +395,12 @@ __device__ void decode_tc(const TcWork& w) {
         // S^T (16 keys x 8 heads per query tile): K rows g, g + 8 are the A operand as loaded
         // (element sides) or as dequantized (packed sides).
         float st[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if constexpr (KF == TC_NVFP4) {  // a word of eight codes of each key: two steps
+        if constexpr (KFmt::kPacked && KF != TC_TURBO8) {  // eight codes of each key: two steps
 #pragma unroll
             for (int x = 0; x < KS / 2; ++x) {
                 unsigned h0[4], h1[4];
-                tc_e2m1_word(kr[0].w[x], tc_e4m3_f16x2(((kr[0].scales >> (8 * (x / 2))) & 0xffu) * 0x101u), h0);
-                tc_e2m1_word(kr[1].w[x], tc_e4m3_f16x2(((kr[1].scales >> (8 * (x / 2))) & 0xffu) * 0x101u), h1);
+                tc_word(kr[0], x, kcodes, h0);
+                tc_word(kr[1], x, kcodes, h1);
 #pragma unroll
                 for (int s = 0; s < 2; ++s) {
                     const unsigned a[4] = {h0[2 * s], h1[2 * s], h0[2 * s + 1], h1[2 * s + 1]};
@@ -392,8 +412,8 @@ __device__ void decode_tc(const TcWork& w) {
             for (int j = 0; j < KS; ++j) {
                 unsigned a[4];  // key g low pair, key g + 8 low pair, key g high pair, key g + 8 high
                 if constexpr (KFmt::kPacked) {
-                    tc_quad(kr[0], j, kcodes, a[0], a[2]);
-                    tc_quad(kr[1], j, kcodes, a[1], a[3]);
+                    tc_quad(kr[0], j, a[0], a[2]);
+                    tc_quad(kr[1], j, a[1], a[3]);
                 } else if constexpr (KF16) {
                     const unsigned x0 = kr[0].c[j / 4].w[j % 4], x1 = kr[1].c[j / 4].w[j % 4];
                     a[0] = e4m3x4_lo_to_f16x2(x0);
@@ -481,15 +501,33 @@ __device__ void decode_tc(const TcWork& w) {
 #pragma unroll
                 for (int p = 0; p < 4; ++p) tc_mma<true>(o[4 * x + p], a[p], pb);
             }
-        } else if constexpr (VFmt::kPacked) {  // quad m of each key: pairs 2m, 2m + 1, tiles 2m and 2m + 1
+        } else if constexpr (VFmt::kPacked && VF != TC_TURBO8) {  // codes 8x .. 8x + 7: tiles 4x .. 4x + 3
+#pragma unroll
+            for (int x = 0; x < KS / 4; ++x) {
+                unsigned a[4][4];  // tile 4x + i: dims 8x + 2i (row g) and 8x + 2i + 1 (row g + 8)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    unsigned hx[4], hy[4];
+                    tc_word(vr[2 * h], x, vcodes, hx);      // key 8h + 2c
+                    tc_word(vr[2 * h + 1], x, vcodes, hy);  // key 8h + 2c + 1
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        a[i][2 * h] = __byte_perm(hx[i], hy[i], 0x5410);
+                        a[i][2 * h + 1] = __byte_perm(hx[i], hy[i], 0x7632);
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < 4; ++i) tc_mma<true>(o[4 * x + i], a[i], pb);
+            }
+        } else if constexpr (VFmt::kPacked) {  // turbo8: quad m of each key: pairs 2m, 2m + 1, tiles 2m and 2m + 1
 #pragma unroll
             for (int m = 0; m < KS / 2; ++m) {
                 unsigned a0[4], a1[4];
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     unsigned x0, x1, y0, y1;
-                    tc_quad(vr[2 * h], m, vcodes, x0, x1);      // key 8h + 2c
-                    tc_quad(vr[2 * h + 1], m, vcodes, y0, y1);  // key 8h + 2c + 1
+                    tc_quad(vr[2 * h], m, x0, x1);      // key 8h + 2c
+                    tc_quad(vr[2 * h + 1], m, y0, y1);  // key 8h + 2c + 1
                     a0[2 * h] = __byte_perm(x0, y0, 0x5410);
                     a0[2 * h + 1] = __byte_perm(x0, y0, 0x7632);
                     a1[2 * h] = __byte_perm(x1, y1, 0x5410);
