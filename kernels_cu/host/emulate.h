@@ -249,6 +249,10 @@ inline unsigned mul_f16x2(unsigned a, unsigned b) {  // an f16 product is exact 
     return pack_f16x2(emulated_f16(a & 0xffffu) * emulated_f16(b & 0xffffu),
                       emulated_f16(a >> 16) * emulated_f16(b >> 16));
 }
+inline float ex2_ftz(float x) {
+    const float r = std::exp2(x);
+    return r < 1.17549435e-38f ? 0.0f : r;
+}
 inline unsigned prmt(unsigned a, unsigned b, unsigned s) {
     const unsigned long long bytes = a | (unsigned long long)b << 32;
     unsigned r = 0;

@@ -442,10 +442,10 @@ __device__ void decode_tc(const TcWork& w) {
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
             const float n = fmaxf(m[e], mx);
-            corr[e] = n == METRALE_NEG_INF ? 1.0f : exp2f(m[e] - n);
+            corr[e] = n == METRALE_NEG_INF ? 1.0f : ex2_ftz(m[e] - n);
             m[e] = n;
-            p0[e] = x0 == METRALE_NEG_INF ? 0.0f : exp2f(x0 - n);
-            p1[e] = x1 == METRALE_NEG_INF ? 0.0f : exp2f(x1 - n);
+            p0[e] = ex2_ftz(x0 - n);  // n is finite: a live key's score; a dead one's -inf gives 0
+            p1[e] = ex2_ftz(x1 - n);
         }
         const unsigned k0 = tc_pack<VF16>(p0[0], p0[1]), k1 = tc_pack<VF16>(p1[0], p1[1]);
         float r0, r1, r2, r3;  // the probabilities as rounded: the sum is of what P V uses
@@ -464,16 +464,18 @@ __device__ void decode_tc(const TcWork& w) {
                 o[n][3] *= corr[1];
             }
         }
+        if (tile + 16 > w.end) {  // the last tile: a dead key's V is zeroed (a packed one's scales too): 0 x NaN is NaN
 #pragma unroll
-        for (int v = 0; v < 4; ++v) {  // a dead key's V is zeroed (a packed one's scales too): 0 x NaN is NaN
-            if (tile + tc_v_key(c, v) >= w.end) {
-                if constexpr (VFmt::kPacked) {
+            for (int v = 0; v < 4; ++v) {
+                if (tile + tc_v_key(c, v) >= w.end) {
+                    if constexpr (VFmt::kPacked) {
 #pragma unroll
-                    for (int x = 0; x < (VRow::kBytes + 3) / 4; ++x) vr[v].w[x] = 0u;
-                    vr[v].scales = 0u;
-                } else {
+                        for (int x = 0; x < (VRow::kBytes + 3) / 4; ++x) vr[v].w[x] = 0u;
+                        vr[v].scales = 0u;
+                    } else {
 #pragma unroll
-                    for (int x = 0; x < VW; ++x) vr[v].w[x] = 0u;
+                        for (int x = 0; x < VW; ++x) vr[v].w[x] = 0u;
+                    }
                 }
             }
         }

@@ -24,6 +24,7 @@ unsigned e4m3x4_hi_to_f16x2(unsigned v);
 unsigned mul_bf16x2(unsigned a, unsigned b);
 unsigned mul_f16x2(unsigned a, unsigned b);
 unsigned prmt(unsigned a, unsigned b, unsigned s);
+float ex2_ftz(float x);
 #else
 // d += A B (bf16 inputs).
 __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
@@ -102,6 +103,14 @@ __device__ __forceinline__ unsigned mul_f16x2(unsigned a, unsigned b) {
 __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned s) {
     unsigned d;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
+    return d;
+}
+
+// 2^x as the MUFU computes it, a result below 2^-126 flushed to zero (exp2f adds a range
+// reduction for those; a probability that small is zero in P's f16 or bf16 anyway). -inf -> 0.
+__device__ __forceinline__ float ex2_ftz(float x) {
+    float d;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(d) : "f"(x));
     return d;
 }
 #endif
