@@ -51,8 +51,10 @@ struct SplitCombine {
     int num_splits;
 };
 
+#define TC_MAX_SPLITS 64  // the most splits a launch combines (the host's TC_MAX_SPLITS): two a lane
+
 struct CombineShared {
-    float weight[TC_ROWS][32];  // the split weights and totals
+    float weight[TC_ROWS][TC_MAX_SPLITS];  // the split weights and totals
     float total[TC_ROWS];
     int is_last;
 };
@@ -113,26 +115,39 @@ __device__ void combine_rows(const SplitCombine& c, CombineShared& sh, long long
                              float* stage) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // A warp's heads (max, sum) pairs are loaded together, one 8-byte load each: one trip to L2.
-    constexpr int PER_WARP = (TC_ROWS + TC_WARPS - 1) / TC_WARPS;
-    float2 ml[PER_WARP];
+    // Lane l holds splits l and l + 32 (up to TC_MAX_SPLITS); with 32 or fewer the second adds
+    // nothing to a lane's sum, so the sums are those of one split a lane.
+    constexpr int PER_WARP = (TC_ROWS + TC_WARPS - 1) / TC_WARPS, PER_LANE = TC_MAX_SPLITS / 32;
+    float2 ml[PER_WARP][PER_LANE];
 #pragma unroll
     for (int i = 0; i < PER_WARP; ++i) {
         const int r = warp + i * TC_WARPS;
-        ml[i] = r < rows && lane < active
-                    ? __ldcg(reinterpret_cast<const float2*>(c.part_ml + ((head0 + r) * c.num_splits + lane) * 2))
-                    : make_float2(METRALE_NEG_INF, 0.0f);
+#pragma unroll
+        for (int h = 0; h < PER_LANE; ++h) {
+            const int s = lane + 32 * h;
+            ml[i][h] = r < rows && s < active
+                           ? __ldcg(reinterpret_cast<const float2*>(c.part_ml + ((head0 + r) * c.num_splits + s) * 2))
+                           : make_float2(METRALE_NEG_INF, 0.0f);
+        }
     }
 #pragma unroll
     for (int i = 0; i < PER_WARP; ++i) {
         const int r = warp + i * TC_WARPS;
         if (r >= rows) break;
-        const float m = ml[i].x;
-        float big = m;
+        float big = ml[i][0].x;
+#pragma unroll
+        for (int h = 1; h < PER_LANE; ++h) big = fmaxf(big, ml[i][h].x);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
-        const float w = (lane < active && big != METRALE_NEG_INF) ? exp2f(m - big) : 0.0f;
-        const float l = warp_sum(lane < active ? ml[i].y * w : 0.0f);
-        sh.weight[r][lane] = w;
+        float mine = 0.0f;
+#pragma unroll
+        for (int h = 0; h < PER_LANE; ++h) {
+            const int s = lane + 32 * h;
+            const float w = (s < active && big != METRALE_NEG_INF) ? exp2f(ml[i][h].x - big) : 0.0f;
+            if (s < active) mine += ml[i][h].y * w;
+            sh.weight[r][s] = w;
+        }
+        const float l = warp_sum(mine);
         if (lane == 0) sh.total[r] = l;
     }
     __syncthreads();

@@ -195,6 +195,23 @@ def test_tensor_core_decode_combines_its_splits_as_the_combine_launch(build_dir,
         assert not torch.equal(rotated, two)
 
 
+@pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.NVFP4, KvCacheDtype.TURBO4,
+                                   KvCacheDtype.TURBO4K_TURBO3V], ids=lambda d: d.value)
+def test_tensor_core_decode_combines_up_to_64_splits(build_dir, dtype):
+    """TC_MAX_SPLITS: 4099 keys in 64 splits (52 of them live, two a lane in the combine's
+    weights) and 2100 in 64 (44 live), beside a one-key and an empty context: within the attention
+    tolerance of the reference, a rotated V side rotated back in the launch."""
+    lib, hk, group, head_dim = tc_library(build_dir), 2, 4, 128
+    c = make_paged_case([4099, 1, 2100, 0], hk * group, hk, head_dim, dtype, seed=64)
+    q = _q(4, hk * group, head_dim, seed=8)
+    vp = c["kv"].v
+    out = _tc_run(lib, c, q, dtype, 64, in_launch=True, v_signs=vp.signs if vp.rotated else None)
+    want = ref.paged_decode(q, c["kv"], c["block_tables"], c["seq_lens"], head_dim**-0.5)
+    if vp.rotated:
+        want = restore_output(ref.TorchOps, want, vp)
+    assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
+
+
 @pytest.mark.parametrize("splits, group", [(1, 1), (3, 4), (32, 12)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", PACKED, ids=lambda d: d.value)

@@ -13,7 +13,7 @@ import torch
 from metrale_cli.kernels import cuda_attention, reference as ref
 from metrale_cli.kernels.cuda_attention import decode_splits, rope_decode_cluster
 from metrale_cli.kernels.cases import compare, compare_bytes, kv_to, rope_decode_args, rope_decode_case
-from metrale_cli.kernels.table import TC_MIN_KEYS_PER_SPLIT, TC_ROWS
+from metrale_cli.kernels.table import TC_LONG_KEYS_PER_SPLIT, TC_MIN_KEYS_PER_SPLIT, TC_ROWS
 from metrale_cli.kernels.tolerances import bounds
 
 pytestmark = pytest.mark.gpu
@@ -33,13 +33,14 @@ def _both(ops, c):
     return got, want, mine, theirs
 
 
-@pytest.mark.parametrize("lens", [[1], [577], [4099], [1, 16, 17, 600, 0, 33], [1024] * 64])
+@pytest.mark.parametrize("lens", [[1], [577], [4099], [16400], [1, 16, 17, 600, 0, 33], [1024] * 64])
 @pytest.mark.parametrize("hq, hk", [(8, 8), (16, 8), (32, 8), (32, 2), (12, 2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_one_launch_equals_the_three(ops, dtype, lens, hq, hk, head_dim):
-    """Batch 1 at the benches' contexts (many splits), ragged batches with an empty sequence, 64
-    sequences of 1k (one split each); groups of 1 to 16 (two CTAs per KV head)."""
+    """Batch 1 at the benches' contexts (10 to 16 splits, in a cluster where the grid allows; 60 or
+    64 at 16k, 61 of them live), ragged batches with an empty sequence, 64 sequences of 1k (one
+    split each); groups of 1 to 16 (two CTAs per KV head)."""
     c = rope_decode_case(lens, hq, hk, head_dim, dtype, seed=len(lens) + hq + head_dim)
     got, want, mine, theirs = _both(ops, c)
     assert torch.equal(got, want), compare(got, want, 0, 0)
@@ -61,7 +62,7 @@ def test_a_cluster_combines_as_the_counter_does(ops, monkeypatch, dtype, lens, h
     attention = _attention(ops, c)
     items = hk * len(lens) * math.ceil(hq // hk / TC_ROWS)
     splits = decode_splits(torch.device("cuda"), items, c["block_tables"].shape[1], attention.tc.ctas_per_sm,
-                           TC_MIN_KEYS_PER_SPLIT)
+                           TC_MIN_KEYS_PER_SPLIT, attention.tc.max_splits, TC_LONG_KEYS_PER_SPLIT)
     assert rope_decode_cluster(torch.device("cuda"), items, splits) == splits > 1
     got, want, mine, theirs = _both(ops, c)
     monkeypatch.setattr(cuda_attention, "TC_MAX_CLUSTER", 1)

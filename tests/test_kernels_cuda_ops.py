@@ -13,6 +13,7 @@ import torch
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import cuda_attention, cuda_launch, cuda_moe, cuda_ops
 from metrale_cli.kernels.cuda_attention import decode_splits
+from metrale_cli.kernels.table import TC_LONG_KEYS_PER_SPLIT, TC_MIN_KEYS_PER_SPLIT
 from metrale_cli.kernels.kv_kernels import layer_kernels, required_kernels
 from metrale_cli.kernels.loader import KernelLoader
 from metrale_cli.kernels.registry import module_for
@@ -276,6 +277,22 @@ def test_decode_gemvs_launch_two_ctas_per_sm_programmatically(ops):
     assert not ops.gemv_fits(12) and ops.gemv_fits(20480) and not ops.gemv_fits(20488)
 
 
+@pytest.mark.parametrize("dtype, max_blocks, splits", [
+    ("bf16", 41, 10),  # a 640-key table: 10 splits of 64 keys (a cluster's combine)
+    ("bf16", 260, 16),  # 4k: 16 splits, not 64 of 65 keys: past 16 a split holds 256 keys
+    ("bf16", 520, 32),  # 8k
+    ("bf16", 2051, 60),  # 32k: bf16's 64 splits at most, 60 the fullest wave
+    ("turbo4", 260, 16),
+    ("turbo4", 2051, 32),  # the packed sides' decodes split at most 32 ways
+])
+def test_a_batch_one_decode_splits_long_contexts_by_256_keys(ops, dtype, max_blocks, splits):
+    """Batch 1 of qwen3-8b's 8 KV heads (8 CTAs a split, far from a wave): the split count by the
+    table's width."""
+    tc = KvCacheDtype(dtype).row.tensor_core
+    assert decode_splits(CPU, 8, max_blocks, tc.ctas_per_sm, TC_MIN_KEYS_PER_SPLIT, tc.max_splits,
+                         TC_LONG_KEYS_PER_SPLIT) == splits
+
+
 def test_tensor_core_decode_waves_count_its_residency(ops):
     """bf16's kernel keeps 4 CTAs per SM, fp8's 3: 128 CTAs take 4 and 3 splits for one wave."""
     assert decode_splits(CPU, 128, 2048, KvCacheDtype.BF16.row.tensor_core.ctas_per_sm) == 4
@@ -381,11 +398,12 @@ def test_a_launch_sets_its_attributes_and_opts_into_large_clusters_once(monkeypa
     assert (config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX) == (4, 1, 32, 128)
 
 
-def test_the_cluster_limits_mirror_the_kernel_sources():
+def test_the_cluster_and_split_limits_mirror_the_kernel_sources():
     from metrale_cli.kernels import table
     from metrale_cli.kernels.registry import KERNELS_DIR
 
-    for source, name in (("paged_decode_tc.cu", "TC_MAX_CLUSTER"), ("moe.cu", "MOE_ROUTER_CLUSTER")):
+    for source, name in (("paged_decode_tc.cu", "TC_MAX_CLUSTER"), ("paged_decode_tc.cu", "TC_MAX_SPLITS"),
+                         ("moe.cu", "MOE_ROUTER_CLUSTER")):
         text = (KERNELS_DIR / source).read_text()
         assert int(re.search(rf"^#define {name} (\d+)", text, re.MULTILINE).group(1)) == getattr(table, name)
 

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from metrale_cli.kernels import reference as ref
+from metrale_cli.kernels.cuda_attention import decode_splits
 from metrale_cli.kernels.cases import compare, compare_bytes, kv_to, make_paged_case
 from metrale_cli.kernels.kv_kernels import kv_kernels, served_head_dims
 from metrale_cli.kernels.rotation import restore_output
+from metrale_cli.kernels.table import TC_LONG_KEYS_PER_SPLIT, TC_MIN_KEYS_PER_SPLIT
 from metrale_cli.kernels.tolerances import bounds
 from metrale_cli.kernels.validate import validate_kernels
 from metrale_cli.kv.dtypes import KvCacheDtype
@@ -117,6 +119,21 @@ def test_paged_decode(ops, dtype, head_dim, group, tensor_cores):
                                          head_dim**-0.5, tensor_cores=tensor_cores)
     want = ref.paged_decode(q, c["kv"], c["block_tables"], c["seq_lens"], head_dim**-0.5)
     close(got, want, "attention")
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(d, hd) for d, hd in KV_CASES if kv_kernels(d, hd).decode_tc is not None],
+                         ids=lambda x: getattr(x, "value", str(x)))
+def test_one_long_sequence_decodes_over_its_most_splits(ops, dtype, head_dim):
+    """Batch 1 on two KV heads: the tensor-core decode splits 16,400 keys its most ways (bf16 and
+    fp8 64, 61 of them live: two split weights a lane in the combine; the packed sides 32)."""
+    hk, group = 2, 4
+    c = make_paged_case([16400], hk * group, hk, head_dim, dtype, seed=head_dim + 11)
+    attn = attention(ops, c)
+    assert decode_splits(torch.device("cuda"), hk, c["block_tables"].shape[1], attn.tc.ctas_per_sm,
+                         TC_MIN_KEYS_PER_SPLIT, attn.tc.max_splits, TC_LONG_KEYS_PER_SPLIT) == attn.tc.max_splits
+    q = randn(1, hk * group, head_dim, seed=6, device="cpu")
+    got = attn.paged_decode(q.cuda(), gpu(c), c["block_tables"].cuda(), c["seq_lens"].cuda(), head_dim**-0.5)
+    close(got, ref.paged_decode(q, c["kv"], c["block_tables"], c["seq_lens"], head_dim**-0.5), "attention")
 
 
 @pytest.mark.parametrize("context", [40, 4099], ids=["narrow table", "split"])

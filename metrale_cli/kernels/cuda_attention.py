@@ -19,7 +19,7 @@ from metrale_cli.kernels.rotation import restore_output
 from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
 from metrale_cli.kernels.table import (
     ATTN_THREADS, DECODE_CTAS_PER_SM, MAX_SPLITS, MIN_KEYS_PER_SPLIT, ROPE_AND_CACHE_WARPS, SDPA_MIN_TOKENS,
-    TC_MAX_CLUSTER, TC_MIN_KEYS_PER_SPLIT, TC_ROWS, decode_rows, rows_per_cta,
+    TC_FEW_SPLITS, TC_LONG_KEYS_PER_SPLIT, TC_MAX_CLUSTER, TC_MIN_KEYS_PER_SPLIT, TC_ROWS, decode_rows, rows_per_cta,
 )
 from metrale_cli.kv.pool import LayerKv
 
@@ -99,13 +99,16 @@ class CudaPagedAttention:
             return out
         restore = restore_v and kv.v.rotated
         kernel, per_sm, programmatic, min_keys = self.kernels.decode, DECODE_CTAS_PER_SM, False, MIN_KEYS_PER_SPLIT
+        most = MAX_SPLITS
         tc = tensor_cores and self.kernels.decode_tc is not None
         if tc:
             kernel, chunks = self.kernels.decode_tc, math.ceil(hq // hk / TC_ROWS)
             per_sm, min_keys, programmatic = self.tc.ctas_per_sm, TC_MIN_KEYS_PER_SPLIT, self.tc.programmatic
+            most = self.tc.max_splits
         else:
             chunks = math.ceil(hq // hk / decode_rows(head_dim, hq // hk))
-        splits, part_o, part_ml = self._split_buffers(q, hk * batch * chunks, block_tables.shape[1], per_sm, min_keys)
+        splits, part_o, part_ml = self._split_buffers(q, hk * batch * chunks, block_tables.shape[1], per_sm, min_keys,
+                                                      most, TC_LONG_KEYS_PER_SPLIT if tc else 0)
         v_signs = kv.v.signs if restore and splits > 1 else None
         # the tensor-core decode combines its own splits (counters), the other one's go to the combine
         counters = self.ops.combine_counters(q.device, batch * hk * chunks) if tc and splits > 1 else None
@@ -136,7 +139,8 @@ class CudaPagedAttention:
         self._check_rope(kv, hk, head_dim, rot_dim)
         chunks = math.ceil(hq // hk / TC_ROWS)
         splits, part_o, part_ml = self._split_buffers(q, hk * tokens * chunks, block_tables.shape[1],
-                                                      self.tc.ctas_per_sm, TC_MIN_KEYS_PER_SPLIT)
+                                                      self.tc.ctas_per_sm, TC_MIN_KEYS_PER_SPLIT, self.tc.max_splits,
+                                                      TC_LONG_KEYS_PER_SPLIT)
         cluster = rope_decode_cluster(q.device, hk * tokens * chunks, splits)
         out = torch.empty(tokens, hq, head_dim, dtype=q.dtype, device=q.device)
         (qs, q_stride), (ks, k_stride), (vs, v_stride) = (_head_rows(x) for x in (q, k, v))
@@ -172,10 +176,11 @@ class CudaPagedAttention:
             )
         return out
 
-    def _split_buffers(self, q: torch.Tensor, ctas: int, max_blocks: int, per_sm: int, min_keys: int):
+    def _split_buffers(self, q: torch.Tensor, ctas: int, max_blocks: int, per_sm: int, min_keys: int, most: int,
+                       long_keys: int):
         """(splits, part_o, part_ml) of a decode launch: the partials' fp32 buffers when split."""
         batch, hq, head_dim = q.shape
-        splits = decode_splits(q.device, ctas, max_blocks, per_sm, min_keys)
+        splits = decode_splits(q.device, ctas, max_blocks, per_sm, min_keys, most, long_keys)
         if splits == 1:
             return splits, None, None
         return (splits, torch.empty(batch, hq, splits, head_dim, dtype=torch.float32, device=q.device),
@@ -193,15 +198,20 @@ def rope_decode_cluster(device: torch.device, items: int, splits: int) -> int:
 
 
 def decode_splits(device: torch.device, ctas: int, max_blocks: int, per_sm: int = DECODE_CTAS_PER_SM,
-                  min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
+                  min_keys: int = MIN_KEYS_PER_SPLIT, most: int = MAX_SPLITS, long_keys: int = 0) -> int:
     """Context splits of a decode launch; static per shape (graph-safe). The fewest splits whose
     grid fills its waves of resident CTAs (at least 90% of the last one), else the count that
     fills them best (all allowed ones when the grid stays under one wave); a split of the block
-    table's width holds at least ``min_keys`` keys. The kernel cuts each live context into splits
+    table's width holds at least ``min_keys`` keys, and there are at most ``most`` (the combine's
+    limit: MAX_SPLITS; a tensor-core decode's ``max_splits``, up to TC_MAX_SPLITS). With
+    ``long_keys`` (the tensor-core decodes) a split holds at least that many keys once there are
+    more than TC_FEW_SPLITS. The kernel cuts each live context into splits
     of at least MIN_KEYS_PER_SPLIT keys (``split_keys`` in paged_attention.cuh), so a short
     context only uses a few of them."""
     slots = cuda_launch._sm_count(device.index) * per_sm
-    allowed = max(1, min(MAX_SPLITS, max_blocks * 16 // min_keys))
+    allowed = max(1, min(most, max_blocks * 16 // min_keys))
+    if long_keys:
+        allowed = min(allowed, max(TC_FEW_SPLITS, max_blocks * 16 // long_keys))
     best, best_fill = allowed, 0.0
     for splits in range(1, allowed + 1):
         waves = ctas * splits / slots
