@@ -179,15 +179,23 @@ __device__ bool last_split(const SplitCombine& c, CombineShared& sh, int item, i
     return sh.is_last;
 }
 
+// The decode launch's shared memory, one copy for both head_dims (a __shared__ array declared in
+// decode_tc_entry would be one per instantiation, all of them allocated).
+struct DecodeShared {
+    float o[TC_WARPS * TC_ROWS * TC_MAX_D];  // decode_tc's warp partials
+    float ml[TC_WARPS * TC_ROWS * 2];
+    CombineShared combine;
+};
+
 template <int D, int KF, int VF>
-__device__ void decode_tc_entry(const bf16_t* q, const void* k_cache, const void* v_cache,
+__device__ void decode_tc_entry(DecodeShared& sh, const bf16_t* q, const void* k_cache, const void* v_cache,
                                 const int* block_tables, const int* seq_lens, bf16_t* out,
                                 float* part_o, float* part_ml, const float* k_scale,
                                 const float* v_scale, float scale, int num_q_heads, int num_kv_heads,
                                 int max_blocks, int num_splits, unsigned* counters, const float* v_signs) {
-    __shared__ float smem_o[TC_WARPS * TC_ROWS * TC_MAX_D];
-    __shared__ float smem_ml[TC_WARPS * TC_ROWS * 2];
-    __shared__ CombineShared csh;
+    float* smem_o = sh.o;
+    float* smem_ml = sh.ml;
+    CombineShared& csh = sh.combine;
     const int b = blockIdx.y, chunk = blockIdx.z / num_splits, split = blockIdx.z % num_splits;
     const int len = seq_lens[b], per_split = split_keys(len, num_splits), begin = split * per_split;
     const int group = num_q_heads / num_kv_heads, rows = min(TC_ROWS, group - chunk * TC_ROWS);
@@ -242,14 +250,15 @@ __device__ void decode_tc_entry(const bf16_t* q, const void* k_cache, const void
              const float* k_scale, const float* v_scale, float scale, int num_q_heads,           \
              int num_kv_heads, int head_dim, int max_blocks, int num_splits, unsigned* counters, \
              const float* v_signs) {                                                             \
+        __shared__ DecodeShared sh;                                                              \
         pdl_wait();                                                                              \
         pdl_launch_dependents();                                                                 \
         if (head_dim == 64)                                                                      \
-            decode_tc_entry<64, kf, vf>(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, \
+            decode_tc_entry<64, kf, vf>(sh, q, k_cache, v_cache, block_tables, seq_lens, out, part_o, \
                                         part_ml, k_scale, v_scale, scale, num_q_heads,           \
                                         num_kv_heads, max_blocks, num_splits, counters, v_signs); \
         else if (head_dim == 128)                                                                \
-            decode_tc_entry<128, kf, vf>(q, k_cache, v_cache, block_tables, seq_lens, out, part_o, \
+            decode_tc_entry<128, kf, vf>(sh, q, k_cache, v_cache, block_tables, seq_lens, out, part_o, \
                                          part_ml, k_scale, v_scale, scale, num_q_heads,          \
                                          num_kv_heads, max_blocks, num_splits, counters, v_signs); \
     }
