@@ -21,6 +21,7 @@ from metrale_cli.kernels.table import (
     ATTN_THREADS, DECODE_CTAS_PER_SM, MAX_SPLITS, MIN_KEYS_PER_SPLIT, ROPE_AND_CACHE_WARPS, SDPA_MIN_TOKENS,
     TC_FEW_SPLITS, TC_LONG_KEYS_PER_SPLIT, TC_MAX_CLUSTER, TC_MIN_KEYS_PER_SPLIT, TC_ROWS, decode_rows, rows_per_cta,
 )
+from metrale_cli.kv.dtypes import TensorCoreDecode
 from metrale_cli.kv.pool import LayerKv
 
 
@@ -98,17 +99,15 @@ class CudaPagedAttention:
         if not batch:
             return out
         restore = restore_v and kv.v.rotated
-        kernel, per_sm, programmatic, min_keys = self.kernels.decode, DECODE_CTAS_PER_SM, False, MIN_KEYS_PER_SPLIT
-        most = MAX_SPLITS
+        kernel, programmatic = self.kernels.decode, False
         tc = tensor_cores and self.kernels.decode_tc is not None
         if tc:
-            kernel, chunks = self.kernels.decode_tc, math.ceil(hq // hk / TC_ROWS)
-            per_sm, min_keys, programmatic = self.tc.ctas_per_sm, TC_MIN_KEYS_PER_SPLIT, self.tc.programmatic
-            most = self.tc.max_splits
+            kernel, chunks, programmatic = self.kernels.decode_tc, math.ceil(hq // hk / TC_ROWS), self.tc.programmatic
+            splits = tc_decode_splits(q.device, hk * batch * chunks, block_tables.shape[1], self.tc)
         else:
             chunks = math.ceil(hq // hk / decode_rows(head_dim, hq // hk))
-        splits, part_o, part_ml = self._split_buffers(q, hk * batch * chunks, block_tables.shape[1], per_sm, min_keys,
-                                                      most, TC_LONG_KEYS_PER_SPLIT if tc else 0)
+            splits = decode_splits(q.device, hk * batch * chunks, block_tables.shape[1])
+        part_o, part_ml = _split_buffers(q, splits)
         v_signs = kv.v.signs if restore and splits > 1 else None
         # the tensor-core decode combines its own splits (counters), the other one's go to the combine
         counters = self.ops.combine_counters(q.device, batch * hk * chunks) if tc and splits > 1 else None
@@ -138,9 +137,8 @@ class CudaPagedAttention:
             return self.paged_decode(q, kv, block_tables, seq_lens, scale, restore_v=True)
         self._check_rope(kv, hk, head_dim, rot_dim)
         chunks = math.ceil(hq // hk / TC_ROWS)
-        splits, part_o, part_ml = self._split_buffers(q, hk * tokens * chunks, block_tables.shape[1],
-                                                      self.tc.ctas_per_sm, TC_MIN_KEYS_PER_SPLIT, self.tc.max_splits,
-                                                      TC_LONG_KEYS_PER_SPLIT)
+        splits = tc_decode_splits(q.device, hk * tokens * chunks, block_tables.shape[1], self.tc)
+        part_o, part_ml = _split_buffers(q, splits)
         cluster = rope_decode_cluster(q.device, hk * tokens * chunks, splits)
         out = torch.empty(tokens, hq, head_dim, dtype=q.dtype, device=q.device)
         (qs, q_stride), (ks, k_stride), (vs, v_stride) = (_head_rows(x) for x in (q, k, v))
@@ -176,15 +174,15 @@ class CudaPagedAttention:
             )
         return out
 
-    def _split_buffers(self, q: torch.Tensor, ctas: int, max_blocks: int, per_sm: int, min_keys: int, most: int,
-                       long_keys: int):
-        """(splits, part_o, part_ml) of a decode launch: the partials' fp32 buffers when split."""
-        batch, hq, head_dim = q.shape
-        splits = decode_splits(q.device, ctas, max_blocks, per_sm, min_keys, most, long_keys)
-        if splits == 1:
-            return splits, None, None
-        return (splits, torch.empty(batch, hq, splits, head_dim, dtype=torch.float32, device=q.device),
-                torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device))
+
+def _split_buffers(q: torch.Tensor, splits: int):
+    """(part_o, part_ml) of a decode launch split ``splits`` ways: the partials' fp32 buffers, or
+    None when unsplit."""
+    if splits == 1:
+        return None, None
+    batch, hq, head_dim = q.shape
+    return (torch.empty(batch, hq, splits, head_dim, dtype=torch.float32, device=q.device),
+            torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device))
 
 
 def rope_decode_cluster(device: torch.device, items: int, splits: int) -> int:
@@ -195,6 +193,13 @@ def rope_decode_cluster(device: torch.device, items: int, splits: int) -> int:
     combine is on the step's critical path); else 1 (the last split combines, by counter)."""
     few = 1 < splits <= TC_MAX_CLUSTER and items * splits <= cuda_launch._sm_count(device.index)
     return splits if few and clusters_available(device.index) else 1
+
+
+def tc_decode_splits(device: torch.device, ctas: int, max_blocks: int, tc: TensorCoreDecode) -> int:
+    """:func:`decode_splits` of a tensor-core decode launch (either path: the same count, so the
+    one launch and the launches it replaces sum alike)."""
+    return decode_splits(device, ctas, max_blocks, tc.ctas_per_sm, TC_MIN_KEYS_PER_SPLIT, tc.max_splits,
+                         TC_LONG_KEYS_PER_SPLIT)
 
 
 def decode_splits(device: torch.device, ctas: int, max_blocks: int, per_sm: int = DECODE_CTAS_PER_SM,

@@ -98,7 +98,10 @@ class TensorCoreDecode:
     ctas_per_sm: int  # its __launch_bounds__ minimum
     programmatic: bool  # launched with programmatic dependent launch
     one_launch: bool = False
-    max_splits: int = 32  # the most context splits of a launch (the kernel combines up to TC_MAX_SPLITS)
+    # The most context splits of a launch (the kernel combines up to TC_MAX_SPLITS): bf16 and fp8
+    # split a batch-1 32k context 60 ways (bf16 186.5 against 181.7 tok/s at 32, fp8 even on an
+    # H200); the packed sides' decodes measured faster at 32 (nvfp4 197.1 against 191.9).
+    max_splits: int = 32
 
 
 def _none(_layers: int) -> int:
@@ -171,9 +174,7 @@ KV_DTYPES: dict[KvCacheDtype, KvDtypeRow] = {
     D.BF16: KvDtypeRow(S.BF16, S.BF16, None, PLAIN_WRITE, (("", 512),), PrefillBuild("", 512, False), _none,
                        TensorCoreDecode(ctas_per_sm=4, programmatic=True, one_launch=True, max_splits=64)),
     # fp8's tensor-core decode is bound by instruction issue: launched programmatically it lost 4% at
-    # batch 16 and 32k context (1050 vs 1094 tok/s on an H200), so it launches normally. bf16 and fp8
-    # split a batch-1 32k context 60 ways (186.5 against 181.7 tok/s for bf16 at 32; fp8 even); the
-    # packed sides' decodes measured faster at 32 (nvfp4 197.1 against 191.9).
+    # batch 16 and 32k context (1050 vs 1094 tok/s on an H200), so it launches normally.
     D.FP8: KvDtypeRow(S.FP8, S.FP8, None, FP8_WRITE, (("", 512),), PrefillBuild("", 512, False), _none,
                       TensorCoreDecode(ctas_per_sm=3, programmatic=False, one_launch=True, max_splits=64)),
     D.NVFP4: KvDtypeRow(S.NVFP4, S.NVFP4, None, NVFP4_WRITE, (("", 512),), PrefillBuild("", 512, False), _none,
