@@ -193,6 +193,8 @@ __device__ void decode_tc_entry(DecodeShared& sh, const bf16_t* q, const void* k
                                 float* part_o, float* part_ml, const float* k_scale,
                                 const float* v_scale, float scale, int num_q_heads, int num_kv_heads,
                                 int max_blocks, int num_splits, unsigned* counters, const float* v_signs) {
+    TL_BEGIN(2);  // the timeline build's marks (tools/attention_timeline.py): kind 2, no wait (1 = 0)
+    TL_MARK(1);
     float* smem_o = sh.o;
     float* smem_ml = sh.ml;
     CombineShared& csh = sh.combine;
@@ -204,6 +206,7 @@ __device__ void decode_tc_entry(DecodeShared& sh, const bf16_t* q, const void* k
     const bool combines = num_splits > 1 && counters != nullptr;
     if (num_splits > 1 && begin >= len) {  // the combine skips it; split 0 of an empty context combines none
         if (combines && len == 0 && split == 0) combine_rows<D>(combine, csh, head0, rows, 0, smem_o);
+        TL_MARK(5);
         return;
     }
     const TcWork w{q + head0 * D,
@@ -226,10 +229,19 @@ __device__ void decode_tc_entry(DecodeShared& sh, const bf16_t* q, const void* k
                    smem_o,
                    smem_ml};
     decode_tc<D, KF, VF>(w);
-    if (!combines) return;
+    TL_MARK(2);  // the split decoded: its output or partials written
+    if (!combines) {
+        TL_MARK(5);
+        return;
+    }
     const int chunks = (group + TC_ROWS - 1) / TC_ROWS, active = active_splits(len, num_splits);
-    if (last_split(combine, csh, (b * num_kv_heads + blockIdx.x) * chunks + chunk, active))
+    const bool last = last_split(combine, csh, (b * num_kv_heads + blockIdx.x) * chunks + chunk, active);
+    TL_MARK(3);  // the split counter taken
+    if (last) {
         combine_rows<D>(combine, csh, head0, rows, active, smem_o);  // decode_tc is done with smem_o
+        TL_MARK(4);  // the combine done
+    }
+    TL_MARK(5);
 }
 
 // The arguments of paged_decode_attn<suffix> (paged_decode.cu), then counters and v_signs; grid =
