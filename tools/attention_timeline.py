@@ -2,6 +2,7 @@
 
     python -m tools.attention_timeline --kv-cache-dtype nvfp4 --context 32768
     python -m tools.attention_timeline --kv-cache-dtype turbo4 --context 4096 --splits 32
+    python -m tools.attention_timeline --kv-cache-dtype bf16 --evict 256   # the cache out of L2
 
 ``paged_decode`` (the decode launch of the two-launch path, the output rotated back as the layer
 asks for it) over a cache of random K / V, qwen3-8b's heads by default (32 on 8, head_dim 128),
@@ -42,6 +43,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
     p.add_argument("--splits", type=int, default=0, help="context splits (0: the rule's)")
     p.add_argument("--launches", type=int, default=20, help=f"launches in the graph (4 to {tl.LAUNCHES})")
+    p.add_argument("--evict", type=int, default=0, metavar="MB",
+                   help="between launches, write MB megabytes so the cache starts each launch out of L2 "
+                        "(as in a model's step, where weights stream between layers); the gap then counts it")
     return p
 
 
@@ -91,6 +95,13 @@ def main() -> None:
     def decode():
         return attention.paged_decode(q, kv, tables, lens, a.head_dim**-0.5, restore_v=True)
 
+    scratch = torch.empty(a.evict * 10**6, dtype=torch.uint8, device=device) if a.evict else None
+
+    def step():
+        if scratch is not None:
+            scratch.fill_(1)
+        return decode()
+
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         decode()
@@ -98,7 +109,7 @@ def main() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         for _ in range(a.launches):
-            decode()
+            step()
     graph.replay()
     torch.cuda.synchronize()
     marks, counts = tl._globals(ops, "paged_decode_tc")
@@ -110,7 +121,8 @@ def main() -> None:
     s = summarize(marks[KIND].get(), a.launches)
     mb = sum(p.data.numel() * p.data.element_size() for p in (kv.k, kv.v)) * a.context / (tables.shape[1] * 16) / 1e6
     print(f"{dtype.value} decode, batch 1, {a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}, context "
-          f"{a.context} ({mb:.1f} MB of cache data), {s['ctas']} CTAs, {a.launches} launches in a graph:")
+          f"{a.context} ({mb:.1f} MB of cache data), {s['ctas']} CTAs, {a.launches} launches in a graph"
+          + (f", {a.evict} MB written between them:" if a.evict else ":"))
     print(f"  gap {s['gap']:.2f} µs, span {s['span']:.2f} µs; from each CTA's start, median [slowest], µs:")
     for j, name in enumerate(("decoded", "counter", "combined", "end")):  # marks 2 .. 5
         md, sl = s["med"][j], s["slow"][j]
