@@ -15,6 +15,13 @@
 struct HeadScratch {
     bf16_t row[WRITE_MAX_D];  // the head after norm and RoPE
     WriteScratch write;
+    // The warp's constants, loaded before the PDL wait (none comes from the launch just before):
+    // the position's cos and sin halves, the head's norm weights, its side's WHT signs (the K
+    // side's for a query) and its KV head's InnerQ scales.
+    float cos_sin[WRITE_MAX_D];
+    __align__(16) bf16_t norm[WRITE_MAX_D];
+    float signs[2 * WRITE_MAX_D];
+    float channel[WRITE_MAX_D];
 };
 
 // The kernel's parameters (see the entry points below).
@@ -32,49 +39,73 @@ struct RopeCacheArgs {
 };
 
 // The query in a rotated K side's basis, as the unrotated query then wht_bf16_inplace and the
-// InnerQ division would store it: row (D bf16, shared) = bf16(R row), then bf16(that / the scales
-// of KV head kvh) when channel is set. y: D floats of scratch. Run by one warp.
+// InnerQ division would store it: row (D bf16, shared) = bf16(R row), then bf16(that / channel)
+// when channel (its KV head's D scales) is set. y: D floats of scratch. Run by one warp.
 template <int D>
-__device__ void rotate_query(bf16_t* row, const float* signs, const float* channel, int kvh, float* y) {
+__device__ void rotate_query(bf16_t* row, const float* signs, const float* channel, float* y) {
     wht_rotate_row<D>(row, signs, signs + D, y);
     if (channel == nullptr) return;
     const int lane = threadIdx.x & 31;
-    for (int i = lane; i < D; i += 32) row[i] = f32_to_bf16(__fdiv_rn(bf16_to_f32(row[i]), channel[kvh * D + i]));
+    for (int i = lane; i < D; i += 32) row[i] = f32_to_bf16(__fdiv_rn(bf16_to_f32(row[i]), channel[i]));
     __syncwarp();
+}
+
+// n floats or bf16s from global memory to the warp's shared copy (null when src is).
+template <class T>
+__device__ const T* stage_warp(const T* src, T* dst, int n) {
+    if (src == nullptr) return nullptr;
+    for (int i = threadIdx.x & 31; i < n; i += 32) dst[i] = src[i];
+    return dst;
 }
 
 // One CTA of 64 threads per (token, y). y < Hk: KV head y, warp 0 normalizes, rotates and stores
 // K, warp 1 stores V (nothing when the slot is negative). y >= Hk: warp w takes query head
 // 2 * (y - Hk) + w and writes it, normalized and rotated, to q_out (T, Hq, D); with rotate_q also
-// in the K side's basis (rotate_query).
+// in the K side's basis (rotate_query). Before its PDL wait a warp stages its constants and reads
+// the token's slot and position (a step's inputs, written launches before: pdl.cuh); q / k / v,
+// the launch before's output, only after it.
 template <class KW, class VW, int D>
 __device__ void rope_and_cache_head(const RopeCacheArgs& a, HeadScratch& s) {
     const long long t = blockIdx.x;
     const int y = blockIdx.y, warp = threadIdx.x >> 5;
     const int half = a.rot_dim / 2;
-    const long long pos = a.positions[t];
-    const float* cos_row = a.cos_table + pos * half;
-    const float* sin_row = a.sin_table + pos * half;
-    if (y < a.hk) {
-        const int slot = a.slot_mapping[t];
-        if (slot < 0) return;
-        if (warp == 0) {
+    const bool kv = y < a.hk, writes_v = kv && warp == 1;
+    const int head = kv ? y : (y - a.hk) * ROPE_CACHE_WARPS + warp;  // a KV head, or a query head
+    const int kvh = kv ? y : head / max(1, a.hq / a.hk);
+    const int slot = kv ? __ldcg(a.slot_mapping + t) : 0;
+    const bool works = kv ? slot >= 0 : head < a.hq;
+    const float *cos_row = nullptr, *sin_row = nullptr, *signs = nullptr, *channel = nullptr;
+    const bf16_t* norm = nullptr;
+    if (works && !writes_v) {
+        const long long pos = __ldcg(a.positions + t);
+        cos_row = stage_warp(a.cos_table + pos * half, s.cos_sin, half);
+        sin_row = stage_warp(a.sin_table + pos * half, s.cos_sin + half, half);
+        norm = stage_warp(kv ? a.k_norm : a.q_norm, s.norm, D);
+        if (kv || a.rotate_q) {
+            signs = stage_warp(a.k_signs, s.signs, 2 * D);
+            channel = stage_warp(a.channel == nullptr ? nullptr : a.channel + (long long)kvh * D, s.channel, D);
+        }
+    } else if (works) {
+        signs = stage_warp(a.v_signs, s.signs, 2 * D);
+    }
+    __syncwarp();
+    pdl_wait();
+    pdl_launch_dependents();
+    if (!works) return;
+    if (kv) {
+        if (!writes_v) {
             const bf16_t* k = a.k + t * a.k_stride + (long long)y * D;
-            norm_rope<D>(k, a.k_norm, a.eps, cos_row, sin_row, half, s.row);
-            store_vector<KW, D>(s.row, a.k_cache, slot, y, a.hk, a.k_scale, a.k_signs, a.channel,
-                                s.write);
+            norm_rope<D>(k, norm, a.eps, cos_row, sin_row, half, s.row);
+            store_vector<KW, D>(s.row, a.k_cache, slot, y, a.hk, a.k_scale, signs, channel, s.write);
         } else {
             const bf16_t* v = a.v + t * a.v_stride + (long long)y * D;
-            store_vector<VW, D>(v, a.v_cache, slot, y, a.hk, a.v_scale, a.v_signs, nullptr,
-                                s.write);
+            store_vector<VW, D>(v, a.v_cache, slot, y, a.hk, a.v_scale, signs, nullptr, s.write);
         }
         return;
     }
-    const int head = (y - a.hk) * ROPE_CACHE_WARPS + warp;
-    if (head >= a.hq) return;
     const bf16_t* q = a.q + t * a.q_stride + (long long)head * D;
-    norm_rope<D>(q, a.q_norm, a.eps, cos_row, sin_row, half, s.row);
-    if (a.rotate_q) rotate_query<D>(s.row, a.k_signs, a.channel, head / (a.hq / a.hk), s.write.y);
+    norm_rope<D>(q, norm, a.eps, cos_row, sin_row, half, s.row);
+    if (a.rotate_q && signs != nullptr) rotate_query<D>(s.row, signs, channel, s.write.y);
     store_row<D>(s.row, a.q_out + (t * a.hq + head) * D);
 }
 
@@ -82,7 +113,11 @@ template <class KW, class VW>
 __device__ void rope_and_cache(const RopeCacheArgs& a, int head_dim) {
     __shared__ HeadScratch scratch[ROPE_CACHE_WARPS];  // sized for D = 512, shared by every D
     const int warp = threadIdx.x >> 5;
-    if (warp >= ROPE_CACHE_WARPS) return;
+    if (warp >= ROPE_CACHE_WARPS) {
+        pdl_wait();
+        pdl_launch_dependents();
+        return;
+    }
     switch (head_dim) {
         case 64: rope_and_cache_head<KW, VW, 64>(a, scratch[warp]); break;
         case 128: rope_and_cache_head<KW, VW, 128>(a, scratch[warp]); break;
@@ -106,8 +141,6 @@ __device__ void rope_and_cache(const RopeCacheArgs& a, int head_dim) {
         const float* v_scale, const float* k_signs, const float* v_signs,                          \
         const float* channel_scale, int q_stride, int k_stride, int v_stride, int hq, int hk,      \
         int head_dim, int rot_dim, float eps, int rotate_q) {                                      \
-        pdl_wait();                                                                                \
-        pdl_launch_dependents();                                                                   \
         const RopeCacheArgs a{q, k, v, q_out, k_cache, v_cache, slot_mapping, positions,           \
                               cos_table, sin_table, q_norm, k_norm, k_scale, v_scale, k_signs,     \
                               v_signs, channel_scale, q_stride, k_stride, v_stride, hq, hk,        \

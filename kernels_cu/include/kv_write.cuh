@@ -4,8 +4,8 @@
 //
 // A store type `store_<name>` says how: element sides (bf16, fp8) convert each element; packed
 // sides stage the vector in shared memory as fp32, rotate it (turbo) and multiply the InnerQ
-// channel scales (when given), then one lane per group of 16 picks the codes and the scale, and
-// the warp packs the bytes.
+// channel scales (when given), then the 16 lanes of a half-warp pick a group's codes and scale
+// (two groups a pass, the group's sums by shuffles), and the warp packs the bytes.
 #pragma once
 #include "kv_formats.cuh"
 #include "wht.cuh"
@@ -18,42 +18,34 @@ struct WriteScratch {
     unsigned short scales[WRITE_MAX_D / KV_GROUP];
 };
 
-// Sum of a group's 16 values in the warp's xor-shuffle order: for h in 8, 4, 2, 1:
-// v[i] = v[i] + v[i ^ h]. Destroys v.
-__device__ __forceinline__ float butterfly_sum16(float* v) {
+// Sum of a group's 16 values, one a lane (lanes 16h .. 16h + 15 hold a group), in xor-shuffle
+// order: for h in 8, 4, 2, 1: v = v + v of lane ^ h. Addition commutes, so every lane of the
+// group ends with the same bits. Run by the whole warp.
+__device__ __forceinline__ float group_sum16(float v) {
 #pragma unroll
-    for (int h = 8; h > 0; h >>= 1) {
-        float w[KV_GROUP];
-#pragma unroll
-        for (int i = 0; i < KV_GROUP; ++i) w[i] = __fadd_rn(v[i], v[i ^ h]);
-#pragma unroll
-        for (int i = 0; i < KV_GROUP; ++i) v[i] = w[i];
-    }
-    return v[0];
+    for (int h = 8; h > 0; h >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, h));
+    return v;
 }
 
-__device__ __forceinline__ float group_amax(const float* x) {
-    float m = 0.0f;
+__device__ __forceinline__ float group_amax16(float x) {
+    float m = fabsf(x);
 #pragma unroll
-    for (int i = 0; i < KV_GROUP; ++i) m = fmaxf(m, fabsf(x[i]));
+    for (int h = 8; h > 0; h >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, h));
     return m;
 }
 
-// ---- group quantizers: 16 fp32 values -> 16 codes, returns the group's scale bits ----------------
+// ---- group quantizers: a group's 16 fp32 values, one a lane -> the lane's code, and the group's
+// scale bits (returned in every lane of the group). Run by the whole warp, without divergence.
 struct store_nvfp4 {
     static constexpr bool kPacked = true, kRotated = false;
     static constexpr int BITS = 4, SB = 1;
-    __device__ static unsigned int group(const float* x, u8_t* codes) {
-        const unsigned int s8 = f32_to_e4m3(__fdiv_rn(group_amax(x), 6.0f));
+    __device__ static unsigned int group(float x, u8_t& code) {
+        const unsigned int s8 = f32_to_e4m3(__fdiv_rn(group_amax16(x), 6.0f));
         const float s = e4m3_to_f32(s8);
-#pragma unroll
-        for (int i = 0; i < KV_GROUP; ++i) {
-            const float q = s == 0.0f ? 0.0f : __fdiv_rn(x[i], s);
-            const float a = fabsf(q);
-            const int mag = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
-                            (a >= 3.5f) + (a > 5.0f);
-            codes[i] = (u8_t)(((q < 0.0f) << 3) | mag);
-        }
+        const float q = s == 0.0f ? 0.0f : __fdiv_rn(x, s);
+        const float a = fabsf(q);
+        const int mag = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+        code = (u8_t)(((q < 0.0f) << 3) | mag);
         return s8;
     }
 };
@@ -62,33 +54,24 @@ template <int B>
 struct store_codebook {
     static constexpr bool kPacked = true, kRotated = true;
     static constexpr int BITS = B, SB = 1, N = 1 << B;
-    __device__ static unsigned int group(const float* x, u8_t* codes) {
-        float v[KV_GROUP];
-#pragma unroll
-        for (int i = 0; i < KV_GROUP; ++i) v[i] = __fmul_rn(x[i], x[i]);
-        const float ss = butterfly_sum16(v);
-        if (ss == 0.0f) {
-#pragma unroll
-            for (int i = 0; i < KV_GROUP; ++i) codes[i] = N / 2;
-            return 0;
-        }
+    __device__ static unsigned int group(float x, u8_t& code) {
+        const float ss = group_sum16(__fmul_rn(x, x));
         const float rms = __fsqrt_rn(__fdiv_rn(ss, 16.0f));
-        float bound[N - 1];
+        const float u = __fdiv_rn(x, rms);  // NaN for an all-zero group (its code is set below)
+        // The nearest level (ties go low): the count of midpoints below u; the level by selects over
+        // constant-bank operands (an indexed constant load would serialize over the lanes' codes).
+        int c = 0;
+        float level = codebook_level<B>(0);
 #pragma unroll
-        for (int k = 0; k < N - 1; ++k)
-            bound[k] = __fdiv_rn(__fadd_rn(codebook_level<B>(k), codebook_level<B>(k + 1)), 2.0f);
-#pragma unroll
-        for (int i = 0; i < KV_GROUP; ++i) {
-            const float u = __fdiv_rn(x[i], rms);
-            int code = 0;
-#pragma unroll
-            for (int k = 0; k < N - 1; ++k) code += bound[k] < u;  // nearest level, ties go low
-            codes[i] = (u8_t)code;
-            const float l = codebook_level<B>(code);
-            v[i] = __fmul_rn(l, l);
+        for (int k = 0; k < N - 1; ++k) {
+            const bool above =
+                __fdiv_rn(__fadd_rn(codebook_level<B>(k), codebook_level<B>(k + 1)), 2.0f) < u;
+            c += above;
+            level = above ? codebook_level<B>(k + 1) : level;
         }
-        const float cn = __fsqrt_rn(butterfly_sum16(v));  // norm of the chosen levels
-        return f32_to_e4m3(__fdiv_rn(__fsqrt_rn(ss), cn));
+        const float cn = __fsqrt_rn(group_sum16(__fmul_rn(level, level)));  // norm of the chosen levels
+        code = (u8_t)(ss == 0.0f ? N / 2 : c);
+        return ss == 0.0f ? 0u : f32_to_e4m3(__fdiv_rn(__fsqrt_rn(ss), cn));
     }
 };
 
@@ -99,11 +82,10 @@ typedef store_codebook<2> store_turbo2;
 struct store_turbo8 {
     static constexpr bool kPacked = true, kRotated = true;
     static constexpr int BITS = 8, SB = 2;
-    __device__ static unsigned int group(const float* x, u8_t* codes) {
-        const bf16_t sb = f32_to_bf16(__fdiv_rn(group_amax(x), 448.0f));
+    __device__ static unsigned int group(float x, u8_t& code) {
+        const bf16_t sb = f32_to_bf16(__fdiv_rn(group_amax16(x), 448.0f));
         const float s = bf16_to_f32(sb);
-#pragma unroll
-        for (int i = 0; i < KV_GROUP; ++i) codes[i] = s == 0.0f ? 0 : (u8_t)f32_to_e4m3(__fdiv_rn(x[i], s));
+        code = s == 0.0f ? 0 : (u8_t)f32_to_e4m3(__fdiv_rn(x, s));
         return sb;
     }
 };
@@ -149,7 +131,7 @@ __device__ void store_elements(const bf16_t* src, void* pool, long long slot, in
 }
 
 // Store src (D bf16, original basis) at `slot` / `head` of `pool`. scale: the (1,) fp8 scale;
-// signs: (2, D) WHT signs of a rotated side; channel: (Hk, D) InnerQ scales or null.
+// signs: (2, D) WHT signs of a rotated side; channel: the D InnerQ scales of `head`, or null.
 template <class W, int D>
 __device__ void store_vector(const bf16_t* src, void* pool, long long slot, int head, int hk,
                              const float* scale, const float* signs, const float* channel,
@@ -165,11 +147,15 @@ __device__ void store_vector(const bf16_t* src, void* pool, long long slot, int 
         __syncwarp();
         if constexpr (W::kRotated) wht_rotate<D>(s.y, signs, signs + D);
         if (channel != nullptr) {
-            for (int i = lane; i < D; i += 32) s.y[i] = __fmul_rn(s.y[i], channel[head * D + i]);
+            for (int i = lane; i < D; i += 32) s.y[i] = __fmul_rn(s.y[i], channel[i]);
             __syncwarp();
         }
-        if (lane < Block::kGroups) {
-            s.scales[lane] = (unsigned short)W::group(s.y + lane * KV_GROUP, s.codes + lane * KV_GROUP);
+        for (int g0 = 0; g0 < Block::kGroups; g0 += 2) {  // two groups a pass (kGroups is even)
+            const int g = g0 + (lane >> 4), e = g * KV_GROUP + (lane & 15);
+            u8_t code;
+            const unsigned int sb = W::group(s.y[e], code);
+            s.codes[e] = code;
+            if ((lane & 15) == 0) s.scales[g] = (unsigned short)sb;
         }
         __syncwarp();
         u8_t* base = static_cast<u8_t*>(pool);
@@ -198,7 +184,8 @@ __device__ void write_kv(const bf16_t* k, const bf16_t* v, void* k_cache, void* 
     const long long src = (t * hk + head) * head_dim;
 #define METRALE_STORE(D)                                                                          \
     if (warp == 0)                                                                                \
-        store_vector<KW, D>(k + src, k_cache, slot, head, hk, k_scale, k_signs, channel, scratch[0]); \
+        store_vector<KW, D>(k + src, k_cache, slot, head, hk, k_scale, k_signs,                 \
+                            channel == nullptr ? nullptr : channel + (long long)head * D, scratch[0]); \
     else                                                                                          \
         store_vector<VW, D>(v + src, v_cache, slot, head, hk, v_scale, v_signs, nullptr, scratch[1])
     switch (head_dim) {
