@@ -164,15 +164,29 @@ __device__ void combine_rows(const SplitCombine& c, CombineShared& sh, long long
     for (int idx = threadIdx.x; idx < rows * D; idx += TC_THREADS) c.out[head0 * D + idx] = f32_to_bf16(stage[idx]);
 }
 
+// *p += v at GPU scope, releasing what the CTA wrote before its barrier (the release is cumulative
+// over the writes bar.sync ordered before it) and acquiring what the adds before it released: one
+// trip to L2, where two fences and a relaxed add took three.
+__device__ __forceinline__ unsigned atomic_add_acq_rel(unsigned* p, unsigned v) {
+#if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__)
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+#else
+    __threadfence();
+    const unsigned old = atomicAdd(p, v);
+    __threadfence();
+    return old;
+#endif
+}
+
 // Whether this CTA is the last of its item's `active` splits to finish (its partials written).
 __device__ bool last_split(const SplitCombine& c, CombineShared& sh, int item, int active) {
     __syncthreads();  // every thread's partials are written
     if (threadIdx.x == 0) {
         unsigned* counter = c.counters + item;
-        __threadfence();
-        const bool last = atomicAdd(counter, 1u) == (unsigned)active - 1;
+        const bool last = atomic_add_acq_rel(counter, 1u) == (unsigned)active - 1;
         if (last) atomicExch(counter, 0u);  // zero again for the next launch
-        __threadfence();
         sh.is_last = last;
     }
     __syncthreads();
@@ -185,7 +199,45 @@ struct DecodeShared {
     float o[TC_WARPS * TC_ROWS * TC_MAX_D];  // decode_tc's warp partials
     float ml[TC_WARPS * TC_ROWS * 2];
     CombineShared combine;
+    float v_signs[2 * TC_MAX_D];  // a rotated V side's signs, staged before the PDL wait
 };
+
+// Pull one side's vectors of KV head kvh in cache block `block` into L2 (codes and scales of a
+// packed side), without waiting.
+template <int D, int F>
+__device__ void tc_prefetch_l2(const void* pool, long long block, int kvh, int hk) {
+    const unsigned char* p = static_cast<const unsigned char*>(pool);
+    if constexpr (TcFmt<F>::kPacked) {
+        typedef PackedBlock<D, TcFmt<F>::kBits, TcFmt<F>::kScaleBytes> Block;
+        pdl_prefetch_l2(p + Block::data(block, kv_row(0, kvh), hk), ATTN_BLOCK * Block::kDataBytes);
+        pdl_prefetch_l2(p + Block::scales(block, kv_row(0, kvh), hk),
+                        ATTN_BLOCK * Block::kGroups * TcFmt<F>::kScaleBytes);
+    } else {
+        constexpr int B = F == TC_FP8 ? 1 : 2;
+        pdl_prefetch_l2(p + (block * ATTN_BLOCK * hk + kv_row(0, kvh)) * (D * B), ATTN_BLOCK * D * B);
+    }
+}
+
+// Before the PDL wait of a programmatic launch (pdl.cuh: nothing the launch just before writes):
+// each warp's first tile pulled into L2 (the new key's block too: L2 takes its write coherently,
+// only this launch's reads wait) and a rotated V side's signs staged for the combine. Its own
+// call, so the decode's registers are allocated as without it.
+template <int D, int KF, int VF>
+__device__ __noinline__ void decode_tc_prologue(DecodeShared& sh, const void* k_cache, const void* v_cache,
+                                                const int* block_tables, const int* seq_lens, int num_kv_heads,
+                                                int max_blocks, int num_splits, const float* v_signs) {
+    const int b = blockIdx.y, split = blockIdx.z % num_splits;
+    const int len = __ldcg(seq_lens + b), per_split = split_keys(len, num_splits), begin = split * per_split;
+    const int first = begin + 16 * (threadIdx.x >> 5);  // the warp's first tile (decode_tc)
+    if ((threadIdx.x & 31) < 2 && first < min(len, begin + per_split)) {
+        const long long block = __ldcg(block_tables + (long long)b * max_blocks + first / ATTN_BLOCK);
+        if (threadIdx.x & 1) tc_prefetch_l2<D, VF>(v_cache, block, blockIdx.x, num_kv_heads);
+        else tc_prefetch_l2<D, KF>(k_cache, block, blockIdx.x, num_kv_heads);
+    }
+    if (v_signs != nullptr && num_splits > 1) {
+        for (int i = threadIdx.x; i < 2 * D; i += TC_THREADS) sh.v_signs[i] = v_signs[i];
+    }
+}
 
 template <int D, int KF, int VF>
 __device__ void decode_tc_entry(DecodeShared& sh, const bf16_t* q, const void* k_cache, const void* v_cache,
@@ -193,7 +245,7 @@ __device__ void decode_tc_entry(DecodeShared& sh, const bf16_t* q, const void* k
                                 float* part_o, float* part_ml, const float* k_scale,
                                 const float* v_scale, float scale, int num_q_heads, int num_kv_heads,
                                 int max_blocks, int num_splits, unsigned* counters, const float* v_signs) {
-    TL_BEGIN(2);  // the timeline build's marks (tools/attention_timeline.py): kind 2, no wait (1 = 0)
+    TL_BEGIN(2);  // the timeline build's marks (tools/attention_timeline.py): kind 2, 1 = after the PDL wait
     TL_MARK(1);
     float* smem_o = sh.o;
     float* smem_ml = sh.ml;
@@ -202,7 +254,8 @@ __device__ void decode_tc_entry(DecodeShared& sh, const bf16_t* q, const void* k
     const int len = seq_lens[b], per_split = split_keys(len, num_splits), begin = split * per_split;
     const int group = num_q_heads / num_kv_heads, rows = min(TC_ROWS, group - chunk * TC_ROWS);
     const long long head0 = (long long)b * num_q_heads + (long long)blockIdx.x * group + chunk * TC_ROWS;
-    const SplitCombine combine{part_o, part_ml, out, counters, v_signs, num_splits};
+    // the signs as decode_tc_prologue staged them (read after barriers)
+    const SplitCombine combine{part_o, part_ml, out, counters, v_signs == nullptr ? nullptr : sh.v_signs, num_splits};
     const bool combines = num_splits > 1 && counters != nullptr;
     if (num_splits > 1 && begin >= len) {  // the combine skips it; split 0 of an empty context combines none
         if (combines && len == 0 && split == 0) combine_rows<D>(combine, csh, head0, rows, 0, smem_o);
@@ -263,6 +316,12 @@ __device__ void decode_tc_entry(DecodeShared& sh, const bf16_t* q, const void* k
              int num_kv_heads, int head_dim, int max_blocks, int num_splits, unsigned* counters, \
              const float* v_signs) {                                                             \
         __shared__ DecodeShared sh;                                                              \
+        if (head_dim == 64)                                                                      \
+            decode_tc_prologue<64, kf, vf>(sh, k_cache, v_cache, block_tables, seq_lens,         \
+                                           num_kv_heads, max_blocks, num_splits, v_signs);       \
+        else if (head_dim == 128)                                                                \
+            decode_tc_prologue<128, kf, vf>(sh, k_cache, v_cache, block_tables, seq_lens,        \
+                                            num_kv_heads, max_blocks, num_splits, v_signs);      \
         pdl_wait();                                                                              \
         pdl_launch_dependents();                                                                 \
         if (head_dim == 64)                                                                      \

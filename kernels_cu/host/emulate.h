@@ -20,6 +20,7 @@
 #define METRALE_HOST_EMULATION 1
 #define __device__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
 #define __global__
 #define __constant__ static
 #define __shared__ static
