@@ -37,3 +37,4 @@ def test_gap_span_and_marks():
 def test_the_parser_takes_a_dtype_context_and_splits():
     a = at.parser().parse_args(["--kv-cache-dtype", "turbo4", "--context", "4096", "--splits", "16"])
     assert (a.kv_cache_dtype, a.context, a.splits, a.heads, a.kv_heads, a.head_dim) == ("turbo4", 4096, 16, 32, 8, 128)
+    assert a.evict == 0 and at.parser().parse_args(["--evict", "256"]).evict == 256

@@ -63,10 +63,12 @@ def test_prefill_host_timing_times_every_phase_from_outside_the_layers():
 
 
 @pytest.mark.parametrize("ffn", [["--dense", "96"], ["--experts", "8", "--inter", "32", "--top-k", "2"],
-                                 ["--experts", "8", "--inter", "32", "--top-k", "2", "--shared", "48"]])
+                                 ["--experts", "8", "--inter", "32", "--top-k", "2", "--shared", "48"],
+                                 ["--dense", "96", "--kv-cache-dtype", "turbo4k_turbo3v"]])
 def test_the_layer_launches_run_on_the_reference_ops(ffn):
     """moe_layer_launches' launches, built on the torch reference on the CPU at a small shape: each
-    runs, and the whole layer gives a row of the hidden size."""
+    runs, and the whole layer gives a row of the hidden size; the attention over the cache dtype
+    asked for."""
     import torch
 
     from metrale_cli.kernels.reference import TorchOps
@@ -76,6 +78,7 @@ def test_the_layer_launches_run_on_the_reference_ops(ffn):
                                                 "--layers", "2", "--context", "40", *ffn])
     launches = moe_layer_launches.build(a, TorchOps(), "cpu")
     assert ("dense FFN (DenseSwiGluFfn.add_row)" in launches) == ("--dense" in ffn)
+    assert a.kv_cache_dtype == (ffn[-1] if "--kv-cache-dtype" in ffn else "bf16")
     for fn in launches.values():
         fn(1)
     out = launches["whole layer"](0)

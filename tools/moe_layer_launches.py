@@ -6,6 +6,8 @@ no asserts). Qwen3-30B-A3B's shapes by default:
     python -m tools.moe_layer_launches --experts 512 --inter 512 --top-k 10 --shared 512 --layers 24 \
         --heads 16 --kv-heads 2 --head-dim 256  # Qwen3-Next's
     python -m tools.moe_layer_launches --hidden 4096 --kv-heads 8 --dense 12288 --layers 36  # Qwen3-8B's
+    python -m tools.moe_layer_launches --hidden 4096 --kv-heads 8 --dense 12288 --layers 36 \
+        --context 32768 --kv-cache-dtype turbo4  # its layer over a 32k turbo4 cache
 
 Every launch runs ``--layers`` times on distinct random weights (so a launch does not find its
 weights in L2 from the one before), replayed from one CUDA graph; the figure is µs per launch.
@@ -52,6 +54,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--inter", type=int, default=768)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--context", type=int, default=600)
+    p.add_argument("--kv-cache-dtype", default="bf16", help="the attention's KV-cache dtype (any of the 16)")
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--shared", type=int, default=0, help="a shared expert of this width (0: none)")
     p.add_argument("--dense", type=int, default=0,
@@ -71,7 +74,7 @@ def build(a: argparse.Namespace, ops: CudaOps, dev: str = "cuda") -> dict:
     qkv_w = [rand((hq + 2 * hk) * d, h) for _ in range(n)]
     o_w = [rand(h, hq * d) for _ in range(n)]
     gamma = torch.ones(h, device=dev, dtype=torch.bfloat16)
-    case = rope_decode_case([a.context], hq, hk, d, "bf16", seed=1)
+    case = rope_decode_case([a.context], hq, hk, d, a.kv_cache_dtype, seed=1)
     attention = ops.paged_attention(case["kv"].dtype, d)
     args = [list(rope_decode_args(case, kv_to(case["kv"], dev), dev)) for _ in range(4)]
     x, residual, o_in = rand(1, h) * 50, rand(1, h) * 50, rand(1, hq * d)
@@ -135,7 +138,7 @@ def main() -> None:
     ffn = (f"a dense FFN of {a.dense}" if a.dense else f"{a.experts} experts of {a.inter} (top {a.top_k})"
            + (f", a shared expert of {a.shared}" if a.shared else ""))
     print(f"batch-1 decode layer, hidden {a.hidden}, {a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}, "
-          f"{ffn}, context {a.context}, {a.layers} layers")
+          f"{ffn}, context {a.context} ({a.kv_cache_dtype}), {a.layers} layers")
     for name, fn in launches.items():
         print(f"  {name:36s} {_time(fn, a.layers):7.2f} µs")
 
