@@ -196,7 +196,7 @@ def test_tensor_core_decode_combines_its_splits_as_the_combine_launch(build_dir,
 
 
 @pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.NVFP4, KvCacheDtype.TURBO4,
-                                   KvCacheDtype.TURBO4K_TURBO3V], ids=lambda d: d.value)
+                                   KvCacheDtype.TURBO4K_TURBO3V, KvCacheDtype.BF16K_TURBO4V], ids=lambda d: d.value)
 def test_tensor_core_decode_combines_up_to_64_splits(build_dir, dtype):
     """TC_MAX_SPLITS: 4099 keys in 64 splits (52 of them live, two a lane in the combine's
     weights) and 2100 in 64 (44 live), beside a one-key and an empty context: within the attention

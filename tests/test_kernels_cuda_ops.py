@@ -284,6 +284,8 @@ def test_decode_gemvs_launch_two_ctas_per_sm_programmatically(ops):
     ("bf16", 2051, 60),  # 32k: bf16's 64 splits at most, 60 the fullest wave
     ("turbo4", 260, 16),
     ("turbo4", 2051, 32),  # the packed sides' decodes split at most 32 ways
+    ("bf16k_turbo4v", 2051, 60),  # but a bf16 K side's as bf16's
+    ("bf16k_turbo2v", 260, 16),
 ])
 def test_a_batch_one_decode_splits_long_contexts_by_256_keys(ops, dtype, max_blocks, splits):
     """Batch 1 of qwen3-8b's 8 KV heads (8 CTAs a split, far from a wave): the split count by the

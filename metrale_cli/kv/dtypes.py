@@ -98,9 +98,10 @@ class TensorCoreDecode:
     ctas_per_sm: int  # its __launch_bounds__ minimum
     programmatic: bool  # launched with programmatic dependent launch
     one_launch: bool = False
-    # The most context splits of a launch (the kernel combines up to TC_MAX_SPLITS): bf16 and fp8
-    # split a batch-1 32k context 60 ways (bf16 186.5 against 181.7 tok/s at 32, fp8 even on an
-    # H200); the packed sides' decodes measured faster at 32 (nvfp4 197.1 against 191.9).
+    # The most context splits of a launch (the kernel combines up to TC_MAX_SPLITS): bf16, fp8 and
+    # the bf16-K pairs split a batch-1 32k context 60 ways (bf16 186.5 against 181.7 tok/s at 32,
+    # fp8 even on an H200); the other packed sides' decodes measured faster at 32 (nvfp4 197.1
+    # against 191.9).
     max_splits: int = 32
 
 
@@ -163,6 +164,10 @@ _TURBO_PREFILL = PrefillBuild("_64", 512, True)
 # turbo3k_turbo8v ran 2-3% slower: up to 168 registers).
 _PACKED_TC = TensorCoreDecode(ctas_per_sm=4, programmatic=False)
 _PACKED_TC_WIDE = TensorCoreDecode(ctas_per_sm=3, programmatic=False)
+# A bf16 K side's decode is bf16's loop (no next tile in flight): at batch 1 it gains from bf16's 64
+# splits (qwen3-8b at 32k on an H200: bf16k_turbo4v 184.4 -> 188.5 tok/s, bf16k_turbo2v 186.8 ->
+# 190.8; turbo3's and turbo4k_turbo3v's did not gain).
+_BF16K_TC = TensorCoreDecode(ctas_per_sm=4, programmatic=False, max_splits=64)
 
 
 def _turbo(k: SideType, v: SideType, alias: str | None, decode=_BOTH, prefill=_TURBO_PREFILL,
@@ -186,9 +191,9 @@ KV_DTYPES: dict[KvCacheDtype, KvDtypeRow] = {
     D.TURBO4K_TURBO3V: _turbo(S.TURBO4, S.TURBO3, "turbo4k3v", _SMALL),
     D.TURBO4K_TURBO8V: _turbo(S.TURBO4, S.TURBO8, "turbo4k8v", _SMALL, tc=_PACKED_TC_WIDE),
     D.TURBO3K_TURBO8V: _turbo(S.TURBO3, S.TURBO8, "turbo3k8v", _SMALL, tc=_PACKED_TC_WIDE),
-    D.BF16K_TURBO4V: _turbo(S.BF16, S.TURBO4, "bf16k4v"),
-    D.BF16K_TURBO3V: _turbo(S.BF16, S.TURBO3, "bf16k3v", boundary=_four_fifths),
-    D.BF16K_TURBO2V: _turbo(S.BF16, S.TURBO2, "bf16k2v"),
+    D.BF16K_TURBO4V: _turbo(S.BF16, S.TURBO4, "bf16k4v", tc=_BF16K_TC),
+    D.BF16K_TURBO3V: _turbo(S.BF16, S.TURBO3, "bf16k3v", boundary=_four_fifths, tc=_BF16K_TC),
+    D.BF16K_TURBO2V: _turbo(S.BF16, S.TURBO2, "bf16k2v", tc=_BF16K_TC),
     D.FP8K_TURBO4V: _turbo(S.FP8, S.TURBO4, "fp8k4v", tc=_PACKED_TC_WIDE),
     D.FP8K_TURBO3V: _turbo(S.FP8, S.TURBO3, "fp8k3v"),
     D.FP8K_TURBO2V: _turbo(S.FP8, S.TURBO2, "fp8k2v"),
