@@ -404,7 +404,7 @@ def test_the_cluster_and_split_limits_mirror_the_kernel_sources():
     from metrale_cli.kernels import table
     from metrale_cli.kernels.registry import KERNELS_DIR
 
-    for source, name in (("paged_decode_tc.cu", "TC_MAX_CLUSTER"), ("paged_decode_tc.cu", "TC_MAX_SPLITS"),
+    for source, name in (("paged_decode_tc.cu", "TC_MAX_CLUSTER"), ("include/split_combine.cuh", "TC_MAX_SPLITS"),
                          ("moe.cu", "MOE_ROUTER_CLUSTER")):
         text = (KERNELS_DIR / source).read_text()
         assert int(re.search(rf"^#define {name} (\d+)", text, re.MULTILINE).group(1)) == getattr(table, name)
