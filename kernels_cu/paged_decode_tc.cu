@@ -362,9 +362,8 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
         }
         const int tile = begin + 16 * warp;  // this warp's first tile (decode_tc)
         if ((threadIdx.x & 31) < 2 && tile < end) {
-            const long long block = __ldcg(table + tile / ATTN_BLOCK);
-            const unsigned char* cache = static_cast<const unsigned char*>((threadIdx.x & 1) ? a.v_cache : a.k_cache);
-            pdl_prefetch_l2(cache + (block * a.hk + kvh) * (ATTN_BLOCK * D * (FP8 ? 1 : 2)), ATTN_BLOCK * D * (FP8 ? 1 : 2));
+            tc_prefetch_l2<D, FP8 ? TC_FP8 : TC_BF16>((threadIdx.x & 1) ? a.v_cache : a.k_cache,
+                                                      __ldcg(table + tile / ATTN_BLOCK), kvh, a.hk);
         }
     }
     __syncthreads();

@@ -71,7 +71,7 @@ __device__ void rope_and_cache_head(const RopeCacheArgs& a, HeadScratch& s) {
     const int half = a.rot_dim / 2;
     const bool kv = y < a.hk, writes_v = kv && warp == 1;
     const int head = kv ? y : (y - a.hk) * ROPE_CACHE_WARPS + warp;  // a KV head, or a query head
-    const int kvh = kv ? y : head / max(1, a.hq / a.hk);
+    const int kvh = kv ? y : head / (a.hq / a.hk);
     const int slot = kv ? __ldcg(a.slot_mapping + t) : 0;
     const bool works = kv ? slot >= 0 : head < a.hq;
     const float *cos_row = nullptr, *sin_row = nullptr, *signs = nullptr, *channel = nullptr;
@@ -83,7 +83,7 @@ __device__ void rope_and_cache_head(const RopeCacheArgs& a, HeadScratch& s) {
         norm = stage_warp(kv ? a.k_norm : a.q_norm, s.norm, D);
         if (kv || a.rotate_q) {
             signs = stage_warp(a.k_signs, s.signs, 2 * D);
-            channel = stage_warp(a.channel == nullptr ? nullptr : a.channel + (long long)kvh * D, s.channel, D);
+            channel = stage_warp(channel_row(a.channel, kvh, D), s.channel, D);
         }
     } else if (works) {
         signs = stage_warp(a.v_signs, s.signs, 2 * D);

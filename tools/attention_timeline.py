@@ -9,9 +9,9 @@ asks for it) over a cache of random K / V, qwen3-8b's heads by default (32 on 8,
 built with METRALE_TIMELINE (kernels_cu/include/timeline.cuh) and launched ``--launches`` times
 back to back from a CUDA graph. For the middle launches, means of:
 
-  gap     from the launch before's last CTA to this launch's first CTA
-  span    from that first CTA's start to this launch's last CTA's end
-  marks   per CTA from its start (median [slowest CTA]): 2 = its split decoded (output or
+  gap     from the launch before's last CTA to this launch's first CTA past its prologue and wait
+  span    from then to this launch's last CTA's end
+  marks   per CTA from its wait (median [slowest CTA]): 2 = its split decoded (output or
           partials written), 3 = the split counter taken, 4 = the combine done (the last
           split's CTA only), 5 = its end
 

@@ -14,7 +14,7 @@ void write_all(const bf16_t* src, void* pool, const int* slots, int tokens, int 
         if (slots[t] < 0) continue;
         for (int h = 0; h < hk; ++h) {
             const bf16_t* x = src + ((long long)t * hk + h) * D;
-            const float* row = channel == nullptr ? nullptr : channel + (long long)h * D;  // head h's scales
+            const float* row = channel_row(channel, h, D);
             run_warp([&] { store_vector<W, D>(x, pool, slots[t], h, hk, scale, signs, row, scratch); });
         }
     }

@@ -130,6 +130,11 @@ __device__ void store_elements(const bf16_t* src, void* pool, long long slot, in
     for (int i = lane; i < D; i += 32) dst[i] = W::convert(src[i], sc);
 }
 
+// KV head `head`'s D InnerQ scales in channel ((Hk, D) fp32), or null where channel is.
+__device__ __forceinline__ const float* channel_row(const float* channel, int head, int d) {
+    return channel == nullptr ? nullptr : channel + (long long)head * d;
+}
+
 // Store src (D bf16, original basis) at `slot` / `head` of `pool`. scale: the (1,) fp8 scale;
 // signs: (2, D) WHT signs of a rotated side; channel: the D InnerQ scales of `head`, or null.
 template <class W, int D>
@@ -184,8 +189,8 @@ __device__ void write_kv(const bf16_t* k, const bf16_t* v, void* k_cache, void* 
     const long long src = (t * hk + head) * head_dim;
 #define METRALE_STORE(D)                                                                          \
     if (warp == 0)                                                                                \
-        store_vector<KW, D>(k + src, k_cache, slot, head, hk, k_scale, k_signs,                 \
-                            channel == nullptr ? nullptr : channel + (long long)head * D, scratch[0]); \
+        store_vector<KW, D>(k + src, k_cache, slot, head, hk, k_scale, k_signs, channel_row(channel, head, D), \
+                            scratch[0]);                                                          \
     else                                                                                          \
         store_vector<VW, D>(v + src, v_cache, slot, head, hk, v_scale, v_signs, nullptr, scratch[1])
     switch (head_dim) {
