@@ -8,7 +8,8 @@
 //   moe_router_bf16    batch 1: the FFN's RMSNorm, the router's GEMV and moe_route_bf16's work
 //                      in one launch (the last CTA routes).
 //   moe_gate_up_bf16   per chosen expert and 16 columns of its width: silu(gate·x) * (up·x) for
-//                      every pair that chose it -> act (tensor cores).
+//                      every pair that chose it -> act (tensor cores). moe_gate_up_one_bf16:
+//                      the same for batch 1, more of a warp's weight loads in flight.
 //   moe_down_bf16      per chosen expert and 16 hidden columns: w * (down·act) for each pair -> y;
 //                      the last CTA of a column tile sums each row's top-k slots in slot order
 //                      [+ residual] -> out (tensor cores).
@@ -372,6 +373,9 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
 #define MOE_TC_ROWS 16  // weight rows (output columns) per CTA
 #define MOE_TC_NT 2  // 8-pair tiles per pass
 #define MOE_TC_PAIRS (8 * MOE_TC_NT)
+#ifndef MOE_GATE_UP_ONE_DEPTH
+#define MOE_GATE_UP_ONE_DEPTH 2  // weight blocks a warp's ring holds in moe_gate_up_one_bf16
+#endif
 
 struct Block16 {  // a lane's 16 elements of a 64-element K block: two 16-byte chunks
     Chunk c[2];
@@ -403,7 +407,11 @@ struct TcWork {
     bool input_by_row;   // gate/up: a pair's input is row q / top_k of `in`; down: row q
 
     // acc[t][nt][4]: the sums over K blocks part, part + MOE_TC_WARPS, .. (the CTA's warp by
-    // default) for the pass's pairs [base, base + MOE_TC_PAIRS).
+    // default) for the pass's pairs [base, base + MOE_TC_PAIRS). The weight blocks are a ring of
+    // DEPTH in registers: block i + DEPTH - 1's loads are issued before block i's MMAs, so a warp
+    // has DEPTH - 1 blocks in flight while it multiplies (DEPTH 1: load, then multiply). The sums'
+    // order is the same for every DEPTH.
+    template <int DEPTH>
     __device__ void pass(int base, float (&acc)[TILES][MOE_TC_NT][4], int part = threadIdx.x >> 5) const {
         const int lane = threadIdx.x & 31, warp = part, g = lane >> 2, c = lane & 3;
         const int blocks = (kdim + 63) / 64;
@@ -421,13 +429,15 @@ struct TcWork {
 #pragma unroll
             for (int h = 0; h < 2; ++h) wrow[t][h] = w + (long long)(row0[t] + g + 8 * h) * ld;
         const bool valid[2] = {g < rows_valid, g + 8 < rows_valid};
-        for (int kb = warp; kb < blocks; kb += MOE_TC_WARPS) {
+        auto load = [&](Block16 (&a)[TILES][2], int kb) {  // nothing is read past the last block
             const int k0 = kb * 64 + 16 * c;
-            Block16 a[TILES][2];
 #pragma unroll
             for (int t = 0; t < TILES; ++t)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) a[t][h] = load_block(wrow[t][h], k0, wk, valid[h], true);
+                for (int h = 0; h < 2; ++h) a[t][h] = load_block(wrow[t][h], k0, wk, kb < blocks && valid[h], true);
+        };
+        auto multiply = [&](const Block16 (&a)[TILES][2], int kb) {
+            const int k0 = kb * 64 + 16 * c;
 #pragma unroll
             for (int nt = 0; nt < MOE_TC_NT; ++nt) {
                 if (nt * 8 >= npairs) continue;  // warp-uniform
@@ -442,6 +452,17 @@ struct TcWork {
                         mma_bf16_16816(acc[t][nt], aw, bw);
                     }
                 }
+            }
+        };
+        Block16 a[DEPTH][TILES][2];
+#pragma unroll
+        for (int s = 0; s < DEPTH - 1; ++s) load(a[s], warp + s * MOE_TC_WARPS);
+        for (int kb0 = warp; kb0 < blocks; kb0 += DEPTH * MOE_TC_WARPS) {
+#pragma unroll
+            for (int s = 0; s < DEPTH; ++s) {  // ring slots by constant index: they stay in registers
+                const int kb = kb0 + s * MOE_TC_WARPS;
+                load(a[(s + DEPTH - 1) % DEPTH], kb + (DEPTH - 1) * MOE_TC_WARPS);
+                if (kb < blocks) multiply(a[s], kb);
             }
         }
     }
@@ -501,9 +522,9 @@ __device__ __forceinline__ ExpertRows down_rows(const bf16_t* down, const bf16_t
 // act (rows * top_k, inter) = silu(gate_e · x) * (up_e · x) for each pair's expert e. gate_up (E -
 // chunks, 2 * inter, hidden); shared_gate_up (2 * shared_width, hidden) or null (shared_width 0);
 // hidden % 8 == 0. grid (ceil(inter / 16), min(E, rows * top_k)), block MOE_TC_THREADS.
-extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
-    moe_gate_up_bf16(const bf16_t* x, const bf16_t* gate_up, const bf16_t* shared_gate_up, const int* plan,
-                     bf16_t* act, int hidden, int inter, int shared_width, int num_experts, int top_k) {
+template <int DEPTH>
+__device__ void gate_up_tiles(const bf16_t* x, const bf16_t* gate_up, const bf16_t* shared_gate_up, const int* plan,
+                              bf16_t* act, int hidden, int inter, int shared_width, int num_experts, int top_k) {
     __shared__ float red[(MOE_TC_WARPS - 1) * 2 * MOE_TC_NT * 4 * 32];
     TL_BEGIN(1);
     pdl_wait();
@@ -523,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     for (int base = lo; base < hi; base += MOE_TC_PAIRS) {
         float acc[2][MOE_TC_NT][4] = {};
-        wk.pass(base, acc);
+        wk.pass<DEPTH>(base, acc);
         tc_reduce<2>(acc, red);
         if ((threadIdx.x >> 5) != 0) continue;
 #pragma unroll
@@ -539,6 +560,22 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
     TL_MARK(5);
 }
 
+extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
+    moe_gate_up_bf16(const bf16_t* x, const bf16_t* gate_up, const bf16_t* shared_gate_up, const int* plan,
+                     bf16_t* act, int hidden, int inter, int shared_width, int num_experts, int top_k) {
+    gate_up_tiles<1>(x, gate_up, shared_gate_up, plan, act, hidden, inter, shared_width, num_experts, top_k);
+}
+
+// moe_gate_up_bf16 for batch 1, its act bit for bit: a warp keeps MOE_GATE_UP_ONE_DEPTH weight
+// blocks in flight (TcWork::pass). Its 168 registers would halve the CTAs an SM holds at more rows,
+// where the CTAs in flight cover the latency instead.
+extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
+    moe_gate_up_one_bf16(const bf16_t* x, const bf16_t* gate_up, const bf16_t* shared_gate_up, const int* plan,
+                         bf16_t* act, int hidden, int inter, int shared_width, int num_experts, int top_k) {
+    gate_up_tiles<MOE_GATE_UP_ONE_DEPTH>(x, gate_up, shared_gate_up, plan, act, hidden, inter, shared_width,
+                                         num_experts, top_k);
+}
+
 // Batch 1 (one row, so each chosen expert has one pair): moe_down_bf16's out for a column tile in
 // one CTA, with no y in global memory and no counter. Warps 4p .. 4p + 3 take the plan's expert p
 // (MOE_DOWN_ONE_WARPS / 4 experts a round) and split its K blocks as moe_down_bf16's CTA does, their
@@ -548,6 +585,9 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
 // 16), block MOE_DOWN_ONE_WARPS * 32; top_k <= MOE_DOWN_ONE_SLOTS.
 #define MOE_DOWN_ONE_WARPS 32
 #define MOE_DOWN_ONE_SLOTS 32
+#ifndef MOE_DOWN_ONE_DEPTH
+#define MOE_DOWN_ONE_DEPTH 2  // its warps' rings (TcWork::pass): 64 registers a thread hold 2
+#endif
 extern "C" __global__ void __launch_bounds__(MOE_DOWN_ONE_WARPS * 32, 1)
     moe_down_one_bf16(const bf16_t* act, const bf16_t* down, const bf16_t* shared_down, const int* plan,
                       const float* weights, const bf16_t* residual, bf16_t* out, int hidden, int inter,
@@ -571,7 +611,7 @@ extern "C" __global__ void __launch_bounds__(MOE_DOWN_ONE_WARPS * 32, 1)
             const ExpertRows er = down_rows(down, shared_down, e, num_experts, hidden, inter, shared_width);
             const TcWork<1> wk{er.w, act, pairs, {j0}, hidden - j0, j0, hidden, inter, er.ld, er.valid,
                                top_k, lo, lo + 1, false};
-            wk.pass(lo, acc, kw);
+            wk.pass<MOE_DOWN_ONE_DEPTH>(lo, acc, kw);
         }
 #pragma unroll
         for (int nt = 0; nt < MOE_TC_NT; ++nt)
@@ -631,7 +671,7 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     for (int base = lo; base < hi; base += MOE_TC_PAIRS) {
         float acc[1][MOE_TC_NT][4] = {};
-        wk.pass(base, acc);
+        wk.pass<1>(base, acc);
         tc_reduce<1>(acc, red);
         if ((threadIdx.x >> 5) != 0) continue;
 #pragma unroll

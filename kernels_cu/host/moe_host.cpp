@@ -39,12 +39,14 @@ extern "C" void host_moe_combine(const bf16_t* ys, const int* where, const float
     run_grid(rows, 1, threads, [&] { moe_combine_bf16(ys, where, weights, residual, out, hidden, top_k); });
 }
 
-// moe_gate_up_bf16 over a grid of `chosen` expert slots and 16 weight rows a CTA, as CudaOps.
+// moe_gate_up_bf16 (moe_gate_up_one_bf16 when `one`) over a grid of `chosen` expert slots and 16
+// weight rows a CTA, as CudaOps.
 static void gate_up_grid(const bf16_t* x, const bf16_t* gate_up, const bf16_t* shared_gate_up, const int* plan,
                          bf16_t* act, unsigned chosen, int hidden, int inter, int shared_width, int num_experts,
-                         int top_k) {
+                         int top_k, bool one = false) {
     run_grid((inter + MOE_TC_ROWS - 1) / MOE_TC_ROWS, chosen, MOE_TC_THREADS, [&] {
-        moe_gate_up_bf16(x, gate_up, shared_gate_up, plan, act, hidden, inter, shared_width, num_experts, top_k);
+        if (one) moe_gate_up_one_bf16(x, gate_up, shared_gate_up, plan, act, hidden, inter, shared_width, num_experts, top_k);
+        else moe_gate_up_bf16(x, gate_up, shared_gate_up, plan, act, hidden, inter, shared_width, num_experts, top_k);
     });
 }
 
@@ -64,14 +66,14 @@ extern "C" void host_moe_experts(const bf16_t* x, const bf16_t* gate_up, const b
     });
 }
 
-// Batch 1's experts as CudaOps launches them: moe_gate_up_bf16, then moe_down_one_bf16 (a CTA of
+// Batch 1's experts as CudaOps launches them: moe_gate_up_one_bf16, then moe_down_one_bf16 (a CTA of
 // MOE_DOWN_ONE_WARPS warps per column tile) in place of moe_down_bf16.
 extern "C" void host_moe_experts_one(const bf16_t* x, const bf16_t* gate_up, const bf16_t* down,
                                      const bf16_t* shared_gate_up, const bf16_t* shared_down, const int* plan,
                                      const float* weights, const bf16_t* residual, bf16_t* act, bf16_t* out, int hidden,
                                      int inter, int shared_width, int num_experts, int top_k) {
     gate_up_grid(x, gate_up, shared_gate_up, plan, act, (unsigned)min(num_experts, top_k), hidden, inter,
-                 shared_width, num_experts, top_k);
+                 shared_width, num_experts, top_k, true);
     run_grid((hidden + MOE_TC_ROWS - 1) / MOE_TC_ROWS, 1, MOE_DOWN_ONE_WARPS * 32, [&] {
         moe_down_one_bf16(act, down, shared_down, plan, weights, residual, out, hidden, inter, shared_width,
                           num_experts, top_k);

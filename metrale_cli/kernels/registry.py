@@ -116,7 +116,8 @@ MODULES: dict[str, KernelModule] = {
         KernelModule("decode_step", "decode_step.cu", (), ("decode_advance",)),
         # The routed experts of a MoE FFN for a few rows: routing, gate/up, down + the weighted sum;
         # for a prefill chunk the routing and the weighted sum around torch's grouped GEMMs.
-        KernelModule("moe", "moe.cu", (), ("moe_route_bf16", "moe_router_bf16", "moe_gate_up_bf16", "moe_down_bf16",
+        KernelModule("moe", "moe.cu", (), ("moe_route_bf16", "moe_router_bf16", "moe_gate_up_bf16",
+                                           "moe_gate_up_one_bf16", "moe_down_bf16",
                                            "moe_down_one_bf16", "moe_route_rows_bf16", "moe_combine_bf16")),
         # A Gated DeltaNet mixer's decode step: conv, the gated delta rule and the gated norm.
         KernelModule("gdn", "gdn.cu", (), ("gdn_decode_bf16",), head_dims=GDN_HEAD_K_DIMS),

@@ -91,6 +91,7 @@ MOE_GATE_UP = K("moe::moe_gate_up_bf16"), Signature.parse(
     "x: bf16*, gate_up: bf16*, shared_gate_up: bf16*?, plan: i32*, act: bf16*, hidden: i32, inter: i32, "
     "shared_width: i32, num_experts: i32, top_k: i32"
 )
+MOE_GATE_UP_ONE = K("moe::moe_gate_up_one_bf16"), MOE_GATE_UP[1]  # batch 1: more weight loads in flight
 MOE_DOWN = K("moe::moe_down_bf16"), Signature.parse(
     "act: bf16*, down: bf16*, shared_down: bf16*?, plan: i32*, weights: f32*, y: f32*, residual: bf16*?, "
     "out: bf16*, counters: i32*, rows: i32, hidden: i32, inter: i32, shared_width: i32, num_experts: i32, top_k: i32"
@@ -106,8 +107,8 @@ MOE_ROUTE_ROWS = K("moe::moe_route_rows_bf16"), Signature.parse(
 MOE_COMBINE = K("moe::moe_combine_bf16"), Signature.parse(
     "ys: bf16*, where: i32*, weights: f32*, residual: bf16*?, out: bf16*, hidden: i32, top_k: i32"
 )
-MOE_KERNELS = tuple(k[0] for k in (MOE_ROUTE, MOE_ROUTER, MOE_GATE_UP, MOE_DOWN, MOE_DOWN_ONE, MOE_ROUTE_ROWS,
-                                    MOE_COMBINE))
+MOE_KERNELS = tuple(k[0] for k in (MOE_ROUTE, MOE_ROUTER, MOE_GATE_UP, MOE_GATE_UP_ONE, MOE_DOWN, MOE_DOWN_ONE,
+                                    MOE_ROUTE_ROWS, MOE_COMBINE))
 MOE_TC_THREADS = 128  # moe.cu's expert CTA: 4 warps splitting K
 MOE_TC_ROWS = 16  # the weight rows (output columns) of one expert CTA
 MOE_DOWN_ONE_THREADS = 1024  # moe_down_one_bf16's CTA: every slot's experts of a column tile (batch 1)
