@@ -567,8 +567,9 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
 }
 
 // moe_gate_up_bf16 for batch 1, its act bit for bit: a warp keeps MOE_GATE_UP_ONE_DEPTH weight
-// blocks in flight (TcWork::pass). Its 168 registers would halve the CTAs an SM holds at more rows,
-// where the CTAs in flight cover the latency instead.
+// blocks in flight (TcWork::pass). Its 168 registers hold 3 CTAs an SM where moe_gate_up_bf16's
+// 80 hold 6, so it is launched only where its grid fits one wave of 3 (table.py's
+// MOE_GATE_UP_ONE_PER_SM).
 extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
     moe_gate_up_one_bf16(const bf16_t* x, const bf16_t* gate_up, const bf16_t* shared_gate_up, const int* plan,
                          bf16_t* act, int hidden, int inter, int shared_width, int num_experts, int top_k) {
@@ -585,9 +586,6 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
 // 16), block MOE_DOWN_ONE_WARPS * 32; top_k <= MOE_DOWN_ONE_SLOTS.
 #define MOE_DOWN_ONE_WARPS 32
 #define MOE_DOWN_ONE_SLOTS 32
-#ifndef MOE_DOWN_ONE_DEPTH
-#define MOE_DOWN_ONE_DEPTH 2  // its warps' rings (TcWork::pass): 64 registers a thread hold 2
-#endif
 extern "C" __global__ void __launch_bounds__(MOE_DOWN_ONE_WARPS * 32, 1)
     moe_down_one_bf16(const bf16_t* act, const bf16_t* down, const bf16_t* shared_down, const int* plan,
                       const float* weights, const bf16_t* residual, bf16_t* out, int hidden, int inter,
@@ -611,7 +609,7 @@ extern "C" __global__ void __launch_bounds__(MOE_DOWN_ONE_WARPS * 32, 1)
             const ExpertRows er = down_rows(down, shared_down, e, num_experts, hidden, inter, shared_width);
             const TcWork<1> wk{er.w, act, pairs, {j0}, hidden - j0, j0, hidden, inter, er.ld, er.valid,
                                top_k, lo, lo + 1, false};
-            wk.pass<MOE_DOWN_ONE_DEPTH>(lo, acc, kw);
+            wk.pass<1>(lo, acc, kw);
         }
 #pragma unroll
         for (int nt = 0; nt < MOE_TC_NT; ++nt)

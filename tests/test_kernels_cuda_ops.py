@@ -460,3 +460,25 @@ def test_decode_advance_takes_2048_logits_a_cta(ops):
         step = StepBuffers.zeros(2, 4, CPU)
         ops.decode_advance(torch.zeros(2, vocab), step, 2)
         assert ops.loader.calls[-1][1] == (slices, 2)
+
+
+@pytest.mark.parametrize("rows, inter, kernel", [
+    (1, 768, "moe_gate_up_one_bf16"),  # Qwen3-30B-A3B: 48 column tiles x 8 slots = 384 CTAs, one wave of 3 an SM
+    (1, 1408, "moe_gate_up_bf16"),  # Qwen1.5-MoE's 4 routed + 4 shared-chunk slots: 88 x 8 = 704, two waves
+    (2, 768, "moe_gate_up_bf16"),  # more rows: 6 CTAs an SM cover the latency
+])
+def test_batch_one_gate_up_keeps_more_loads_in_flight_where_its_grid_is_one_wave(ops, monkeypatch, rows, inter, kernel):
+    """moe_gate_up_one_bf16 (act bit for bit as moe_gate_up_bf16's) holds 3 CTAs an SM: it is
+    launched at batch 1 where its grid fits one wave of them (132 SMs here), never where that would
+    take two."""
+    monkeypatch.setattr(cuda_moe, "_ready", lambda t: t.contiguous())
+    experts, hidden, top_k = 8, 64, 8
+    x = torch.zeros(rows, hidden, dtype=torch.bfloat16)
+    gate_up = torch.zeros(experts, 2 * inter, hidden, dtype=torch.bfloat16)
+    down = torch.zeros(experts, hidden, inter, dtype=torch.bfloat16)
+    ids = torch.zeros(rows, top_k, dtype=torch.int32)
+    route = cuda_moe.MoeRoute(ids, torch.zeros(rows, top_k), torch.zeros(2 + 2 * experts + rows * top_k, dtype=torch.int32))
+    ops.moe_routed(x, route, gate_up, down, None)
+    name, grid, block, *_ = ops.loader.calls[0]
+    assert (name, grid, block) == (f"moe::{kernel}", (inter // 16, experts), (128,))
+    assert ops.loader.calls[1][0] == ("moe::moe_down_one_bf16" if rows == 1 else "moe::moe_down_bf16")

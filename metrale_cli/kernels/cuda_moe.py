@@ -5,7 +5,7 @@ each chosen expert's weights once per call (their dot products on tensor cores) 
 expert ids on the device; at batch 1 (:meth:`CudaMoe.moe_norm_route`) the FFN's norm, the router's
 GEMV and the routing are one more launch, moe_router_bf16, in place of three, and the down
 projection takes every slot of a column tile in one CTA (moe_down_one_bf16), and gate/up keeps more
-of a warp's weight loads in flight (moe_gate_up_one_bf16). More rows
+of a warp's weight loads in flight where its grid is one wave (moe_gate_up_one_bf16). More rows
 (prefill): moe.cu routes the rows, the tokens are sorted by expert, both expert projections run as
 grouped GEMMs on tensor cores (``torch._grouped_mm``, CUTLASS on sm_90), and moe.cu gathers each
 token's weighted sum back in slot order. Neither syncs with the host, so both can be captured in a CUDA graph.
@@ -23,12 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from metrale_cli.errors import MetraleError
+from metrale_cli.kernels import cuda_launch
 from metrale_cli.kernels.cuda_launch import CudaLauncher, _ready
 from metrale_cli.kernels.loader import clusters_available
 from metrale_cli.kernels.ops import MoeRoute, SharedExpert
 from metrale_cli.kernels.table import (
     GEMV_THREADS, MOE_COMBINE, MOE_DECODE_ROWS, MOE_DOWN, MOE_DOWN_ONE, MOE_DOWN_ONE_SLOTS, MOE_DOWN_ONE_THREADS,
-    MOE_GATE_UP, MOE_GATE_UP_ONE, MOE_MAX_EXPERTS, MOE_MAX_PAIRS, MOE_MAX_TOP_K,
+    MOE_GATE_UP, MOE_GATE_UP_ONE, MOE_GATE_UP_ONE_PER_SM, MOE_MAX_EXPERTS, MOE_MAX_PAIRS, MOE_MAX_TOP_K,
     MOE_ROUTE, MOE_ROUTE_ROWS, MOE_ROUTER, MOE_ROUTER_CLUSTER, MOE_TC_ROWS, MOE_TC_THREADS, MOE_THREADS, MOE_WARPS,
 )
 
@@ -149,7 +150,9 @@ class CudaMoe:
         out = torch.empty_like(x)
         gate_up_ctas, down_ctas = math.ceil(inter / MOE_TC_ROWS), math.ceil(hidden / MOE_TC_ROWS)
         shared_gate_up, shared_down = (None, None) if shared is None else (_ready(shared.gate_up), _ready(shared.down))
-        gate_up_kernel = MOE_GATE_UP_ONE if rows == 1 else MOE_GATE_UP  # its act bit for bit
+        # batch 1 where its grid is one wave: its act bit for bit, more loads in flight a warp
+        one_wave = gate_up_ctas * chosen <= MOE_GATE_UP_ONE_PER_SM * cuda_launch._sm_count(x.device.index)
+        gate_up_kernel = MOE_GATE_UP_ONE if rows == 1 and one_wave else MOE_GATE_UP
         self._launch(gate_up_kernel, (gate_up_ctas, chosen), (MOE_TC_THREADS,), x, _ready(gate_up), shared_gate_up,
                      route.plan, act, hidden, inter, width, experts, top_k, pdl=True)
         residual = None if residual is None else _ready(residual)

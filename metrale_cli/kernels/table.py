@@ -92,6 +92,7 @@ MOE_GATE_UP = K("moe::moe_gate_up_bf16"), Signature.parse(
     "shared_width: i32, num_experts: i32, top_k: i32"
 )
 MOE_GATE_UP_ONE = K("moe::moe_gate_up_one_bf16"), MOE_GATE_UP[1]  # batch 1: more weight loads in flight
+MOE_GATE_UP_ONE_PER_SM = 3  # its CTAs an SM: 168 registers a thread (ptxas), 128 threads
 MOE_DOWN = K("moe::moe_down_bf16"), Signature.parse(
     "act: bf16*, down: bf16*, shared_down: bf16*?, plan: i32*, weights: f32*, y: f32*, residual: bf16*?, "
     "out: bf16*, counters: i32*, rows: i32, hidden: i32, inter: i32, shared_width: i32, num_experts: i32, top_k: i32"
