@@ -226,6 +226,10 @@ inline unsigned movmatrix_trans(unsigned a) {
     return r;
 }
 
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
+    return (unsigned)((((unsigned long long)hi << 32) | lo) >> (shift & 31));
+}
+
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     const unsigned long long bytes = x | (unsigned long long)y << 32;
     unsigned r = 0;

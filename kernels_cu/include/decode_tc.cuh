@@ -74,29 +74,34 @@ __device__ __forceinline__ void tc_unpack(unsigned v, float& lo, float& hi) {
     else unpack_bf16x2(v, lo, hi);
 }
 
-// NB bytes at p (aligned to A bytes) as little-endian words: the widest loads the alignment allows.
+// NB bytes at offset `at` (a multiple of A) of a 4-byte aligned vector as little-endian words: the
+// widest loads the alignment allows. Below 4-byte alignment (turbo3's 6-byte V slices at head_dim
+// 128, its 3-byte ones at 64) the aligned words that hold the bytes (two at most there),
+// funnel-shifted into place: the bytes past NB in the last word are the neighbouring slice's, which
+// the decoders ignore (tc_word). A lane's slice offset does not change over its keys, so neither
+// does the shift.
 template <int NB, int A>
-__device__ __forceinline__ void tc_load_bytes(const u8_t* p, unsigned* w) {
+__device__ __forceinline__ void tc_load_bytes(const u8_t* vec, int at, unsigned* w) {
     constexpr int C = (A % 16 == 0 && NB % 16 == 0) ? 16
                       : (A % 8 == 0 && NB % 8 == 0) ? 8
                       : (A % 4 == 0 && NB % 4 == 0) ? 4
-                      : (A % 2 == 0 && NB % 2 == 0) ? 2
                       : 1;
     if constexpr (C >= 4) {
 #pragma unroll
         for (int i = 0; i < NB / C; ++i) {
-            const Words<C / 4> v = *reinterpret_cast<const Words<C / 4>*>(p + i * C);
+            const Words<C / 4> v = *reinterpret_cast<const Words<C / 4>*>(vec + at + i * C);
 #pragma unroll
             for (int j = 0; j < C / 4; ++j) w[i * C / 4 + j] = v.w[j];
         }
     } else {
+        constexpr int W = (4 - A % 4 + NB + 3) / 4;  // the aligned words NB bytes can straddle
+        const unsigned* q = reinterpret_cast<const unsigned*>(vec + (at & ~3));
+        const unsigned sh = 8u * static_cast<unsigned>(at & 3);
+        unsigned r[W];
 #pragma unroll
-        for (int i = 0; i < (NB + 3) / 4; ++i) w[i] = 0u;
+        for (int i = 0; i < W; ++i) r[i] = q[i];
 #pragma unroll
-        for (int i = 0; i < NB / C; ++i) {
-            const unsigned v = C == 2 ? (unsigned)*reinterpret_cast<const unsigned short*>(p + 2 * i) : (unsigned)p[i];
-            w[i * C / 4] |= v << (8 * (i * C % 4));
-        }
+        for (int i = 0; i < (NB + 3) / 4; ++i) w[i] = i + 1 < W ? __funnelshift_r(r[i], r[i + 1], sh) : r[i] >> sh;
     }
 }
 
@@ -118,7 +123,8 @@ __device__ __forceinline__ TcSlice<F, S> tc_load_slice(const u8_t* pool, long lo
     typedef TcSlice<F, S> Slice;
     constexpr int A = (Block::kDataBytes | Slice::kBytes) & -(Block::kDataBytes | Slice::kBytes);  // lowest set bit
     TcSlice<F, S> s;
-    tc_load_bytes<Slice::kBytes, A>(pool + Block::data(block, row, hk) + idx * Slice::kBytes, s.w);
+    static_assert(Block::kDataBytes % 4 == 0, "a vector's codes start 4-byte aligned");
+    tc_load_bytes<Slice::kBytes, A>(pool + Block::data(block, row, hk), idx * Slice::kBytes, s.w);
     constexpr int SB = Slice::kGroups * Fmt::kScaleBytes;
     s.scales = (unsigned)load_le<SB, true>(pool + Block::scales(block, row, hk) + idx * S / KV_GROUP * Fmt::kScaleBytes);
     return s;
