@@ -150,9 +150,9 @@ class CudaMoe:
         out = torch.empty_like(x)
         gate_up_ctas, down_ctas = math.ceil(inter / MOE_TC_ROWS), math.ceil(hidden / MOE_TC_ROWS)
         shared_gate_up, shared_down = (None, None) if shared is None else (_ready(shared.gate_up), _ready(shared.down))
-        # batch 1 where its grid is one wave: its act bit for bit, more loads in flight a warp
-        one_wave = gate_up_ctas * chosen <= MOE_GATE_UP_ONE_PER_SM * cuda_launch._sm_count(x.device.index)
-        gate_up_kernel = MOE_GATE_UP_ONE if rows == 1 and one_wave else MOE_GATE_UP
+        # batch 1 where its grid is one wave of its CTAs: its act bit for bit, more loads in flight a warp
+        one = rows == 1 and gate_up_ctas * chosen <= MOE_GATE_UP_ONE_PER_SM * cuda_launch._sm_count(x.device.index)
+        gate_up_kernel = MOE_GATE_UP_ONE if one else MOE_GATE_UP
         self._launch(gate_up_kernel, (gate_up_ctas, chosen), (MOE_TC_THREADS,), x, _ready(gate_up), shared_gate_up,
                      route.plan, act, hidden, inter, width, experts, top_k, pdl=True)
         residual = None if residual is None else _ready(residual)
