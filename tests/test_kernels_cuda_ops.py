@@ -477,7 +477,8 @@ def test_batch_one_gate_up_keeps_more_loads_in_flight_where_its_grid_is_one_wave
     gate_up = torch.zeros(experts, 2 * inter, hidden, dtype=torch.bfloat16)
     down = torch.zeros(experts, hidden, inter, dtype=torch.bfloat16)
     ids = torch.zeros(rows, top_k, dtype=torch.int32)
-    route = cuda_moe.MoeRoute(ids, torch.zeros(rows, top_k), torch.zeros(2 + 2 * experts + rows * top_k, dtype=torch.int32))
+    plan = torch.zeros(2 + 2 * experts + rows * top_k, dtype=torch.int32)
+    route = cuda_moe.MoeRoute(ids, torch.zeros(rows, top_k), plan)
     ops.moe_routed(x, route, gate_up, down, None)
     name, grid, block, *_ = ops.loader.calls[0]
     assert (name, grid, block) == (f"moe::{kernel}", (inter // 16, experts), (128,))

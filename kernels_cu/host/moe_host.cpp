@@ -44,9 +44,9 @@ extern "C" void host_moe_combine(const bf16_t* ys, const int* where, const float
 static void gate_up_grid(const bf16_t* x, const bf16_t* gate_up, const bf16_t* shared_gate_up, const int* plan,
                          bf16_t* act, unsigned chosen, int hidden, int inter, int shared_width, int num_experts,
                          int top_k, bool one = false) {
+    const auto kernel = one ? moe_gate_up_one_bf16 : moe_gate_up_bf16;
     run_grid((inter + MOE_TC_ROWS - 1) / MOE_TC_ROWS, chosen, MOE_TC_THREADS, [&] {
-        if (one) moe_gate_up_one_bf16(x, gate_up, shared_gate_up, plan, act, hidden, inter, shared_width, num_experts, top_k);
-        else moe_gate_up_bf16(x, gate_up, shared_gate_up, plan, act, hidden, inter, shared_width, num_experts, top_k);
+        kernel(x, gate_up, shared_gate_up, plan, act, hidden, inter, shared_width, num_experts, top_k);
     });
 }
 
