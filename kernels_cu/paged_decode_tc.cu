@@ -1,5 +1,7 @@
-// Tensor-core paged decode attention for every KV dtype at head_dim 64 and 128 (the one-launch
-// decode attention for the bf16 and fp8 caches). paged_decode.cu serves every other head_dim.
+// Tensor-core paged decode attention for every KV dtype at head_dim 64 and 128, and built with
+// TC_HEAD_MAX=256 (the paged_decode_tc_wide module) at 256 (the one-launch decode attention for the
+// bf16 and fp8 caches). paged_decode.cu serves every other head_dim. A 256-dim head's tile is
+// decoded by two warps, 128 dims each, which add their scores through shared memory (decode_tc).
 //
 // A CTA owns up to 8 query heads of one KV head's group (a larger group takes several CTAs, which
 // read the same K/V, mostly from L2), one sequence and one split of its context; its TC_WARPS
@@ -40,13 +42,13 @@
 #include "split_combine.cuh"
 #include "timeline.cuh"
 
-// The decode launch's shared memory, one copy for both head_dims (a __shared__ array declared in
+// The decode launch's shared memory, one copy for every head_dim (a __shared__ array declared in
 // decode_tc_entry would be one per instantiation, all of them allocated).
 struct DecodeShared {
     float o[TC_WARPS * TC_ROWS * TC_MAX_D];  // decode_tc's warp partials
     float ml[TC_WARPS * TC_ROWS * 2];
     CombineShared combine;
-    float v_signs[2 * TC_MAX_D];  // a rotated V side's signs, staged before the PDL wait
+    float v_signs[2 * TC_HEAD_MAX];  // a rotated V side's signs, staged before the PDL wait
 };
 
 // Pull one side's vectors of KV head kvh in cache block `block` into L2 (codes and scales of a
@@ -75,7 +77,7 @@ __device__ __noinline__ void decode_tc_prologue(DecodeShared& sh, const void* k_
                                                 int max_blocks, int num_splits, const float* v_signs) {
     const int b = blockIdx.y, split = blockIdx.z % num_splits;
     const int len = __ldcg(seq_lens + b), per_split = split_keys(len, num_splits), begin = split * per_split;
-    const int first = begin + 16 * (threadIdx.x >> 5);  // the warp's first tile (decode_tc)
+    const int first = begin + 16 * ((threadIdx.x >> 5) / tc_parts<D>());  // its unit's first tile (decode_tc)
     if ((threadIdx.x & 31) < 2 && first < min(len, begin + per_split)) {
         const long long block = __ldcg(block_tables + (long long)b * max_blocks + first / ATTN_BLOCK);
         if (threadIdx.x & 1) tc_prefetch_l2<D, VF>(v_cache, block, blockIdx.x, num_kv_heads);
@@ -144,9 +146,53 @@ __device__ void decode_tc_entry(DecodeShared& sh, const bf16_t* q, const void* k
     TL_MARK(5);
 }
 
+// The head_dims of the module's entries: decode_tc_prologue and decode_tc_entry at head_dim.
+template <int KF, int VF>
+__device__ __forceinline__ void decode_tc_prologue_at(int head_dim, DecodeShared& sh, const void* k_cache,
+                                                      const void* v_cache, const int* block_tables,
+                                                      const int* seq_lens, int num_kv_heads, int max_blocks,
+                                                      int num_splits, const float* v_signs) {
+#if TC_HEAD_MAX > TC_MAX_D
+    if (head_dim == 256)
+        decode_tc_prologue<256, KF, VF>(sh, k_cache, v_cache, block_tables, seq_lens, num_kv_heads, max_blocks,
+                                        num_splits, v_signs);
+#else
+    if (head_dim == 64)
+        decode_tc_prologue<64, KF, VF>(sh, k_cache, v_cache, block_tables, seq_lens, num_kv_heads, max_blocks,
+                                       num_splits, v_signs);
+    else if (head_dim == 128)
+        decode_tc_prologue<128, KF, VF>(sh, k_cache, v_cache, block_tables, seq_lens, num_kv_heads, max_blocks,
+                                        num_splits, v_signs);
+#endif
+}
+
+template <int KF, int VF>
+__device__ __forceinline__ void decode_tc_entry_at(int head_dim, DecodeShared& sh, const bf16_t* q,
+                                                   const void* k_cache, const void* v_cache, const int* block_tables,
+                                                   const int* seq_lens, bf16_t* out, float* part_o, float* part_ml,
+                                                   const float* k_scale, const float* v_scale, float scale,
+                                                   int num_q_heads, int num_kv_heads, int max_blocks, int num_splits,
+                                                   unsigned* counters, const float* v_signs) {
+#if TC_HEAD_MAX > TC_MAX_D
+    if (head_dim == 256)
+        decode_tc_entry<256, KF, VF>(sh, q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, k_scale,
+                                     v_scale, scale, num_q_heads, num_kv_heads, max_blocks, num_splits, counters,
+                                     v_signs);
+#else
+    if (head_dim == 64)
+        decode_tc_entry<64, KF, VF>(sh, q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, k_scale,
+                                    v_scale, scale, num_q_heads, num_kv_heads, max_blocks, num_splits, counters,
+                                    v_signs);
+    else if (head_dim == 128)
+        decode_tc_entry<128, KF, VF>(sh, q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, k_scale,
+                                     v_scale, scale, num_q_heads, num_kv_heads, max_blocks, num_splits, counters,
+                                     v_signs);
+#endif
+}
+
 // The arguments of paged_decode_attn<suffix> (paged_decode.cu), then counters and v_signs; grid =
 // (Hk, B, chunks * num_splits) with chunks = ceil(group / TC_ROWS), block = TC_THREADS; head_dim 64
-// or 128. With a split context and counters (B * Hk * chunks zeroed words, left zero) the launch
+// or 128 (256 in paged_decode_tc_wide). With a split context and counters (B * Hk * chunks zeroed words, left zero) the launch
 // combines its splits itself, as paged_decode_combine<suffix> with v_signs (a rotated V side's
 // signs, or null) would; without counters the partials go to that kernel (the same split rule
 // and partial layout).
@@ -163,22 +209,13 @@ __device__ void decode_tc_entry(DecodeShared& sh, const bf16_t* q, const void* k
              int num_kv_heads, int head_dim, int max_blocks, int num_splits, unsigned* counters, \
              const float* v_signs) {                                                             \
         __shared__ DecodeShared sh;                                                              \
-        if (head_dim == 64)                                                                      \
-            decode_tc_prologue<64, kf, vf>(sh, k_cache, v_cache, block_tables, seq_lens,         \
-                                           num_kv_heads, max_blocks, num_splits, v_signs);       \
-        else if (head_dim == 128)                                                                \
-            decode_tc_prologue<128, kf, vf>(sh, k_cache, v_cache, block_tables, seq_lens,        \
-                                            num_kv_heads, max_blocks, num_splits, v_signs);      \
+        decode_tc_prologue_at<kf, vf>(head_dim, sh, k_cache, v_cache, block_tables, seq_lens,    \
+                                      num_kv_heads, max_blocks, num_splits, v_signs);            \
         pdl_wait();                                                                              \
         pdl_launch_dependents();                                                                 \
-        if (head_dim == 64)                                                                      \
-            decode_tc_entry<64, kf, vf>(sh, q, k_cache, v_cache, block_tables, seq_lens, out, part_o, \
-                                        part_ml, k_scale, v_scale, scale, num_q_heads,           \
-                                        num_kv_heads, max_blocks, num_splits, counters, v_signs); \
-        else if (head_dim == 128)                                                                \
-            decode_tc_entry<128, kf, vf>(sh, q, k_cache, v_cache, block_tables, seq_lens, out, part_o, \
-                                         part_ml, k_scale, v_scale, scale, num_q_heads,          \
-                                         num_kv_heads, max_blocks, num_splits, counters, v_signs); \
+        decode_tc_entry_at<kf, vf>(head_dim, sh, q, k_cache, v_cache, block_tables, seq_lens, out, \
+                                   part_o, part_ml, k_scale, v_scale, scale, num_q_heads,        \
+                                   num_kv_heads, max_blocks, num_splits, counters, v_signs);     \
     }
 METRALE_TC_ENTRY(paged_decode_attn_tc, TC_BF16, TC_BF16, 4)
 METRALE_TC_ENTRY(paged_decode_attn_tc_fp8, TC_FP8, TC_FP8, 3)
@@ -225,21 +262,21 @@ struct RopeDecodeArgs {
 #define TC_STAGED_BLOCKS 64
 #define TC_MAX_CLUSTER 16  // the most splits combined in a cluster (a non-portable cluster size)
 
-// The kernel's shared memory (one copy for both head_dims).
+// The kernel's shared memory (one copy for every head_dim).
 struct RopeDecodeShared {
     float o[TC_WARPS * TC_ROWS * TC_MAX_D];  // decode_tc's warp partials
     float ml[TC_WARPS * TC_ROWS * 2];
-    alignas(16) bf16_t q[TC_ROWS * TC_MAX_D];  // the CTA's query heads after norm + RoPE
-    alignas(16) bf16_t k[TC_MAX_D];  // the new key after norm + RoPE
+    alignas(16) bf16_t q[TC_ROWS * TC_HEAD_MAX];  // the CTA's query heads after norm + RoPE
+    alignas(16) bf16_t k[TC_HEAD_MAX];  // the new key after norm + RoPE
     CombineShared combine;
     // Loaded before the PDL wait: the position's cos and sin halves, the QK-norm weights and the
     // split's block-table entries (when the split has at most TC_STAGED_BLOCKS blocks).
-    float cos_sin[TC_MAX_D];
-    alignas(16) bf16_t q_norm[TC_MAX_D];
-    alignas(16) bf16_t k_norm[TC_MAX_D];
+    float cos_sin[TC_HEAD_MAX];
+    alignas(16) bf16_t q_norm[TC_HEAD_MAX];
+    alignas(16) bf16_t k_norm[TC_HEAD_MAX];
     int blocks[TC_STAGED_BLOCKS];
     // In a cluster: the split's partial (decode_tc's keep_o / keep_ml), read by the cluster's CTAs.
-    float part_o[TC_ROWS * TC_MAX_D];
+    float part_o[TC_ROWS * TC_HEAD_MAX];
     float part_ml[TC_ROWS * 2];
 };
 
@@ -360,7 +397,7 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
                 sh.blocks[i] = __ldcg(table + begin / ATTN_BLOCK + i);
             }
         }
-        const int tile = begin + 16 * warp;  // this warp's first tile (decode_tc)
+        const int tile = begin + 16 * (warp / tc_parts<D>());  // this warp's unit's first tile (decode_tc)
         if ((threadIdx.x & 31) < 2 && tile < end) {
             tc_prefetch_l2<D, FP8 ? TC_FP8 : TC_BF16>((threadIdx.x & 1) ? a.v_cache : a.k_cache,
                                                       __ldcg(table + tile / ATTN_BLOCK), kvh, a.hk);
@@ -421,6 +458,17 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
     TL_MARK(5);
 }
 
+// The head_dims of the module's one-launch entries.
+template <bool FP8>
+__device__ __forceinline__ void decode_rope_tc_at(int head_dim, const RopeDecodeArgs& a, RopeDecodeShared& sh) {
+#if TC_HEAD_MAX > TC_MAX_D
+    if (head_dim == 256) decode_rope_tc<256, FP8>(a, sh);
+#else
+    if (head_dim == 64) decode_rope_tc<64, FP8>(a, sh);
+    else if (head_dim == 128) decode_rope_tc<128, FP8>(a, sh);
+#endif
+}
+
 // q / k / v: Hq / Hk / Hk heads of head_dim bf16 per sequence, sequence b's at b * {q,k,v}_stride
 // (views of a fused q/k/v projection); k_cache / v_cache: the pools (NB, Hk, 16, D); slot_mapping,
 // positions: (B,) int32; cos / sin, q_norm / k_norm (or null): as for rope_and_cache_<dtype>; the
@@ -428,7 +476,7 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
 // launch leaves them zero).
 // The new key's cache block must be its sequence's alone (the block allocator's rule): the CTAs
 // of other splits and sequences never read it while it is written. grid = (Hk, B, chunks * num_splits), block = TC_THREADS; head_dim 64
-// or 128. Resident CTAs per SM as the unfused tensor-core decodes: bf16 4, fp8 3.
+// or 128 (256 in paged_decode_tc_wide). Resident CTAs per SM as the unfused tensor-core decodes: bf16 4, fp8 3.
 #define METRALE_ROPE_TC_ENTRY(name, fp8, min_ctas)                                                   \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, min_ctas)                              \
         name(const bf16_t* q, const bf16_t* k, const bf16_t* v, void* k_cache, void* v_cache,        \
@@ -444,8 +492,7 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
                                v_scale,  scale,    q_stride,   k_stride, v_stride, hq,              \
                                hk,       rot_dim,  max_blocks, num_splits, eps};                    \
         __shared__ RopeDecodeShared sh;                                                             \
-        if (head_dim == 64) decode_rope_tc<64, fp8>(a, sh);                                         \
-        else if (head_dim == 128) decode_rope_tc<128, fp8>(a, sh);                                  \
+        decode_rope_tc_at<fp8>(head_dim, a, sh);                                                    \
     }
 METRALE_ROPE_TC_ENTRY(paged_decode_rope_tc, false, 4)
 METRALE_ROPE_TC_ENTRY(paged_decode_rope_tc_fp8, true, 3)

@@ -115,16 +115,20 @@ def test_prefill_equals_the_reference(build_dir, dtype, head_dim, group, tokens,
     assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
 
 
-_TC_LIB: list[ctypes.CDLL] = []
+_TC_LIB: dict[bool, ctypes.CDLL] = {}
 
 
-def tc_library(build_dir) -> ctypes.CDLL:
-    if not _TC_LIB:
-        handle = build_host_library("paged_decode_tc_host.cpp", build_dir, name="attention_tc")
+def tc_library(build_dir, head_dim: int = 128) -> ctypes.CDLL:
+    """paged_decode_tc.cu as the module of ``head_dim`` builds it: head_dim 64 / 128, or 256
+    (TC_HEAD_MAX=256, paged_decode_tc_wide)."""
+    wide = head_dim > 128
+    if wide not in _TC_LIB:
+        handle = build_host_library("paged_decode_tc_host.cpp", build_dir, {"TC_HEAD_MAX": "256"} if wide else None,
+                                    name="attention_tc_wide" if wide else "attention_tc")
         handle.host_paged_decode_tc.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] + [ctypes.c_int] * 7 + [
             ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p]
-        _TC_LIB.append(handle)
-    return _TC_LIB[0]
+        _TC_LIB[wide] = handle
+    return _TC_LIB[wide]
 
 
 def _tc_run(lib, c, q, dtype, splits, in_launch=False, v_signs=None):
@@ -160,13 +164,13 @@ def _tc_decode(lib, dtype, head_dim, group, splits, lens, seed, in_launch=False)
 
 @pytest.mark.parametrize("splits", [1, 3, 32])
 @pytest.mark.parametrize("group", [1, 4, 8, 12, 16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.FP8], ids=lambda d: d.value)
 def test_tensor_core_decode_equals_the_reference(build_dir, dtype, head_dim, group, splits):
     """paged_decode_tc.cu: whole 16-key tiles, a partial last tile, several tiles per warp, idle
     warps and splits, groups over two CTAs, an empty context; q with a large row (the fp8 path's
-    f16 scaling)."""
-    out, want = _tc_decode(tc_library(build_dir), dtype, head_dim, group, splits, [1, 7, 16, 99, 300, 0],
+    f16 scaling); at head_dim 256 two warps a tile."""
+    out, want = _tc_decode(tc_library(build_dir, head_dim), dtype, head_dim, group, splits, [1, 7, 16, 99, 300, 0],
                            head_dim + group)
     assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
     assert torch.equal(out[5], torch.zeros_like(out[5]))
@@ -176,14 +180,14 @@ PACKED = [d for d in KvCacheDtype if d not in (KvCacheDtype.BF16, KvCacheDtype.F
 
 
 @pytest.mark.parametrize("splits, group", [(3, 4), (32, 12), (5, 16)])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.FP8, KvCacheDtype.TURBO4, KvCacheDtype.NVFP4,
                                    KvCacheDtype.BF16K_TURBO3V, KvCacheDtype.TURBO4K_TURBO3V], ids=lambda d: d.value)
 def test_tensor_core_decode_combines_its_splits_as_the_combine_launch(build_dir, dtype, head_dim, group, splits):
     """With counters the decode launch's last split of each (sequence, KV head, chunk) reduces the
     partials: the bytes of paged_decode_combine<suffix> after it, an empty context's zeros
     included; with a rotated V side's signs also those of the WHT launch after that."""
-    lib, hk = tc_library(build_dir), 2
+    lib, hk = tc_library(build_dir, head_dim), 2
     c = make_paged_case([1, 7, 16, 99, 300, 0], hk * group, hk, head_dim, dtype, seed=head_dim + splits)
     q = _q(6, hk * group, head_dim, seed=7)
     two = _tc_run(lib, c, q, dtype, splits)
@@ -213,12 +217,14 @@ def test_tensor_core_decode_combines_up_to_64_splits(build_dir, dtype):
 
 
 @pytest.mark.parametrize("splits, group", [(1, 1), (3, 4), (32, 12)])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", PACKED, ids=lambda d: d.value)
 def test_tensor_core_decode_of_packed_sides_equals_the_reference(build_dir, dtype, head_dim, group, splits):
     """The packed sides' dequantization in the tensor-core decode (codes read as slices: 3-byte
     turbo3 words cut mid-byte, group scales, the levels table, turbo8's bf16 scales, dead keys'
-    zeroed codes and scales), for every dtype with a packed side, beside an fp8 or bf16 K side."""
-    out, want = _tc_decode(tc_library(build_dir), dtype, head_dim, group, splits, [1, 7, 16, 99, 0], head_dim + 3)
+    zeroed codes and scales), for every dtype with a packed side, beside an fp8 or bf16 K side;
+    at head_dim 256 each warp of a tile's two takes half of every vector."""
+    out, want = _tc_decode(tc_library(build_dir, head_dim), dtype, head_dim, group, splits, [1, 7, 16, 99, 0],
+                           head_dim + 3)
     assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
     assert torch.equal(out[4], torch.zeros_like(out[4]))

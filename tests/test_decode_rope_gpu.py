@@ -35,7 +35,7 @@ def _both(ops, c):
 
 @pytest.mark.parametrize("lens", [[1], [577], [4099], [16400], [1, 16, 17, 600, 0, 33], [1024] * 64])
 @pytest.mark.parametrize("hq, hk", [(8, 8), (16, 8), (32, 8), (32, 2), (12, 2)])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_one_launch_equals_the_three(ops, dtype, lens, hq, hk, head_dim):
     """Batch 1 at the benches' contexts (10 to 16 splits, in a cluster where the grid allows; 60 or
@@ -52,7 +52,7 @@ def test_one_launch_equals_the_three(ops, dtype, lens, hq, hk, head_dim):
 
 
 @pytest.mark.parametrize("lens, hq, hk", [([577], 32, 4), ([1000], 16, 2), ([600, 300, 0, 33], 16, 2), ([200], 8, 8)])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_a_cluster_combines_as_the_counter_does(ops, monkeypatch, dtype, lens, hq, hk, head_dim):
     """Few splits on a small grid combine in a cluster: 10 and 16 splits (non-portable sizes), idle

@@ -21,10 +21,18 @@ EPS = 1e-6
 
 
 @pytest.fixture(scope="module")
-def libs(tmp_path_factory):
+def built(tmp_path_factory):
+    """The host libraries: the tensor-core decode as each of its modules builds it (head_dim 64 /
+    128, and 256) and rope_and_cache."""
     out = tmp_path_factory.mktemp("rope_decode_host")
-    return (build_host_library("paged_decode_tc_host.cpp", out, name="attention_tc"),
-            build_host_library("rope_and_cache_host.cpp", out))
+    return {"narrow": build_host_library("paged_decode_tc_host.cpp", out, name="attention_tc"),
+            "wide": build_host_library("paged_decode_tc_host.cpp", out, {"TC_HEAD_MAX": "256"}, name="attention_tc_wide"),
+            "rope": build_host_library("rope_and_cache_host.cpp", out)}
+
+
+@pytest.fixture
+def libs(built, head_dim):
+    return built["wide" if head_dim > 128 else "narrow"], built["rope"]
 
 
 def _ptr(t):
@@ -78,12 +86,13 @@ def unfused(tc, rc, c, kp, vp, splits, fp8):
 
 @pytest.mark.parametrize("splits", [1, 3, 32])
 @pytest.mark.parametrize("group", [1, 4, 12])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.FP8], ids=lambda d: d.value)
 def test_one_launch_equals_the_three(libs, dtype, head_dim, group, splits):
     """A context of one key, a partial and a whole last tile, contexts over several splits, a
     sequence whose slot is skipped (-1: its cache keeps the old key) and an empty one; a group of
-    12 takes two CTAs per KV head, which both write the new key."""
+    12 takes two CTAs per KV head, which both write the new key. At head_dim 256 a tile is two
+    warps' (their scores added through shared memory)."""
     tc, rc = libs
     hk = 2
     c = rope_decode_case([1, 7, 16, 99, 300, 0], hk * group, hk, head_dim, dtype, seed=head_dim + group)

@@ -84,7 +84,7 @@ def test_side_defines_select_the_variant_names():
 def test_every_attention_module_is_one_of_two_sources():
     sources = {m.source for n, m in MODULES.items() if n.startswith(("paged_decode", "prefill_paged"))}
     assert sources == {"paged_decode.cu", "prefill_paged.cu", "paged_decode_tc.cu"}  # + the tensor-core decode
-    assert [n for n, m in MODULES.items() if m.source == "paged_decode_tc.cu"] == ["paged_decode_tc"]
+    assert [n for n, m in MODULES.items() if m.source == "paged_decode_tc.cu"] == ["paged_decode_tc", "paged_decode_tc_wide"]
     for d in KvCacheDtype:
         k, v = (s.value for s in kv_pair(d))
         defines = dict(MODULES[f"prefill_paged{d.suffix}"].defines)
@@ -134,10 +134,10 @@ def test_registry_walk():
     names = [str(k) for k in all_kernels()]
     # 4 core + 4 decode GEMVs + the decode step's end + 8 MoE (6 decode, 2 prefill) + 6 GDN (decode; the
     # prefill's conv, inputs, chunk prep, walk and gated norm) + 2 WHT + 3 + 13
-    # writes + 16 fused rope_and_cache + 16 tensor-core decodes + the bf16 / fp8 one-launch decodes + 16
-    # dtypes x (a prefill and a (decode, combine) pair per decode module)
+    # writes + 16 fused rope_and_cache + (16 tensor-core decodes + the bf16 / fp8 one-launch decodes) at
+    # head_dim 64 / 128 and at 256 + 16 dtypes x (a prefill and a (decode, combine) pair per decode module)
     decode_modules = sum(len(row.decode) for row in KV_DTYPES.values())
-    assert len(names) == len(set(names)) == 4 + 4 + 1 + 8 + 6 + 2 + 16 + 16 + 16 + 2 + 16 + 2 * decode_modules == 141
+    assert len(names) == len(set(names)) == 4 + 4 + 1 + 8 + 6 + 2 + 16 + 16 + 2 * (16 + 2) + 16 + 2 * decode_modules == 159
     assert set(every_kernel()) == set(all_kernels())  # every registered kernel is launched by some dtype
     for spec in all_kernels():
         assert module_for(spec).path.is_file()

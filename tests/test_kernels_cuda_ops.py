@@ -99,10 +99,10 @@ def test_fp8_decode_splits_and_prefill_rows(ops):
     ("turbo4", 128, "paged_decode_tc::paged_decode_attn_tc_turbo4", "prefill_paged_turbo4::attn_prefill_paged_turbo4_64"),
     ("turbo4", 512, "paged_decode_turbo4::paged_decode_attn_turbo4",
      "prefill_paged_turbo4::attn_prefill_paged_turbo4_64"),
-    ("turbo2", 256, "paged_decode_turbo2_128::paged_decode_attn_turbo2",
+    ("turbo2", 256, "paged_decode_tc_wide::paged_decode_attn_tc_turbo2",  # two warps a tile
      "prefill_paged_turbo2::attn_prefill_paged_turbo2"),
     ("nvfp4", 64, "paged_decode_tc::paged_decode_attn_tc_nvfp4", "prefill_paged_nvfp4::attn_prefill_paged_nvfp4"),
-    ("bf16k_turbo3v", 256, "paged_decode_bf16k_turbo3v::paged_decode_attn_bf16k_turbo3v",
+    ("bf16k_turbo3v", 512, "paged_decode_bf16k_turbo3v::paged_decode_attn_bf16k_turbo3v",
      "prefill_paged_bf16k_turbo3v::attn_prefill_paged_bf16k_turbo3v_64"),
 ])
 def test_each_dtype_launches_its_table_kernels(ops, dtype, head_dim, decode, prefill):
@@ -239,7 +239,8 @@ def test_tensor_core_decode_launch(ops, dtype, group, chunks, splits):
 
 @pytest.mark.parametrize("d, launches", [
     (128, ["paged_decode_tc::paged_decode_attn_tc_turbo4", "wht_bf16::wht_bf16_inplace_inv"]),
-    (256, ["paged_decode_turbo4::paged_decode_attn_turbo4", "wht_bf16::wht_bf16_inplace_inv"]),
+    (256, ["paged_decode_tc_wide::paged_decode_attn_tc_turbo4", "wht_bf16::wht_bf16_inplace_inv"]),
+    (512, ["paged_decode_turbo4::paged_decode_attn_turbo4", "wht_bf16::wht_bf16_inplace_inv"]),
 ])
 def test_one_split_restores_a_rotated_output_with_the_wht_launch(ops, d, launches):
     """A narrow block table (one split: no combine) leaves the rotation to the WHT launch."""
@@ -252,10 +253,10 @@ def test_one_split_restores_a_rotated_output_with_the_wht_launch(ops, d, launche
 
 
 def test_only_kernels_that_wait_in_kernel_launch_programmatically(ops):
-    """The CUDA-core decode (head_dim 256 here) does not call pdl_wait: it must never be launched
+    """The CUDA-core decode (head_dim 512 here) does not call pdl_wait: it must never be launched
     programmatically."""
-    q = torch.zeros(1, 32, 256, dtype=torch.bfloat16)
-    attention(ops, "turbo3", 256).paged_decode(q, cache("turbo3", d=256), torch.zeros(1, 64, dtype=torch.int32),
+    q = torch.zeros(1, 32, 512, dtype=torch.bfloat16)
+    attention(ops, "turbo3", 512).paged_decode(q, cache("turbo3", d=512), torch.zeros(1, 64, dtype=torch.int32),
                                                torch.tensor([999], dtype=torch.int32), 0.1)
     (decode, *_), (combine, *_) = ops.loader.calls
     assert decode.endswith("paged_decode_attn_turbo3") and combine.endswith("combine_turbo3")
@@ -422,15 +423,35 @@ def test_decode_attention_of_several_tokens_per_sequence_runs_unfused(ops):
                                                            "paged_decode_tc::paged_decode_attn_tc"]
 
 
-def test_decode_attention_past_the_tensor_core_head_dims_rotates_in_its_launches(ops):
-    """head_dim 256 has no tensor-core decode: a turbo cache's query is rotated by the cache write
-    (rotate_q) and its output rotated back by the split combine (v_signs)."""
+@pytest.mark.parametrize("dtype, fused", [("bf16", True), ("fp8", True), ("turbo3", False), ("nvfp4", False)])
+def test_head_dim_256_decodes_on_tensor_cores_two_warps_a_tile(ops, dtype, fused):
+    """head_dim 256 (Qwen3-Next's and Qwen3.5's attention layers) takes the tensor-core decode of
+    paged_decode_tc_wide: bf16 and fp8 in one launch, the packed dtypes after the cache write, with
+    the query rotated there for a rotated K side."""
     from metrale_cli.kernels.cases import rope_decode_args, rope_decode_case
 
     c = rope_decode_case([999], 16, 8, 256)
     c["block_tables"] = torch.zeros(1, 64, dtype=torch.int32)
-    kv = cache("turbo3", d=256)
-    attention(ops, "turbo3", 256).rope_cache_decode(*rope_decode_args(c, kv, CPU))
+    kv = cache(dtype, d=256)
+    attention(ops, dtype, 256).rope_cache_decode(*rope_decode_args(c, kv, CPU))
+    names = [call[0] for call in ops.loader.calls]
+    sfx = KvCacheDtype(dtype).suffix
+    if fused:
+        assert names == [f"paged_decode_tc_wide::paged_decode_rope_tc{sfx}"]
+    else:
+        assert names == [f"rope_and_cache::rope_and_cache_{dtype}", f"paged_decode_tc_wide::paged_decode_attn_tc{sfx}"]
+        assert ops.loader.calls[0][3]["rotate_q"] == int(kv.k.rotated)
+
+
+def test_decode_attention_past_the_tensor_core_head_dims_rotates_in_its_launches(ops):
+    """head_dim 512 has no tensor-core decode: a turbo cache's query is rotated by the cache write
+    (rotate_q) and its output rotated back by the split combine (v_signs)."""
+    from metrale_cli.kernels.cases import rope_decode_args, rope_decode_case
+
+    c = rope_decode_case([999], 16, 8, 512)
+    c["block_tables"] = torch.zeros(1, 64, dtype=torch.int32)
+    kv = cache("turbo3", d=512)
+    attention(ops, "turbo3", 512).rope_cache_decode(*rope_decode_args(c, kv, CPU))
     (write, _, _, wargs, _), (decode, *_), (combine, _, _, cargs, _) = ops.loader.calls
     assert (write, decode, combine) == ("rope_and_cache::rope_and_cache_turbo3",
                                         "paged_decode_turbo3::paged_decode_attn_turbo3",

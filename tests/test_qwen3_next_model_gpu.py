@@ -67,22 +67,29 @@ def _greedy(runner, prompt):
 # decode folded the shared expert into the routed experts' sum (one rounding fewer than the torch
 # backend's HF order): each backend calibrates its fp8 scales on its own prefill, and one prompt
 # of three then put a token 1.125 below (the others 0.16 and 0.06; with fixed scales, all three
-# within 0.17). A wrong kernel picks tokens several logits down.
+# within 0.17). bf16 did the same once its head_dim 256 decode moved to tensor cores (P rounded to
+# bf16 for the P V products, as at head_dim 64 and 128): of five prompts, four gave the CUDA-core
+# decode's deficits step for step and one put step 14 1.06 below (0.047 before), where the torch
+# backend's top two logits are 0.61 apart: a routing turned, not a tie. So bf16 keeps the tight
+# margin on every step but one, and that one is held to the lossy dtypes' margin. A wrong kernel
+# picks tokens several logits down, on many steps.
 def _margin(kv: KvCacheDtype) -> float:
     return 0.25 if kv == KvCacheDtype.BF16 else 1.5
 
 
 @pytest.mark.parametrize("kv", list(KvCacheDtype))
 def test_cuda_greedy_matches_torch(kv):
-    """Every one of the cuda decode's greedy tokens is within _margin(kv) of the torch backend's
-    best logit at its step, the torch backend reading the same tokens."""
+    """Every one of the cuda decode's greedy tokens is within 1.5 of the torch backend's best logit
+    at its step, the torch backend reading the same tokens, and all but one within _margin(kv)."""
     prompt = torch.randint(0, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
     ids, _ = _greedy(_runner("cuda", kv), prompt)
     assert len(ids) == NEW
     logits = teacher_forced(_runner("torch", kv).engine, prompt + ids)[PROMPT_LEN - 1 : -1]
     chosen = logits.gather(1, torch.tensor(ids, device=logits.device)[:, None])[:, 0]
     deficit = logits.max(-1).values - chosen
-    assert deficit.max().item() <= _margin(kv), f"step {int(deficit.argmax())}: {deficit.max().item():.3f} below"
+    assert deficit.max().item() <= 1.5, f"step {int(deficit.argmax())}: {deficit.max().item():.3f} below"
+    over = [(i, round(d, 3)) for i, d in enumerate(deficit.tolist()) if d > _margin(kv)]
+    assert len(over) <= 1, f"steps more than {_margin(kv)} below: {over}"
 
 
 def test_cuda_decode_is_graph_captured():

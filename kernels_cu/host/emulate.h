@@ -7,6 +7,7 @@
 // software; the tensor-core MMA and movmatrix of mma.cuh exchange operands through per-warp
 // words, products exact in fp32, summed in order. Not part of any kernel module: only the host libraries of this folder include it.
 #pragma once
+#include <map>
 #include <ucontext.h>
 
 #include <cmath>
@@ -84,7 +85,10 @@ inline EmulatedBarrier* emulated_whole = nullptr;
 inline std::vector<float> emulated_slots;  // 32 shuffle slots per warp
 inline std::vector<unsigned> emulated_words;  // 8 exchange words per thread (mma.cuh)
 
+inline std::map<int, EmulatedBarrier> emulated_named;  // bar.sync id, count: made at first use in a block
+
 inline void __syncwarp() { emulated_warps[threadIdx.x / 32].arrive_and_wait(); }
+inline void emulated_named_sync(int id, unsigned threads) { emulated_named.try_emplace(id, threads).first->second.arrive_and_wait(); }
 inline void __syncthreads() { emulated_whole->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     float* lanes = emulated_slots.data() + threadIdx.x / 32 * 32;
@@ -284,6 +288,7 @@ inline void run_block(EmulatedIndex block, unsigned threads, const std::function
     emulated_warps.clear();
     for (unsigned w = 0; w < threads / 32; ++w) emulated_warps.emplace_back(32);
     emulated_whole = &whole;
+    emulated_named.clear();
     emulated_slots.assign(threads, 0.0f);
     emulated_words.assign(threads * 8, 0u);
     emulated.fibers.resize(threads);

@@ -6,8 +6,29 @@
 
 #define TC_WARPS 4  // the standalone kernel's warps; decode_tc takes any count
 #define TC_THREADS (TC_WARPS * 32)
-#define TC_MAX_D 128
+#define TC_MAX_D 128  // the dims of a head one warp decodes: a longer head takes TC_MAX_D-dim parts of a warp each
+// The longest head a module serves (its shared arrays' size): paged_decode_tc 128 (head_dim 64 and
+// 128), paged_decode_tc_wide 256 (head_dim 256, two warps a tile).
+#ifndef TC_HEAD_MAX
+#define TC_HEAD_MAX TC_MAX_D
+#endif
 #define TC_ROWS 8  // query heads per CTA
+
+// The warps that decode a tile of a D-dim head together (a unit): one up to TC_MAX_D dims, else one a part.
+template <int D>
+__device__ constexpr int tc_parts() { return D > TC_MAX_D ? D / TC_MAX_D : 1; }
+
+// A barrier of the THREADS threads of unit `unit` (0 or 1): named barrier 1 + unit (0 is
+// __syncthreads'), an immediate id so that the kernel holds 3 barriers, not all 16.
+template <int THREADS>
+__device__ __forceinline__ void tc_unit_sync(int unit) {
+#ifdef METRALE_HOST_EMULATION
+    emulated_named_sync(1 + unit, THREADS);
+#else
+    if (unit == 0) asm volatile("bar.sync 1, %0;" ::"n"(THREADS) : "memory");
+    else asm volatile("bar.sync 2, %0;" ::"n"(THREADS) : "memory");
+#endif
+}
 
 // The cache formats a side of the tensor-core decode reads (kv_formats.cuh's side types).
 enum TcFormat { TC_BF16, TC_FP8, TC_NVFP4, TC_TURBO4, TC_TURBO3, TC_TURBO2, TC_TURBO8 };
@@ -287,7 +308,7 @@ struct TcWork {
     bf16_t* out;
     float* part_o;  // null: write the final output
     float* part_ml;
-    float* smem_o;   // [WARPS][TC_ROWS][TC_MAX_D]
+    float* smem_o;   // [WARPS][TC_ROWS][TC_MAX_D]: a unit's [TC_ROWS][max(D, TC_MAX_D)]
     float* smem_ml;  // [WARPS][TC_ROWS][2]
     float* keep_o = nullptr;   // [TC_ROWS][D] in shared memory: the split's partial kept there (a
     float* keep_ml = nullptr;  // cluster's combine reads it) instead of part_o / part_ml; [TC_ROWS][2]
@@ -306,23 +327,30 @@ __device__ __forceinline__ int tc_out_dim(int n, int r, int g) {
 }
 
 // Run by all WARPS warps of the CTA (one CTA_SYNC inside). KF / VF: the
-// K and V sides' formats (TcFormat).
+// K and V sides' formats (TcFormat). A head of more than TC_MAX_D dims (256) is decoded by units of
+// PARTS warps: each warp of a unit takes the unit's tiles over its DW dims (part p: dims DW p ..
+// DW p + DW of q, K, V and the output), the unit's warps add their partial scores through shared
+// memory (a named barrier a tile), and each runs the same online softmax on the sums.
 template <int D, int KF, int VF, int WARPS = TC_WARPS>
 __device__ void decode_tc(const TcWork& w) {
+    constexpr int PARTS = tc_parts<D>(), DW = D / PARTS, UNITS = WARPS / PARTS;
+    constexpr int ROWD = D > TC_MAX_D ? D : TC_MAX_D;  // a head's row in a unit's smem_o
+    static_assert(DW <= TC_MAX_D && WARPS % PARTS == 0 && (PARTS == 1 || UNITS <= 2), "a head's parts fit a warp each; 1 or 2 units of them");
     typedef TcFmt<KF> KFmt;
     typedef TcFmt<VF> VFmt;
-    typedef typename TcRows<D, KF>::K KRow;
-    typedef typename TcRows<D, VF>::V VRow;
+    typedef typename TcRows<DW, KF>::K KRow;
+    typedef typename TcRows<DW, VF>::V VRow;
     constexpr int E = TcElems<KF>::value;
     constexpr int KB = KF == TC_FP8 ? 1 : 2, VB = VF == TC_FP8 ? 1 : 2;  // element sides' bytes
-    constexpr int NC = D / (4 * E);  // 16-byte chunks of a key row per lane (element K sides)
-    constexpr int KS = D / 16;       // MMA steps over head_dim (S^T) and output tiles (O^T)
+    constexpr int NC = DW / (4 * E);  // 16-byte chunks of a key row per lane (element K sides)
+    constexpr int KS = DW / 16;       // MMA steps over the part's dims (S^T) and output tiles (O^T)
     constexpr bool KF16 = KFmt::kF16, VF16 = VFmt::kF16;
     // A warp's next tile is loaded before this one is scored where the registers allow it (an fp8
     // or packed tile holds too few bytes to keep enough in flight otherwise); bf16 K has none to spare.
     constexpr bool PREFETCH = KF != TC_BF16;
-    constexpr int VW = D / 8 * VB / 4;  // V words per key of a lane (element V sides): D / 8 dims
+    constexpr int VW = DW / 8 * VB / 4;  // V words per key of a lane (element V sides): DW / 8 dims
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int part = warp % PARTS, unit = warp / PARTS, d0 = part * DW;  // the warp's first dim
 
     const TcCodes kcodes = tc_codes<KF>(), vcodes = tc_codes<VF>();
 
@@ -333,9 +361,12 @@ __device__ void decode_tc(const TcWork& w) {
     float q_mul = w.qk_scale * LOG2E, q_scale = 1.0f;
     if constexpr (KF16) {
         float amax = 0.0f;
-        if (has) {
+        if (has) {  // over every part's dims: the unit's warps scale q alike
 #pragma unroll
-            for (int e = 0; e < D / 4; ++e) amax = fmaxf(amax, fabsf(bf16_to_f32(qr[tc_dim<D, KF>(c, e)])));
+            for (int p = 0; p < PARTS; ++p)
+#pragma unroll
+                for (int e = 0; e < DW / 4; ++e)
+                    amax = fmaxf(amax, fabsf(bf16_to_f32(qr[p * DW + tc_dim<DW, KF>(c, e)])));
         }
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -350,9 +381,10 @@ __device__ void decode_tc(const TcWork& w) {
     for (int j = 0; j < KS; ++j) {
 #pragma unroll
         for (int hi = 0; hi < 2; ++hi) {
-            const int d0 = tc_dim<D, KF>(c, tc_k_elem<KF>(j, hi, 0)), d1 = tc_dim<D, KF>(c, tc_k_elem<KF>(j, hi, 1));
-            qb[j][hi] = tc_pack<KF16>(has ? bf16_to_f32(qr[d0]) * q_scale : 0.0f,
-                                      has ? bf16_to_f32(qr[d1]) * q_scale : 0.0f);
+            const int e0 = d0 + tc_dim<DW, KF>(c, tc_k_elem<KF>(j, hi, 0));
+            const int e1 = d0 + tc_dim<DW, KF>(c, tc_k_elem<KF>(j, hi, 1));
+            qb[j][hi] = tc_pack<KF16>(has ? bf16_to_f32(qr[e0]) * q_scale : 0.0f,
+                                      has ? bf16_to_f32(qr[e1]) * q_scale : 0.0f);
         }
     }
 
@@ -369,32 +401,36 @@ __device__ void decode_tc(const TcWork& w) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // K: keys g, g + 8
             const int row = kv_row(8 * h + g, w.kv_head);
-            if constexpr (KFmt::kPacked) {
-                k[h] = tc_load_slice<D, KF, D / 4>(w.k_cache, block, row, w.num_kv_heads, c);
+            if constexpr (KFmt::kPacked) {  // quarter c of the part's dims
+                k[h] = tc_load_slice<D, KF, DW / 4>(w.k_cache, block, row, w.num_kv_heads, 4 * part + c);
             } else {
                 const unsigned char* kp =
-                    w.k_cache + (block * ATTN_BLOCK * w.num_kv_heads + row) * (D * KB) + c * 16;
+                    w.k_cache + (block * ATTN_BLOCK * w.num_kv_heads + row) * (D * KB) + d0 * KB + c * 16;
 #pragma unroll
                 for (int i = 0; i < NC; ++i) k[h].c[i] = *reinterpret_cast<const Words<4>*>(kp + 64 * i);
             }
         }
 #pragma unroll
-        for (int x = 0; x < 4; ++x) {  // V: keys tc_v_key(c, x), dims D/8 g .. D/8 g + D/8
+        for (int x = 0; x < 4; ++x) {  // V: keys tc_v_key(c, x), dims d0 + DW/8 g .. d0 + DW/8 g + DW/8
             const int row = kv_row(tc_v_key(c, x), w.kv_head);
             if constexpr (VFmt::kPacked) {
-                v[x] = tc_load_slice<D, VF, D / 8>(w.v_cache, block, row, w.num_kv_heads, g);
+                v[x] = tc_load_slice<D, VF, DW / 8>(w.v_cache, block, row, w.num_kv_heads, 8 * part + g);
             } else {
                 v[x] = *reinterpret_cast<const VRow*>(
-                    w.v_cache + (block * ATTN_BLOCK * w.num_kv_heads + row) * (D * VB) + g * (VW * 4));
+                    w.v_cache + (block * ATTN_BLOCK * w.num_kv_heads + row) * (D * VB) + d0 * VB + g * (VW * 4));
             }
         }
     };
     KRow kr[2], kn[2];
     VRow vr[4], vn[4];
-    if (PREFETCH && w.begin + 16 * warp < w.end) load(w.begin + 16 * warp, kr, vr);
-    for (int tile = w.begin + 16 * warp; tile < w.end; tile += 16 * WARPS) {
+    // A unit's partial scores, exchanged in its own rows of smem_o (free until the warps merge):
+    // [tile parity][part][4][32].
+    float* xs = w.smem_o + unit * TC_ROWS * ROWD;
+    int parity = 0;
+    if (PREFETCH && w.begin + 16 * unit < w.end) load(w.begin + 16 * unit, kr, vr);
+    for (int tile = w.begin + 16 * unit; tile < w.end; tile += 16 * UNITS) {
         if constexpr (PREFETCH) {  // the warp's next tile is in flight while this one is scored
-            if (tile + 16 * WARPS < w.end) load(tile + 16 * WARPS, kn, vn);
+            if (tile + 16 * UNITS < w.end) load(tile + 16 * UNITS, kn, vn);
         } else {
             load(tile, kr, vr);
         }
@@ -434,6 +470,19 @@ __device__ void decode_tc(const TcWork& w) {
                 }
                 tc_mma<KF16>(st, a, qb[j]);
             }
+        }
+        if constexpr (PARTS > 1) {  // the unit's parts summed, in part order, by each of its warps
+#pragma unroll
+            for (int i = 0; i < 4; ++i) xs[((parity * PARTS + part) * 4 + i) * 32 + lane] = st[i];
+            tc_unit_sync<32 * PARTS>(unit);  // each buffer is written again two tiles on, after this barrier's next
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float sum = xs[(parity * PARTS * 4 + i) * 32 + lane];
+#pragma unroll
+                for (int p = 1; p < PARTS; ++p) sum += xs[((parity * PARTS + p) * 4 + i) * 32 + lane];
+                st[i] = sum;
+            }
+            parity ^= 1;
         }
         // Online softmax of heads 2c + e over keys g (st[e]) and g + 8 (st[2 + e]);
         // P^T goes back to registers and, transposed, is the B operand of O^T += V^T P^T.
@@ -574,9 +623,10 @@ __device__ void decode_tc(const TcWork& w) {
         }
     }
 
-    // A head's sum over its 8 lanes; then the warps merge through shared memory.
-    float* so = w.smem_o + warp * TC_ROWS * TC_MAX_D;
-    float* sml = w.smem_ml + warp * TC_ROWS * 2;
+    // A head's sum over its 8 lanes; then the units merge through shared memory.
+    if constexpr (PARTS > 1) tc_unit_sync<32 * PARTS>(unit);  // the unit's exchange read before its rows are
+    float* so = w.smem_o + unit * TC_ROWS * ROWD;
+    float* sml = w.smem_ml + unit * TC_ROWS * 2;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
         l[e] += __shfl_xor_sync(0xffffffffu, l[e], 4);
@@ -586,10 +636,10 @@ __device__ void decode_tc(const TcWork& w) {
         if (r < w.rows) {
 #pragma unroll
             for (int n = 0; n < KS; ++n) {
-                so[r * TC_MAX_D + tc_out_dim<D, VF>(n, 0, g)] = o[n][e];
-                so[r * TC_MAX_D + tc_out_dim<D, VF>(n, 1, g)] = o[n][2 + e];
+                so[r * ROWD + d0 + tc_out_dim<DW, VF>(n, 0, g)] = o[n][e];
+                so[r * ROWD + d0 + tc_out_dim<DW, VF>(n, 1, g)] = o[n][2 + e];
             }
-            if (g == 0) {
+            if (g == 0 && part == 0) {  // the unit's warps hold the same maxima and sums
                 sml[r * 2] = m[e];
                 sml[r * 2 + 1] = l[e];
             }
@@ -600,14 +650,14 @@ __device__ void decode_tc(const TcWork& w) {
         const int r = idx / D, d = idx % D;
         float big = METRALE_NEG_INF;
 #pragma unroll
-        for (int v = 0; v < WARPS; ++v) big = fmaxf(big, w.smem_ml[(v * TC_ROWS + r) * 2]);
+        for (int v = 0; v < UNITS; ++v) big = fmaxf(big, w.smem_ml[(v * TC_ROWS + r) * 2]);
         float sum = 0.0f, val = 0.0f;
         if (big != METRALE_NEG_INF) {
 #pragma unroll
-            for (int v = 0; v < WARPS; ++v) {
-                const float f = exp2f(w.smem_ml[(v * TC_ROWS + r) * 2] - big);  // 0 for an idle warp
+            for (int v = 0; v < UNITS; ++v) {
+                const float f = exp2f(w.smem_ml[(v * TC_ROWS + r) * 2] - big);  // 0 for an idle unit
                 sum += w.smem_ml[(v * TC_ROWS + r) * 2 + 1] * f;
-                val += w.smem_o[(v * TC_ROWS + r) * TC_MAX_D + d] * f;
+                val += w.smem_o[(v * TC_ROWS + r) * ROWD + d] * f;
             }
         }
         val *= w.v_scale;

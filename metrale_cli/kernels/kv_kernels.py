@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from metrale_cli.kernels.registry import TC_HEAD_DIMS, KernelSpec, module_for
+from metrale_cli.kernels.registry import KernelSpec, module_for, tc_module
 from metrale_cli.kernels.table import COMMON_KERNELS, GDN_KERNELS, MOE_KERNELS, WHT_SIG, Kernel, Signature
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
 
@@ -112,7 +112,7 @@ def kv_kernels(d: KvCacheDtype, head_dim: int) -> KvKernels:
     :meth:`KvKernels.unserved`)."""
     row, sfx = d.row, d.suffix
     decode_module = f"paged_decode{sfx}{row.decode_module(head_dim)[0]}"
-    tc = row.tensor_core is not None and head_dim in TC_HEAD_DIMS
+    tc = tc_module(head_dim) if row.tensor_core is not None else None
     return KvKernels(
         dtype=d,
         head_dim=head_dim,
@@ -123,9 +123,9 @@ def kv_kernels(d: KvCacheDtype, head_dim: int) -> KvKernels:
         prefill=(KernelSpec(f"prefill_paged{sfx}", f"attn_prefill_paged{sfx}{row.prefill.tile}"),
                  _signature(_PREFILL, d)),
         wht=tuple((spec, WHT_SIG) for spec in WHT_KERNELS) if row.rotated else (),
-        decode_tc=(KernelSpec("paged_decode_tc", f"paged_decode_attn_tc{sfx}"), _signature(_DECODE_TC, d))
+        decode_tc=(KernelSpec(tc, f"paged_decode_attn_tc{sfx}"), _signature(_DECODE_TC, d))
         if tc else None,
-        decode_rope=(KernelSpec("paged_decode_tc", f"paged_decode_rope_tc{sfx}"), _signature(_DECODE_ROPE, d))
+        decode_rope=(KernelSpec(tc, f"paged_decode_rope_tc{sfx}"), _signature(_DECODE_ROPE, d))
         if tc and row.tensor_core.one_launch else None,
     )
 

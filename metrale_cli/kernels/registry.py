@@ -28,6 +28,13 @@ KERNELS_DIR = _kernels_dir()
 INCLUDE_DIR = KERNELS_DIR / "include"
 ARCH = "sm_90"  # the H200
 TC_HEAD_DIMS = (64, 128)  # the tensor-core decode's (paged_decode_tc.cu)
+TC_WIDE_HEAD_DIMS = (256,)  # the same source built for longer heads (TC_HEAD_MAX=256: two warps a tile)
+
+
+def tc_module(head_dim: int) -> str | None:
+    """The tensor-core decode's module at ``head_dim``, or None where it has none."""
+    return "paged_decode_tc" if head_dim in TC_HEAD_DIMS else "paged_decode_tc_wide" if head_dim in TC_WIDE_HEAD_DIMS \
+        else None
 GDN_HEAD_K_DIMS = (16, 32, 64, 128)  # the Gated DeltaNet decode's key head dims (gdn.cu)
 
 
@@ -102,6 +109,8 @@ def _writes(module: str) -> tuple[str, ...]:
 
 
 _TENSOR_CORE = tuple(d for d in KvCacheDtype if d.row.tensor_core is not None)
+_TC_FUNCTIONS = (tuple(f"paged_decode_attn_tc{d.suffix}" for d in _TENSOR_CORE)
+                 + tuple(f"paged_decode_rope_tc{d.suffix}" for d in _TENSOR_CORE if d.row.tensor_core.one_launch))
 
 MODULES: dict[str, KernelModule] = {
     m.name: m
@@ -135,11 +144,10 @@ MODULES: dict[str, KernelModule] = {
         KernelModule("rope_and_cache", "rope_and_cache.cu", (),
                      tuple(f"rope_and_cache_{d.value}" for d in KvCacheDtype), EXACT, HEAD_DIMS),
         # Tensor-core decode of every KV dtype (head_dim 64 and 128, groups of up to 16), and the
-        # bf16 / fp8 caches' whole decode attention in one launch (QK-norm, RoPE, write, combine).
-        KernelModule("paged_decode_tc", "paged_decode_tc.cu", (),
-                     tuple(f"paged_decode_attn_tc{d.suffix}" for d in _TENSOR_CORE)
-                     + tuple(f"paged_decode_rope_tc{d.suffix}" for d in _TENSOR_CORE if d.row.tensor_core.one_launch),
-                     head_dims=TC_HEAD_DIMS),
+        # bf16 / fp8 caches' whole decode attention in one launch (QK-norm, RoPE, write, combine);
+        # the same kernels for head_dim 256 (two warps a tile).
+        *(KernelModule(tc_module(dims[0]), "paged_decode_tc.cu", defines, _TC_FUNCTIONS, head_dims=dims)
+          for dims, defines in ((TC_HEAD_DIMS, ()), (TC_WIDE_HEAD_DIMS, (("TC_HEAD_MAX", "256"),)))),
         *(m for d in KvCacheDtype for m in _kv_modules(d)),
     )
 }

@@ -92,8 +92,9 @@ class PrefillBuild:
 
 @dataclass(frozen=True)
 class TensorCoreDecode:
-    """``paged_decode_tc``'s decode of a dtype (head_dim 64 / 128), and whether the dtype also has
-    its one-launch decode attention there (QK-norm + RoPE + write + decode + combine)."""
+    """``paged_decode_tc``'s decode of a dtype (head_dim 64 / 128; ``paged_decode_tc_wide``'s at 256),
+    and whether the dtype also has its one-launch decode attention there (QK-norm + RoPE + write +
+    decode + combine)."""
 
     ctas_per_sm: int  # its __launch_bounds__ minimum
     programmatic: bool  # launched with programmatic dependent launch
