@@ -406,6 +406,20 @@ struct TcWork {
     int j0, n, kdim, ld, wk, top_k, lo, hi;
     bool input_by_row;   // gate/up: a pair's input is row q / top_k of `in`; down: row q
 
+    // This lane's share of weight block kb (the A operand), as pass loads it: rows g and g + 8 of
+    // each tile, 16 elements of the block; zeros past the rows in range, nothing read past the last
+    // block.
+    __device__ void load_a(Block16 (&a)[TILES][2], int kb) const {
+        const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+        const int blocks = (kdim + 63) / 64, k0 = kb * 64 + 16 * c;
+#pragma unroll
+        for (int t = 0; t < TILES; ++t)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                a[t][h] = load_block(w + (long long)(row0[t] + g + 8 * h) * ld, k0, wk,
+                                     kb < blocks && g + 8 * h < rows_valid, true);
+    }
+
     // acc[t][nt][4]: the sums over K blocks part, part + MOE_TC_WARPS, .. (the CTA's warp by
     // default) for the pass's pairs [base, base + MOE_TC_PAIRS). The weight blocks are a ring of
     // DEPTH in registers: block i + DEPTH - 1's loads are issued before block i's MMAs, so a warp
@@ -413,6 +427,15 @@ struct TcWork {
     // order is the same for every DEPTH.
     template <int DEPTH>
     __device__ void pass(int base, float (&acc)[TILES][MOE_TC_NT][4], int part = threadIdx.x >> 5) const {
+        Block16 none[TILES][2];
+        pass<DEPTH>(base, acc, part, none, false);
+    }
+
+    // The same with block `part` as load_a loaded it earlier (before a PDL wait) into `first`,
+    // where `loaded` (DEPTH 1), not loaded again.
+    template <int DEPTH>
+    __device__ void pass(int base, float (&acc)[TILES][MOE_TC_NT][4], int part, const Block16 (&first)[TILES][2],
+                         bool loaded) const {
         const int lane = threadIdx.x & 31, warp = part, g = lane >> 2, c = lane & 3;
         const int blocks = (kdim + 63) / 64;
         const int npairs = min(MOE_TC_PAIRS, hi - base);
@@ -461,7 +484,12 @@ struct TcWork {
 #pragma unroll
             for (int s = 0; s < DEPTH; ++s) {  // ring slots by constant index: they stay in registers
                 const int kb = kb0 + s * MOE_TC_WARPS;
-                load(a[(s + DEPTH - 1) % DEPTH], kb + (DEPTH - 1) * MOE_TC_WARPS);
+                if (DEPTH == 1 && loaded && kb == warp) {
+#pragma unroll
+                    for (int t = 0; t < TILES; ++t) a[0][t][0] = first[t][0], a[0][t][1] = first[t][1];
+                } else {
+                    load(a[(s + DEPTH - 1) % DEPTH], kb + (DEPTH - 1) * MOE_TC_WARPS);
+                }
                 if (kb < blocks) multiply(a[s], kb);
             }
         }
@@ -586,6 +614,9 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
 // 16), block MOE_DOWN_ONE_WARPS * 32; top_k <= MOE_DOWN_ONE_SLOTS.
 #define MOE_DOWN_ONE_WARPS 32
 #define MOE_DOWN_ONE_SLOTS 32
+#ifndef MOE_DOWN_ONE_EARLY
+#define MOE_DOWN_ONE_EARLY 1  // round 0's first weight blocks loaded before the PDL wait (0: after it)
+#endif
 extern "C" __global__ void __launch_bounds__(MOE_DOWN_ONE_WARPS * 32, 1)
     moe_down_one_bf16(const bf16_t* act, const bf16_t* down, const bf16_t* shared_down, const int* plan,
                       const float* weights, const bf16_t* residual, bf16_t* out, int hidden, int inter,
@@ -593,23 +624,44 @@ extern "C" __global__ void __launch_bounds__(MOE_DOWN_ONE_WARPS * 32, 1)
     __shared__ float part[MOE_DOWN_ONE_WARPS][MOE_TC_NT * 4][32];
     __shared__ float ys[MOE_DOWN_ONE_SLOTS][MOE_TC_ROWS];
     TL_BEGIN(3);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int j0 = blockIdx.x * MOE_TC_ROWS;
+    const int* pairs = plan + 2 + 2 * num_experts;
+    // The warp's work item of a round: the plan's expert p = item / MOE_TC_WARPS (its K part: item
+    // % MOE_TC_WARPS), its pair lo.
+    auto work = [&](int item, int& lo) {
+        const int p = item / MOE_TC_WARPS, e = __ldcg(plan + 1 + p);
+        lo = __ldcg(plan + 1 + num_experts + p);
+        const ExpertRows er = down_rows(down, shared_down, e, num_experts, hidden, inter, shared_width);
+        return TcWork<1>{er.w, act, pairs, {j0}, hidden - j0, j0, hidden, inter, er.ld, er.valid, top_k, lo, lo + 1,
+                         false};
+    };
+#if MOE_DOWN_ONE_EARLY
+    // Before the PDL wait, round 0's first weight block of each warp: the plan is two launches old
+    // (moe_gate_up's CTAs let this launch in only after their own wait on the router); act,
+    // gate/up's output, is read after the wait.
+    const int n = __ldcg(plan);
+    Block16 first[1][2];
+    if (warp < n * MOE_TC_WARPS) {
+        int lo;
+        work(warp, lo).load_a(first, warp % MOE_TC_WARPS);
+    }
     pdl_wait();
     pdl_launch_dependents();
+#else
+    pdl_wait();
+    pdl_launch_dependents();
+    const int n = __ldcg(plan);
+    Block16 first[1][2];
+#endif
     TL_MARK(1);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int n = plan[0], j0 = blockIdx.x * MOE_TC_ROWS;
-    const int* pairs = plan + 2 + 2 * num_experts;
     for (int round = 0; round < n * MOE_TC_WARPS; round += MOE_DOWN_ONE_WARPS) {
         const int item = round + warp, p = item / MOE_TC_WARPS, kw = item % MOE_TC_WARPS;
         float acc[1][MOE_TC_NT][4] = {};
         int lo = 0;
         if (p < n) {
-            const int e = plan[1 + p];
-            lo = plan[1 + num_experts + p];
-            const ExpertRows er = down_rows(down, shared_down, e, num_experts, hidden, inter, shared_width);
-            const TcWork<1> wk{er.w, act, pairs, {j0}, hidden - j0, j0, hidden, inter, er.ld, er.valid,
-                               top_k, lo, lo + 1, false};
-            wk.pass<1>(lo, acc, kw);
+            const TcWork<1> wk = work(item, lo);
+            wk.pass<1>(lo, acc, kw, first, MOE_DOWN_ONE_EARLY && round == 0);
         }
 #pragma unroll
         for (int nt = 0; nt < MOE_TC_NT; ++nt)
