@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from metrale_cli.kernels.registry import KERNELS_DIR
+from metrale_cli.kernels.registry import KERNELS_DIR, MODULES, tc_module
 
 
 def build_host_library(source: str, out_dir: pathlib.Path, defines: dict[str, str] | None = None,
@@ -29,3 +29,10 @@ def build_host_library(source: str, out_dir: pathlib.Path, defines: dict[str, st
         pytest.skip("this g++ has no C++20")
     assert proc.returncode == 0, proc.stderr
     return ctypes.CDLL(str(lib))
+
+
+def build_tc_decode_library(out_dir: pathlib.Path, head_dim: int) -> ctypes.CDLL:
+    """paged_decode_tc.cu's host library as the tensor-core decode module of ``head_dim`` builds it
+    (its defines: paged_decode_tc at 64 / 128, paged_decode_tc_wide at 256)."""
+    module = tc_module(head_dim)
+    return build_host_library("paged_decode_tc_host.cpp", out_dir, dict(MODULES[module].defines), name=module)

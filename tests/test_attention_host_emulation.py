@@ -18,9 +18,10 @@ from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.rotation import restore_output
 from metrale_cli.kernels.table import TC_ROWS, decode_rows, rows_per_cta
 from metrale_cli.kernels.cases import compare, make_paged_case
+from metrale_cli.kernels.registry import tc_module
 from metrale_cli.kernels.tolerances import bounds
 from metrale_cli.kv.dtypes import KvCacheDtype, kv_pair
-from host_build import build_host_library
+from host_build import build_host_library, build_tc_decode_library
 
 ATOL, RTOL = bounds("attention")
 DTYPES = [KvCacheDtype.BF16, KvCacheDtype.FP8, KvCacheDtype.NVFP4, KvCacheDtype.TURBO4, KvCacheDtype.TURBO3,
@@ -115,20 +116,19 @@ def test_prefill_equals_the_reference(build_dir, dtype, head_dim, group, tokens,
     assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
 
 
-_TC_LIB: dict[bool, ctypes.CDLL] = {}
+_TC_LIB: dict[str, ctypes.CDLL] = {}
 
 
 def tc_library(build_dir, head_dim: int = 128) -> ctypes.CDLL:
     """paged_decode_tc.cu as the module of ``head_dim`` builds it: head_dim 64 / 128, or 256
-    (TC_HEAD_MAX=256, paged_decode_tc_wide)."""
-    wide = head_dim > 128
-    if wide not in _TC_LIB:
-        handle = build_host_library("paged_decode_tc_host.cpp", build_dir, {"TC_HEAD_MAX": "256"} if wide else None,
-                                    name="attention_tc_wide" if wide else "attention_tc")
+    (paged_decode_tc_wide)."""
+    module = tc_module(head_dim)
+    if module not in _TC_LIB:
+        handle = build_tc_decode_library(build_dir, head_dim)
         handle.host_paged_decode_tc.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] + [ctypes.c_int] * 7 + [
             ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p]
-        _TC_LIB[wide] = handle
-    return _TC_LIB[wide]
+        _TC_LIB[module] = handle
+    return _TC_LIB[module]
 
 
 def _tc_run(lib, c, q, dtype, splits, in_launch=False, v_signs=None):

@@ -15,7 +15,7 @@ from metrale_cli.kernels.cases import compare, compare_bytes, kv_to, rope_decode
 from metrale_cli.kernels.tolerances import bounds
 from metrale_cli.kernels.table import TC_ROWS
 from metrale_cli.kv.dtypes import KvCacheDtype
-from host_build import build_host_library
+from host_build import build_host_library, build_tc_decode_library
 
 EPS = 1e-6
 
@@ -25,14 +25,13 @@ def built(tmp_path_factory):
     """The host libraries: the tensor-core decode as each of its modules builds it (head_dim 64 /
     128, and 256) and rope_and_cache."""
     out = tmp_path_factory.mktemp("rope_decode_host")
-    return {"narrow": build_host_library("paged_decode_tc_host.cpp", out, name="attention_tc"),
-            "wide": build_host_library("paged_decode_tc_host.cpp", out, {"TC_HEAD_MAX": "256"}, name="attention_tc_wide"),
+    return {"tc": {d: build_tc_decode_library(out, d) for d in (128, 256)},
             "rope": build_host_library("rope_and_cache_host.cpp", out)}
 
 
 @pytest.fixture
 def libs(built, head_dim):
-    return built["wide" if head_dim > 128 else "narrow"], built["rope"]
+    return built["tc"][max(head_dim, 128)], built["rope"]
 
 
 def _ptr(t):

@@ -28,14 +28,14 @@ KERNELS_DIR = _kernels_dir()
 INCLUDE_DIR = KERNELS_DIR / "include"
 ARCH = "sm_90"  # the H200
 TC_HEAD_DIMS = (64, 128)  # the tensor-core decode's (paged_decode_tc.cu)
-TC_WIDE_HEAD_DIMS = (256,)  # the same source built for longer heads (TC_HEAD_MAX=256: two warps a tile)
+TC_WIDE_HEAD_DIMS = (256,)  # the same source built for longer heads (TC_HEAD_MAX: two warps a tile)
+GDN_HEAD_K_DIMS = (16, 32, 64, 128)  # the Gated DeltaNet decode's key head dims (gdn.cu)
 
 
 def tc_module(head_dim: int) -> str | None:
     """The tensor-core decode's module at ``head_dim``, or None where it has none."""
     return "paged_decode_tc" if head_dim in TC_HEAD_DIMS else "paged_decode_tc_wide" if head_dim in TC_WIDE_HEAD_DIMS \
         else None
-GDN_HEAD_K_DIMS = (16, 32, 64, 128)  # the Gated DeltaNet decode's key head dims (gdn.cu)
 
 
 @dataclass(frozen=True, order=True)
@@ -147,7 +147,7 @@ MODULES: dict[str, KernelModule] = {
         # bf16 / fp8 caches' whole decode attention in one launch (QK-norm, RoPE, write, combine);
         # the same kernels for head_dim 256 (two warps a tile).
         *(KernelModule(tc_module(dims[0]), "paged_decode_tc.cu", defines, _TC_FUNCTIONS, head_dims=dims)
-          for dims, defines in ((TC_HEAD_DIMS, ()), (TC_WIDE_HEAD_DIMS, (("TC_HEAD_MAX", "256"),)))),
+          for dims, defines in ((TC_HEAD_DIMS, ()), (TC_WIDE_HEAD_DIMS, (("TC_HEAD_MAX", str(max(TC_WIDE_HEAD_DIMS))),)))),
         *(m for d in KvCacheDtype for m in _kv_modules(d)),
     )
 }
