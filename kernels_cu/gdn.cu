@@ -36,6 +36,14 @@
 #define GDN_SPLIT 4            // threads per state column
 #define GDN_MAX_DV 256         // the largest Dv served
 #define GDN_MAX_THREADS 1024   // GDN_SPLIT * GDN_MAX_DV: the block of the largest Dv
+#ifndef GDN_EARLY
+#define GDN_EARLY 1  // pull the head's state and window into L2 before the PDL wait (0: not, for A/B)
+#endif
+// The most rows for which the launch pulls them: on an H200 the pull gained 0.7-0.8% at batch 1
+// (the 80B and 27B hybrid presets) and cost 0.5% at batch 16 (Qwen3.5-27B: 48 heads x 16 rows of
+// 64 KB states stream past the in-projection's weights), docs/performance.md.
+#define GDN_EARLY_ROWS 1
+#define GDN_PREFETCH_BYTES 4096  // a lane's state piece of that pull
 
 struct GdnArgs {
     const bf16_t *mixed, *z, *b, *a;  // rows of [q; k; v] (C), Hv*Dv, Hv, Hv at the given strides
@@ -91,6 +99,30 @@ __device__ __forceinline__ float column_dot(const float* s, const float* x, int 
     return part + __shfl_xor_sync(0xffffffffu, part, 2);
 }
 
+// Before the PDL wait (up to GDN_EARLY_ROWS rows), the first warp pulls what the head reads from
+// the pools into L2: its state (Dk * Dv fp32, in GDN_PREFETCH_BYTES pieces, a lane each) and the
+// K-1 window entries of its q, k and v channels. The slot and position are a decode step's inputs,
+// two or more launches old (pdl.cuh), read through L2 for these addresses only: the body reads
+// them again after the wait, so a prefetch can cost time but never change a value. Only where Dv
+// is a multiple of 4: then every piece is 16-byte aligned (channels, Dk and Dv multiples of 4), as
+// the pull needs.
+template <int DK>
+__device__ __forceinline__ void prefetch_head(const GdnArgs& g, int h, int row, int kh, int channels) {
+    const int lane = threadIdx.x & 31, hv = g.num_v_heads, dv = g.head_v_dim, taps = g.taps;
+    const int slot = __ldcg(g.slots + row), p = __ldcg(g.positions + row);
+    const char* state = reinterpret_cast<const char*>(g.state_pool + ((long long)slot * hv + h) * DK * dv);
+    const int bytes = DK * dv * 4;
+    for (int at = lane * GDN_PREFETCH_BYTES; at < bytes; at += 32 * GDN_PREFETCH_BYTES)
+        pdl_prefetch_l2(state + at, min(GDN_PREFETCH_BYTES, bytes - at));
+    // lane t < K - 1: entry (p + 1 + t) % K, its q, k and v channel runs
+    if (lane < taps - 1) {
+        const float* entry = g.conv_pool + ((long long)slot * taps + (p + 1 + lane) % taps) * channels;
+        pdl_prefetch_l2(entry + kh * DK, DK * 4);
+        pdl_prefetch_l2(entry + (g.num_k_heads + kh) * DK, DK * 4);
+        pdl_prefetch_l2(entry + 2 * g.num_k_heads * DK + h * dv, dv * 4);
+    }
+}
+
 template <int DK>
 __device__ void gdn_head(const GdnArgs& g) {
     constexpr int ROWS = DK / GDN_SPLIT;  // state rows per thread
@@ -100,9 +132,11 @@ __device__ void gdn_head(const GdnArgs& g) {
     const int hk = g.num_k_heads, hv = g.num_v_heads, dv = g.head_v_dim, group = hv / hk, kh = h / group;
     const int channels = 2 * hk * DK + hv * dv;
     const bool column = j < dv, lead = column && quarter == 0;  // lead: the column's conv store and output
-    // Before the wait only what no launch writes: the head's parameters.
+    // Before the wait only what no launch writes: the head's parameters (and, at batch 1, the pools' L2 pull).
     const float w_norm = lead ? bf16_to_f32(g.norm[j]) : 0.0f;
     const float a_log = g.a_log[h], dt_bias = g.dt_bias[h];
+    if (GDN_EARLY && (int)gridDim.y <= GDN_EARLY_ROWS && tid < 32 && dv % 4 == 0)
+        prefetch_head<DK>(g, h, row, kh, channels);
     pdl_wait();
     pdl_launch_dependents();
     const int slot = g.slots[row], p = g.positions[row];
