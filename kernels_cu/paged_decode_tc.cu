@@ -198,8 +198,8 @@ __device__ __forceinline__ void decode_tc_entry_at(int head_dim, DecodeShared& s
 // and partial layout).
 // Resident CTAs per SM: bf16 4 (112 registers), fp8 3 (its prefetch takes 142; at 4 it spills), the
 // packed sides 4 (128 registers) where that measured faster on an H200, else 3: turbo8 spills 104
-// bytes at 4, fp8k_turbo4v and turbo4k_turbo8v 16, and turbo4 and turbo3k_turbo8v (8 bytes) ran
-// 2-3% slower at 4 (docs/performance.md). The host mirrors them (KV_DTYPES'
+// bytes at 4, fp8k_turbo4v and turbo4k_turbo8v 16, turbo4 and turbo3k_turbo8v (8 bytes) ran 2-3%
+// slower at 4, and fp8k_turbo2v 3% slower at batch 1 and 16 (docs/performance.md). The host mirrors them (KV_DTYPES'
 // TensorCoreDecode.ctas_per_sm) when it picks the split count.
 #define METRALE_TC_ENTRY(name, kf, vf, min_ctas)                                                  \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, min_ctas)                           \
@@ -232,7 +232,7 @@ METRALE_TC_ENTRY(paged_decode_attn_tc_bf16k_turbo3v, TC_BF16, TC_TURBO3, 4)
 METRALE_TC_ENTRY(paged_decode_attn_tc_bf16k_turbo2v, TC_BF16, TC_TURBO2, 4)
 METRALE_TC_ENTRY(paged_decode_attn_tc_fp8k_turbo4v, TC_FP8, TC_TURBO4, 3)
 METRALE_TC_ENTRY(paged_decode_attn_tc_fp8k_turbo3v, TC_FP8, TC_TURBO3, 4)
-METRALE_TC_ENTRY(paged_decode_attn_tc_fp8k_turbo2v, TC_FP8, TC_TURBO2, 4)
+METRALE_TC_ENTRY(paged_decode_attn_tc_fp8k_turbo2v, TC_FP8, TC_TURBO2, 3)
 #undef METRALE_TC_ENTRY
 
 // --- paged_decode_rope_tc<suffix>: a decode step's attention in one launch (bf16 / fp8 cache) --
