@@ -44,6 +44,8 @@
 // 64 KB states stream past the in-projection's weights), docs/performance.md.
 #define GDN_EARLY_ROWS 1
 #define GDN_PREFETCH_BYTES 4096  // a lane's state piece of that pull
+#define GDN_ONE_THREADS 512   // gdn_decode_one_bf16's largest block (Dv <= 128): up to 128 registers a thread
+#define GDN_ONE_MAX_TAPS 4    // its conv's most taps (the window entries it holds in registers)
 
 struct GdnArgs {
     const bf16_t *mixed, *z, *b, *a;  // rows of [q; k; v] (C), Hv*Dv, Hv, Hv at the given strides
@@ -123,7 +125,13 @@ __device__ __forceinline__ void prefetch_head(const GdnArgs& g, int h, int row, 
     }
 }
 
-template <int DK>
+// ONE: batch 1's entry (gdn_decode_one_bf16; a row, a thread per q / k channel, GDN_ONE_MAX_TAPS
+// taps at most). Everything of the head that the last two launches do not write is loaded before
+// the PDL wait, into registers: the slot and position (a decode step's inputs), its channels'
+// conv weights and window entries, its state columns (pdl.cuh: what launches two or more back
+// wrote, through L2). After the wait only the in-projection's row is read. The arithmetic is the
+// other entry's, in the same order.
+template <int DK, bool ONE>
 __device__ void gdn_head(const GdnArgs& g) {
     constexpr int ROWS = DK / GDN_SPLIT;  // state rows per thread
     __shared__ float qs[DK], ks[DK];
@@ -135,35 +143,91 @@ __device__ void gdn_head(const GdnArgs& g) {
     // Before the wait only what no launch writes: the head's parameters (and, at batch 1, the pools' L2 pull).
     const float w_norm = lead ? bf16_to_f32(g.norm[j]) : 0.0f;
     const float a_log = g.a_log[h], dt_bias = g.dt_bias[h];
-    if (GDN_EARLY && (int)gridDim.y <= GDN_EARLY_ROWS && tid < 32 && dv % 4 == 0)
-        prefetch_head<DK>(g, h, row, kh, channels);
-    pdl_wait();
-    pdl_launch_dependents();
-    const int slot = g.slots[row], p = g.positions[row];
-    float* window = g.conv_pool + (long long)slot * g.taps * channels;
-    float* state = g.state_pool + ((long long)slot * hv + h) * DK * dv + (long long)quarter * dv + j;
-    const bf16_t* in = g.mixed + (long long)row * g.mixed_stride;
-    const bool writer = h % group == 0;
-    float qq = 0.0f, kk = 0.0f;
-    for (int i = tid; i < 2 * DK; i += blockDim.x) {  // q's channels, then k's: a thread each
-        const bool is_k = i >= DK;
-        const int c = is_k ? i - DK : i;
-        const float x = conv_channel(g, in, window, ((is_k ? hk : 0) + kh) * DK + c, channels, p, writer);
-        (is_k ? ks : qs)[c] = x;
-        (is_k ? kk : qq) += x * x;
-    }
-    // Each of the column's threads computes v (the same bits); only the lead stores the input (the
-    // entry p % K it writes is none of the K-1 entries the others read).
-    const float v = column ? conv_channel(g, in, window, 2 * hk * DK + h * dv + j, channels, p, lead) : 0.0f;
+    float qq = 0.0f, kk = 0.0f, v, z, b_in, a_in;
     float s[ROWS];
+    float* state;
+    if constexpr (ONE) {
+        constexpr int T = GDN_ONE_MAX_TAPS - 1;
+        const int taps = g.taps, slot = __ldcg(g.slots), p = __ldcg(g.positions);
+        float* window = g.conv_pool + (long long)slot * taps * channels;
+        state = g.state_pool + ((long long)slot * hv + h) * DK * dv + (long long)quarter * dv + j;
+        const bool qk = tid < 2 * DK, is_k = tid >= DK;
+        const int cq = ((is_k ? hk : 0) + kh) * DK + (is_k ? tid - DK : tid);  // this thread's q or k channel
+        const int cv = 2 * hk * DK + h * dv + j;                                // its column's v channel
+        float xq[T], xv[T], wq[T], wv[T];  // entries of positions p-K+1 .. p-1 and their taps
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) s[r] = column ? state[(long long)r * GDN_SPLIT * dv] : 0.0f;
-    const float z = lead ? bf16_to_f32(g.z[(long long)row * g.z_stride + h * dv + j]) : 0.0f;
+        for (int t = 0; t < T; ++t) {
+            const bool tap = t < taps - 1;
+            const float* e = window + (long long)((p + 1 + t) % taps) * channels;
+            xq[t] = qk && tap ? __ldcg(e + cq) : 0.0f;
+            xv[t] = column && tap ? __ldcg(e + cv) : 0.0f;
+            wq[t] = qk && tap ? bf16_to_f32(g.conv[(long long)cq * taps + t]) : 0.0f;
+            wv[t] = column && tap ? bf16_to_f32(g.conv[(long long)cv * taps + t]) : 0.0f;
+        }
+        const float wq_new = qk ? bf16_to_f32(g.conv[(long long)cq * taps + taps - 1]) : 0.0f;
+        const float wv_new = column ? bf16_to_f32(g.conv[(long long)cv * taps + taps - 1]) : 0.0f;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) s[r] = column ? __ldcg(state + (long long)r * GDN_SPLIT * dv) : 0.0f;
+        pdl_wait();
+        pdl_launch_dependents();
+        const float iq = qk ? bf16_to_f32(g.mixed[cq]) : 0.0f, iv = column ? bf16_to_f32(g.mixed[cv]) : 0.0f;
+        z = lead ? bf16_to_f32(g.z[h * dv + j]) : 0.0f;
+        b_in = bf16_to_f32(g.b[h]);
+        a_in = bf16_to_f32(g.a[h]);
+        // conv_channel's sums: the taps oldest first, the new input last
+        float aq = 0.0f, av = 0.0f;
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            if (t < taps - 1) {
+                aq += xq[t] * wq[t];
+                av += xv[t] * wv[t];
+            }
+        }
+        aq += iq * wq_new;
+        av += iv * wv_new;
+        const int entry = p % taps;
+        const bool writer = h % group == 0;
+        if (qk) {
+            const float x = round_bf16(silu(aq));
+            (is_k ? ks : qs)[is_k ? tid - DK : tid] = x;
+            (is_k ? kk : qq) += x * x;
+            if (writer) window[(long long)entry * channels + cq] = iq;
+        }
+        v = column ? round_bf16(silu(av)) : 0.0f;
+        if (lead) window[(long long)entry * channels + cv] = iv;
+    } else {
+        if (GDN_EARLY && (int)gridDim.y <= GDN_EARLY_ROWS && tid < 32 && dv % 4 == 0)
+            prefetch_head<DK>(g, h, row, kh, channels);
+        pdl_wait();
+        pdl_launch_dependents();
+        const int slot = g.slots[row], p = g.positions[row];
+        float* window = g.conv_pool + (long long)slot * g.taps * channels;
+        state = g.state_pool + ((long long)slot * hv + h) * DK * dv + (long long)quarter * dv + j;
+        const bf16_t* in = g.mixed + (long long)row * g.mixed_stride;
+        const bool writer = h % group == 0;
+        for (int i = tid; i < 2 * DK; i += blockDim.x) {  // q's channels, then k's: a thread each
+            const bool is_k = i >= DK;
+            const int c = is_k ? i - DK : i;
+            const float x = conv_channel(g, in, window, ((is_k ? hk : 0) + kh) * DK + c, channels, p, writer);
+            (is_k ? ks : qs)[c] = x;
+            (is_k ? kk : qq) += x * x;
+        }
+        // Each of the column's threads computes v (the same bits); only the lead stores the input (the
+        // entry p % K it writes is none of the K-1 entries the others read).
+        v = column ? conv_channel(g, in, window, 2 * hk * DK + h * dv + j, channels, p, lead) : 0.0f;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) s[r] = column ? state[(long long)r * GDN_SPLIT * dv] : 0.0f;
+        z = lead ? bf16_to_f32(g.z[(long long)row * g.z_stride + h * dv + j]) : 0.0f;
+    }
     const float rq = 1.0f / sqrtf(block_sum(qq) + 1e-6f), rk = 1.0f / sqrtf(block_sum(kk) + 1e-6f);
     const float root_dk = sqrtf((float)DK);
     for (int i = tid; i < DK; i += blockDim.x) qs[i] = qs[i] * rq / root_dk, ks[i] *= rk;
-    const float beta = round_bf16(1.0f / (1.0f + expf(-bf16_to_f32(g.b[(long long)row * g.b_stride + h]))));
-    const float x = bf16_to_f32(g.a[(long long)row * g.a_stride + h]) + dt_bias;
+    if constexpr (!ONE) {
+        b_in = bf16_to_f32(g.b[(long long)row * g.b_stride + h]);
+        a_in = bf16_to_f32(g.a[(long long)row * g.a_stride + h]);
+    }
+    const float beta = round_bf16(1.0f / (1.0f + expf(-b_in)));
+    const float x = a_in + dt_bias;
     const float decay = expf(-expf(a_log) * (x > 20.0f ? x : log1pf(expf(x))));
     __syncthreads();
 #pragma unroll
@@ -201,9 +265,28 @@ extern "C" __global__ void __launch_bounds__(GDN_MAX_THREADS)
     const GdnArgs g{mixed, z, b, a, conv, a_log, dt_bias, norm, conv_pool, state_pool, slots, positions, out,
                     mixed_stride, z_stride, b_stride, a_stride, num_k_heads, num_v_heads, head_v_dim, taps, eps};
     switch (head_k_dim) {
-        case 16: gdn_head<16>(g); break;
-        case 32: gdn_head<32>(g); break;
-        case 64: gdn_head<64>(g); break;
-        case 128: gdn_head<128>(g); break;
+        case 16: gdn_head<16, false>(g); break;
+        case 32: gdn_head<32, false>(g); break;
+        case 64: gdn_head<64, false>(g); break;
+        case 128: gdn_head<128, false>(g); break;
+    }
+}
+
+// gdn_decode_bf16 for one row (grid = (Hv, 1)) whose block has a thread per q / k channel (2
+// head_k_dim <= block <= GDN_ONE_THREADS) and a conv of up to GDN_ONE_MAX_TAPS taps: the same
+// outputs and pools, its pool reads before the PDL wait (gdn_head's ONE).
+extern "C" __global__ void __launch_bounds__(GDN_ONE_THREADS)
+    gdn_decode_one_bf16(const bf16_t* mixed, const bf16_t* z, const bf16_t* b, const bf16_t* a, const bf16_t* conv,
+                        const float* a_log, const float* dt_bias, const bf16_t* norm, float* conv_pool,
+                        float* state_pool, const int* slots, const int* positions, bf16_t* out, int mixed_stride,
+                        int z_stride, int b_stride, int a_stride, int num_k_heads, int num_v_heads, int head_k_dim,
+                        int head_v_dim, int taps, float eps) {
+    const GdnArgs g{mixed, z, b, a, conv, a_log, dt_bias, norm, conv_pool, state_pool, slots, positions, out,
+                    mixed_stride, z_stride, b_stride, a_stride, num_k_heads, num_v_heads, head_v_dim, taps, eps};
+    switch (head_k_dim) {
+        case 16: gdn_head<16, true>(g); break;
+        case 32: gdn_head<32, true>(g); break;
+        case 64: gdn_head<64, true>(g); break;
+        case 128: gdn_head<128, true>(g); break;
     }
 }

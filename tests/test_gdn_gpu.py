@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from gdn_cases import CASES, case_id, check_steps, copy_layer, gdn_layer, live_rows, row_slots, step_inputs
+from metrale_cli.kernels import cuda_gdn
 
 pytestmark = pytest.mark.gpu
 
@@ -54,7 +55,25 @@ def test_decode_never_waits_for_the_gpu(ops):
     assert torch.equal(got[live], want[live])
 
 
-@pytest.mark.parametrize("case", [REAL[1], CASES[2]], ids=case_id)
+@pytest.mark.parametrize("case", [REAL[0], (1, 16, 3, 128, 128, 4), CASES[0]], ids=case_id)
+def test_the_one_row_entry_equals_the_general_one_bit_for_bit(ops, case, monkeypatch):
+    """Batch 1's entry (its pool reads before the PDL wait) against the general one, three steps
+    from the same pools: the same output and pools, bit for bit."""
+    one = gdn_layer(case, device="cuda")
+    general = copy_layer(one)
+    slots = row_slots(1, one.conv_pool.shape[0] - 1, "cuda")
+    for step in range(3):
+        positions = torch.tensor([1 + step], dtype=torch.int32, device="cuda")
+        inputs = step_inputs(one, 1, 10 + step, True, "cuda")
+        got = ops.gdn_decode(*inputs, one, slots, positions)
+        monkeypatch.setattr(cuda_gdn, "GDN_ONE_ROWS", 0)
+        want = ops.gdn_decode(*inputs, general, slots, positions)
+        monkeypatch.setattr(cuda_gdn, "GDN_ONE_ROWS", 1)
+        assert torch.equal(got, want)
+        assert torch.equal(one.conv_pool, general.conv_pool) and torch.equal(one.recurrent_pool, general.recurrent_pool)
+
+
+@pytest.mark.parametrize("case", [REAL[1], REAL[0], CASES[2]], ids=case_id)
 def test_a_cuda_graph_replays_as_the_eager_launch(ops, case):
     rows = case[0]
     layer = gdn_layer(case, device="cuda")

@@ -21,9 +21,20 @@ from metrale_cli.kernels.ops import GdnTensors
 from metrale_cli.kernels.registry import GDN_HEAD_K_DIMS
 from metrale_cli.kernels.table import (
     GDN_CHUNK_INPUTS, GDN_CHUNK_PREP, GDN_CHUNK_WALK, GDN_CONV, GDN_CONV_THREADS, GDN_CONV_TOKENS, GDN_DECODE,
-    GDN_GATED_NORM, GDN_MAX_DV, GDN_MAX_TAPS, GDN_PREP_MAX_DV, GDN_PREP_THREADS, GDN_WALK_COLS, GDN_WALK_MAX_DK,
-    GDN_WALK_THREADS, gdn_prep_shared_bytes, gdn_threads,
+    GDN_DECODE_ONE, GDN_GATED_NORM, GDN_MAX_DV, GDN_MAX_TAPS, GDN_ONE_MAX_TAPS, GDN_ONE_THREADS, GDN_PREP_MAX_DV,
+    GDN_PREP_THREADS, GDN_WALK_COLS, GDN_WALK_MAX_DK, GDN_WALK_THREADS, gdn_prep_shared_bytes, gdn_threads,
 )
+
+# The most rows gdn_decode_one_bf16 serves (0: never launched; an A/B switch for the benches).
+GDN_ONE_ROWS = 1
+
+
+def gdn_decode_kernel(rows: int, dk: int, dv: int, taps: int):
+    """Batch 1's entry (its pool reads before the PDL wait) where it serves the shape, else the
+    general one: the same outputs and pools."""
+    threads = gdn_threads(dv)
+    one = rows <= GDN_ONE_ROWS and 2 * dk <= threads <= GDN_ONE_THREADS and taps <= GDN_ONE_MAX_TAPS
+    return GDN_DECODE_ONE if one else GDN_DECODE
 
 
 def check_gdn_shapes(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
@@ -65,7 +76,8 @@ class CudaGdn:
         out = torch.empty(rows, hv * dv, dtype=mixed.dtype, device=mixed.device)
         if rows:
             (m, m_stride), (zs, z_stride), (bs, b_stride), (as_, a_stride) = (_rows(t) for t in (mixed, z, b, a))
-            self._launch(GDN_DECODE, (hv, rows), (gdn_threads(dv),), m, zs, bs, as_, _ready(layer.conv),
+            kernel = gdn_decode_kernel(rows, dk, dv, layer.conv.shape[1])
+            self._launch(kernel, (hv, rows), (gdn_threads(dv),), m, zs, bs, as_, _ready(layer.conv),
                          _ready(layer.a_log), _ready(layer.dt_bias), _ready(layer.norm), layer.conv_pool,
                          layer.recurrent_pool, _ready(slots), _ready(positions), out, m_stride, z_stride, b_stride,
                          a_stride, layer.num_k_heads, hv, dk, dv, layer.conv.shape[1], layer.eps, pdl=True)

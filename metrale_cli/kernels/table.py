@@ -129,6 +129,11 @@ GDN_DECODE = K("gdn::gdn_decode_bf16"), Signature.parse(
     "b_stride: i32, a_stride: i32, num_k_heads: i32, num_v_heads: i32, head_k_dim: i32, head_v_dim: i32, taps: i32, "
     "eps: f32"
 )
+# Batch 1's: its pool reads (slot, window, state) before the PDL wait, in registers; a row whose
+# block has a thread per q / k channel, up to GDN_ONE_THREADS threads and GDN_ONE_MAX_TAPS taps.
+GDN_DECODE_ONE = K("gdn::gdn_decode_one_bf16"), GDN_DECODE[1]
+GDN_ONE_THREADS = 512  # GDN_ONE_THREADS in gdn.cu (Dv <= 128)
+GDN_ONE_MAX_TAPS = 4  # GDN_ONE_MAX_TAPS in gdn.cu
 # The walk over a prefill's chunks of the chunked gated delta rule (gdn_prefill.cu): a CTA per
 # (sequence x head, GDN_WALK_COLS state columns).
 GDN_CHUNK_WALK = K("gdn_prefill::gdn_chunk_walk_f32"), Signature.parse(
@@ -175,8 +180,8 @@ def gdn_prep_shared_bytes(dk: int, dv: int, chunk: int = 64) -> int:
                 + 3 * GDN_PREP_BLOCK * GDN_PREP_BLOCK)
 
 
-GDN_KERNELS = (GDN_DECODE[0], GDN_CHUNK_WALK[0], GDN_CHUNK_PREP[0], GDN_CHUNK_INPUTS[0], GDN_CONV[0],
-               GDN_GATED_NORM[0])
+GDN_KERNELS = (GDN_DECODE[0], GDN_DECODE_ONE[0], GDN_CHUNK_WALK[0], GDN_CHUNK_PREP[0], GDN_CHUNK_INPUTS[0],
+               GDN_CONV[0], GDN_GATED_NORM[0])
 GDN_MAX_DV = 256  # GDN_MAX_DV in gdn.cu
 GDN_SPLIT = 4  # gdn.cu's threads per state column (GDN_SPLIT)
 
