@@ -256,37 +256,25 @@ __device__ void gdn_head(const GdnArgs& g) {
 // updated in place at the rows' slots (padding rows may share one scratch slot, whose contents
 // are then unspecified). Launched programmatically: waits before reading anything a launch
 // writes.
-extern "C" __global__ void __launch_bounds__(GDN_MAX_THREADS)
-    gdn_decode_bf16(const bf16_t* mixed, const bf16_t* z, const bf16_t* b, const bf16_t* a, const bf16_t* conv,
-                    const float* a_log, const float* dt_bias, const bf16_t* norm, float* conv_pool, float* state_pool,
-                    const int* slots, const int* positions, bf16_t* out, int mixed_stride, int z_stride, int b_stride,
-                    int a_stride, int num_k_heads, int num_v_heads, int head_k_dim, int head_v_dim, int taps,
-                    float eps) {
-    const GdnArgs g{mixed, z, b, a, conv, a_log, dt_bias, norm, conv_pool, state_pool, slots, positions, out,
-                    mixed_stride, z_stride, b_stride, a_stride, num_k_heads, num_v_heads, head_v_dim, taps, eps};
-    switch (head_k_dim) {
-        case 16: gdn_head<16, false>(g); break;
-        case 32: gdn_head<32, false>(g); break;
-        case 64: gdn_head<64, false>(g); break;
-        case 128: gdn_head<128, false>(g); break;
+// gdn_decode_one_bf16: the same for one row (grid = (Hv, 1)) whose block has a thread per q / k
+// channel (2 head_k_dim <= block <= GDN_ONE_THREADS) and a conv of up to GDN_ONE_MAX_TAPS taps:
+// the same outputs and pools, its pool reads before the PDL wait (gdn_head's ONE).
+#define METRALE_GDN_ENTRY(name, threads, one)                                                                     \
+    extern "C" __global__ void __launch_bounds__(threads)                                                        \
+        name(const bf16_t* mixed, const bf16_t* z, const bf16_t* b, const bf16_t* a, const bf16_t* conv,          \
+             const float* a_log, const float* dt_bias, const bf16_t* norm, float* conv_pool, float* state_pool,   \
+             const int* slots, const int* positions, bf16_t* out, int mixed_stride, int z_stride, int b_stride,   \
+             int a_stride, int num_k_heads, int num_v_heads, int head_k_dim, int head_v_dim, int taps, float eps) { \
+        const GdnArgs g{mixed,      z,        b,        a,           conv,        a_log,       dt_bias, norm,    \
+                        conv_pool,  state_pool, slots,  positions,   out,         mixed_stride, z_stride,       \
+                        b_stride,   a_stride, num_k_heads, num_v_heads, head_v_dim, taps,       eps};           \
+        switch (head_k_dim) {                                                                                    \
+            case 16: gdn_head<16, one>(g); break;                                                                \
+            case 32: gdn_head<32, one>(g); break;                                                                \
+            case 64: gdn_head<64, one>(g); break;                                                                \
+            case 128: gdn_head<128, one>(g); break;                                                              \
+        }                                                                                                        \
     }
-}
-
-// gdn_decode_bf16 for one row (grid = (Hv, 1)) whose block has a thread per q / k channel (2
-// head_k_dim <= block <= GDN_ONE_THREADS) and a conv of up to GDN_ONE_MAX_TAPS taps: the same
-// outputs and pools, its pool reads before the PDL wait (gdn_head's ONE).
-extern "C" __global__ void __launch_bounds__(GDN_ONE_THREADS)
-    gdn_decode_one_bf16(const bf16_t* mixed, const bf16_t* z, const bf16_t* b, const bf16_t* a, const bf16_t* conv,
-                        const float* a_log, const float* dt_bias, const bf16_t* norm, float* conv_pool,
-                        float* state_pool, const int* slots, const int* positions, bf16_t* out, int mixed_stride,
-                        int z_stride, int b_stride, int a_stride, int num_k_heads, int num_v_heads, int head_k_dim,
-                        int head_v_dim, int taps, float eps) {
-    const GdnArgs g{mixed, z, b, a, conv, a_log, dt_bias, norm, conv_pool, state_pool, slots, positions, out,
-                    mixed_stride, z_stride, b_stride, a_stride, num_k_heads, num_v_heads, head_v_dim, taps, eps};
-    switch (head_k_dim) {
-        case 16: gdn_head<16, true>(g); break;
-        case 32: gdn_head<32, true>(g); break;
-        case 64: gdn_head<64, true>(g); break;
-        case 128: gdn_head<128, true>(g); break;
-    }
-}
+METRALE_GDN_ENTRY(gdn_decode_bf16, GDN_MAX_THREADS, false)
+METRALE_GDN_ENTRY(gdn_decode_one_bf16, GDN_ONE_THREADS, true)
+#undef METRALE_GDN_ENTRY

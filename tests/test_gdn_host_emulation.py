@@ -127,10 +127,11 @@ def test_unserved_shapes_are_refused_with_a_hint(ops):
 
 def test_the_host_mirrors_equal_the_kernel_source():
     text = (KERNELS_DIR / "gdn.cu").read_text()
-    assert re.findall(r"case (\d+): gdn_head<(\d+), false>", text) == [(str(d), str(d)) for d in GDN_HEAD_K_DIMS]
+    assert re.findall(r"case (\d+): gdn_head<(\d+), one>", text) == [(str(d), str(d)) for d in GDN_HEAD_K_DIMS]
+    assert re.findall(r"^METRALE_GDN_ENTRY\((\w+), (\w+), (\w+)\)$", text, flags=re.M) == [
+        ("gdn_decode_bf16", "GDN_MAX_THREADS", "false"), ("gdn_decode_one_bf16", "GDN_ONE_THREADS", "true")]
     assert re.search(r"#define GDN_MAX_DV (\d+)", text)[1] == str(GDN_MAX_DV)
     assert re.search(r"#define GDN_SPLIT (\d+)", text)[1] == str(GDN_SPLIT)
     assert re.search(r"#define GDN_MAX_THREADS (\d+)", text)[1] == str(gdn_threads(GDN_MAX_DV)) == "1024"
-    assert re.findall(r"case (\d+): gdn_head<(\d+), true>", text) == [(str(d), str(d)) for d in GDN_HEAD_K_DIMS]
     assert re.search(r"#define GDN_ONE_THREADS (\d+)", text)[1] == str(GDN_ONE_THREADS)
     assert re.search(r"#define GDN_ONE_MAX_TAPS (\d+)", text)[1] == str(GDN_ONE_MAX_TAPS)
