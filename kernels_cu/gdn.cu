@@ -28,6 +28,9 @@
 // 7.7 us a launch (7.9 with a thread per column), 16 rows 37.2 (37.2): the launch is a chain of
 // dependent latencies (slots -> window -> conv -> norms -> state -> dots -> norm), not the state
 // traffic. Loading the state before the conv was slower here (9.3 us: 36 bytes of spills at Dk 128).
+// Batch 1 has an entry of its own (gdn_decode_one_bf16, gdn_head's ONE): a block of up to 512
+// threads, so 92 registers, which holds the pool reads in registers from before the PDL wait (the
+// 80B hybrid preset 6% faster on an H200, docs/performance.md).
 #include "numeric.cuh"
 #include "pdl.cuh"
 #include "reduce.cuh"
@@ -140,7 +143,7 @@ __device__ void gdn_head(const GdnArgs& g) {
     const int hk = g.num_k_heads, hv = g.num_v_heads, dv = g.head_v_dim, group = hv / hk, kh = h / group;
     const int channels = 2 * hk * DK + hv * dv;
     const bool column = j < dv, lead = column && quarter == 0;  // lead: the column's conv store and output
-    // Before the wait only what no launch writes: the head's parameters (and, at batch 1, the pools' L2 pull).
+    // Before the wait: the head's parameters, which no launch writes; then the pools (below).
     const float w_norm = lead ? bf16_to_f32(g.norm[j]) : 0.0f;
     const float a_log = g.a_log[h], dt_bias = g.dt_bias[h];
     float qq = 0.0f, kk = 0.0f, v, z, b_in, a_in;
