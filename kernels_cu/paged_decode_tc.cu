@@ -146,61 +146,33 @@ __device__ void decode_tc_entry(DecodeShared& sh, const bf16_t* q, const void* k
     TL_MARK(5);
 }
 
-// The head_dims of the module's entries: decode_tc_prologue and decode_tc_entry at head_dim.
-template <int KF, int VF>
-__device__ __forceinline__ void decode_tc_prologue_at(int head_dim, DecodeShared& sh, const void* k_cache,
-                                                      const void* v_cache, const int* block_tables,
-                                                      const int* seq_lens, int num_kv_heads, int max_blocks,
-                                                      int num_splits, const float* v_signs) {
+// f(TcDim<D>{}) at the module's head_dim D: paged_decode_tc's 64 or 128, paged_decode_tc_wide's
+// 256 (nothing at another).
+template <int D>
+struct TcDim {
+    static constexpr int value = D;
+};
+template <class F>
+__device__ __forceinline__ void tc_at_head_dim(int head_dim, F&& f) {
 #if TC_HEAD_MAX > TC_MAX_D
-    if (head_dim == 256)
-        decode_tc_prologue<256, KF, VF>(sh, k_cache, v_cache, block_tables, seq_lens, num_kv_heads, max_blocks,
-                                        num_splits, v_signs);
+    if (head_dim == 256) f(TcDim<256>{});
 #else
-    if (head_dim == 64)
-        decode_tc_prologue<64, KF, VF>(sh, k_cache, v_cache, block_tables, seq_lens, num_kv_heads, max_blocks,
-                                       num_splits, v_signs);
-    else if (head_dim == 128)
-        decode_tc_prologue<128, KF, VF>(sh, k_cache, v_cache, block_tables, seq_lens, num_kv_heads, max_blocks,
-                                        num_splits, v_signs);
-#endif
-}
-
-template <int KF, int VF>
-__device__ __forceinline__ void decode_tc_entry_at(int head_dim, DecodeShared& sh, const bf16_t* q,
-                                                   const void* k_cache, const void* v_cache, const int* block_tables,
-                                                   const int* seq_lens, bf16_t* out, float* part_o, float* part_ml,
-                                                   const float* k_scale, const float* v_scale, float scale,
-                                                   int num_q_heads, int num_kv_heads, int max_blocks, int num_splits,
-                                                   unsigned* counters, const float* v_signs) {
-#if TC_HEAD_MAX > TC_MAX_D
-    if (head_dim == 256)
-        decode_tc_entry<256, KF, VF>(sh, q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, k_scale,
-                                     v_scale, scale, num_q_heads, num_kv_heads, max_blocks, num_splits, counters,
-                                     v_signs);
-#else
-    if (head_dim == 64)
-        decode_tc_entry<64, KF, VF>(sh, q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, k_scale,
-                                    v_scale, scale, num_q_heads, num_kv_heads, max_blocks, num_splits, counters,
-                                    v_signs);
-    else if (head_dim == 128)
-        decode_tc_entry<128, KF, VF>(sh, q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, k_scale,
-                                     v_scale, scale, num_q_heads, num_kv_heads, max_blocks, num_splits, counters,
-                                     v_signs);
+    if (head_dim == 64) f(TcDim<64>{});
+    else if (head_dim == 128) f(TcDim<128>{});
 #endif
 }
 
 // The arguments of paged_decode_attn<suffix> (paged_decode.cu), then counters and v_signs; grid =
 // (Hk, B, chunks * num_splits) with chunks = ceil(group / TC_ROWS), block = TC_THREADS; head_dim 64
-// or 128 (256 in paged_decode_tc_wide). With a split context and counters (B * Hk * chunks zeroed words, left zero) the launch
-// combines its splits itself, as paged_decode_combine<suffix> with v_signs (a rotated V side's
-// signs, or null) would; without counters the partials go to that kernel (the same split rule
-// and partial layout).
+// or 128 (256 in paged_decode_tc_wide). With a split context and counters (B * Hk * chunks zeroed
+// words, left zero) the launch combines its splits itself, as paged_decode_combine<suffix> with
+// v_signs (a rotated V side's signs, or null) would; without counters the partials go to that
+// kernel (the same split rule and partial layout).
 // Resident CTAs per SM: bf16 4 (112 registers), fp8 3 (its prefetch takes 142; at 4 it spills), the
 // packed sides 4 (128 registers) where that measured faster on an H200, else 3: turbo8 spills 104
 // bytes at 4, fp8k_turbo4v and turbo4k_turbo8v 16, turbo4 and turbo3k_turbo8v (8 bytes) ran 2-3%
-// slower at 4, and fp8k_turbo2v 3% slower at batch 1 and 16 (docs/performance.md). The host mirrors them (KV_DTYPES'
-// TensorCoreDecode.ctas_per_sm) when it picks the split count.
+// slower at 4, and fp8k_turbo2v 3% slower at batch 1 and 16 (docs/performance.md). The host
+// mirrors them (KV_DTYPES' TensorCoreDecode.ctas_per_sm) when it picks the split count.
 #define METRALE_TC_ENTRY(name, kf, vf, min_ctas)                                                  \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, min_ctas)                           \
         name(const bf16_t* q, const void* k_cache, const void* v_cache, const int* block_tables, \
@@ -209,13 +181,20 @@ __device__ __forceinline__ void decode_tc_entry_at(int head_dim, DecodeShared& s
              int num_kv_heads, int head_dim, int max_blocks, int num_splits, unsigned* counters, \
              const float* v_signs) {                                                             \
         __shared__ DecodeShared sh;                                                              \
-        decode_tc_prologue_at<kf, vf>(head_dim, sh, k_cache, v_cache, block_tables, seq_lens,    \
-                                      num_kv_heads, max_blocks, num_splits, v_signs);            \
+        tc_at_head_dim(head_dim, [&](auto d) {                                                   \
+            decode_tc_prologue<decltype(d)::value, kf, vf>(sh, k_cache, v_cache, block_tables,   \
+                                                           seq_lens, num_kv_heads, max_blocks,   \
+                                                           num_splits, v_signs);                 \
+        });                                                                                      \
         pdl_wait();                                                                              \
         pdl_launch_dependents();                                                                 \
-        decode_tc_entry_at<kf, vf>(head_dim, sh, q, k_cache, v_cache, block_tables, seq_lens, out, \
-                                   part_o, part_ml, k_scale, v_scale, scale, num_q_heads,        \
-                                   num_kv_heads, max_blocks, num_splits, counters, v_signs);     \
+        tc_at_head_dim(head_dim, [&](auto d) {                                                   \
+            decode_tc_entry<decltype(d)::value, kf, vf>(sh, q, k_cache, v_cache, block_tables,   \
+                                                        seq_lens, out, part_o, part_ml, k_scale, \
+                                                        v_scale, scale, num_q_heads,             \
+                                                        num_kv_heads, max_blocks, num_splits,    \
+                                                        counters, v_signs);                      \
+        });                                                                                      \
     }
 METRALE_TC_ENTRY(paged_decode_attn_tc, TC_BF16, TC_BF16, 4)
 METRALE_TC_ENTRY(paged_decode_attn_tc_fp8, TC_FP8, TC_FP8, 3)
@@ -458,25 +437,15 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
     TL_MARK(5);
 }
 
-// The head_dims of the module's one-launch entries.
-template <bool FP8>
-__device__ __forceinline__ void decode_rope_tc_at(int head_dim, const RopeDecodeArgs& a, RopeDecodeShared& sh) {
-#if TC_HEAD_MAX > TC_MAX_D
-    if (head_dim == 256) decode_rope_tc<256, FP8>(a, sh);
-#else
-    if (head_dim == 64) decode_rope_tc<64, FP8>(a, sh);
-    else if (head_dim == 128) decode_rope_tc<128, FP8>(a, sh);
-#endif
-}
-
 // q / k / v: Hq / Hk / Hk heads of head_dim bf16 per sequence, sequence b's at b * {q,k,v}_stride
 // (views of a fused q/k/v projection); k_cache / v_cache: the pools (NB, Hk, 16, D); slot_mapping,
 // positions: (B,) int32; cos / sin, q_norm / k_norm (or null): as for rope_and_cache_<dtype>; the
 // rest as for paged_decode_attn_tc<suffix>, plus counters: B * Hk * chunks zeroed words (each
 // launch leaves them zero).
 // The new key's cache block must be its sequence's alone (the block allocator's rule): the CTAs
-// of other splits and sequences never read it while it is written. grid = (Hk, B, chunks * num_splits), block = TC_THREADS; head_dim 64
-// or 128 (256 in paged_decode_tc_wide). Resident CTAs per SM as the unfused tensor-core decodes: bf16 4, fp8 3.
+// of other splits and sequences never read it while it is written. grid = (Hk, B, chunks *
+// num_splits), block = TC_THREADS; head_dim 64 or 128 (256 in paged_decode_tc_wide). Resident CTAs
+// per SM as the unfused tensor-core decodes: bf16 4, fp8 3.
 #define METRALE_ROPE_TC_ENTRY(name, fp8, min_ctas)                                                   \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, min_ctas)                              \
         name(const bf16_t* q, const bf16_t* k, const bf16_t* v, void* k_cache, void* v_cache,        \
@@ -492,7 +461,7 @@ __device__ __forceinline__ void decode_rope_tc_at(int head_dim, const RopeDecode
                                v_scale,  scale,    q_stride,   k_stride, v_stride, hq,              \
                                hk,       rot_dim,  max_blocks, num_splits, eps};                    \
         __shared__ RopeDecodeShared sh;                                                             \
-        decode_rope_tc_at<fp8>(head_dim, a, sh);                                                    \
+        tc_at_head_dim(head_dim, [&](auto d) { decode_rope_tc<decltype(d)::value, fp8>(a, sh); });  \
     }
 METRALE_ROPE_TC_ENTRY(paged_decode_rope_tc, false, 4)
 METRALE_ROPE_TC_ENTRY(paged_decode_rope_tc_fp8, true, 3)

@@ -66,9 +66,9 @@ def test_the_one_row_entry_equals_the_general_one_bit_for_bit(ops, case, monkeyp
         positions = torch.tensor([1 + step], dtype=torch.int32, device="cuda")
         inputs = step_inputs(one, 1, 10 + step, True, "cuda")
         got = ops.gdn_decode(*inputs, one, slots, positions)
-        monkeypatch.setattr(cuda_gdn, "GDN_ONE_ROWS", 0)
+        monkeypatch.setattr(cuda_gdn, "GDN_ONE", False)
         want = ops.gdn_decode(*inputs, general, slots, positions)
-        monkeypatch.setattr(cuda_gdn, "GDN_ONE_ROWS", 1)
+        monkeypatch.setattr(cuda_gdn, "GDN_ONE", True)
         assert torch.equal(got, want)
         assert torch.equal(one.conv_pool, general.conv_pool) and torch.equal(one.recurrent_pool, general.recurrent_pool)
 

@@ -99,9 +99,9 @@ def test_the_one_row_entry_equals_the_general_one_bit_for_bit(ops, case, monkeyp
         ops.loader.launched.clear()
         got = ops.gdn_decode(*inputs, one, slots, positions)
         assert ops.loader.launched == [GDN_DECODE_ONE[0] if serves else GDN_DECODE[0]]
-        monkeypatch.setattr(cuda_gdn, "GDN_ONE_ROWS", 0)
+        monkeypatch.setattr(cuda_gdn, "GDN_ONE", False)
         want = ops.gdn_decode(*inputs, general, slots, positions)
-        monkeypatch.setattr(cuda_gdn, "GDN_ONE_ROWS", 1)
+        monkeypatch.setattr(cuda_gdn, "GDN_ONE", True)
         assert ops.loader.launched[-1] == GDN_DECODE[0]
         assert torch.equal(got, want)
         assert torch.equal(one.conv_pool, general.conv_pool) and torch.equal(one.recurrent_pool, general.recurrent_pool)

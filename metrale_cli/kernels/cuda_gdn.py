@@ -25,15 +25,16 @@ from metrale_cli.kernels.table import (
     GDN_PREP_THREADS, GDN_WALK_COLS, GDN_WALK_MAX_DK, GDN_WALK_THREADS, gdn_prep_shared_bytes, gdn_threads,
 )
 
-# The most rows gdn_decode_one_bf16 serves (0: never launched; an A/B switch for the benches).
-GDN_ONE_ROWS = 1
+# Whether a one-row launch takes gdn_decode_one_bf16 where it serves the shape (False: never; an
+# A/B switch for the benches and the tests).
+GDN_ONE = True
 
 
 def gdn_decode_kernel(rows: int, dk: int, dv: int, taps: int):
-    """Batch 1's entry (its pool reads before the PDL wait) where it serves the shape, else the
-    general one: the same outputs and pools."""
+    """Batch 1's entry (one row; its pool reads before the PDL wait) where it serves the shape, else
+    the general one: the same outputs and pools."""
     threads = gdn_threads(dv)
-    one = rows <= GDN_ONE_ROWS and 2 * dk <= threads <= GDN_ONE_THREADS and taps <= GDN_ONE_MAX_TAPS
+    one = GDN_ONE and rows == 1 and 2 * dk <= threads <= GDN_ONE_THREADS and taps <= GDN_ONE_MAX_TAPS
     return GDN_DECODE_ONE if one else GDN_DECODE
 
 

@@ -34,8 +34,9 @@ GDN_HEAD_K_DIMS = (16, 32, 64, 128)  # the Gated DeltaNet decode's key head dims
 
 def tc_module(head_dim: int) -> str | None:
     """The tensor-core decode's module at ``head_dim``, or None where it has none."""
-    return "paged_decode_tc" if head_dim in TC_HEAD_DIMS else "paged_decode_tc_wide" if head_dim in TC_WIDE_HEAD_DIMS \
-        else None
+    if head_dim in TC_HEAD_DIMS:
+        return "paged_decode_tc"
+    return "paged_decode_tc_wide" if head_dim in TC_WIDE_HEAD_DIMS else None
 
 
 @dataclass(frozen=True, order=True)
@@ -146,8 +147,9 @@ MODULES: dict[str, KernelModule] = {
         # Tensor-core decode of every KV dtype (head_dim 64 and 128, groups of up to 16), and the
         # bf16 / fp8 caches' whole decode attention in one launch (QK-norm, RoPE, write, combine);
         # the same kernels for head_dim 256 (two warps a tile).
-        *(KernelModule(tc_module(dims[0]), "paged_decode_tc.cu", defines, _TC_FUNCTIONS, head_dims=dims)
-          for dims, defines in ((TC_HEAD_DIMS, ()), (TC_WIDE_HEAD_DIMS, (("TC_HEAD_MAX", str(max(TC_WIDE_HEAD_DIMS))),)))),
+        KernelModule("paged_decode_tc", "paged_decode_tc.cu", (), _TC_FUNCTIONS, head_dims=TC_HEAD_DIMS),
+        KernelModule("paged_decode_tc_wide", "paged_decode_tc.cu", (("TC_HEAD_MAX", str(max(TC_WIDE_HEAD_DIMS))),),
+                     _TC_FUNCTIONS, head_dims=TC_WIDE_HEAD_DIMS),
         *(m for d in KvCacheDtype for m in _kv_modules(d)),
     )
 }
