@@ -88,7 +88,7 @@ __device__ __noinline__ void decode_tc_prologue(DecodeShared& sh, const void* k_
     }
 }
 
-template <int D, int KF, int VF>
+template <int D, int KF, int VF, bool PAIR = false>
 __device__ void decode_tc_entry(DecodeShared& sh, const bf16_t* q, const void* k_cache, const void* v_cache,
                                 const int* block_tables, const int* seq_lens, bf16_t* out,
                                 float* part_o, float* part_ml, const float* k_scale,
@@ -130,7 +130,7 @@ __device__ void decode_tc_entry(DecodeShared& sh, const bf16_t* q, const void* k
                    part_ml,
                    smem_o,
                    smem_ml};
-    decode_tc<D, KF, VF>(w);
+    decode_tc<D, KF, VF, TC_WARPS, PAIR>(w);
     TL_MARK(2);  // the split decoded: its output or partials written
     if (!combines) {
         TL_MARK(5);
@@ -173,7 +173,7 @@ __device__ __forceinline__ void tc_at_head_dim(int head_dim, F&& f) {
 // bytes at 4, fp8k_turbo4v and turbo4k_turbo8v 16, turbo4 and turbo3k_turbo8v (8 bytes) ran 2-3%
 // slower at 4, and fp8k_turbo2v 3% slower at batch 1 and 16 (docs/performance.md). The host
 // mirrors them (KV_DTYPES' TensorCoreDecode.ctas_per_sm) when it picks the split count.
-#define METRALE_TC_ENTRY(name, kf, vf, min_ctas)                                                  \
+#define METRALE_TC_ENTRY(name, kf, vf, min_ctas, pair)                                            \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, min_ctas)                           \
         name(const bf16_t* q, const void* k_cache, const void* v_cache, const int* block_tables, \
              const int* seq_lens, bf16_t* out, float* part_o, float* part_ml,                    \
@@ -189,29 +189,40 @@ __device__ __forceinline__ void tc_at_head_dim(int head_dim, F&& f) {
         pdl_wait();                                                                              \
         pdl_launch_dependents();                                                                 \
         tc_at_head_dim(head_dim, [&](auto d) {                                                   \
-            decode_tc_entry<decltype(d)::value, kf, vf>(sh, q, k_cache, v_cache, block_tables,   \
-                                                        seq_lens, out, part_o, part_ml, k_scale, \
-                                                        v_scale, scale, num_q_heads,             \
-                                                        num_kv_heads, max_blocks, num_splits,    \
-                                                        counters, v_signs);                      \
+            decode_tc_entry<decltype(d)::value, kf, vf, pair>(                                   \
+                sh, q, k_cache, v_cache, block_tables, seq_lens, out, part_o, part_ml, k_scale,   \
+                v_scale, scale, num_q_heads, num_kv_heads, max_blocks, num_splits, counters,      \
+                v_signs);                                                                        \
         });                                                                                      \
     }
-METRALE_TC_ENTRY(paged_decode_attn_tc, TC_BF16, TC_BF16, 4)
-METRALE_TC_ENTRY(paged_decode_attn_tc_fp8, TC_FP8, TC_FP8, 3)
-METRALE_TC_ENTRY(paged_decode_attn_tc_nvfp4, TC_NVFP4, TC_NVFP4, 4)
-METRALE_TC_ENTRY(paged_decode_attn_tc_turbo4, TC_TURBO4, TC_TURBO4, 3)
-METRALE_TC_ENTRY(paged_decode_attn_tc_turbo3, TC_TURBO3, TC_TURBO3, 4)
-METRALE_TC_ENTRY(paged_decode_attn_tc_turbo2, TC_TURBO2, TC_TURBO2, 4)
-METRALE_TC_ENTRY(paged_decode_attn_tc_turbo8, TC_TURBO8, TC_TURBO8, 3)
-METRALE_TC_ENTRY(paged_decode_attn_tc_turbo4k_turbo3v, TC_TURBO4, TC_TURBO3, 4)
-METRALE_TC_ENTRY(paged_decode_attn_tc_turbo4k_turbo8v, TC_TURBO4, TC_TURBO8, 3)
-METRALE_TC_ENTRY(paged_decode_attn_tc_turbo3k_turbo8v, TC_TURBO3, TC_TURBO8, 3)
-METRALE_TC_ENTRY(paged_decode_attn_tc_bf16k_turbo4v, TC_BF16, TC_TURBO4, 4)
-METRALE_TC_ENTRY(paged_decode_attn_tc_bf16k_turbo3v, TC_BF16, TC_TURBO3, 4)
-METRALE_TC_ENTRY(paged_decode_attn_tc_bf16k_turbo2v, TC_BF16, TC_TURBO2, 4)
-METRALE_TC_ENTRY(paged_decode_attn_tc_fp8k_turbo4v, TC_FP8, TC_TURBO4, 3)
-METRALE_TC_ENTRY(paged_decode_attn_tc_fp8k_turbo3v, TC_FP8, TC_TURBO3, 4)
-METRALE_TC_ENTRY(paged_decode_attn_tc_fp8k_turbo2v, TC_FP8, TC_TURBO2, 3)
+METRALE_TC_ENTRY(paged_decode_attn_tc, TC_BF16, TC_BF16, 4, false)
+METRALE_TC_ENTRY(paged_decode_attn_tc_fp8, TC_FP8, TC_FP8, 3, false)
+METRALE_TC_ENTRY(paged_decode_attn_tc_nvfp4, TC_NVFP4, TC_NVFP4, 4, false)
+METRALE_TC_ENTRY(paged_decode_attn_tc_turbo4, TC_TURBO4, TC_TURBO4, 3, false)
+METRALE_TC_ENTRY(paged_decode_attn_tc_turbo3, TC_TURBO3, TC_TURBO3, 4, false)
+METRALE_TC_ENTRY(paged_decode_attn_tc_turbo2, TC_TURBO2, TC_TURBO2, 4, false)
+METRALE_TC_ENTRY(paged_decode_attn_tc_turbo8, TC_TURBO8, TC_TURBO8, 3, false)
+METRALE_TC_ENTRY(paged_decode_attn_tc_turbo4k_turbo3v, TC_TURBO4, TC_TURBO3, 4, false)
+METRALE_TC_ENTRY(paged_decode_attn_tc_turbo4k_turbo8v, TC_TURBO4, TC_TURBO8, 3, false)
+METRALE_TC_ENTRY(paged_decode_attn_tc_turbo3k_turbo8v, TC_TURBO3, TC_TURBO8, 3, false)
+METRALE_TC_ENTRY(paged_decode_attn_tc_bf16k_turbo4v, TC_BF16, TC_TURBO4, 4, false)
+METRALE_TC_ENTRY(paged_decode_attn_tc_bf16k_turbo3v, TC_BF16, TC_TURBO3, 4, false)
+METRALE_TC_ENTRY(paged_decode_attn_tc_bf16k_turbo2v, TC_BF16, TC_TURBO2, 4, false)
+METRALE_TC_ENTRY(paged_decode_attn_tc_fp8k_turbo4v, TC_FP8, TC_TURBO4, 3, false)
+METRALE_TC_ENTRY(paged_decode_attn_tc_fp8k_turbo3v, TC_FP8, TC_TURBO3, 4, false)
+METRALE_TC_ENTRY(paged_decode_attn_tc_fp8k_turbo2v, TC_FP8, TC_TURBO2, 3, false)
+// The batch-1 entries paged_decode_attn_tc_pair<suffix> (KV_DTYPES' TensorCoreDecode.pair): the
+// same decode and combine, bit for bit, with two tiles a pass (decode_tc's PAIR: the scoring of
+// one tile beside the softmax and dequantization of the other, twice the loaded tiles'
+// registers), at TC_PAIR_CTAS CTAs an SM. The host launches one where its grid fits that many an
+// SM: batch 1 at long contexts, where a split's warps run their tiles one after another and the
+// SMs are not full. Head_dim 64 and 128 only.
+#define TC_PAIR_CTAS 2
+#if TC_HEAD_MAX <= TC_MAX_D  // (two tiles a pass where a warp holds a head: not in paged_decode_tc_wide)
+METRALE_TC_ENTRY(paged_decode_attn_tc_pair_turbo3, TC_TURBO3, TC_TURBO3, TC_PAIR_CTAS, true)
+METRALE_TC_ENTRY(paged_decode_attn_tc_pair_turbo4k_turbo3v, TC_TURBO4, TC_TURBO3, TC_PAIR_CTAS, true)
+METRALE_TC_ENTRY(paged_decode_attn_tc_pair_fp8k_turbo3v, TC_FP8, TC_TURBO3, TC_PAIR_CTAS, true)
+#endif
 #undef METRALE_TC_ENTRY
 
 // --- paged_decode_rope_tc<suffix>: a decode step's attention in one launch (bf16 / fp8 cache) --

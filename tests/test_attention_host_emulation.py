@@ -131,9 +131,10 @@ def tc_library(build_dir, head_dim: int = 128) -> ctypes.CDLL:
     return _TC_LIB[module]
 
 
-def _tc_run(lib, c, q, dtype, splits, in_launch=False, v_signs=None):
+def _tc_run(lib, c, q, dtype, splits, in_launch=False, v_signs=None, entry=""):
     """The tensor-core decode of case ``c`` on the emulated CPU: its splits combined by
-    paged_decode_combine<suffix>, or (``in_launch``) by the decode launch itself."""
+    paged_decode_combine<suffix>, or (``in_launch``) by the decode launch itself; ``entry``
+    "_pair": the dtype's batch-1 pair entry."""
     batch, hq, head_dim = q.shape
     hk = c["kv"].k.num_kv_heads
     chunks = math.ceil(hq // hk / TC_ROWS)
@@ -144,7 +145,8 @@ def _tc_run(lib, c, q, dtype, splits, in_launch=False, v_signs=None):
     kp, vp, tables, seq = c["kv"].k, c["kv"].v, c["block_tables"], c["seq_lens"]
     lib.host_paged_decode_tc(_ptr(q), _ptr(kp.data), _ptr(vp.data), _ptr(tables), _ptr(seq), _ptr(out),
                              _ptr(part_o), _ptr(part_ml), _ptr(kp.scale), _ptr(vp.scale), head_dim**-0.5, hq, hk,
-                             head_dim, tables.shape[1], splits, batch, chunks, dtype.suffix.encode(), _ptr(counters),
+                             head_dim, tables.shape[1], splits, batch, chunks, (entry + dtype.suffix).encode(),
+                             _ptr(counters),
                              _ptr(v_signs))
     if counters is not None:
         assert not counters.any()  # left zero for the next launch
@@ -214,6 +216,33 @@ def test_tensor_core_decode_combines_up_to_64_splits(build_dir, dtype):
     if vp.rotated:
         want = restore_output(ref.TorchOps, want, vp)
     assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
+
+
+PAIRED = [d for d in KvCacheDtype if d.row.tensor_core.pair]
+
+
+@pytest.mark.parametrize("splits, group", [(1, 1), (3, 4), (32, 12), (5, 16)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", PAIRED, ids=lambda d: d.value)
+def test_the_pair_entry_equals_the_dtype_entry(build_dir, dtype, head_dim, group, splits):
+    """paged_decode_attn_tc_pair<suffix> (two tiles a pass, a tile past the end loaded as zeros,
+    a dead key's V zeroed as loaded) gives the dtype entry's bytes: contexts whose warps take an
+    odd and an even number of tiles, a partial last tile, a split shorter than a pass, an empty
+    context; its splits combined by the combine launch and in the launch, rotated back there
+    when its V side is rotated; and within the attention tolerance of the reference."""
+    lib, hk = tc_library(build_dir, head_dim), 2
+    c = make_paged_case([1, 7, 16, 17, 99, 300, 0, 1000], hk * group, hk, head_dim, dtype, seed=head_dim + splits)
+    q = _q(8, hk * group, head_dim, seed=9)
+    plain = _tc_run(lib, c, q, dtype, splits)
+    pair = _tc_run(lib, c, q, dtype, splits, entry="_pair")
+    assert torch.equal(pair, plain)
+    assert torch.equal(_tc_run(lib, c, q, dtype, splits, in_launch=True, entry="_pair"), plain)
+    vp = c["kv"].v
+    if vp.rotated and splits > 1:
+        assert torch.equal(_tc_run(lib, c, q, dtype, splits, in_launch=True, v_signs=vp.signs, entry="_pair"),
+                           _tc_run(lib, c, q, dtype, splits, in_launch=True, v_signs=vp.signs))
+    want = ref.paged_decode(q, c["kv"], c["block_tables"], c["seq_lens"], head_dim**-0.5)
+    assert compare(pair, want, ATOL, RTOL) is None, compare(pair, want, ATOL, RTOL)
 
 
 @pytest.mark.parametrize("splits, group", [(1, 1), (3, 4), (32, 12)])

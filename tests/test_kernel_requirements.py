@@ -88,7 +88,8 @@ def test_every_dtype_validates_clean_on_cpu(dtype):
     # + the fused QK-norm / RoPE / write + the tensor-core decode (+ bf16 / fp8's decode attention in
     # one launch)
     fused = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)
-    assert len(report.rows) == 15 + 2 * rotated + fused
+    pair = dtype.row.tensor_core.pair  # (+ the batch-1 pair entry)
+    assert len(report.rows) == 15 + 2 * rotated + fused + pair
 
 
 @pytest.mark.parametrize("dtype", [d.value for d in KvCacheDtype] + ["fp8k4v"])
@@ -139,7 +140,7 @@ def test_a_kernel_missing_from_the_build_fails_with_the_full_list(monkeypatch):
     progress = []
     report = validate_kernels("turbo3", 128, progress=lambda k, i, n: progress.append((i, n)), on_gpu=False)
     # the total first (-1: the modules compile before the first row), then a call a kernel
-    assert not report.ok and progress == [(-1, 17)] + [(i, 17) for i in range(17)]
+    assert not report.ok and progress == [(-1, 18)] + [(i, 18) for i in range(18)]  # with its pair entry
     missing = [r.kernel for r in report.rows if not r.ok]
     assert all(r.compiled.startswith("missing") for r in report.rows if not r.ok)
     assert "paged_decode_turbo3_128::paged_decode_attn_turbo3" not in missing and len(missing) == 4

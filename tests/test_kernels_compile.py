@@ -15,6 +15,7 @@ from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import compile as kc
 from metrale_cli.kernels.kv_kernels import every_kernel
 from metrale_cli.kernels.registry import KERNELS_DIR, MODULES, KernelSpec, all_kernels, module_for
+from metrale_cli.kernels.table import TC_PAIR_CTAS_PER_SM
 from metrale_cli.kv.dtypes import KV_DTYPES, KvCacheDtype, kv_pair
 
 
@@ -135,9 +136,10 @@ def test_registry_walk():
     # 4 core + 4 decode GEMVs + the decode step's end + 8 MoE (6 decode, 2 prefill) + 7 GDN (decode and
     # batch 1's decode; the prefill's conv, inputs, chunk prep, walk and gated norm) + 2 WHT + 3 + 13
     # writes + 16 fused rope_and_cache + (16 tensor-core decodes + the bf16 / fp8 one-launch decodes) at
-    # head_dim 64 / 128 and at 256 + 16 dtypes x (a prefill and a (decode, combine) pair per decode module)
+    # head_dim 64 / 128 and at 256 + 3 batch-1 pair entries (64 / 128) + 16 dtypes x (a prefill and a
+    # (decode, combine) pair per decode module)
     decode_modules = sum(len(row.decode) for row in KV_DTYPES.values())
-    assert len(names) == len(set(names)) == 4 + 4 + 1 + 8 + 7 + 2 + 16 + 16 + 2 * (16 + 2) + 16 + 2 * decode_modules == 160
+    assert len(names) == len(set(names)) == 4 + 4 + 1 + 8 + 7 + 2 + 16 + 16 + 2 * (16 + 2) + 3 + 16 + 2 * decode_modules == 163
     assert set(every_kernel()) == set(all_kernels())  # every registered kernel is launched by some dtype
     for spec in all_kernels():
         assert module_for(spec).path.is_file()
@@ -162,12 +164,17 @@ def test_cuda_entry_lists_equal_the_dtype_table(source, macro):
 def test_tensor_core_entries_equal_the_dtype_table():
     """paged_decode_tc.cu's entries: a decode per dtype with a tensor-core row, its K and V formats
     the row's sides, and a one-launch decode where the row has one (fp8 flag); __launch_bounds__
-    minimums as the row says (the host sizes its splits by that minimum)."""
+    minimums as the row says (the host sizes its splits by that minimum); the batch-1 pair entries
+    where the row has one, at the host's TC_PAIR_CTAS_PER_SM."""
     text = (KERNELS_DIR / "paged_decode_tc.cu").read_text()
-    entries = re.findall(r"^METRALE_TC_ENTRY\((\w+), (\w+), (\w+), (\d+)\)$", text, flags=re.M)
-    assert entries == [(f"paged_decode_attn_tc{d.suffix}", *(f"TC_{s.value.upper()}" for s in kv_pair(d)),
-                        str(row.tensor_core.ctas_per_sm)) for d, row in KV_DTYPES.items() if row.tensor_core]
-    assert len(entries) == len(KvCacheDtype)
+    entries = re.findall(r"^METRALE_TC_ENTRY\((\w+), (\w+), (\w+), (\w+), (\w+)\)$", text, flags=re.M)
+    sides = {d: tuple(f"TC_{s.value.upper()}" for s in kv_pair(d)) for d in KvCacheDtype}
+    assert entries == [(f"paged_decode_attn_tc{d.suffix}", *sides[d], str(row.tensor_core.ctas_per_sm), "false")
+                       for d, row in KV_DTYPES.items() if row.tensor_core] + [
+                       (f"paged_decode_attn_tc_pair{d.suffix}", *sides[d], "TC_PAIR_CTAS", "true")
+                       for d, row in KV_DTYPES.items() if row.tensor_core and row.tensor_core.pair]
+    assert len(entries) == len(KvCacheDtype) + 3
+    assert re.search(rf"^#define TC_PAIR_CTAS {TC_PAIR_CTAS_PER_SM}$", text, flags=re.M)
     entries = re.findall(r"^METRALE_ROPE_TC_ENTRY\((\w+), (\w+), (\d+)\)$", text, flags=re.M)
     assert entries == [(f"paged_decode_rope_tc{d.suffix}", str(d == KvCacheDtype.FP8).lower(),
                         str(row.tensor_core.ctas_per_sm)) for d, row in KV_DTYPES.items()

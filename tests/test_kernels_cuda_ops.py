@@ -184,7 +184,9 @@ def test_layer_kernels_cover_every_side(dtype):
     fused = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)  # + the one-launch decode attention
     assert any(n.startswith("paged_decode_tc::paged_decode_rope_tc") for n in names) == fused
     assert f"paged_decode_tc::paged_decode_attn_tc{dtype.suffix}" in names  # every dtype's tensor-core decode
-    assert len(names) == len(set(names)) == 15 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + fused
+    pair = dtype.row.tensor_core.pair  # + the batch-1 pair entry
+    assert (f"paged_decode_tc::paged_decode_attn_tc_pair{dtype.suffix}" in names) == pair
+    assert len(names) == len(set(names)) == 15 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + fused + pair
     assert set(map(str, required_kernels(dtype, 128))) <= set(names)
     assert all(module_for(s) is not None for s in specs)
     assert names[:9] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
@@ -211,22 +213,23 @@ def test_packed_pools_travel_as_byte_pointers():
     assert _typed(spec, "k_signs", "f32*?", None, CPU) == np.uint64(0)
 
 
-@pytest.mark.parametrize("dtype, group, chunks, splits", [
-    ("bf16", 4, 1, 16),  # 8 CTAs: as many splits as allowed, 64 keys (a tile per warp) each
-    ("fp8", 16, 2, 16),  # 16 query heads per KV head: two CTAs of 8; still under a wave at 16 splits
-    ("turbo4", 4, 1, 16),  # a packed cache: the same grid
-    ("fp8k_turbo3v", 12, 2, 16),
+@pytest.mark.parametrize("dtype, group, chunks, splits, pair", [
+    ("bf16", 4, 1, 16, False),  # 8 CTAs: as many splits as allowed, 64 keys (a tile per warp) each
+    ("fp8", 16, 2, 16, False),  # 16 query heads per KV head: two CTAs of 8; still under a wave at 16 splits
+    ("turbo4", 4, 1, 16, False),  # a packed cache: the same grid
+    ("fp8k_turbo3v", 12, 2, 16, True),  # 256 CTAs: two an SM of 132 hold them, the pair entry serves
+    ("turbo4k_turbo3v", 12, 2, 16, True),
 ])
-def test_tensor_core_decode_launch(ops, dtype, group, chunks, splits):
+def test_tensor_core_decode_launch(ops, dtype, group, chunks, splits, pair):
     q = torch.zeros(1, 8 * group, 128, dtype=torch.bfloat16)
     tables, lens = torch.zeros(1, 64, dtype=torch.int32), torch.tensor([999], dtype=torch.int32)
     kv = cache(dtype)
     attention(ops, dtype).paged_decode(q, kv, tables, lens, 0.1)
     (decode, grid, block, args, kinds), = ops.loader.calls  # the splits combined in the launch
     suffix = KvCacheDtype(dtype).suffix
-    assert decode == f"paged_decode_tc::paged_decode_attn_tc{suffix}"
+    assert decode == f"paged_decode_tc::paged_decode_attn_tc{'_pair' if pair else ''}{suffix}"
     assert (kinds["k_cache"], kinds["v_cache"]) == {"bf16": ("bf16*",) * 2, "fp8": ("fp8*",) * 2, "turbo4": ("u8*",) * 2,
-                                                    "fp8k_turbo3v": ("fp8*", "u8*")}[dtype]
+                                                    "fp8k_turbo3v": ("fp8*", "u8*"), "turbo4k_turbo3v": ("u8*",) * 2}[dtype]
     assert grid == (8, 1, chunks * splits) and block == (128,) and args["num_splits"] == splits
     assert args["counters"].dtype == torch.int32 and args["counters"].numel() >= 8 * chunks
     assert not args["counters"].any() and args["v_signs"] is None
@@ -235,6 +238,19 @@ def test_tensor_core_decode_launch(ops, dtype, group, chunks, splits):
     attention(ops, dtype).paged_decode(q, kv, tables, lens, 0.1, restore_v=True)
     assert ops.loader.calls[1][3]["v_signs"] is (kv.v.signs if kv.v.rotated else None)
     assert len(ops.loader.calls) == 2  # the output rotated back inside the launch
+
+
+@pytest.mark.parametrize("batch, pair", [(1, True), (2, False)])
+def test_the_pair_entry_serves_grids_of_two_ctas_an_sm(ops, batch, pair):
+    """turbo4k_turbo3v at 32 query heads on 8, a 32k context: batch 1's 256 CTAs (32 splits) fit two
+    an SM of 132 (the pair entry), batch 2's 480 (30 splits) do not (the dtype's entry, at its 4 an
+    SM)."""
+    q = torch.zeros(batch, 32, 128, dtype=torch.bfloat16)
+    tables, lens = torch.zeros(batch, 2048, dtype=torch.int32), torch.full((batch,), 32768, dtype=torch.int32)
+    attention(ops, "turbo4k_turbo3v").paged_decode(q, cache("turbo4k_turbo3v"), tables, lens, 0.1)
+    (decode, grid, _, args, _), = ops.loader.calls
+    assert grid == (8, batch, args["num_splits"]) and args["num_splits"] == (32 if batch == 1 else 30)
+    assert decode == f"paged_decode_tc::paged_decode_attn_tc{'_pair' if pair else ''}_turbo4k_turbo3v"
 
 
 @pytest.mark.parametrize("d, launches", [

@@ -136,6 +136,34 @@ def test_one_long_sequence_decodes_over_its_most_splits(ops, dtype, head_dim):
     close(got, ref.paged_decode(q, c["kv"], c["block_tables"], c["seq_lens"], head_dim**-0.5), "attention")
 
 
+@pytest.mark.parametrize("lens", [[16400], [32768], [1, 19, 599, 4099, 0]], ids=["16400", "32768", "batch"])
+@pytest.mark.parametrize("dtype, head_dim", [(d, hd) for d, hd in KV_CASES if kv_kernels(d, hd).decode_tc_pair],
+                         ids=lambda x: getattr(x, "value", str(x)))
+def test_the_pair_entry_decodes_as_the_dtype_entry(ops, dtype, head_dim, lens):
+    """The batch-1 pair entry (two tiles a pass) against the dtype's tensor-core entry, bit for bit,
+    the output rotated back in the launch: batch 1 on 8 KV heads at 16,400 and 32,768 keys (32
+    splits, the grid of qwen3-8b's layers at 32k, which the rule gives the pair entry), and a batch
+    of odd and empty contexts; in a CUDA graph too."""
+    hk, group = 8, 4
+    c = make_paged_case(lens, hk * group, hk, head_dim, dtype, seed=head_dim + len(lens))
+    q = randn(len(lens), hk * group, head_dim, seed=6)
+    attn, kv, tables, seq = attention(ops, c), gpu(c), c["block_tables"].cuda(), c["seq_lens"].cuda()
+    plain = attn.paged_decode(q, kv, tables, seq, head_dim**-0.5, restore_v=True, pair=False)
+    pair = attn.paged_decode(q, kv, tables, seq, head_dim**-0.5, restore_v=True, pair=True)
+    assert torch.equal(pair, plain)
+    if len(lens) == 1:  # the rule's choice at batch 1
+        assert torch.equal(attn.paged_decode(q, kv, tables, seq, head_dim**-0.5, restore_v=True), pair)
+    graph, out = torch.cuda.CUDAGraph(), None
+    attn.paged_decode(q, kv, tables, seq, head_dim**-0.5, restore_v=True, pair=True)  # warm (loads the kernel)
+    with torch.cuda.graph(graph):
+        out = attn.paged_decode(q, kv, tables, seq, head_dim**-0.5, restore_v=True, pair=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain)
+    want = ref.paged_decode(q.cpu(), c["kv"], c["block_tables"], c["seq_lens"], head_dim**-0.5)
+    close(attn.paged_decode(q, kv, tables, seq, head_dim**-0.5, pair=True), want, "attention")
+
+
 @pytest.mark.parametrize("context", [40, 4099], ids=["narrow table", "split"])
 @pytest.mark.parametrize("dtype, head_dim", [(d, hd) for d, hd in KV_CASES if d.row.v.is_turbo],
                          ids=lambda x: getattr(x, "value", str(x)))

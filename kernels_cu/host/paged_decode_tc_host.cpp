@@ -11,7 +11,8 @@
 typedef void (*TcDecode)(const bf16_t*, const void*, const void*, const int*, const int*, bf16_t*, float*, float*,
                          const float*, const float*, float, int, int, int, int, int, unsigned*, const float*);
 
-// The entry point named paged_decode_attn_tc<suffix> (suffix "" for bf16, else "_<dtype>").
+// The entry point named paged_decode_attn_tc<suffix> (suffix "" for bf16, else "_<dtype>", or
+// "_pair_<dtype>" for a batch-1 pair entry).
 static TcDecode tc_entry(const char* suffix) {
 #define METRALE_TC(sfx) {#sfx, paged_decode_attn_tc##sfx}
     static const struct {
@@ -21,7 +22,8 @@ static TcDecode tc_entry(const char* suffix) {
                    METRALE_TC(_turbo2), METRALE_TC(_turbo8), METRALE_TC(_turbo4k_turbo3v),
                    METRALE_TC(_turbo4k_turbo8v), METRALE_TC(_turbo3k_turbo8v), METRALE_TC(_bf16k_turbo4v),
                    METRALE_TC(_bf16k_turbo3v), METRALE_TC(_bf16k_turbo2v), METRALE_TC(_fp8k_turbo4v),
-                   METRALE_TC(_fp8k_turbo3v), METRALE_TC(_fp8k_turbo2v)};
+                   METRALE_TC(_fp8k_turbo3v), METRALE_TC(_fp8k_turbo2v), METRALE_TC(_pair_turbo3),
+                   METRALE_TC(_pair_turbo4k_turbo3v), METRALE_TC(_pair_fp8k_turbo3v)};
 #undef METRALE_TC
     for (const auto& e : entries)
         if (std::strcmp(e.suffix, suffix) == 0) return e.fn;

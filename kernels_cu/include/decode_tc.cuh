@@ -331,7 +331,7 @@ __device__ __forceinline__ int tc_out_dim(int n, int r, int g) {
 // PARTS warps: each warp of a unit takes the unit's tiles over its DW dims (part p: dims DW p ..
 // DW p + DW of q, K, V and the output), the unit's warps add their partial scores through shared
 // memory (a named barrier a tile), and each runs the same online softmax on the sums.
-template <int D, int KF, int VF, int WARPS = TC_WARPS>
+template <int D, int KF, int VF, int WARPS = TC_WARPS, bool PAIR_ASKED = false>
 __device__ void decode_tc(const TcWork& w) {
     constexpr int PARTS = tc_parts<D>(), DW = D / PARTS, UNITS = WARPS / PARTS;
     constexpr int ROWD = D > TC_MAX_D ? D : TC_MAX_D;  // a head's row in a unit's smem_o
@@ -348,6 +348,9 @@ __device__ void decode_tc(const TcWork& w) {
     // A warp's next tile is loaded before this one is scored where the registers allow it (an fp8
     // or packed tile holds too few bytes to keep enough in flight otherwise); bf16 K has none to spare.
     constexpr bool PREFETCH = KF != TC_BF16;
+    // PAIR_ASKED: two tiles a pass where the next tile is prefetched and a warp holds a whole head
+    // (twice the loaded tiles' registers: the batch-1 entries, which have them to spare).
+    constexpr bool PAIR = PAIR_ASKED && PREFETCH && PARTS == 1;
     constexpr int VW = DW / 8 * VB / 4;  // V words per key of a lane (element V sides): DW / 8 dims
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int part = warp % PARTS, unit = warp / PARTS, d0 = part * DW;  // the warp's first dim
@@ -395,13 +398,17 @@ __device__ void decode_tc(const TcWork& w) {
     for (int n = 0; n < KS; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
     // A tile's K and V as this lane loads them (a dead key's slot is still inside the block: its
-    // scores are masked, its V zeroed below).
+    // scores are masked, its V zeroed below; with PAIR zeroed here, as is a tile past the end,
+    // whose block is not read).
     auto load = [&](int tile, KRow (&k)[2], VRow (&v)[4]) {
-        const long long block = w.block_table[tile / ATTN_BLOCK];
+        const bool live = !PAIR || tile < w.end;
+        const long long block = live ? w.block_table[tile / ATTN_BLOCK] : 0;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // K: keys g, g + 8
             const int row = kv_row(8 * h + g, w.kv_head);
-            if constexpr (KFmt::kPacked) {  // quarter c of the part's dims
+            if (!live) {
+                k[h] = KRow{};
+            } else if constexpr (KFmt::kPacked) {  // quarter c of the part's dims
                 k[h] = tc_load_slice<D, KF, DW / 4>(w.k_cache, block, row, w.num_kv_heads, 4 * part + c);
             } else {
                 const unsigned char* kp =
@@ -413,7 +420,9 @@ __device__ void decode_tc(const TcWork& w) {
 #pragma unroll
         for (int x = 0; x < 4; ++x) {  // V: keys tc_v_key(c, x), dims d0 + DW/8 g .. d0 + DW/8 g + DW/8
             const int row = kv_row(tc_v_key(c, x), w.kv_head);
-            if constexpr (VFmt::kPacked) {
+            if (PAIR && tile + tc_v_key(c, x) >= w.end) {
+                v[x] = VRow{};
+            } else if constexpr (VFmt::kPacked) {
                 v[x] = tc_load_slice<D, VF, DW / 8>(w.v_cache, block, row, w.num_kv_heads, 8 * part + g);
             } else {
                 v[x] = *reinterpret_cast<const VRow*>(
@@ -427,16 +436,10 @@ __device__ void decode_tc(const TcWork& w) {
     // [tile parity][part][4][32].
     float* xs = w.smem_o + unit * TC_ROWS * ROWD;
     int parity = 0;
-    if (PREFETCH && w.begin + 16 * unit < w.end) load(w.begin + 16 * unit, kr, vr);
-    for (int tile = w.begin + 16 * unit; tile < w.end; tile += 16 * UNITS) {
-        if constexpr (PREFETCH) {  // the warp's next tile is in flight while this one is scored
-            if (tile + 16 * UNITS < w.end) load(tile + 16 * UNITS, kn, vn);
-        } else {
-            load(tile, kr, vr);
-        }
+    // S^T (16 keys x 8 heads per query tile) of a tile's K, into st (zeros).
+    auto score = [&](const KRow (&kr)[2], float (&st)[4]) {
         // S^T (16 keys x 8 heads per query tile): K rows g, g + 8 are the A operand as loaded
         // (element sides) or as dequantized (packed sides).
-        float st[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if constexpr (KFmt::kPacked && KF != TC_TURBO8) {  // eight codes of each key: two steps
 #pragma unroll
             for (int x = 0; x < KS / 2; ++x) {
@@ -484,6 +487,9 @@ __device__ void decode_tc(const TcWork& w) {
             }
             parity ^= 1;
         }
+    };
+    // A scored tile's online softmax and O^T += V^T P^T.
+    auto accumulate = [&](const float (&st)[4], VRow (&vr)[4], int tile) {
         // Online softmax of heads 2c + e over keys g (st[e]) and g + 8 (st[2 + e]);
         // P^T goes back to registers and, transposed, is the B operand of O^T += V^T P^T.
         const bool live0 = tile + g < w.end, live1 = tile + 8 + g < w.end;
@@ -510,7 +516,7 @@ __device__ void decode_tc(const TcWork& w) {
         l[1] = l[1] * corr[1] + r1 + r3;
         const unsigned pb[2] = {movmatrix_trans(k0),   // P[head g][keys 2c, 2c + 1]
                                 movmatrix_trans(k1)};  // ... keys 8 + 2c, 9 + 2c
-        if (corr[0] != 1.0f || corr[1] != 1.0f) {  // most tiles keep the maxima
+        if (PAIR || corr[0] != 1.0f || corr[1] != 1.0f) {  // most tiles keep the maxima (PAIR: x 1 is exact)
 #pragma unroll
             for (int n = 0; n < KS; ++n) {
                 o[n][0] *= corr[0];
@@ -519,7 +525,7 @@ __device__ void decode_tc(const TcWork& w) {
                 o[n][3] *= corr[1];
             }
         }
-        if (tile + 16 > w.end) {  // the last tile: a dead key's V is zeroed (a packed one's scales too): 0 x NaN is NaN
+        if (!PAIR && tile + 16 > w.end) {  // the last tile: a dead key's V is zeroed (a packed one's scales too): 0 x NaN is NaN
 #pragma unroll
             for (int v = 0; v < 4; ++v) {
                 if (tile + tc_v_key(c, v) >= w.end) {
@@ -615,11 +621,49 @@ __device__ void decode_tc(const TcWork& w) {
                 tc_mma<VF16>(o[n], a, pb);
             }
         }
-        if constexpr (PREFETCH) {
+    };
+    if constexpr (PAIR) {
+        // Two tiles a pass (the warp's next two), the next pass's two in flight. Both are scored
+        // before either is accumulated, which is the order of one a pass: the same bits. A tile
+        // past the end is loaded as zeros, and accumulating it changes nothing (its scores are
+        // masked: the maxima stay, corr is 1, P and V are 0), so a pass has no branch.
+        constexpr int STEP = 16 * UNITS;
+        KRow ka[2], kb[2];
+        VRow va[4], vb[4];
+        load(w.begin + 16 * unit, ka, va);
+        load(w.begin + 16 * unit + STEP, kb, vb);
+        for (int tile = w.begin + 16 * unit; tile < w.end; tile += 2 * STEP) {
+            KRow kna[2], knb[2];
+            VRow vna[4], vnb[4];
+            load(tile + 2 * STEP, kna, vna);
+            load(tile + 3 * STEP, knb, vnb);
+            float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            score(ka, sa);
+            score(kb, sb);
+            accumulate(sa, va, tile);
+            accumulate(sb, vb, tile + STEP);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) kr[h] = kn[h];
+            for (int h = 0; h < 2; ++h) ka[h] = kna[h], kb[h] = knb[h];
 #pragma unroll
-            for (int x = 0; x < 4; ++x) vr[x] = vn[x];
+            for (int x = 0; x < 4; ++x) va[x] = vna[x], vb[x] = vnb[x];
+        }
+    } else {
+        if (PREFETCH && w.begin + 16 * unit < w.end) load(w.begin + 16 * unit, kr, vr);
+        for (int tile = w.begin + 16 * unit; tile < w.end; tile += 16 * UNITS) {
+            if constexpr (PREFETCH) {  // the warp's next tile is in flight while this one is scored
+                if (tile + 16 * UNITS < w.end) load(tile + 16 * UNITS, kn, vn);
+            } else {
+                load(tile, kr, vr);
+            }
+            float st[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            score(kr, st);
+            accumulate(st, vr, tile);
+            if constexpr (PREFETCH) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) kr[h] = kn[h];
+#pragma unroll
+                for (int x = 0; x < 4; ++x) vr[x] = vn[x];
+            }
         }
     }
 

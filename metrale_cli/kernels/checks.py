@@ -105,15 +105,21 @@ def _check_write(dtype):
     return check
 
 
-def _check_decode(dtype, tensor_cores: bool = False):
+def _check_decode(dtype, tensor_cores: bool = False, pair: bool = False):
     def check(ops, hd):
+        """Against the reference; the batch-1 pair entry also equal to the tensor-core entry it
+        stands in for, bit for bit."""
         c = make_paged_case([1, 19, 599], 8, 2, hd, dtype)
         q = _randn(3, 8, hd)
-        got = ops.paged_attention(dtype, hd).paged_decode(
-            q.cuda(), kv_to(c["kv"], "cuda"), *_gpu(c["block_tables"], c["seq_lens"]), hd**-0.5,
-            tensor_cores=tensor_cores)
+        attention, kv, tables = ops.paged_attention(dtype, hd), kv_to(c["kv"], "cuda"), _gpu(c["block_tables"],
+                                                                                               c["seq_lens"])
+        got = attention.paged_decode(q.cuda(), kv, *tables, hd**-0.5, tensor_cores=tensor_cores,
+                                     pair=pair if tensor_cores else None)
         want = ref.paged_decode(q, c["kv"], c["block_tables"], c["seq_lens"], hd**-0.5)
-        return compare(got, want, *bounds("attention"))
+        problem = compare(got, want, *bounds("attention"))
+        if problem is None and pair:
+            problem = compare(got, attention.paged_decode(q.cuda(), kv, *tables, hd**-0.5, pair=False), 0, 0)
+        return problem
     return check
 
 
@@ -200,6 +206,8 @@ def _numeric_checks() -> dict[str, Callable]:
                 checks[str(kernel[0])] = check(d)
             if kk.decode_tc is not None:
                 checks[str(kk.decode_tc[0])] = _check_decode(d, tensor_cores=True)
+            if kk.decode_tc_pair is not None:
+                checks[str(kk.decode_tc_pair[0])] = _check_decode(d, tensor_cores=True, pair=True)
             if kk.decode_rope is not None:
                 checks[str(kk.decode_rope[0])] = _check_rope_decode(d)
     return checks

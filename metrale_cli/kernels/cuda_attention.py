@@ -19,7 +19,8 @@ from metrale_cli.kernels.rotation import restore_output
 from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
 from metrale_cli.kernels.table import (
     ATTN_THREADS, DECODE_CTAS_PER_SM, MAX_SPLITS, MIN_KEYS_PER_SPLIT, ROPE_AND_CACHE_WARPS, SDPA_MIN_TOKENS,
-    TC_FEW_SPLITS, TC_LONG_KEYS_PER_SPLIT, TC_MAX_CLUSTER, TC_MIN_KEYS_PER_SPLIT, TC_ROWS, decode_rows, rows_per_cta,
+    TC_FEW_SPLITS, TC_LONG_KEYS_PER_SPLIT, TC_MAX_CLUSTER, TC_MIN_KEYS_PER_SPLIT, TC_PAIR_CTAS_PER_SM, TC_ROWS,
+    decode_rows, rows_per_cta,
 )
 from metrale_cli.kv.dtypes import TensorCoreDecode
 from metrale_cli.kv.pool import LayerKv
@@ -86,12 +87,13 @@ class CudaPagedAttention:
             raise MetraleError(f"k has {hk} heads, the KV pools {kv.num_kv_heads}")
 
     def paged_decode(self, q, kv: LayerKv, block_tables, seq_lens, scale, restore_v=False,
-                     tensor_cores: bool = True):
+                     tensor_cores: bool = True, pair: bool | None = None):
         """The tensor-core kernel where it serves the case (``tensor_cores=False``: the dtype's
-        paged_decode_attn kernel always, for its tests), else paged_decode_attn<suffix>. A split
-        context is combined inside the tensor-core launch, else by paged_decode_combine<suffix>.
-        With ``restore_v`` a rotated V side's output comes back rotated by that combine (or, with
-        one split, by the WHT launch)."""
+        paged_decode_attn kernel always, for its tests), else paged_decode_attn<suffix>; its
+        batch-1 pair entry where the dtype has one and the grid fits it (``pair`` True / False: that
+        entry or the other, for their checks). A split context is combined inside the tensor-core
+        launch, else by paged_decode_combine<suffix>. With ``restore_v`` a rotated V side's output
+        comes back rotated by that combine (or, with one split, by the WHT launch)."""
         batch, hq, head_dim = q.shape
         self._check(kv, hq, head_dim)
         hk = kv.num_kv_heads
@@ -104,6 +106,12 @@ class CudaPagedAttention:
         if tc:
             kernel, chunks, programmatic = self.kernels.decode_tc, math.ceil(hq // hk / TC_ROWS), self.tc.programmatic
             splits = tc_decode_splits(q.device, hk * batch * chunks, block_tables.shape[1], self.tc)
+            if pair is None:
+                pair = self.kernels.decode_tc_pair is not None and pair_fits(q.device, hk * batch * chunks * splits)
+            if pair:
+                if self.kernels.decode_tc_pair is None:
+                    raise MetraleError(f"{self.dtype.value} has no batch-1 pair decode at head_dim {head_dim}")
+                kernel = self.kernels.decode_tc_pair
         else:
             chunks = math.ceil(hq // hk / decode_rows(head_dim, hq // hk))
             splits = decode_splits(q.device, hk * batch * chunks, block_tables.shape[1])
@@ -183,6 +191,12 @@ def _split_buffers(q: torch.Tensor, splits: int):
     batch, hq, head_dim = q.shape
     return (torch.empty(batch, hq, splits, head_dim, dtype=torch.float32, device=q.device),
             torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device))
+
+
+def pair_fits(device: torch.device, ctas: int) -> bool:
+    """Whether a tensor-core decode grid of ``ctas`` CTAs is one wave of the batch-1 pair entry
+    (TC_PAIR_CTAS_PER_SM an SM), which then serves it."""
+    return ctas <= TC_PAIR_CTAS_PER_SM * cuda_launch._sm_count(device.index)
 
 
 def rope_decode_cluster(device: torch.device, items: int, splits: int) -> int:

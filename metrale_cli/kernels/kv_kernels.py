@@ -58,8 +58,10 @@ class KvKernels:
     """The kernels serving one KV dtype at one head_dim (each a ``(KernelSpec, Signature)``).
 
     ``decode_tc`` / ``decode_rope``: the tensor-core decode and the one-launch decode attention
-    (QK-norm + RoPE + write + decode + combine) where the dtype has them at this head_dim; ``wht``:
-    the Hadamard rotation and its inverse when a side is rotated, else empty.
+    (QK-norm + RoPE + write + decode + combine) where the dtype has them at this head_dim;
+    ``decode_tc_pair``: the tensor-core decode's batch-1 entry (two tiles a pass) where the dtype
+    has it (head_dim 64 / 128); ``wht``: the Hadamard rotation and its inverse when a side is
+    rotated, else empty.
     """
 
     dtype: KvCacheDtype
@@ -72,6 +74,7 @@ class KvKernels:
     wht: tuple[Kernel, ...] = ()
     decode_tc: Kernel | None = None
     decode_rope: Kernel | None = None
+    decode_tc_pair: Kernel | None = None
 
     def required(self) -> list[KernelSpec]:
         """KV_DTYPES.md's row for the dtype: cache write, paged decode, chunked prefill where it
@@ -81,7 +84,7 @@ class KvKernels:
 
     def specs(self) -> list[KernelSpec]:
         """Every kernel a layer of this dtype launches beyond :data:`COMMON_KERNELS`."""
-        tc = [k[0] for k in (self.decode_tc, self.decode_rope) if k]
+        tc = [k[0] for k in (self.decode_tc, self.decode_rope, self.decode_tc_pair) if k]
         wht = [k[0] for k in self.wht]
         return [self.write[0], self.decode[0], *tc, self.combine[0], self.prefill[0], *wht, self.rope_write[0]]
 
@@ -127,6 +130,8 @@ def kv_kernels(d: KvCacheDtype, head_dim: int) -> KvKernels:
         if tc else None,
         decode_rope=(KernelSpec(tc, f"paged_decode_rope_tc{sfx}"), _signature(_DECODE_ROPE, d))
         if tc and row.tensor_core.one_launch else None,
+        decode_tc_pair=(KernelSpec(tc, f"paged_decode_attn_tc_pair{sfx}"), _signature(_DECODE_TC, d))
+        if tc == "paged_decode_tc" and row.tensor_core.pair else None,
     )
 
 

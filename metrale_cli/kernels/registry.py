@@ -112,6 +112,8 @@ def _writes(module: str) -> tuple[str, ...]:
 _TENSOR_CORE = tuple(d for d in KvCacheDtype if d.row.tensor_core is not None)
 _TC_FUNCTIONS = (tuple(f"paged_decode_attn_tc{d.suffix}" for d in _TENSOR_CORE)
                  + tuple(f"paged_decode_rope_tc{d.suffix}" for d in _TENSOR_CORE if d.row.tensor_core.one_launch))
+# the batch-1 pair entries (two tiles a pass): head_dim 64 / 128 only
+_TC_PAIR_FUNCTIONS = tuple(f"paged_decode_attn_tc_pair{d.suffix}" for d in _TENSOR_CORE if d.row.tensor_core.pair)
 
 MODULES: dict[str, KernelModule] = {
     m.name: m
@@ -147,7 +149,8 @@ MODULES: dict[str, KernelModule] = {
         # Tensor-core decode of every KV dtype (head_dim 64 and 128, groups of up to 16), and the
         # bf16 / fp8 caches' whole decode attention in one launch (QK-norm, RoPE, write, combine);
         # the same kernels for head_dim 256 (two warps a tile).
-        KernelModule("paged_decode_tc", "paged_decode_tc.cu", (), _TC_FUNCTIONS, head_dims=TC_HEAD_DIMS),
+        KernelModule("paged_decode_tc", "paged_decode_tc.cu", (), _TC_FUNCTIONS + _TC_PAIR_FUNCTIONS,
+                     head_dims=TC_HEAD_DIMS),
         KernelModule("paged_decode_tc_wide", "paged_decode_tc.cu", (("TC_HEAD_MAX", str(max(TC_WIDE_HEAD_DIMS))),),
                      _TC_FUNCTIONS, head_dims=TC_WIDE_HEAD_DIMS),
         *(m for d in KvCacheDtype for m in _kv_modules(d)),

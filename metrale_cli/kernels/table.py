@@ -215,6 +215,7 @@ TC_ROWS = 8  # query heads per CTA of the tensor-core decode (TC_ROWS in paged_d
 TC_MIN_KEYS_PER_SPLIT = 64
 TC_MAX_CLUSTER = 16  # the most splits the one-launch decode combines in a cluster (paged_decode_tc.cu)
 TC_MAX_SPLITS = 64  # the most splits a tensor-core decode combines in its launch (split_combine.cuh)
+TC_PAIR_CTAS_PER_SM = 2  # the batch-1 pair entries' __launch_bounds__ minimum (TC_PAIR_CTAS)
 # Past TC_FEW_SPLITS splits a tensor-core decode's split holds at least TC_LONG_KEYS_PER_SPLIT keys
 # (16 tiles, 4 a warp): more, shorter splits cost more in the combine than their warps gain. Batch 1
 # on an H200 (qwen3-8b, docs/performance.md): at a 4k context 16 splits beat 60 (bf16) or 32

@@ -104,6 +104,10 @@ class TensorCoreDecode:
     # fp8 even on an H200); the other packed sides' decodes measured faster at 32 (nvfp4 197.1
     # against 191.9).
     max_splits: int = 32
+    # A batch-1 entry (paged_decode_attn_tc_pair<suffix>, head_dim 64 / 128): two tiles a pass at
+    # TC_PAIR_CTAS_PER_SM CTAs an SM, launched where the grid fits that (a split's warps then run
+    # their tiles one after another, with the SMs half empty).
+    pair: bool = False
 
 
 def _none(_layers: int) -> int:
@@ -169,6 +173,9 @@ _PACKED_TC_WIDE = TensorCoreDecode(ctas_per_sm=3, programmatic=False)
 # splits (qwen3-8b at 32k on an H200: bf16k_turbo4v 184.4 -> 188.5 tok/s, bf16k_turbo2v 186.8 ->
 # 190.8; turbo3's and turbo4k_turbo3v's did not gain).
 _BF16K_TC = TensorCoreDecode(ctas_per_sm=4, programmatic=False, max_splits=64)
+# The 3-bit V sides at 4 CTAs an SM, with the batch-1 pair entry: turbo4k_turbo3v's layer at batch 1
+# and 32k on an H200, attention 44.7 -> 40.7 us (docs/performance.md).
+_PAIR_TC = TensorCoreDecode(ctas_per_sm=4, programmatic=False, pair=True)
 
 
 def _turbo(k: SideType, v: SideType, alias: str | None, decode=_BOTH, prefill=_TURBO_PREFILL,
@@ -186,17 +193,17 @@ KV_DTYPES: dict[KvCacheDtype, KvDtypeRow] = {
     D.NVFP4: KvDtypeRow(S.NVFP4, S.NVFP4, None, NVFP4_WRITE, (("", 512),), PrefillBuild("", 512, False), _none,
                         _PACKED_TC),
     D.TURBO4: _turbo(S.TURBO4, S.TURBO4, None, tc=_PACKED_TC_WIDE),
-    D.TURBO3: _turbo(S.TURBO3, S.TURBO3, None),
+    D.TURBO3: _turbo(S.TURBO3, S.TURBO3, None, tc=_PAIR_TC),
     D.TURBO2: _turbo(S.TURBO2, S.TURBO2, None, _SMALL, PrefillBuild("", 512, True), _four_fifths),
     D.TURBO8: _turbo(S.TURBO8, S.TURBO8, None, tc=_PACKED_TC_WIDE),
-    D.TURBO4K_TURBO3V: _turbo(S.TURBO4, S.TURBO3, "turbo4k3v", _SMALL),
+    D.TURBO4K_TURBO3V: _turbo(S.TURBO4, S.TURBO3, "turbo4k3v", _SMALL, tc=_PAIR_TC),
     D.TURBO4K_TURBO8V: _turbo(S.TURBO4, S.TURBO8, "turbo4k8v", _SMALL, tc=_PACKED_TC_WIDE),
     D.TURBO3K_TURBO8V: _turbo(S.TURBO3, S.TURBO8, "turbo3k8v", _SMALL, tc=_PACKED_TC_WIDE),
     D.BF16K_TURBO4V: _turbo(S.BF16, S.TURBO4, "bf16k4v", tc=_BF16K_TC),
     D.BF16K_TURBO3V: _turbo(S.BF16, S.TURBO3, "bf16k3v", boundary=_four_fifths, tc=_BF16K_TC),
     D.BF16K_TURBO2V: _turbo(S.BF16, S.TURBO2, "bf16k2v", tc=_BF16K_TC),
     D.FP8K_TURBO4V: _turbo(S.FP8, S.TURBO4, "fp8k4v", tc=_PACKED_TC_WIDE),
-    D.FP8K_TURBO3V: _turbo(S.FP8, S.TURBO3, "fp8k3v"),
+    D.FP8K_TURBO3V: _turbo(S.FP8, S.TURBO3, "fp8k3v", tc=_PAIR_TC),
     D.FP8K_TURBO2V: _turbo(S.FP8, S.TURBO2, "fp8k2v", tc=_PACKED_TC_WIDE),
 }
 if set(KV_DTYPES) != set(KvCacheDtype):  # a dtype without a row is a build error, never a fallback
