@@ -173,8 +173,9 @@ _PACKED_TC_WIDE = TensorCoreDecode(ctas_per_sm=3, programmatic=False)
 # splits (qwen3-8b at 32k on an H200: bf16k_turbo4v 184.4 -> 188.5 tok/s, bf16k_turbo2v 186.8 ->
 # 190.8; turbo3's and turbo4k_turbo3v's did not gain).
 _BF16K_TC = TensorCoreDecode(ctas_per_sm=4, programmatic=False, max_splits=64)
-# The 3-bit V sides at 4 CTAs an SM, with the batch-1 pair entry: turbo4k_turbo3v's layer at batch 1
-# and 32k on an H200, attention 44.7 -> 40.7 us (docs/performance.md).
+# The 3-bit V sides at 4 CTAs an SM, with the batch-1 pair entry (qwen3-8b at batch 1 and 32k on an
+# H200: turbo4k_turbo3v 184.1 -> 186.6 tok/s, fp8k_turbo3v 188.5 -> 193.5; turbo4's and nvfp4's
+# layers were slower with one, docs/performance.md).
 _PAIR_TC = TensorCoreDecode(ctas_per_sm=4, programmatic=False, pair=True)
 
 
