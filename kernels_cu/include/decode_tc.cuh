@@ -430,16 +430,13 @@ __device__ void decode_tc(const TcWork& w) {
             }
         }
     };
-    KRow kr[2], kn[2];
-    VRow vr[4], vn[4];
     // A unit's partial scores, exchanged in its own rows of smem_o (free until the warps merge):
     // [tile parity][part][4][32].
     float* xs = w.smem_o + unit * TC_ROWS * ROWD;
     int parity = 0;
-    // S^T (16 keys x 8 heads per query tile) of a tile's K, into st (zeros).
+    // S^T (16 keys x 8 heads per query tile) of a tile's K, added to st: K rows g, g + 8 are the A
+    // operand as loaded (element sides) or as dequantized (packed sides).
     auto score = [&](const KRow (&kr)[2], float (&st)[4]) {
-        // S^T (16 keys x 8 heads per query tile): K rows g, g + 8 are the A operand as loaded
-        // (element sides) or as dequantized (packed sides).
         if constexpr (KFmt::kPacked && KF != TC_TURBO8) {  // eight codes of each key: two steps
 #pragma unroll
             for (int x = 0; x < KS / 2; ++x) {
@@ -516,7 +513,7 @@ __device__ void decode_tc(const TcWork& w) {
         l[1] = l[1] * corr[1] + r1 + r3;
         const unsigned pb[2] = {movmatrix_trans(k0),   // P[head g][keys 2c, 2c + 1]
                                 movmatrix_trans(k1)};  // ... keys 8 + 2c, 9 + 2c
-        if (PAIR || corr[0] != 1.0f || corr[1] != 1.0f) {  // most tiles keep the maxima (PAIR: x 1 is exact)
+        if (PAIR || corr[0] != 1.0f || corr[1] != 1.0f) {  // most tiles keep the maxima; PAIR: no branch
 #pragma unroll
             for (int n = 0; n < KS; ++n) {
                 o[n][0] *= corr[0];
@@ -525,7 +522,8 @@ __device__ void decode_tc(const TcWork& w) {
                 o[n][3] *= corr[1];
             }
         }
-        if (!PAIR && tile + 16 > w.end) {  // the last tile: a dead key's V is zeroed (a packed one's scales too): 0 x NaN is NaN
+        // the last tile: a dead key's V is zeroed (a packed one's scales too): 0 x NaN is NaN (PAIR: as loaded)
+        if (!PAIR && tile + 16 > w.end) {
 #pragma unroll
             for (int v = 0; v < 4; ++v) {
                 if (tile + tc_v_key(c, v) >= w.end) {
@@ -648,6 +646,8 @@ __device__ void decode_tc(const TcWork& w) {
             for (int x = 0; x < 4; ++x) va[x] = vna[x], vb[x] = vnb[x];
         }
     } else {
+        KRow kr[2], kn[2];
+        VRow vr[4], vn[4];
         if (PREFETCH && w.begin + 16 * unit < w.end) load(w.begin + 16 * unit, kr, vr);
         for (int tile = w.begin + 16 * unit; tile < w.end; tile += 16 * UNITS) {
             if constexpr (PREFETCH) {  // the warp's next tile is in flight while this one is scored
