@@ -217,8 +217,7 @@ def test_packed_pools_travel_as_byte_pointers():
     ("bf16", 4, 1, 16, False),  # 8 CTAs: as many splits as allowed, 64 keys (a tile per warp) each
     ("fp8", 16, 2, 16, False),  # 16 query heads per KV head: two CTAs of 8; still under a wave at 16 splits
     ("turbo4", 4, 1, 16, False),  # a packed cache: the same grid
-    ("fp8k_turbo3v", 12, 2, 16, True),  # 256 CTAs: two an SM of 132 hold them, the pair entry serves
-    ("turbo4k_turbo3v", 12, 2, 16, True),
+    ("fp8k_turbo3v", 12, 2, 16, False),  # 256 CTAs, but 64 keys a split: not the pair entry
 ])
 def test_tensor_core_decode_launch(ops, dtype, group, chunks, splits, pair):
     q = torch.zeros(1, 8 * group, 128, dtype=torch.bfloat16)
@@ -229,7 +228,7 @@ def test_tensor_core_decode_launch(ops, dtype, group, chunks, splits, pair):
     suffix = KvCacheDtype(dtype).suffix
     assert decode == f"paged_decode_tc::paged_decode_attn_tc{'_pair' if pair else ''}{suffix}"
     assert (kinds["k_cache"], kinds["v_cache"]) == {"bf16": ("bf16*",) * 2, "fp8": ("fp8*",) * 2, "turbo4": ("u8*",) * 2,
-                                                    "fp8k_turbo3v": ("fp8*", "u8*"), "turbo4k_turbo3v": ("u8*",) * 2}[dtype]
+                                                    "fp8k_turbo3v": ("fp8*", "u8*")}[dtype]
     assert grid == (8, 1, chunks * splits) and block == (128,) and args["num_splits"] == splits
     assert args["counters"].dtype == torch.int32 and args["counters"].numel() >= 8 * chunks
     assert not args["counters"].any() and args["v_signs"] is None
@@ -240,16 +239,18 @@ def test_tensor_core_decode_launch(ops, dtype, group, chunks, splits, pair):
     assert len(ops.loader.calls) == 2  # the output rotated back inside the launch
 
 
-@pytest.mark.parametrize("batch, pair", [(1, True), (2, False)])
-def test_the_pair_entry_serves_grids_of_two_ctas_an_sm(ops, batch, pair):
-    """turbo4k_turbo3v at 32 query heads on 8, a 32k context: batch 1's 256 CTAs (32 splits) fit two
-    an SM of 132 (the pair entry), batch 2's 480 (30 splits) do not (the dtype's entry, at its 4 an
-    SM)."""
+@pytest.mark.parametrize("batch, blocks, splits, pair", [(1, 2048, 32, True), (2, 2048, 30, False),
+                                                          (1, 256, 16, True), (1, 255, 16, False), (1, 64, 16, False)])
+def test_the_pair_entry_serves_long_grids_of_two_ctas_an_sm(ops, batch, blocks, splits, pair):
+    """turbo4k_turbo3v at 32 query heads on 8: batch 1 over a 32k table (256 CTAs, 1,024 keys a
+    split) and a 4k one (16 splits of 256) get the pair entry; batch 2's 480 CTAs do not fit two an
+    SM of 132; tables of 4,080 and 1,024 keys (16 splits of fewer than 256) keep the dtype's
+    entry."""
     q = torch.zeros(batch, 32, 128, dtype=torch.bfloat16)
-    tables, lens = torch.zeros(batch, 2048, dtype=torch.int32), torch.full((batch,), 32768, dtype=torch.int32)
+    tables, lens = torch.zeros(batch, blocks, dtype=torch.int32), torch.full((batch,), 16 * blocks, dtype=torch.int32)
     attention(ops, "turbo4k_turbo3v").paged_decode(q, cache("turbo4k_turbo3v"), tables, lens, 0.1)
     (decode, grid, _, args, _), = ops.loader.calls
-    assert grid == (8, batch, args["num_splits"]) and args["num_splits"] == (32 if batch == 1 else 30)
+    assert grid == (8, batch, splits) and args["num_splits"] == splits
     assert decode == f"paged_decode_tc::paged_decode_attn_tc{'_pair' if pair else ''}_turbo4k_turbo3v"
 
 

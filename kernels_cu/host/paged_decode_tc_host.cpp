@@ -22,8 +22,11 @@ static TcDecode tc_entry(const char* suffix) {
                    METRALE_TC(_turbo2), METRALE_TC(_turbo8), METRALE_TC(_turbo4k_turbo3v),
                    METRALE_TC(_turbo4k_turbo8v), METRALE_TC(_turbo3k_turbo8v), METRALE_TC(_bf16k_turbo4v),
                    METRALE_TC(_bf16k_turbo3v), METRALE_TC(_bf16k_turbo2v), METRALE_TC(_fp8k_turbo4v),
-                   METRALE_TC(_fp8k_turbo3v), METRALE_TC(_fp8k_turbo2v), METRALE_TC(_pair_turbo3),
-                   METRALE_TC(_pair_turbo4k_turbo3v), METRALE_TC(_pair_fp8k_turbo3v)};
+                   METRALE_TC(_fp8k_turbo3v), METRALE_TC(_fp8k_turbo2v),
+#if TC_HEAD_MAX <= TC_MAX_D  // (the pair entries: head_dim 64 / 128)
+                   METRALE_TC(_pair_turbo3), METRALE_TC(_pair_turbo4k_turbo3v), METRALE_TC(_pair_fp8k_turbo3v),
+#endif
+    };
 #undef METRALE_TC
     for (const auto& e : entries)
         if (std::strcmp(e.suffix, suffix) == 0) return e.fn;

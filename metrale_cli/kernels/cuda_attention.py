@@ -107,7 +107,8 @@ class CudaPagedAttention:
             kernel, chunks, programmatic = self.kernels.decode_tc, math.ceil(hq // hk / TC_ROWS), self.tc.programmatic
             splits = tc_decode_splits(q.device, hk * batch * chunks, block_tables.shape[1], self.tc)
             if pair is None:
-                pair = self.kernels.decode_tc_pair is not None and pair_fits(q.device, hk * batch * chunks * splits)
+                pair = self.kernels.decode_tc_pair is not None and pair_fits(
+                    q.device, hk * batch * chunks * splits, block_tables.shape[1], splits)
             if pair:
                 if self.kernels.decode_tc_pair is None:
                     raise MetraleError(f"{self.dtype.value} has no batch-1 pair decode at head_dim {head_dim}")
@@ -193,10 +194,14 @@ def _split_buffers(q: torch.Tensor, splits: int):
             torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device))
 
 
-def pair_fits(device: torch.device, ctas: int) -> bool:
-    """Whether a tensor-core decode grid of ``ctas`` CTAs is one wave of the batch-1 pair entry
-    (TC_PAIR_CTAS_PER_SM an SM), which then serves it."""
-    return ctas <= TC_PAIR_CTAS_PER_SM * cuda_launch._sm_count(device.index)
+def pair_fits(device: torch.device, ctas: int, max_blocks: int, splits: int) -> bool:
+    """Whether the batch-1 pair entry serves a tensor-core decode of ``ctas`` CTAs over a block
+    table ``max_blocks`` wide split ``splits`` ways: where the grid is one wave of it
+    (TC_PAIR_CTAS_PER_SM an SM) and a split of the table holds TC_LONG_KEYS_PER_SPLIT keys or more
+    (four tiles a warp: the long contexts it was measured at; a warp of one tile would pair it
+    with a tile of zeros)."""
+    return (ctas <= TC_PAIR_CTAS_PER_SM * cuda_launch._sm_count(device.index)
+            and max_blocks * 16 >= splits * TC_LONG_KEYS_PER_SPLIT)
 
 
 def rope_decode_cluster(device: torch.device, items: int, splits: int) -> int:
