@@ -111,8 +111,8 @@ def _check_decode(dtype, tensor_cores: bool = False, pair: bool = False):
         stands in for, bit for bit."""
         c = make_paged_case([1, 19, 599], 8, 2, hd, dtype)
         q = _randn(3, 8, hd)
-        attention, kv, tables = ops.paged_attention(dtype, hd), kv_to(c["kv"], "cuda"), _gpu(c["block_tables"],
-                                                                                               c["seq_lens"])
+        attention, kv = ops.paged_attention(dtype, hd), kv_to(c["kv"], "cuda")
+        tables = _gpu(c["block_tables"], c["seq_lens"])
         got = attention.paged_decode(q.cuda(), kv, *tables, hd**-0.5, tensor_cores=tensor_cores,
                                      pair=pair if tensor_cores else None)
         want = ref.paged_decode(q, c["kv"], c["block_tables"], c["seq_lens"], hd**-0.5)

@@ -106,12 +106,7 @@ class CudaPagedAttention:
         if tc:
             kernel, chunks, programmatic = self.kernels.decode_tc, math.ceil(hq // hk / TC_ROWS), self.tc.programmatic
             splits = tc_decode_splits(q.device, hk * batch * chunks, block_tables.shape[1], self.tc)
-            if pair is None:
-                pair = self.kernels.decode_tc_pair is not None and pair_fits(
-                    q.device, hk * batch * chunks * splits, block_tables.shape[1], splits)
-            if pair:
-                if self.kernels.decode_tc_pair is None:
-                    raise MetraleError(f"{self.dtype.value} has no batch-1 pair decode at head_dim {head_dim}")
+            if self._pair(pair, q.device, hk * batch * chunks * splits, block_tables.shape[1], splits):
                 kernel = self.kernels.decode_tc_pair
         else:
             chunks = math.ceil(hq // hk / decode_rows(head_dim, hq // hk))
@@ -132,6 +127,15 @@ class CudaPagedAttention:
         if splits == 1 and restore:
             out = restore_output(self.ops, out, kv.v)
         return out
+
+    def _pair(self, asked: bool | None, device: torch.device, ctas: int, max_blocks: int, splits: int) -> bool:
+        """Whether a tensor-core decode launch takes the dtype's batch-1 pair entry: ``asked`` where
+        given (the checks), else where :func:`pair_fits`."""
+        if asked is None:
+            return self.kernels.decode_tc_pair is not None and pair_fits(device, ctas, max_blocks, splits)
+        if asked and self.kernels.decode_tc_pair is None:
+            raise MetraleError(f"{self.dtype.value} has no batch-1 pair decode at head_dim {self.head_dim}")
+        return asked
 
     def rope_cache_decode(self, q, k, v, kv: LayerKv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps,
                           block_tables, seq_lens, scale):

@@ -116,6 +116,7 @@ def kv_kernels(d: KvCacheDtype, head_dim: int) -> KvKernels:
     row, sfx = d.row, d.suffix
     decode_module = f"paged_decode{sfx}{row.decode_module(head_dim)[0]}"
     tc = tc_module(head_dim) if row.tensor_core is not None else None
+    pair = KernelSpec(tc, f"paged_decode_attn_tc_pair{sfx}")  # (the registry lists it where it is built)
     return KvKernels(
         dtype=d,
         head_dim=head_dim,
@@ -130,8 +131,7 @@ def kv_kernels(d: KvCacheDtype, head_dim: int) -> KvKernels:
         if tc else None,
         decode_rope=(KernelSpec(tc, f"paged_decode_rope_tc{sfx}"), _signature(_DECODE_ROPE, d))
         if tc and row.tensor_core.one_launch else None,
-        decode_tc_pair=(KernelSpec(tc, f"paged_decode_attn_tc_pair{sfx}"), _signature(_DECODE_TC, d))
-        if tc == "paged_decode_tc" and row.tensor_core.pair else None,
+        decode_tc_pair=(pair, _signature(_DECODE_TC, d)) if tc and module_for(pair) is not None else None,
     )
 
 
