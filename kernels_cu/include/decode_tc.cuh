@@ -238,16 +238,19 @@ __device__ __forceinline__ unsigned tc_select(unsigned k, unsigned a, unsigned b
 // ignored) times their group's scale (f16x2, the scale twice) as four f16x2 words, h[i] = codes
 // 2i (low half) and 2i + 1, each rounded to f16 once: the codes spread to table indices in the
 // nibbles of a word (turbo4: the magnitude index, as its negative levels mirror the positive ones
-// below code 8, index 7 - c there, and a flag for the sign), four table permutes (the levels'
-// low and high bytes of codes 0-3 and 4-7), four byte interleaves, turbo4's signs or-ed in, one f16
-// multiply a word.
+// below code 8, index 7 - c there), four table permutes (the levels' low and high bytes of codes
+// 0-3 and 4-7), turbo4's signs or-ed into the high bytes (two permutes gather the codes' sign bits as
+// the bytes' top bits, one or a four), four byte interleaves, one f16 multiply a word.
 template <int F>
 __device__ __forceinline__ void tc_code_word(unsigned x, const TcCodes& t, unsigned scale2, unsigned (&h)[4]) {
     constexpr int B = TcFmt<F>::kBits;
-    unsigned idx, neg = 0u;  // neg: a flag at bit 4i for code i below zero (turbo4)
+    unsigned idx, pos[2] = {0u, 0u};  // turbo4: bit 7 of byte i % 4 of pos[i / 4] set where code i is not below zero
     if constexpr (F == TC_TURBO4) {
-        neg = (~x >> 3) & 0x11111111u;
-        idx = (x ^ (neg * 7u)) & 0x77777777u;
+        idx = (x ^ (((~x >> 3) & 0x11111111u) * 7u)) & 0x77777777u;
+        // code i's sign bit (bit 4i + 3) is bit 7 of a byte of x for odd i, of x << 4 for even i
+        const unsigned y = x << 4;
+        pos[0] = prmt(y, x, 0x5140u);
+        pos[1] = prmt(y, x, 0x7362u);
     } else if constexpr (B == 3) {  // codes at bits 3i -> 4i
         const unsigned y = tc_select(0x00000fffu, x, x << 4);  // codes 0-3 at bits 0-11, 4-7 at 16-27
         const unsigned z = tc_select(0x003f003fu, y, y << 2);  // pairs at bits 0, 8, 16, 24
@@ -259,11 +262,12 @@ __device__ __forceinline__ void tc_code_word(unsigned x, const TcCodes& t, unsig
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {  // codes 4 half .. 4 half + 3
-        const unsigned i4 = idx >> (16 * half), n4 = half ? neg >> 16 : neg & 0xffffu;
-        const unsigned lo = prmt(t.lo[0], t.lo[1], i4), hi = prmt(t.hi[0], t.hi[1], i4);
-        // flags 0, 1 to bits 15, 31 (2, 3 for the second word): no other product term or carry reaches them
-        h[2 * half] = mul_f16x2(prmt(lo, hi, 0x5140u) | ((n4 * 0x08008000u) & 0x80008000u), scale2);
-        h[2 * half + 1] = mul_f16x2(prmt(lo, hi, 0x7362u) | ((n4 * 0x00080080u) & 0x80008000u), scale2);
+        const unsigned i4 = idx >> (16 * half);
+        const unsigned lo = prmt(t.lo[0], t.lo[1], i4);
+        unsigned hi = prmt(t.hi[0], t.hi[1], i4);
+        if constexpr (F == TC_TURBO4) hi |= ~pos[half] & 0x80808080u;  // the high bytes' signs (the table's are clear)
+        h[2 * half] = mul_f16x2(prmt(lo, hi, 0x5140u), scale2);
+        h[2 * half + 1] = mul_f16x2(prmt(lo, hi, 0x7362u), scale2);
     }
 }
 
