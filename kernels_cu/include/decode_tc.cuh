@@ -234,53 +234,102 @@ __device__ __forceinline__ void tc_quad(const TcSlice<TC_TURBO8, S>& s, int q, u
 // (a & k) | (b & ~k): one LOP3.
 __device__ __forceinline__ unsigned tc_select(unsigned k, unsigned a, unsigned b) { return (a & k) | (b & ~k); }
 
-// Eight codes of a codebook side (turbo4, turbo3, turbo2; code i at bits B i of x, bits above 8B
-// ignored) times their group's scale (f16x2, the scale twice) as four f16x2 words, h[i] = codes
-// 2i (low half) and 2i + 1, each rounded to f16 once: the codes spread to table indices in the
-// nibbles of a word (turbo4: the magnitude index, as its negative levels mirror the positive ones
-// below code 8, index 7 - c there), four table permutes (the levels' low and high bytes of codes
-// 0-3 and 4-7), turbo4's signs or-ed into the high bytes (two permutes gather the codes' sign bits as
-// the bytes' top bits, one or a four), four byte interleaves, one f16 multiply a word.
+// A codebook side's (turbo4, turbo3, turbo2) eight codes as table indices, in the nibbles of idx
+// (code i at bits B i of the word, bits above 8B ignored): turbo4's the magnitude's, as its negative
+// levels mirror the positive ones below code 8 (index 7 - c there), with pos[h] bit 7 of byte i set
+// where code 4h + i is not below zero.
 template <int F>
-__device__ __forceinline__ void tc_code_word(unsigned x, const TcCodes& t, unsigned scale2, unsigned (&h)[4]) {
+struct TcIndex {
+    unsigned idx, pos[2];
+};
+template <int F>
+__device__ __forceinline__ TcIndex<F> tc_code_index(unsigned x) {
     constexpr int B = TcFmt<F>::kBits;
-    unsigned idx, pos[2] = {0u, 0u};  // turbo4: bit 7 of byte i % 4 of pos[i / 4] set where code i is not below zero
+    TcIndex<F> r{0u, {0u, 0u}};
     if constexpr (F == TC_TURBO4) {
-        idx = (x ^ (((~x >> 3) & 0x11111111u) * 7u)) & 0x77777777u;
+        r.idx = (x ^ (((~x >> 3) & 0x11111111u) * 7u)) & 0x77777777u;
         // code i's sign bit (bit 4i + 3) is bit 7 of a byte of x for odd i, of x << 4 for even i
         const unsigned y = x << 4;
-        pos[0] = prmt(y, x, 0x5140u);
-        pos[1] = prmt(y, x, 0x7362u);
+        r.pos[0] = prmt(y, x, 0x5140u);
+        r.pos[1] = prmt(y, x, 0x7362u);
     } else if constexpr (B == 3) {  // codes at bits 3i -> 4i
         const unsigned y = tc_select(0x00000fffu, x, x << 4);  // codes 0-3 at bits 0-11, 4-7 at 16-27
         const unsigned z = tc_select(0x003f003fu, y, y << 2);  // pairs at bits 0, 8, 16, 24
-        idx = (z & 0x07070707u) | ((z << 1) & 0x70707070u);
+        r.idx = (z & 0x07070707u) | ((z << 1) & 0x70707070u);
     } else {  // 2 bits: 2i -> 4i
         const unsigned y = tc_select(0x000000ffu, x, x << 8);  // codes 0-3 at bits 0-7, 4-7 at 16-23
         const unsigned z = tc_select(0x000f000fu, y, y << 4);  // pairs at bits 0, 8, 16, 24
-        idx = (z & 0x03030303u) | ((z << 2) & 0x30303030u);
+        r.idx = (z & 0x03030303u) | ((z << 2) & 0x30303030u);
     }
+    return r;
+}
+
+// The levels of eight indexed codes times scale2 (f16x2), each rounded to f16 once, as four f16x2
+// words: per four codes (nibbles 4 half .. 4 half + 3) two table permutes (the levels' low and high
+// bytes), turbo4's signs or-ed into the high bytes (the table's are clear), and two byte interleaves
+// (selectors S0, S1: 0x5140 / 0x7362 pair codes 0, 1 and 2, 3 of the four; 0x6240 / 0x7351 pair 0, 2
+// and 1, 3), one f16 multiply a word.
+template <int F, unsigned S0, unsigned S1>
+__device__ __forceinline__ void tc_code_levels(const TcIndex<F>& c, const TcCodes& t, unsigned scale2, unsigned (&h)[4]) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {  // codes 4 half .. 4 half + 3
-        const unsigned i4 = idx >> (16 * half);
+    for (int half = 0; half < 2; ++half) {
+        const unsigned i4 = c.idx >> (16 * half);
         const unsigned lo = prmt(t.lo[0], t.lo[1], i4);
         unsigned hi = prmt(t.hi[0], t.hi[1], i4);
-        if constexpr (F == TC_TURBO4) hi |= ~pos[half] & 0x80808080u;  // the high bytes' signs (the table's are clear)
-        h[2 * half] = mul_f16x2(prmt(lo, hi, 0x5140u), scale2);
-        h[2 * half + 1] = mul_f16x2(prmt(lo, hi, 0x7362u), scale2);
+        if constexpr (F == TC_TURBO4) hi |= ~c.pos[half] & 0x80808080u;
+        h[2 * half] = mul_f16x2(prmt(lo, hi, S0), scale2);
+        h[2 * half + 1] = mul_f16x2(prmt(lo, hi, S1), scale2);
     }
+}
+
+// Eight codes of a codebook side times their group's scale (scale2: the scale twice) as four f16x2
+// words, h[i] = codes 2i (low half) and 2i + 1.
+template <int F>
+__device__ __forceinline__ void tc_code_word(unsigned x, const TcCodes& t, unsigned scale2, unsigned (&h)[4]) {
+    tc_code_levels<F, 0x5140u, 0x7362u>(tc_code_index<F>(x), t, scale2, h);
+}
+
+// The same codes of two keys (x, y; scales: x's scale low, y's high) as eight f16x2 words, p[j] = code j
+// of x (low half) and of y: the A operand's pairing of V^T. The two keys' codes are interleaved a
+// byte (two codes) at a time before the lookups: turbo4's raw codes, the other sides' indices.
+template <int F>
+__device__ __forceinline__ void tc_code_pair(unsigned x, unsigned y, const TcCodes& t, unsigned scales, unsigned (&p)[8]) {
+    TcIndex<F> c0, c1;  // codes x 0, 1, y 0, 1, x 2, 3, y 2, 3 (c0); x 4, 5, y 4, 5, x 6, 7, y 6, 7 (c1)
+    if constexpr (F == TC_TURBO4) {
+        c0 = tc_code_index<F>(prmt(x, y, 0x5140u));
+        c1 = tc_code_index<F>(prmt(x, y, 0x7362u));
+    } else {
+        const unsigned ix = tc_code_index<F>(x).idx, iy = tc_code_index<F>(y).idx;
+        c0.idx = prmt(ix, iy, 0x5140u);
+        c1.idx = prmt(ix, iy, 0x7362u);
+    }
+    unsigned h0[4], h1[4];
+    tc_code_levels<F, 0x6240u, 0x7351u>(c0, t, scales, h0);
+    tc_code_levels<F, 0x6240u, 0x7351u>(c1, t, scales, h1);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = h0[j], p[4 + j] = h1[j];
+}
+
+// A packed slice's codes 8x .. 8x + 7 (the bits of a B-bit side's codes from bit 8 B x) and their
+// group's e4m3 scale byte.
+template <int F, int S>
+__device__ __forceinline__ unsigned tc_bits(const TcSlice<F, S>& s, int x, unsigned& scale) {
+    constexpr int B = TcFmt<F>::kBits;
+    const int grp = S >= KV_GROUP ? 8 * x / KV_GROUP : 0;
+    scale = (s.scales >> (8 * grp)) & 0xffu;
+    const int bit = 8 * B * x, word = bit / 32, sh = bit % 32;
+    unsigned v = s.w[word] >> sh;
+    if (sh + 8 * B > 32) v |= s.w[word + 1] << (32 - sh);
+    return v;
 }
 
 // Codes 8x .. 8x + 7 of a slice as four f16x2 words times their group's scale: nvfp4's h[p] hold
 // codes 8x + p and 8x + p + 4 (tc_e2m1_word), a codebook side's h[i] codes 8x + 2i and 8x + 2i + 1.
 template <int F, int S>
 __device__ __forceinline__ void tc_word(const TcSlice<F, S>& s, int x, const TcCodes& t, unsigned (&h)[4]) {
-    constexpr int B = TcFmt<F>::kBits;
-    const int grp = S >= KV_GROUP ? 8 * x / KV_GROUP : 0;
-    const unsigned scale2 = tc_e4m3_f16x2(((s.scales >> (8 * grp)) & 0xffu) * 0x101u);
-    const int bit = 8 * B * x, word = bit / 32, sh = bit % 32;
-    unsigned v = s.w[word] >> sh;
-    if (sh + 8 * B > 32) v |= s.w[word + 1] << (32 - sh);
+    unsigned scale;
+    const unsigned v = tc_bits(s, x, scale);
+    const unsigned scale2 = tc_e4m3_f16x2(scale * 0x101u);
     if constexpr (F == TC_NVFP4) tc_e2m1_word(v, scale2, h);
     else tc_code_word<F>(v, t, scale2, h);
 }
@@ -571,14 +620,14 @@ __device__ void decode_tc(const TcWork& w) {
             for (int x = 0; x < KS / 4; ++x) {
                 unsigned a[4][4];  // tile 4x + i: dims 8x + 2i (row g) and 8x + 2i + 1 (row g + 8)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    unsigned hx[4], hy[4];
-                    tc_word(vr[2 * h], x, vcodes, hx);      // key 8h + 2c
-                    tc_word(vr[2 * h + 1], x, vcodes, hy);  // key 8h + 2c + 1
+                for (int h = 0; h < 2; ++h) {  // keys 8h + 2c and 8h + 2c + 1
+                    unsigned sx, sy, pv[8];
+                    const unsigned vx = tc_bits(vr[2 * h], x, sx), vy = tc_bits(vr[2 * h + 1], x, sy);
+                    tc_code_pair<VF>(vx, vy, vcodes, tc_e4m3_f16x2(sx | sy << 8), pv);
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
-                        a[i][2 * h] = __byte_perm(hx[i], hy[i], 0x5410);
-                        a[i][2 * h + 1] = __byte_perm(hx[i], hy[i], 0x7632);
+                        a[i][2 * h] = pv[2 * i];
+                        a[i][2 * h + 1] = pv[2 * i + 1];
                     }
                 }
 #pragma unroll
