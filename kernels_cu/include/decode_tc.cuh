@@ -235,9 +235,9 @@ __device__ __forceinline__ void tc_quad(const TcSlice<TC_TURBO8, S>& s, int q, u
 __device__ __forceinline__ unsigned tc_select(unsigned k, unsigned a, unsigned b) { return (a & k) | (b & ~k); }
 
 // A codebook side's (turbo4, turbo3, turbo2) eight codes as table indices, in the nibbles of idx
-// (code i at bits B i of the word, bits above 8B ignored): turbo4's the magnitude's, as its negative
-// levels mirror the positive ones below code 8 (index 7 - c there), with pos[h] bit 7 of byte i set
-// where code 4h + i is not below zero.
+// (code i at bits B i of the word, bits above 8B ignored). turbo4's index a magnitude, as its
+// negative levels mirror the positive ones below code 8 (index 7 - c there); bit 7 of byte i of
+// pos[h] is set where code 4h + i is not below zero.
 template <int F>
 struct TcIndex {
     unsigned idx, pos[2];
@@ -294,7 +294,7 @@ __device__ __forceinline__ void tc_code_word(unsigned x, const TcCodes& t, unsig
 // byte (two codes) at a time before the lookups: turbo4's raw codes, the other sides' indices.
 template <int F>
 __device__ __forceinline__ void tc_code_pair(unsigned x, unsigned y, const TcCodes& t, unsigned scales, unsigned (&p)[8]) {
-    TcIndex<F> c0, c1;  // codes x 0, 1, y 0, 1, x 2, 3, y 2, 3 (c0); x 4, 5, y 4, 5, x 6, 7, y 6, 7 (c1)
+    TcIndex<F> c0{}, c1{};  // codes x 0, 1, y 0, 1, x 2, 3, y 2, 3 (c0); x 4, 5, y 4, 5, x 6, 7, y 6, 7 (c1)
     if constexpr (F == TC_TURBO4) {
         c0 = tc_code_index<F>(prmt(x, y, 0x5140u));
         c1 = tc_code_index<F>(prmt(x, y, 0x7362u));
