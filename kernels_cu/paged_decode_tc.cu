@@ -170,8 +170,9 @@ __device__ __forceinline__ void tc_at_head_dim(int head_dim, F&& f) {
 // kernel (the same split rule and partial layout).
 // Resident CTAs per SM: bf16 4 (112 registers), fp8 3 (its prefetch takes 142; at 4 it spills), the
 // packed sides 4 (128 registers) where that measured faster on an H200, else 3: turbo8 spills 104
-// bytes at 4, fp8k_turbo4v and turbo4k_turbo8v 16, turbo4 and turbo3k_turbo8v (8 bytes) ran 2-3%
-// slower at 4, and fp8k_turbo2v 3% slower at batch 1 and 16 (docs/performance.md). The host
+// bytes at 4, turbo4k_turbo8v 16, turbo3k_turbo8v (8 bytes) ran 2-3% slower at 4, and fp8k_turbo2v
+// 3% slower at batch 1 and 16; turbo4 and fp8k_turbo4v spilled at 4 until their decode lost
+// instructions (aa8aad9) and were not measured at 4 since (docs/performance.md). The host
 // mirrors them (KV_DTYPES' TensorCoreDecode.ctas_per_sm) when it picks the split count.
 #define METRALE_TC_ENTRY(name, kf, vf, min_ctas, pair)                                            \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, min_ctas)                           \
