@@ -64,15 +64,36 @@ def summarize(marks: np.ndarray, launches: int) -> dict:
     )
 
 
-def _cache(attention, dtype: KvCacheDtype, a, device: torch.device):
-    """A one-sequence cache of ``a.context`` random keys, its block table and length."""
-    blocks = (a.context + 15) // 16 + 2
-    kv = new_layer_kv(dtype, blocks, a.kv_heads, a.head_dim, device)
+def random_cache(attention, dtype: KvCacheDtype, blocks: int, kv_heads: int, head_dim: int, device: torch.device):
+    """A layer cache of ``blocks`` blocks, every slot written with random K and V by the dtype's
+    cache write (8192 tokens a launch)."""
+    kv = new_layer_kv(dtype, blocks, kv_heads, head_dim, device)
     g = torch.Generator(device=device).manual_seed(0)
     for t0 in range(0, blocks * 16, 8192):
         n = min(8192, blocks * 16 - t0)
-        k, v = (torch.randn(n, a.kv_heads, a.head_dim, device=device, generator=g).to(torch.bfloat16) for _ in "kv")
+        k, v = (torch.randn(n, kv_heads, head_dim, device=device, generator=g).to(torch.bfloat16) for _ in "kv")
         attention.reshape_and_cache(k, v, kv, torch.arange(t0, t0 + n, dtype=torch.int32, device=device))
+    return kv
+
+
+def captured(step, launches: int, warm=None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``launches`` calls of ``step``, after one call of ``warm`` (default: ``step``)
+    outside it that loads the kernels."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        (warm or step)()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(launches):
+            step()
+    return graph
+
+
+def _cache(attention, dtype: KvCacheDtype, a, device: torch.device):
+    """A one-sequence cache of ``a.context`` random keys, its block table and length."""
+    blocks = (a.context + 15) // 16 + 2
+    kv = random_cache(attention, dtype, blocks, a.kv_heads, a.head_dim, device)
     tables = torch.arange(blocks, dtype=torch.int32, device=device)[None]
     return kv, tables, torch.tensor([a.context], dtype=torch.int32, device=device)
 
@@ -102,14 +123,7 @@ def main() -> None:
             scratch.fill_(1)
         return decode()
 
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        decode()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(a.launches):
-            step()
+    graph = captured(step, a.launches, warm=decode)
     graph.replay()
     torch.cuda.synchronize()
     marks, counts = tl._globals(ops, "paged_decode_tc")

@@ -23,8 +23,8 @@ import torch
 from metrale_cli.kernels import cuda_attention
 from metrale_cli.kernels.cuda_ops import CudaOps
 from metrale_cli.kv.dtypes import KvCacheDtype
-from metrale_cli.kv.formats import new_layer_kv
 from metrale_cli.kv.paged import KvLayerShape
+from tools.attention_timeline import captured, random_cache
 from tools.gemv_chain import replay_us
 
 
@@ -44,12 +44,7 @@ def parser() -> argparse.ArgumentParser:
 def _cache(attention, dtype: KvCacheDtype, a, device: torch.device):
     """``a.batch`` sequences of ``a.context`` random keys on distinct blocks, their tables and lengths."""
     blocks = a.batch * (a.context // 16)
-    kv = new_layer_kv(dtype, blocks, a.kv_heads, a.head_dim, device)
-    g = torch.Generator(device=device).manual_seed(0)
-    for t0 in range(0, blocks * 16, 8192):
-        n = min(8192, blocks * 16 - t0)
-        k, v = (torch.randn(n, a.kv_heads, a.head_dim, device=device, generator=g).to(torch.bfloat16) for _ in "kv")
-        attention.reshape_and_cache(k, v, kv, torch.arange(t0, t0 + n, dtype=torch.int32, device=device))
+    kv = random_cache(attention, dtype, blocks, a.kv_heads, a.head_dim, device)
     tables = torch.arange(blocks, dtype=torch.int32, device=device).view(a.batch, a.context // 16)
     return kv, tables, torch.full((a.batch,), a.context, dtype=torch.int32, device=device)
 
@@ -58,14 +53,7 @@ def _launch_us(attention, q, kv, tables, lens, a) -> float:
     def decode():
         return attention.paged_decode(q, kv, tables, lens, a.head_dim**-0.5)
 
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        decode()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(a.launches):
-            decode()
+    graph = captured(decode, a.launches)
     return sorted(replay_us(graph, 1) for _ in range(5))[2] / a.launches
 
 
