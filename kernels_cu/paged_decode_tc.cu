@@ -174,8 +174,15 @@ __device__ __forceinline__ void tc_at_head_dim(int head_dim, F&& f) {
 // 3% slower at batch 1 and 16; turbo4 and fp8k_turbo4v spilled at 4 until their decode lost
 // instructions (aa8aad9) and were not measured at 4 since (docs/performance.md). The host
 // mirrors them (KV_DTYPES' TensorCoreDecode.ctas_per_sm) when it picks the split count.
+// TC_CTAS_ALL (a build variant for measurements, tools/batch_decode.py): every entry but the pair
+// ones at that many.
+#ifdef TC_CTAS_ALL
+#define TC_CTAS_OF(n) TC_CTAS_ALL
+#else
+#define TC_CTAS_OF(n) n
+#endif
 #define METRALE_TC_ENTRY(name, kf, vf, min_ctas, pair)                                            \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, min_ctas)                           \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, (pair) ? (min_ctas) : TC_CTAS_OF(min_ctas)) \
         name(const bf16_t* q, const void* k_cache, const void* v_cache, const int* block_tables, \
              const int* seq_lens, bf16_t* out, float* part_o, float* part_ml,                    \
              const float* k_scale, const float* v_scale, float scale, int num_q_heads,           \

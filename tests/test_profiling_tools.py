@@ -34,6 +34,29 @@ def test_the_whole_stack_kernel_variants_compile(defines):
     assert kc.function_symbols(cubin) == tuple(sorted(STACK.functions))
 
 
+def test_the_decode_at_every_ctas_an_sm_variant_compiles():
+    """tools/batch_decode.py's TC_CTAS_ALL variant: every tensor-core decode entry builds at 4 CTAs
+    an SM and the module exports the same functions."""
+    from metrale_cli.kernels import registry
+    from tools.batch_decode import parse_variant
+
+    base = registry.MODULES["paged_decode_tc"]
+    module = dataclasses.replace(base, defines=base.defines + parse_variant("TC_CTAS_ALL=4"))
+    cubin, log = kc.compile_cubin(module)
+    assert cubin is not None, log
+    assert kc.function_symbols(cubin) == tuple(sorted(base.functions))
+
+
+@pytest.mark.parametrize("text", ["TC_CTAS_ALL", "=4", "TC_CTAS_ALL=", "A=1,B"])
+def test_batch_decode_refuses_a_malformed_variant(text):
+    import argparse
+
+    from tools.batch_decode import parse_variant
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_variant(text)
+
+
 def test_prefill_host_timing_times_every_phase_from_outside_the_layers():
     """tools/prefill_host_timing.py on the CPU: every phase takes time and the phases add up to the
     layers' total."""

@@ -4,6 +4,7 @@ only; figures, no asserts):
     python -m tools.batch_decode --kv-cache-dtype nvfp4 --kv-cache-dtype turbo4      # qwen3-8b's heads
     python -m tools.batch_decode --kv-cache-dtype nvfp4 --heads 24 --kv-heads 4 --head-dim 256  # Qwen3.5-27B's
     python -m tools.batch_decode --kv-cache-dtype turbo4k_turbo3v --batch 1 --splits 16
+    python -m tools.batch_decode --kv-cache-dtype turbo4 --variant TC_CTAS_ALL=4   # A/B a build variant
 
 ``paged_decode`` (the decode launch of the two-launch path; bf16 and fp8 run the same tensor-core
 decode without the fused write) over ``--batch`` sequences of ``--context`` random keys each,
@@ -11,16 +12,22 @@ replayed ``--launches`` times from a CUDA graph; the figure is µs a launch (the
 replays) and the cache's bytes over that time. "one block" runs the same launch with every entry of
 the block tables pointing at block 0, so that the loads hit L1 / L2 and the time left is the
 decode's own instructions: where the two columns are close, the cache's bytes do not bound it.
+
+``--variant NAME=V[,NAME=V]`` (repeatable) rebuilds the decode modules with those defines and
+times each dtype under every variant after the base build, in one process. ``TC_CTAS_ALL=N``
+(paged_decode_tc.cu: every entry but the pair ones at N CTAs an SM) also sets the split rule's CTAs
+an SM to N, as the dtype's ``TensorCoreDecode.ctas_per_sm`` would.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import torch
 
-from metrale_cli.kernels import cuda_attention
+from metrale_cli.kernels import cuda_attention, registry
 from metrale_cli.kernels.cuda_ops import CudaOps
 from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.kv.paged import KvLayerShape
@@ -38,7 +45,29 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
     p.add_argument("--splits", type=int, default=0, help="context splits (0: the rule's)")
     p.add_argument("--launches", type=int, default=10, help="launches in the graph")
+    p.add_argument("--variant", type=parse_variant, action="append", default=[],
+                   help="NAME=V[,NAME=V]: the decode modules built with these defines (repeatable)")
     return p
+
+
+DECODE_MODULES = ("paged_decode_tc", "paged_decode_tc_wide")
+
+
+def parse_variant(text: str) -> tuple[tuple[str, str], ...]:
+    """'NAME=V,NAME=V' -> ((NAME, V), ...)."""
+    pairs = tuple(tuple(d.split("=", 1)) for d in text.split(","))
+    if any(len(d) != 2 or not d[0] or not d[1] for d in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE[,NAME=VALUE]")
+    return pairs
+
+
+def use_variant(base: dict, defines: tuple[tuple[str, str], ...]) -> None:
+    """The registry's decode modules as in ``base`` plus ``defines`` (none: the base build)."""
+    registry.MODULES.clear()
+    registry.MODULES.update(base)
+    for name in DECODE_MODULES:
+        m = base[name]
+        registry.MODULES[name] = dataclasses.replace(m, defines=m.defines + defines)
 
 
 def _cache(attention, dtype: KvCacheDtype, a, device: torch.device):
@@ -64,6 +93,7 @@ def main() -> None:
     if a.splits:
         cuda_attention.decode_splits = lambda *args, **kwargs: a.splits
     ops, device = CudaOps(), torch.device("cuda")
+    base = dict(registry.MODULES)
     for name in a.kv_cache_dtype or ["nvfp4"]:
         dtype = KvCacheDtype(name)
         attention = ops.paged_attention(dtype, a.head_dim)
@@ -72,13 +102,23 @@ def main() -> None:
         kv, tables, lens = _cache(attention, dtype, a, device)
         q = torch.randn(a.batch, a.heads, a.head_dim, device=device).to(torch.bfloat16)
         chunks = math.ceil(a.heads // a.kv_heads / cuda_attention.TC_ROWS)
-        splits = cuda_attention.tc_decode_splits(device, a.kv_heads * a.batch * chunks, tables.shape[1], attention.tc)
         nbytes = KvLayerShape(dtype, a.kv_heads, a.head_dim).bytes_per_token() * a.batch * a.context
-        us = _launch_us(attention, q, kv, tables, lens, a)
-        one = _launch_us(attention, q, kv, torch.zeros_like(tables), lens, a)
-        print(f"{name:16s} batch {a.batch} x {a.context} keys, {a.heads} heads on {a.kv_heads} of {a.head_dim}, "
-              f"{splits} splits: {us:8.2f} µs ({nbytes / us / 1e6:.2f} TB/s of cache) | one block {one:8.2f} µs",
-              flush=True)
+        tc = attention.tc
+        for defines in [(), *a.variant]:
+            use_variant(base, defines)
+            ops.loader._functions.clear()
+            ctas = dict(defines).get("TC_CTAS_ALL")
+            attention.tc = tc if ctas is None else dataclasses.replace(tc, ctas_per_sm=int(ctas))
+            splits = cuda_attention.tc_decode_splits(device, a.kv_heads * a.batch * chunks, tables.shape[1],
+                                                     attention.tc)
+            us = _launch_us(attention, q, kv, tables, lens, a)
+            one = _launch_us(attention, q, kv, torch.zeros_like(tables), lens, a)
+            label = ",".join(f"{k}={v}" for k, v in defines) or "base"
+            print(f"{name:16s} {label:16s} batch {a.batch} x {a.context} keys, {a.heads} heads on {a.kv_heads} of "
+                  f"{a.head_dim}, {splits} splits: {us:8.2f} µs ({nbytes / us / 1e6:.2f} TB/s of cache) | "
+                  f"one block {one:8.2f} µs", flush=True)
+        attention.tc = tc
+        use_variant(base, ())
         del kv
         torch.cuda.empty_cache()
 
