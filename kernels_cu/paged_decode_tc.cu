@@ -168,7 +168,7 @@ __device__ __forceinline__ void tc_at_head_dim(int head_dim, F&& f) {
 // words, left zero) the launch combines its splits itself, as paged_decode_combine<suffix> with
 // v_signs (a rotated V side's signs, or null) would; without counters the partials go to that
 // kernel (the same split rule and partial layout).
-// Resident CTAs per SM: bf16 4 (112 registers), fp8 3 (its prefetch takes 142; at 4 it spills), the
+// Resident CTAs per SM: bf16 4 (112 registers), fp8 3 (at 4 it spilled, and was slower without), the
 // packed sides 4 (128 registers) where that measured faster on an H200, else 3: turbo8 spills 104
 // bytes at 4, turbo4k_turbo8v 16, turbo3k_turbo8v (8 bytes) ran 2-3% slower at 4, and fp8k_turbo2v
 // 3% slower at batch 1 and 16; turbo4 and fp8k_turbo4v spilled at 4 until their decode lost
