@@ -33,6 +33,7 @@ from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.kv.paged import KvLayerShape
 from tools.attention_timeline import captured, random_cache
 from tools.gemv_chain import replay_us
+from tools.layer_variants import parse_defines, use_build
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,20 +55,8 @@ DECODE_MODULES = ("paged_decode_tc", "paged_decode_tc_wide")
 
 
 def parse_variant(text: str) -> tuple[tuple[str, str], ...]:
-    """'NAME=V,NAME=V' -> ((NAME, V), ...)."""
-    pairs = tuple(tuple(d.split("=", 1)) for d in text.split(","))
-    if any(len(d) != 2 or not d[0] or not d[1] for d in pairs):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE[,NAME=VALUE]")
-    return pairs
-
-
-def use_variant(base: dict, defines: tuple[tuple[str, str], ...]) -> None:
-    """The registry's decode modules as in ``base`` plus ``defines`` (none: the base build)."""
-    registry.MODULES.clear()
-    registry.MODULES.update(base)
-    for name in DECODE_MODULES:
-        m = base[name]
-        registry.MODULES[name] = dataclasses.replace(m, defines=m.defines + defines)
+    """'NAME=V,NAME=V' -> ((NAME, V), ...), for both decode modules."""
+    return parse_defines(text, values=True)
 
 
 def _cache(attention, dtype: KvCacheDtype, a, device: torch.device):
@@ -105,8 +94,7 @@ def main() -> None:
         nbytes = KvLayerShape(dtype, a.kv_heads, a.head_dim).bytes_per_token() * a.batch * a.context
         tc = attention.tc
         for defines in [(), *a.variant]:
-            use_variant(base, defines)
-            ops.loader._functions.clear()
+            use_build(ops, base, {m: defines for m in DECODE_MODULES})
             ctas = dict(defines).get("TC_CTAS_ALL")
             attention.tc = tc if ctas is None else dataclasses.replace(tc, ctas_per_sm=int(ctas))
             splits = cuda_attention.tc_decode_splits(device, a.kv_heads * a.batch * chunks, tables.shape[1],
@@ -118,7 +106,7 @@ def main() -> None:
                   f"{a.head_dim}, {splits} splits: {us:8.2f} µs ({nbytes / us / 1e6:.2f} TB/s of cache) | "
                   f"one block {one:8.2f} µs", flush=True)
         attention.tc = tc
-        use_variant(base, ())
+        use_build(ops, base, {})
         del kv
         torch.cuda.empty_cache()
 

@@ -22,15 +22,31 @@ from metrale_cli.kernels.cuda_ops import CudaOps
 from tools import moe_layer_launches
 
 
+def parse_defines(text: str, values: bool = False) -> tuple[tuple[str, str], ...]:
+    """'NAME=V,NAME=V' -> ((NAME, V), ...); ``values``: an empty V is refused too."""
+    pairs = tuple(tuple(d.split("=", 1)) for d in text.split(","))
+    if any(len(p) != 2 or not p[0] or (values and not p[1]) for p in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: each define is NAME=VALUE")
+    return pairs
+
+
 def parse_variant(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
     """'module:NAME=V,NAME=V' -> (module, ((NAME, V), ...))."""
     module, _, defines = text.partition(":")
     if module not in registry.MODULES or not defines:
         raise argparse.ArgumentTypeError(f"{text!r}: expected module:NAME=VALUE[,NAME=VALUE] with a registry module")
-    pairs = tuple(tuple(d.split("=", 1)) for d in defines.split(","))
-    if any(len(p) != 2 or not p[0] for p in pairs):
-        raise argparse.ArgumentTypeError(f"{text!r}: each define is NAME=VALUE")
-    return module, pairs
+    return module, parse_defines(defines)
+
+
+def use_build(ops: CudaOps, base: dict, defines: dict[str, tuple[tuple[str, str], ...]]) -> None:
+    """The registry as in ``base`` with each named module's extra defines (none: the base build),
+    and ``ops``' loaded functions dropped so that the next launches load from it."""
+    registry.MODULES.clear()
+    registry.MODULES.update(base)
+    for module, extra in defines.items():
+        m = base[module]
+        registry.MODULES[module] = dataclasses.replace(m, defines=m.defines + extra)
+    ops.loader._functions.clear()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,18 +63,11 @@ def main(argv: list[str] | None = None) -> None:
     names = a.launch or ["attention", "whole layer"]
     for _ in range(a.rounds):
         for variant in [None, *a.variant]:
-            registry.MODULES.clear()
-            registry.MODULES.update(base)
-            if variant is not None:
-                module, defines = variant
-                m = base[module]
-                registry.MODULES[module] = dataclasses.replace(m, defines=m.defines + defines)
-            ops.loader._functions.clear()
+            use_build(ops, base, {} if variant is None else dict([variant]))
             label = "base" if variant is None else f"{variant[0]}:" + ",".join(f"{k}={v}" for k, v in variant[1])
             print(f"{label:40s} " + "  ".join(f"{n} {moe_layer_launches._time(launches[n], shape.layers):7.2f}"
                                             for n in names), flush=True)
-    registry.MODULES.clear()
-    registry.MODULES.update(base)
+    use_build(ops, base, {})
 
 
 if __name__ == "__main__":
