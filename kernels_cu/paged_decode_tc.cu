@@ -29,9 +29,10 @@
 // Packed sides (nvfp4, turbo2/3/4/8): lane c's share of a key's K is the c-th quarter of its dims
 // (q is loaded through the same order), a V share the g-th eighth, each one load of its codes and
 // one of its group scales; each value is dequantized as it is used, eight codes at a time
-// (decode_tc.cuh's tc_word: table lookups by byte permutes of tables in registers, the signs
-// or-ed in, one multiply by the group scale a pair), so a packed tile costs no more registers than
-// its codes. nvfp4 and the codebook sides run f16 MMAs (q scaled as for fp8; P rounded to f16),
+// (decode_tc.cuh's tc_word: a codebook side's table lookups by byte permutes of tables in
+// registers, the signs or-ed in; nvfp4's codes shifted into place as f16 bits, 2^-14 times their
+// values, the 2^14 taken back in the fp32 scores and output; one multiply by the group scale a
+// pair), so a packed tile costs no more registers than its codes. nvfp4 and the codebook sides run f16 MMAs (q scaled as for fp8; P rounded to f16),
 // turbo8 (bf16 scales) bf16 ones. A rotated side's Q rotation stays outside (rope_and_cache's
 // rotate_q); the in-launch split combine rotates a rotated V side's output back.
 #include "cluster.cuh"

@@ -157,7 +157,8 @@ __device__ __forceinline__ unsigned tc_pair(const TcSlice<F, S>& s, int i) {
     const int grp = S >= KV_GROUP ? 2 * i / KV_GROUP : 0;
     const float scale = bf16_to_f32((bf16_t)(s.scales >> (16 * grp)));
     float lo, hi;
-    e4m3x2_to_f32x2((unsigned short)(s.w[i / 2] >> (16 * (i % 2))), lo, hi);
+    const unsigned w = s.w[i / 2];
+    unpack_f16x2(i % 2 ? e4m3x4_hi_to_f16x2(w) : e4m3x4_lo_to_f16x2(w), lo, hi);  // exact
     return pack_bf16x2(lo * scale, hi * scale);
 }
 
@@ -184,41 +185,51 @@ __device__ __forceinline__ TcCodes tc_codes() {
     return t;
 }
 
-// nvfp4's e2m1 magnitudes 0-3 and 4-7 as f16, high bytes only (their low bytes are zero):
-// 0, 0.5, 1, 1.5 and 2, 3, 4, 6.
-#define TC_E2M1_F16_LO 0x3e3c3800u
-#define TC_E2M1_F16_HI 0x46444240u
+// nvfp4's codes are placed as f16 bits with no table: an e2m1 code's sign at bit 15 and its three
+// magnitude bits (two exponent bits, one mantissa bit) at bits 11 .. 9 make the f16 2^-14 times its
+// value, exactly (code 1, 0.5, the subnormal 2^-15; codes 2 .. 7 normal). Times an e4m3 scale the
+// product stays exact: a multiple of 2^-24 (f16's subnormal step) below 0.17. The decode takes the
+// 2^14 back on the fp32 side, in q's multiplier (K) and the output's scale (V), powers of two. The
+// host emulation's sums give the same bits as with the values themselves; an H200's MMA sums do
+// not quite (a few bf16 outputs a rounding step apart), inside the attention tolerance.
+#define TC_E2M1_UNIT 16384.0f  // 2^14
 
-// Eight nvfp4 codes (a 32-bit word of a slice, code i at bits 4i .. 4i + 3) times their group's
-// scale (f16x2, the scale twice) as four f16x2 words, h[p] = codes p (low half) and p + 4 (high),
-// exact (e2m1 times e4m3 needs 5 significant bits): the magnitudes' high bytes by two table
-// permutes, each pair placed over zero low bytes by one permute (selector bit 3 copies a byte's
-// sign bit, zero in the table), its two signs or-ed in, one f16 multiply.
+// Bits 0-2 of each byte of a, the other bits of b: one LOP3 (the compiler's own form of the
+// expression masks b first, two).
+__device__ __forceinline__ unsigned tc_select_bytes(unsigned a, unsigned b) {
+#ifdef METRALE_HOST_EMULATION
+    return (a & 0x07070707u) | (b & ~0x07070707u);
+#else
+    unsigned d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xca;" : "=r"(d) : "n"(0x07070707), "r"(a), "r"(b));  // k ? a : b
+    return d;
+#endif
+}
+
+// Eight nvfp4 codes (a 32-bit word of a slice, code i at bits 4i .. 4i + 3; or a pair word, two
+// keys' codes 0-3 or 4-7 in its halves) times their group's scale (f16x2, the scale twice) as four
+// f16x2 words, h[p] = codes p (low half) and p + 4 (high), each 2^-14 times the value. The even
+// codes' magnitudes go to bits 0-2 of a byte each and their signs to bit 6 (e), the odd codes' the
+// same (o), each one select of two shifts of x (the other bits are the shifts' leftovers); a
+// shift of e or o then puts two codes at bits 9-11 and 15 of the halves, and one mask clears the rest.
 __device__ __forceinline__ void tc_e2m1_word(unsigned x, unsigned scale2, unsigned (&h)[4]) {
-    const unsigned m = x & 0x77777777u;
-    const unsigned lo = prmt(TC_E2M1_F16_LO, TC_E2M1_F16_HI, m);
-    const unsigned hi = prmt(TC_E2M1_F16_LO, TC_E2M1_F16_HI, m >> 16);
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        const unsigned v = prmt(lo, hi, (8u + p) | p << 4 | (8u + p) << 8 | (4u + p) << 12);
-        h[p] = mul_f16x2(v | ((x << (12 - 4 * p)) & 0x80008000u), scale2);
-    }
+    const unsigned e = tc_select_bytes(x, x << 3), o = tc_select_bytes(x >> 4, x >> 1);
+    h[0] = mul_f16x2((e << 9) & 0x8e008e00u, scale2);  // codes 0, 4: bytes 0, 2 of e
+    h[1] = mul_f16x2((o << 9) & 0x8e008e00u, scale2);  // codes 1, 5: bytes 0, 2 of o
+    h[2] = mul_f16x2((e << 1) & 0x8e008e00u, scale2);  // codes 2, 6: bytes 1, 3 of e
+    h[3] = mul_f16x2((o << 1) & 0x8e008e00u, scale2);  // codes 3, 7: bytes 1, 3 of o
 }
 
 // The same for two keys' words x, y at once (V's registers pair one dim of two keys):
 // lo[p] = (x's code p, y's code p), hi[p] = (x's code p + 4, y's), times (x's scale, y's) in scales.
 __device__ __forceinline__ void tc_e2m1_pair(unsigned x, unsigned y, unsigned scales, unsigned (&lo)[4],
                                              unsigned (&hi)[4]) {
-    const unsigned mx = x & 0x77777777u, my = y & 0x77777777u;
-    const unsigned xl = prmt(TC_E2M1_F16_LO, TC_E2M1_F16_HI, mx), xh = prmt(TC_E2M1_F16_LO, TC_E2M1_F16_HI, mx >> 16);
-    const unsigned yl = prmt(TC_E2M1_F16_LO, TC_E2M1_F16_HI, my), yh = prmt(TC_E2M1_F16_LO, TC_E2M1_F16_HI, my >> 16);
     const unsigned sl = prmt(x, y, 0x5410u), sh = prmt(x, y, 0x7632u);  // codes 0-3 (4-7) of x low, of y high
+    unsigned a[4], b[4];
+    tc_e2m1_word(sl, scales, a);
+    tc_e2m1_word(sh, scales, b);
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        const unsigned sel = (8u + p) | p << 4 | (8u + p) << 8 | (4u + p) << 12;
-        lo[p] = mul_f16x2(prmt(xl, yl, sel) | ((sl << (12 - 4 * p)) & 0x80008000u), scales);
-        hi[p] = mul_f16x2(prmt(xh, yh, sel) | ((sh << (12 - 4 * p)) & 0x80008000u), scales);
-    }
+    for (int p = 0; p < 4; ++p) lo[p] = a[p], hi[p] = b[p];
 }
 
 // Two e4m3 scale bytes (bits 0-7: the low half, 8-15: the high half) as f16x2, exact.
@@ -414,7 +425,7 @@ __device__ void decode_tc(const TcWork& w) {
     // 4j + 3 (register 1) of this lane's share; zero past the CTA's heads.
     const bool has = g < w.rows;
     const bf16_t* qr = w.q + g * D;
-    float q_mul = w.qk_scale * LOG2E, q_scale = 1.0f;
+    float q_mul = w.qk_scale * LOG2E * (KF == TC_NVFP4 ? TC_E2M1_UNIT : 1.0f), q_scale = 1.0f;
     if constexpr (KF16) {
         float amax = 0.0f;
         if (has) {  // over every part's dims: the unit's warps scale q alike
@@ -757,7 +768,7 @@ __device__ void decode_tc(const TcWork& w) {
                 val += w.smem_o[(v * TC_ROWS + r) * ROWD + d] * f;
             }
         }
-        val *= w.v_scale;
+        val *= VF == TC_NVFP4 ? w.v_scale * TC_E2M1_UNIT : w.v_scale;
         const long long head = w.head0 + r;
         if (w.keep_o != nullptr) {
             w.keep_o[r * D + d] = val;

@@ -70,15 +70,17 @@ __device__ __forceinline__ void unpack_f16x2(unsigned v, float& lo, float& hi) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(h));
 }
 
-// Bytes 0-1 (2-3) of four e4m3 values as an f16x2 register: exact (e4m3 is a subset of f16).
+// Bytes 0-1 (2-3) of four e4m3 values as an f16x2 register: exact (e4m3 is a subset of f16). The
+// halves are split inside the asm so that the conversion reads the high one in place (R.H1), with
+// no shift before it.
 __device__ __forceinline__ unsigned e4m3x4_lo_to_f16x2(unsigned v) {
     unsigned d;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"((unsigned short)(v & 0xffffu)));
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;\n}" : "=r"(d) : "r"(v));
     return d;
 }
 __device__ __forceinline__ unsigned e4m3x4_hi_to_f16x2(unsigned v) {
     unsigned d;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"((unsigned short)(v >> 16)));
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;\n}" : "=r"(d) : "r"(v));
     return d;
 }
 
