@@ -225,11 +225,8 @@ __device__ __forceinline__ void tc_e2m1_word(unsigned x, unsigned scale2, unsign
 __device__ __forceinline__ void tc_e2m1_pair(unsigned x, unsigned y, unsigned scales, unsigned (&lo)[4],
                                              unsigned (&hi)[4]) {
     const unsigned sl = prmt(x, y, 0x5410u), sh = prmt(x, y, 0x7632u);  // codes 0-3 (4-7) of x low, of y high
-    unsigned a[4], b[4];
-    tc_e2m1_word(sl, scales, a);
-    tc_e2m1_word(sh, scales, b);
-#pragma unroll
-    for (int p = 0; p < 4; ++p) lo[p] = a[p], hi[p] = b[p];
+    tc_e2m1_word(sl, scales, lo);
+    tc_e2m1_word(sh, scales, hi);
 }
 
 // Two e4m3 scale bytes (bits 0-7: the low half, 8-15: the high half) as f16x2, exact.
@@ -754,6 +751,7 @@ __device__ void decode_tc(const TcWork& w) {
         }
     }
     CTA_SYNC();
+    const float v_mul = VF == TC_NVFP4 ? w.v_scale * TC_E2M1_UNIT : w.v_scale;
     for (int idx = threadIdx.x; idx < w.rows * D; idx += WARPS * 32) {
         const int r = idx / D, d = idx % D;
         float big = METRALE_NEG_INF;
@@ -768,7 +766,7 @@ __device__ void decode_tc(const TcWork& w) {
                 val += w.smem_o[(v * TC_ROWS + r) * ROWD + d] * f;
             }
         }
-        val *= VF == TC_NVFP4 ? w.v_scale * TC_E2M1_UNIT : w.v_scale;
+        val *= v_mul;
         const long long head = w.head0 + r;
         if (w.keep_o != nullptr) {
             w.keep_o[r * D + d] = val;
