@@ -194,14 +194,15 @@ __device__ __forceinline__ TcCodes tc_codes() {
 // not quite (a few bf16 outputs a rounding step apart), inside the attention tolerance.
 #define TC_E2M1_UNIT 16384.0f  // 2^14
 
-// Bits 0-2 of each byte of a, the other bits of b: one LOP3 (the compiler's own form of the
-// expression masks b first, two).
-__device__ __forceinline__ unsigned tc_select_bytes(unsigned a, unsigned b) {
+// The bits of a where K is set, of b elsewhere: one LOP3. Written as inline PTX because the
+// compiler's own form of (a & K) | (b & ~K) masks b first, two instructions.
+template <unsigned K>
+__device__ __forceinline__ unsigned tc_select(unsigned a, unsigned b) {
 #ifdef METRALE_HOST_EMULATION
-    return (a & 0x07070707u) | (b & ~0x07070707u);
+    return (a & K) | (b & ~K);
 #else
     unsigned d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xca;" : "=r"(d) : "n"(0x07070707), "r"(a), "r"(b));  // k ? a : b
+    asm("lop3.b32 %0, %1, %2, %3, 0xca;" : "=r"(d) : "n"(K), "r"(a), "r"(b));  // k ? a : b
     return d;
 #endif
 }
@@ -213,7 +214,7 @@ __device__ __forceinline__ unsigned tc_select_bytes(unsigned a, unsigned b) {
 // same (o), each one select of two shifts of x (the other bits are the shifts' leftovers); a
 // shift of e or o then puts two codes at bits 9-11 and 15 of the halves, and one mask clears the rest.
 __device__ __forceinline__ void tc_e2m1_word(unsigned x, unsigned scale2, unsigned (&h)[4]) {
-    const unsigned e = tc_select_bytes(x, x << 3), o = tc_select_bytes(x >> 4, x >> 1);
+    const unsigned e = tc_select<0x07070707u>(x, x << 3), o = tc_select<0x07070707u>(x >> 4, x >> 1);
     h[0] = mul_f16x2((e << 9) & 0x8e008e00u, scale2);  // codes 0, 4: bytes 0, 2 of e
     h[1] = mul_f16x2((o << 9) & 0x8e008e00u, scale2);  // codes 1, 5: bytes 0, 2 of o
     h[2] = mul_f16x2((e << 1) & 0x8e008e00u, scale2);  // codes 2, 6: bytes 1, 3 of e
@@ -239,9 +240,6 @@ __device__ __forceinline__ void tc_quad(const TcSlice<TC_TURBO8, S>& s, int q, u
     w1 = tc_pair(s, 2 * q + 1);
 }
 
-// (a & k) | (b & ~k): one LOP3.
-__device__ __forceinline__ unsigned tc_select(unsigned k, unsigned a, unsigned b) { return (a & k) | (b & ~k); }
-
 // A codebook side's (turbo4, turbo3, turbo2) eight codes as table indices, in the nibbles of idx
 // (code i at bits B i of the word, bits above 8B ignored). turbo4's index a magnitude, as its
 // negative levels mirror the positive ones below code 8 (index 7 - c there); bit 7 of byte i of
@@ -261,12 +259,12 @@ __device__ __forceinline__ TcIndex<F> tc_code_index(unsigned x) {
         r.pos[0] = prmt(y, x, 0x5140u);
         r.pos[1] = prmt(y, x, 0x7362u);
     } else if constexpr (B == 3) {  // codes at bits 3i -> 4i
-        const unsigned y = tc_select(0x00000fffu, x, x << 4);  // codes 0-3 at bits 0-11, 4-7 at 16-27
-        const unsigned z = tc_select(0x003f003fu, y, y << 2);  // pairs at bits 0, 8, 16, 24
+        const unsigned y = tc_select<0x00000fffu>(x, x << 4);  // codes 0-3 at bits 0-11, 4-7 at 16-27
+        const unsigned z = tc_select<0x003f003fu>(y, y << 2);  // pairs at bits 0, 8, 16, 24
         r.idx = (z & 0x07070707u) | ((z << 1) & 0x70707070u);
     } else {  // 2 bits: 2i -> 4i
-        const unsigned y = tc_select(0x000000ffu, x, x << 8);  // codes 0-3 at bits 0-7, 4-7 at 16-23
-        const unsigned z = tc_select(0x000f000fu, y, y << 4);  // pairs at bits 0, 8, 16, 24
+        const unsigned y = tc_select<0x000000ffu>(x, x << 8);  // codes 0-3 at bits 0-7, 4-7 at 16-23
+        const unsigned z = tc_select<0x000f000fu>(y, y << 4);  // pairs at bits 0, 8, 16, 24
         r.idx = (z & 0x03030303u) | ((z << 2) & 0x30303030u);
     }
     return r;
