@@ -385,6 +385,23 @@ __device__ __forceinline__ int tc_out_dim(int n, int r, int g) {
     else return D / 8 * g + 2 * n + r;
 }
 
+// Whether the prefetching loop keeps its two tile buffers in turns, two tiles a pass, rather than
+// copying the next tile's registers over the current one's after each tile. In turns saves the
+// copies (about 25 instructions a tile) but unrolls the loop twice over and lets the register
+// allocation change, so it is taken where an H200 measured it faster (docs/performance.md): the
+// 128-dim nvfp4, turbo4 and fp8k_turbo2v decodes and the 256-dim nvfp4 and turbo3 ones. fp8,
+// fp8k_turbo3v, turbo3 and turbo4k_turbo3v at 128 measured slower.
+template <int D, int KF, int VF>
+__device__ constexpr bool tc_turns() {
+    if constexpr (D == 128) {
+        return (KF == VF && (KF == TC_NVFP4 || KF == TC_TURBO4)) || (KF == TC_FP8 && VF == TC_TURBO2);
+    } else if constexpr (D == 256) {
+        return KF == VF && (KF == TC_NVFP4 || KF == TC_TURBO3);
+    } else {
+        return false;
+    }
+}
+
 // Run by all WARPS warps of the CTA (one CTA_SYNC inside). KF / VF: the
 // K and V sides' formats (TcFormat). A head of more than TC_MAX_D dims (256) is decoded by units of
 // PARTS warps: each warp of a unit takes the unit's tiles over its DW dims (part p: dims DW p ..
@@ -410,6 +427,7 @@ __device__ void decode_tc(const TcWork& w) {
     // PAIR_ASKED: two tiles a pass where the next tile is prefetched and a warp holds a whole head
     // (twice the loaded tiles' registers: the batch-1 entries, which have them to spare).
     constexpr bool PAIR = PAIR_ASKED && PREFETCH && PARTS == 1;
+    constexpr bool TURNS = !PAIR && PREFETCH && tc_turns<D, KF, VF>();
     constexpr int VW = DW / 8 * VB / 4;  // V words per key of a lane (element V sides): DW / 8 dims
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int part = warp % PARTS, unit = warp / PARTS, d0 = part * DW;  // the warp's first dim
@@ -490,9 +508,11 @@ __device__ void decode_tc(const TcWork& w) {
         }
     };
     // A unit's partial scores, exchanged in its own rows of smem_o (free until the warps merge):
-    // [tile parity][part][4][32].
-    float* xs = w.smem_o + unit * TC_ROWS * ROWD;
-    int parity = 0;
+    // [tile parity][part][4][32]. A unit is two warps (PARTS 2): each adds the other's scores to its
+    // own, the same bits in both, as a float sum does not depend on its operands' order. xo indexes
+    // this lane's slot of smem_o in the current buffer: its bit 7 is the part, bit 8 the parity.
+    static_assert(PARTS <= 2 && (TC_ROWS * ROWD) % (4 * 4 * 32) == 0, "the score exchange pairs two warps");
+    int xo = unit * TC_ROWS * ROWD + part * 4 * 32 + lane;
     // S^T (16 keys x 8 heads per query tile) of a tile's K, added to st: K rows g, g + 8 are the A
     // operand as loaded (element sides) or as dequantized (packed sides).
     auto score = [&](const KRow (&kr)[2], float (&st)[4]) {
@@ -530,18 +550,13 @@ __device__ void decode_tc(const TcWork& w) {
                 tc_mma<KF16>(st, a, qb[j]);
             }
         }
-        if constexpr (PARTS > 1) {  // the unit's parts summed, in part order, by each of its warps
+        if constexpr (PARTS > 1) {  // the unit's two parts summed
 #pragma unroll
-            for (int i = 0; i < 4; ++i) xs[((parity * PARTS + part) * 4 + i) * 32 + lane] = st[i];
+            for (int i = 0; i < 4; ++i) w.smem_o[xo + 32 * i] = st[i];
             tc_unit_sync<32 * PARTS>(unit);  // each buffer is written again two tiles on, after this barrier's next
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                float sum = xs[(parity * PARTS * 4 + i) * 32 + lane];
-#pragma unroll
-                for (int p = 1; p < PARTS; ++p) sum += xs[((parity * PARTS + p) * 4 + i) * 32 + lane];
-                st[i] = sum;
-            }
-            parity ^= 1;
+            for (int i = 0; i < 4; ++i) st[i] += w.smem_o[(xo ^ (4 * 32)) + 32 * i];
+            xo ^= 2 * 4 * 32;
         }
     };
     // A scored tile's online softmax and O^T += V^T P^T.
@@ -703,6 +718,26 @@ __device__ void decode_tc(const TcWork& w) {
             for (int h = 0; h < 2; ++h) ka[h] = kna[h], kb[h] = knb[h];
 #pragma unroll
             for (int x = 0; x < 4; ++x) va[x] = vna[x], vb[x] = vnb[x];
+        }
+    } else if constexpr (TURNS) {
+        // The warp's next tile in flight while this one is scored, two tiles a pass: the two
+        // buffers take turns (a pass's second tile is loaded into the first one's registers), so
+        // nothing is copied from one to the other.
+        constexpr int STEP = 16 * UNITS;
+        KRow ka[2], kb[2];
+        VRow va[4], vb[4];
+        int tile = w.begin + 16 * unit;
+        if (tile < w.end) load(tile, ka, va);
+        for (; tile < w.end; tile += 2 * STEP) {
+            if (tile + STEP < w.end) load(tile + STEP, kb, vb);
+            float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            score(ka, sa);
+            accumulate(sa, va, tile);
+            if (tile + STEP >= w.end) break;
+            if (tile + 2 * STEP < w.end) load(tile + 2 * STEP, ka, va);
+            float sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            score(kb, sb);
+            accumulate(sb, vb, tile + STEP);
         }
     } else {
         KRow kr[2], kn[2];
