@@ -387,7 +387,7 @@ __device__ __forceinline__ int tc_out_dim(int n, int r, int g) {
 
 // Whether the prefetching loop keeps its two tile buffers in turns, two tiles a pass, rather than
 // copying the next tile's registers over the current one's after each tile. In turns saves the
-// copies (about 25 instructions a tile) but unrolls the loop twice over and lets the register
+// copies (20 to 25 instructions a tile) but unrolls the loop twice over and lets the register
 // allocation change, so it is taken where an H200 measured it faster (docs/performance.md): the
 // 128-dim nvfp4, turbo4 and fp8k_turbo2v decodes and the 256-dim nvfp4 and turbo3 ones. fp8,
 // fp8k_turbo3v, turbo3 and turbo4k_turbo3v at 128 measured slower.
