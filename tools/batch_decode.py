@@ -16,7 +16,9 @@ decode's own instructions: where the two columns are close, the cache's bytes do
 ``--variant NAME=V[,NAME=V]`` (repeatable) rebuilds the decode modules with those defines and
 times each dtype under every variant after the base build, in one process. ``TC_CTAS_ALL=N``
 (paged_decode_tc.cu: every entry but the pair ones at N CTAs an SM) also sets the split rule's CTAs
-an SM to N, as the dtype's ``TensorCoreDecode.ctas_per_sm`` would.
+an SM to N, as the dtype's ``TensorCoreDecode.ctas_per_sm`` would. ``TC_TURNS_ALL=1`` (``=0``) runs
+every prefetching entry's tile loop with its two buffers in turns (none of them; decode_tc.cuh's
+``tc_turns``).
 """
 
 from __future__ import annotations

@@ -390,9 +390,13 @@ __device__ __forceinline__ int tc_out_dim(int n, int r, int g) {
 // copies (20 to 25 instructions a tile) but unrolls the loop twice over and lets the register
 // allocation change, so it is taken where an H200 measured it faster (docs/performance.md): the
 // 128-dim nvfp4, turbo4 and fp8k_turbo2v decodes and the 256-dim nvfp4 and turbo3 ones. fp8,
-// fp8k_turbo3v, turbo3 and turbo4k_turbo3v at 128 measured slower.
+// fp8k_turbo3v, turbo3 and turbo4k_turbo3v at 128 measured slower. TC_TURNS_ALL (a build variant
+// for measurements, tools/batch_decode.py): 1 every prefetching entry in turns, 0 none.
 template <int D, int KF, int VF>
 __device__ constexpr bool tc_turns() {
+#ifdef TC_TURNS_ALL
+    return TC_TURNS_ALL != 0;
+#endif
     if constexpr (D == 128) {
         return (KF == VF && (KF == TC_NVFP4 || KF == TC_TURBO4)) || (KF == TC_FP8 && VF == TC_TURBO2);
     } else if constexpr (D == 256) {
