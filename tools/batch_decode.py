@@ -18,8 +18,7 @@ times each dtype under every variant after the base build, in one process. ``TC_
 (paged_decode_tc.cu: every entry but the pair ones at N CTAs an SM) also sets the split rule's CTAs
 an SM to N, as the dtype's ``TensorCoreDecode.ctas_per_sm`` would. ``TC_TURNS_ALL=1`` (``=0``) runs
 every prefetching entry's tile loop with its two buffers in turns (none of them; decode_tc.cuh's
-``tc_turns``). ``TC_LANE_BASES=1`` loads a packed side from per-lane pointers at block 0, a tile's
-block added by one multiply-add, instead of each slice's address computed from the block.
+``tc_turns``).
 """
 
 from __future__ import annotations

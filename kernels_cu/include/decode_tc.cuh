@@ -136,22 +136,6 @@ struct TcSlice {
     unsigned scales;  // kGroups scales of kScaleBytes, little-endian
 };
 
-// Slice `idx` (dims S idx .. S idx + S) of the vector whose codes start at `data` and whose group
-// scales start at `scales`.
-template <int D, int F, int S>
-__device__ __forceinline__ TcSlice<F, S> tc_load_slice_at(const u8_t* data, const u8_t* scales, int idx) {
-    typedef TcFmt<F> Fmt;
-    typedef PackedBlock<D, Fmt::kBits, Fmt::kScaleBytes> Block;
-    typedef TcSlice<F, S> Slice;
-    constexpr int A = (Block::kDataBytes | Slice::kBytes) & -(Block::kDataBytes | Slice::kBytes);  // lowest set bit
-    TcSlice<F, S> s;
-    static_assert(Block::kDataBytes % 4 == 0, "a vector's codes start 4-byte aligned");
-    tc_load_bytes<Slice::kBytes, A>(data, idx * Slice::kBytes, s.w);
-    constexpr int SB = Slice::kGroups * Fmt::kScaleBytes;
-    s.scales = (unsigned)load_le<SB, true>(scales + idx * S / KV_GROUP * Fmt::kScaleBytes);
-    return s;
-}
-
 // Slice `idx` (dims S idx .. S idx + S) of vector `row` of `block`.
 template <int D, int F, int S>
 __device__ __forceinline__ TcSlice<F, S> tc_load_slice(const u8_t* pool, long long block, int row, int hk, int idx) {
@@ -412,7 +396,7 @@ template <int D, int KF, int VF>
 __device__ constexpr bool tc_turns() {
 #ifdef TC_TURNS_ALL
     return TC_TURNS_ALL != 0;
-#endif
+#else
     if constexpr (D == 128) {
         return (KF == VF && (KF == TC_NVFP4 || KF == TC_TURBO4)) || (KF == TC_FP8 && VF == TC_TURBO2);
     } else if constexpr (D == 256) {
@@ -420,6 +404,7 @@ __device__ constexpr bool tc_turns() {
     } else {
         return false;
     }
+#endif
 }
 
 // Run by all WARPS warps of the CTA (one CTA_SYNC inside). KF / VF: the
@@ -497,41 +482,16 @@ __device__ void decode_tc(const TcWork& w) {
     // A tile's K and V as this lane loads them (a dead key's slot is still inside the block: its
     // scores are masked, its V zeroed below; with PAIR zeroed here, as is a tile past the end,
     // whose block is not read).
-#ifdef TC_LANE_BASES
-    // (A build variant for measurements.) A packed side's loads from per-lane pointers at block 0,
-    // a tile's block added by one 32 x 32 -> 64-bit multiply-add: the lane's first key's codes and
-    // scales; its other keys lie a compile-time number of rows on (a block's rows are head-major).
-    typedef PackedBlock<D, KFmt::kBits, KFmt::kScaleBytes> KBlock;
-    typedef PackedBlock<D, VFmt::kBits, VFmt::kScaleBytes> VBlock;
-    const int k_block_bytes = ATTN_BLOCK * w.num_kv_heads * KBlock::kVectorBytes;
-    const int v_block_bytes = ATTN_BLOCK * w.num_kv_heads * VBlock::kVectorBytes;
-    const u8_t* const kd0 = w.k_cache + KBlock::data(0, kv_row(g, w.kv_head), w.num_kv_heads);
-    const u8_t* const ks0 = w.k_cache + KBlock::scales(0, kv_row(g, w.kv_head), w.num_kv_heads);
-    const u8_t* const vd0 = w.v_cache + VBlock::data(0, kv_row(tc_v_key(c, 0), w.kv_head), w.num_kv_heads);
-    const u8_t* const vs0 = w.v_cache + VBlock::scales(0, kv_row(tc_v_key(c, 0), w.kv_head), w.num_kv_heads);
-#endif
     auto load = [&](int tile, KRow (&k)[2], VRow (&v)[4]) {
         const bool live = !PAIR || tile < w.end;
         const long long block = live ? w.block_table[tile / ATTN_BLOCK] : 0;
-#ifdef TC_LANE_BASES
-        const int block32 = live ? w.block_table[tile / ATTN_BLOCK] : 0;
-        const u8_t* const kd = kd0 + (long long)block32 * k_block_bytes;
-        const u8_t* const ks = ks0 + (long long)block32 * k_block_bytes;
-        const u8_t* const vd = vd0 + (long long)block32 * v_block_bytes;
-        const u8_t* const vs = vs0 + (long long)block32 * v_block_bytes;
-#endif
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // K: keys g, g + 8
             const int row = kv_row(8 * h + g, w.kv_head);
             if (!live) {
                 k[h] = KRow{};
             } else if constexpr (KFmt::kPacked) {  // quarter c of the part's dims
-#ifdef TC_LANE_BASES
-                k[h] = tc_load_slice_at<D, KF, DW / 4>(kd + 8 * h * KBlock::kDataBytes,
-                                                       ks + 8 * h * KBlock::kGroups * KFmt::kScaleBytes, 4 * part + c);
-#else
                 k[h] = tc_load_slice<D, KF, DW / 4>(w.k_cache, block, row, w.num_kv_heads, 4 * part + c);
-#endif
             } else {
                 const unsigned char* kp =
                     w.k_cache + (block * ATTN_BLOCK * w.num_kv_heads + row) * (D * KB) + d0 * KB + c * 16;
@@ -545,13 +505,7 @@ __device__ void decode_tc(const TcWork& w) {
             if (PAIR && tile + tc_v_key(c, x) >= w.end) {
                 v[x] = VRow{};
             } else if constexpr (VFmt::kPacked) {
-#ifdef TC_LANE_BASES
-                const int dr = (x & 1) + 8 * (x >> 1);  // tc_v_key(c, x) - tc_v_key(c, 0)
-                v[x] = tc_load_slice_at<D, VF, DW / 8>(vd + dr * VBlock::kDataBytes,
-                                                       vs + dr * VBlock::kGroups * VFmt::kScaleBytes, 8 * part + g);
-#else
                 v[x] = tc_load_slice<D, VF, DW / 8>(w.v_cache, block, row, w.num_kv_heads, 8 * part + g);
-#endif
             } else {
                 v[x] = *reinterpret_cast<const VRow*>(
                     w.v_cache + (block * ATTN_BLOCK * w.num_kv_heads + row) * (D * VB) + d0 * VB + g * (VW * 4));
