@@ -136,18 +136,19 @@ struct TcSlice {
     unsigned scales;  // kGroups scales of kScaleBytes, little-endian
 };
 
-// Slice `idx` (dims S idx .. S idx + S) of vector `row` of `block`.
+// Slice `idx` (dims S idx .. S idx + S) of the vector whose codes start at `data` and whose group
+// scales start at `scales`.
 template <int D, int F, int S>
-__device__ __forceinline__ TcSlice<F, S> tc_load_slice(const u8_t* pool, long long block, int row, int hk, int idx) {
+__device__ __forceinline__ TcSlice<F, S> tc_load_slice(const u8_t* data, const u8_t* scales, int idx) {
     typedef TcFmt<F> Fmt;
     typedef PackedBlock<D, Fmt::kBits, Fmt::kScaleBytes> Block;
     typedef TcSlice<F, S> Slice;
     constexpr int A = (Block::kDataBytes | Slice::kBytes) & -(Block::kDataBytes | Slice::kBytes);  // lowest set bit
     TcSlice<F, S> s;
     static_assert(Block::kDataBytes % 4 == 0, "a vector's codes start 4-byte aligned");
-    tc_load_bytes<Slice::kBytes, A>(pool + Block::data(block, row, hk), idx * Slice::kBytes, s.w);
+    tc_load_bytes<Slice::kBytes, A>(data, idx * Slice::kBytes, s.w);
     constexpr int SB = Slice::kGroups * Fmt::kScaleBytes;
-    s.scales = (unsigned)load_le<SB, true>(pool + Block::scales(block, row, hk) + idx * S / KV_GROUP * Fmt::kScaleBytes);
+    s.scales = (unsigned)load_le<SB, true>(scales + idx * S / KV_GROUP * Fmt::kScaleBytes);
     return s;
 }
 
@@ -193,6 +194,24 @@ __device__ __forceinline__ TcCodes tc_codes() {
 // host emulation's sums give the same bits as with the values themselves; an H200's MMA sums do
 // not quite (a few bf16 outputs a rounding step apart), inside the attention tolerance.
 #define TC_E2M1_UNIT 16384.0f  // 2^14
+
+// The high word of a * b; with b = 2^(32 - K), a >> K. On the FMA pipe (IMAD.HI) where a shift or a
+// logic op would take the ALU pipe, the one that bounds the packed decodes (permutes, logic ops
+// and shifts are most of their instructions). Used by turbo4's index only: there it made the
+// decode 3% faster on an H200, where nvfp4's word (tc_e2m1_word) with it measured 11% slower and
+// turbo3's 2% (an IMAD's longer latency on a dependent chain).
+__device__ __forceinline__ unsigned tc_mulhi(unsigned a, unsigned b) {
+#ifdef METRALE_HOST_EMULATION
+    return (unsigned)(((unsigned long long)a * b) >> 32);
+#else
+    return __umulhi(a, b);
+#endif
+}
+template <int K>
+__device__ __forceinline__ unsigned tc_shr(unsigned x) {
+    static_assert(K > 0 && K < 32, "a shift by 1 .. 31");
+    return tc_mulhi(x, 1u << (32 - K));
+}
 
 // The bits of a where K is set, of b elsewhere: one LOP3. Written as inline PTX because the
 // compiler's own form of (a & K) | (b & ~K) masks b first, two instructions.
@@ -253,7 +272,7 @@ __device__ __forceinline__ TcIndex<F> tc_code_index(unsigned x) {
     constexpr int B = TcFmt<F>::kBits;
     TcIndex<F> r{0u, {0u, 0u}};
     if constexpr (F == TC_TURBO4) {
-        r.idx = (x ^ (((~x >> 3) & 0x11111111u) * 7u)) & 0x77777777u;
+        r.idx = (x ^ tc_mulhi(~x & 0x88888888u, 7u << 29)) & 0x77777777u;  // 7 in a nibble whose bit 3 is clear
         // code i's sign bit (bit 4i + 3) is bit 7 of a byte of x for odd i, of x << 4 for even i
         const unsigned y = x << 4;
         r.pos[0] = prmt(y, x, 0x5140u);
@@ -279,7 +298,8 @@ template <int F, unsigned S0, unsigned S1>
 __device__ __forceinline__ void tc_code_levels(const TcIndex<F>& c, const TcCodes& t, unsigned scale2, unsigned (&h)[4]) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const unsigned i4 = c.idx >> (16 * half);
+        // (turbo4's on the FMA pipe; the others measured faster with the shift)
+        const unsigned i4 = F == TC_TURBO4 && half ? tc_shr<16>(c.idx) : c.idx >> (16 * half);
         const unsigned lo = prmt(t.lo[0], t.lo[1], i4);
         unsigned hi = prmt(t.hi[0], t.hi[1], i4);
         if constexpr (F == TC_TURBO4) hi |= ~c.pos[half] & 0x80808080u;
@@ -482,16 +502,34 @@ __device__ void decode_tc(const TcWork& w) {
     // A tile's K and V as this lane loads them (a dead key's slot is still inside the block: its
     // scores are masked, its V zeroed below; with PAIR zeroed here, as is a tile past the end,
     // whose block is not read).
+    // A packed side loads from per-lane pointers at block 0, a tile's block added by one
+    // 32 x 32 -> 64-bit multiply-add: the lane's first key's codes and scales; its other keys lie a
+    // compile-time number of rows on (a block's rows are head-major). 11-38 fewer instructions a
+    // tile than addresses rebuilt from the block and row, 1-4% faster on an H200.
+    typedef PackedBlock<D, KFmt::kBits, KFmt::kScaleBytes> KBlock;
+    typedef PackedBlock<D, VFmt::kBits, VFmt::kScaleBytes> VBlock;
+    const int k_block_bytes = ATTN_BLOCK * w.num_kv_heads * KBlock::kVectorBytes;
+    const int v_block_bytes = ATTN_BLOCK * w.num_kv_heads * VBlock::kVectorBytes;
+    const u8_t* const kd0 = w.k_cache + KBlock::data(0, kv_row(g, w.kv_head), w.num_kv_heads);
+    const u8_t* const ks0 = w.k_cache + KBlock::scales(0, kv_row(g, w.kv_head), w.num_kv_heads);
+    const u8_t* const vd0 = w.v_cache + VBlock::data(0, kv_row(tc_v_key(c, 0), w.kv_head), w.num_kv_heads);
+    const u8_t* const vs0 = w.v_cache + VBlock::scales(0, kv_row(tc_v_key(c, 0), w.kv_head), w.num_kv_heads);
     auto load = [&](int tile, KRow (&k)[2], VRow (&v)[4]) {
         const bool live = !PAIR || tile < w.end;
-        const long long block = live ? w.block_table[tile / ATTN_BLOCK] : 0;
+        const int block32 = live ? w.block_table[tile / ATTN_BLOCK] : 0;
+        const long long block = block32;
+        const u8_t* const kd = kd0 + (long long)block32 * k_block_bytes;
+        const u8_t* const ks = ks0 + (long long)block32 * k_block_bytes;
+        const u8_t* const vd = vd0 + (long long)block32 * v_block_bytes;
+        const u8_t* const vs = vs0 + (long long)block32 * v_block_bytes;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // K: keys g, g + 8
             const int row = kv_row(8 * h + g, w.kv_head);
             if (!live) {
                 k[h] = KRow{};
             } else if constexpr (KFmt::kPacked) {  // quarter c of the part's dims
-                k[h] = tc_load_slice<D, KF, DW / 4>(w.k_cache, block, row, w.num_kv_heads, 4 * part + c);
+                k[h] = tc_load_slice<D, KF, DW / 4>(kd + 8 * h * KBlock::kDataBytes,
+                                                    ks + 8 * h * KBlock::kGroups * KFmt::kScaleBytes, 4 * part + c);
             } else {
                 const unsigned char* kp =
                     w.k_cache + (block * ATTN_BLOCK * w.num_kv_heads + row) * (D * KB) + d0 * KB + c * 16;
@@ -505,7 +543,9 @@ __device__ void decode_tc(const TcWork& w) {
             if (PAIR && tile + tc_v_key(c, x) >= w.end) {
                 v[x] = VRow{};
             } else if constexpr (VFmt::kPacked) {
-                v[x] = tc_load_slice<D, VF, DW / 8>(w.v_cache, block, row, w.num_kv_heads, 8 * part + g);
+                const int dr = (x & 1) + 8 * (x >> 1);  // tc_v_key(c, x) - tc_v_key(c, 0)
+                v[x] = tc_load_slice<D, VF, DW / 8>(vd + dr * VBlock::kDataBytes,
+                                                    vs + dr * VBlock::kGroups * VFmt::kScaleBytes, 8 * part + g);
             } else {
                 v[x] = *reinterpret_cast<const VRow*>(
                     w.v_cache + (block * ATTN_BLOCK * w.num_kv_heads + row) * (D * VB) + d0 * VB + g * (VW * 4));
