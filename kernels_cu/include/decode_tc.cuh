@@ -516,12 +516,11 @@ __device__ void decode_tc(const TcWork& w) {
     const u8_t* const vs0 = w.v_cache + VBlock::scales(0, kv_row(tc_v_key(c, 0), w.kv_head), w.num_kv_heads);
     auto load = [&](int tile, KRow (&k)[2], VRow (&v)[4]) {
         const bool live = !PAIR || tile < w.end;
-        const int block32 = live ? w.block_table[tile / ATTN_BLOCK] : 0;
-        const long long block = block32;
-        const u8_t* const kd = kd0 + (long long)block32 * k_block_bytes;
-        const u8_t* const ks = ks0 + (long long)block32 * k_block_bytes;
-        const u8_t* const vd = vd0 + (long long)block32 * v_block_bytes;
-        const u8_t* const vs = vs0 + (long long)block32 * v_block_bytes;
+        const long long block = live ? w.block_table[tile / ATTN_BLOCK] : 0;
+        const u8_t* const kd = kd0 + block * k_block_bytes;
+        const u8_t* const ks = ks0 + block * k_block_bytes;
+        const u8_t* const vd = vd0 + block * v_block_bytes;
+        const u8_t* const vs = vs0 + block * v_block_bytes;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // K: keys g, g + 8
             const int row = kv_row(8 * h + g, w.kv_head);
