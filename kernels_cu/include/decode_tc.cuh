@@ -229,15 +229,17 @@ __device__ __forceinline__ unsigned tc_select(unsigned a, unsigned b) {
 // Eight nvfp4 codes (a 32-bit word of a slice, code i at bits 4i .. 4i + 3; or a pair word, two
 // keys' codes 0-3 or 4-7 in its halves) times their group's scale (f16x2, the scale twice) as four
 // f16x2 words, h[p] = codes p (low half) and p + 4 (high), each 2^-14 times the value. The even
-// codes' magnitudes go to bits 0-2 of a byte each and their signs to bit 6 (e), the odd codes' the
-// same (o), each one select of two shifts of x (the other bits are the shifts' leftovers); a
-// shift of e or o then puts two codes at bits 9-11 and 15 of the halves, and one mask clears the rest.
+// codes' magnitudes go to bits 1-3 of a byte each and their signs to bit 7 (e), the odd codes' the
+// same (o), each one select of two shifts of x, or of one shift and x (the other bits are the
+// shifts' leftovers). Bytes 1 and 3 of e or o then hold two codes at bits 9-11 and 15 of the halves
+// already, and a shift by 8 brings bytes 0 and 2 there; one mask clears the rest. Five shifts and
+// six logic ops a word (seven and six when the bytes held bits 0-2 and 6: every word then shifted).
 __device__ __forceinline__ void tc_e2m1_word(unsigned x, unsigned scale2, unsigned (&h)[4]) {
-    const unsigned e = tc_select<0x07070707u>(x, x << 3), o = tc_select<0x07070707u>(x >> 4, x >> 1);
-    h[0] = mul_f16x2((e << 9) & 0x8e008e00u, scale2);  // codes 0, 4: bytes 0, 2 of e
-    h[1] = mul_f16x2((o << 9) & 0x8e008e00u, scale2);  // codes 1, 5: bytes 0, 2 of o
-    h[2] = mul_f16x2((e << 1) & 0x8e008e00u, scale2);  // codes 2, 6: bytes 1, 3 of e
-    h[3] = mul_f16x2((o << 1) & 0x8e008e00u, scale2);  // codes 3, 7: bytes 1, 3 of o
+    const unsigned e = tc_select<0x0e0e0e0eu>(x << 1, x << 4), o = tc_select<0x0e0e0e0eu>(x >> 3, x);
+    h[0] = mul_f16x2((e << 8) & 0x8e008e00u, scale2);  // codes 0, 4: bytes 0, 2 of e
+    h[1] = mul_f16x2((o << 8) & 0x8e008e00u, scale2);  // codes 1, 5: bytes 0, 2 of o
+    h[2] = mul_f16x2(e & 0x8e008e00u, scale2);         // codes 2, 6: bytes 1, 3 of e
+    h[3] = mul_f16x2(o & 0x8e008e00u, scale2);         // codes 3, 7: bytes 1, 3 of o
 }
 
 // The same for two keys' words x, y at once (V's registers pair one dim of two keys):
