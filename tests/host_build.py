@@ -31,8 +31,10 @@ def build_host_library(source: str, out_dir: pathlib.Path, defines: dict[str, st
     return ctypes.CDLL(str(lib))
 
 
-def build_tc_decode_library(out_dir: pathlib.Path, head_dim: int) -> ctypes.CDLL:
+def build_tc_decode_library(out_dir: pathlib.Path, head_dim: int, extra: dict[str, str] | None = None) -> ctypes.CDLL:
     """paged_decode_tc.cu's host library as the tensor-core decode module of ``head_dim`` builds it
-    (its defines: paged_decode_tc at 64 / 128, paged_decode_tc_wide at 256)."""
+    (its defines: paged_decode_tc at 64 / 128, paged_decode_tc_wide at 256), with ``extra`` defines."""
     module = tc_module(head_dim)
-    return build_host_library("paged_decode_tc_host.cpp", out_dir, dict(MODULES[module].defines), name=module)
+    name = module + "".join(f"_{k}_{v}" for k, v in (extra or {}).items())
+    return build_host_library("paged_decode_tc_host.cpp", out_dir, dict(MODULES[module].defines) | (extra or {}),
+                              name=name)

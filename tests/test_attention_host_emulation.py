@@ -17,10 +17,10 @@ import torch
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.rotation import restore_output
 from metrale_cli.kernels.table import TC_ROWS, decode_rows, rows_per_cta
-from metrale_cli.kernels.cases import compare, make_paged_case
+from metrale_cli.kernels.cases import compare, fill_turbo8_v, make_paged_case
 from metrale_cli.kernels.registry import tc_module
 from metrale_cli.kernels.tolerances import bounds
-from metrale_cli.kv.dtypes import KvCacheDtype, kv_pair
+from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
 from host_build import build_host_library, build_tc_decode_library
 
 ATOL, RTOL = bounds("attention")
@@ -119,16 +119,16 @@ def test_prefill_equals_the_reference(build_dir, dtype, head_dim, group, tokens,
 _TC_LIB: dict[str, ctypes.CDLL] = {}
 
 
-def tc_library(build_dir, head_dim: int = 128) -> ctypes.CDLL:
+def tc_library(build_dir, head_dim: int = 128, **extra: str) -> ctypes.CDLL:
     """paged_decode_tc.cu as the module of ``head_dim`` builds it: head_dim 64 / 128, or 256
-    (paged_decode_tc_wide)."""
-    module = tc_module(head_dim)
-    if module not in _TC_LIB:
-        handle = build_tc_decode_library(build_dir, head_dim)
+    (paged_decode_tc_wide); with ``extra`` defines."""
+    key = (tc_module(head_dim), tuple(sorted(extra.items())))
+    if key not in _TC_LIB:
+        handle = build_tc_decode_library(build_dir, head_dim, extra)
         handle.host_paged_decode_tc.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_float] + [ctypes.c_int] * 7 + [
             ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p]
-        _TC_LIB[module] = handle
-    return _TC_LIB[module]
+        _TC_LIB[key] = handle
+    return _TC_LIB[key]
 
 
 def _tc_run(lib, c, q, dtype, splits, in_launch=False, v_signs=None, entry=""):
@@ -216,6 +216,26 @@ def test_tensor_core_decode_combines_up_to_64_splits(build_dir, dtype):
     if vp.rotated:
         want = restore_output(ref.TorchOps, want, vp)
     assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
+
+
+TURBO8_V = [d for d in KvCacheDtype if kv_pair(d)[1] == SideType.TURBO8]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", TURBO8_V, ids=lambda d: d.value)
+def test_turbo8_v_in_one_bf16_multiply_equals_the_fp32_way(build_dir, dtype, head_dim):
+    """A turbo8 V side decoded as e4m3 bits read as bf16 times scale x 2^120 in one bf16x2
+    multiply gives the bytes of the fp32 way (tc_pair), which a build with
+    TC_TURBO8_FACTOR_MAX=0 takes for every tile: every e4m3 code but NaN (subnormals too), scales
+    from 2^-117 to 255 and zero, and three vectors with a scale of 256 or more, whose tiles both
+    builds take the fp32 way."""
+    hk, group = 2, 4
+    c = make_paged_case([1, 7, 16, 99, 300], hk * group, hk, head_dim, dtype, seed=head_dim)
+    fill_turbo8_v(c, seed=head_dim, wide=3)
+    q = _q(5, hk * group, head_dim, seed=5)
+    fast = _tc_run(tc_library(build_dir, head_dim), c, q, dtype, 3)
+    assert torch.isfinite(fast).all()
+    assert torch.equal(fast, _tc_run(tc_library(build_dir, head_dim, TC_TURBO8_FACTOR_MAX="0"), c, q, dtype, 3))
 
 
 PAIRED = [d for d in KvCacheDtype if d.row.tensor_core.pair]

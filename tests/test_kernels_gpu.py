@@ -4,20 +4,23 @@ The references of the KV kernels run on the CPU (they define the bytes); the ker
 Tolerances (|got - want| <= atol + rtol·|want|) are the rows of ``kernels/tolerances.py``.
 """
 
+import contextlib
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from metrale_cli.kernels import reference as ref
+from metrale_cli.kernels import registry
 from metrale_cli.kernels.cuda_attention import decode_splits
-from metrale_cli.kernels.cases import compare, compare_bytes, kv_to, make_paged_case
+from metrale_cli.kernels.cases import compare, compare_bytes, fill_turbo8_v, kv_to, make_paged_case
 from metrale_cli.kernels.kv_kernels import kv_kernels, served_head_dims
 from metrale_cli.kernels.rotation import restore_output
 from metrale_cli.kernels.table import TC_LONG_KEYS_PER_SPLIT, TC_MIN_KEYS_PER_SPLIT
 from metrale_cli.kernels.tolerances import bounds
 from metrale_cli.kernels.validate import validate_kernels
-from metrale_cli.kv.dtypes import KvCacheDtype
+from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
 from metrale_cli.kv.wht import wht_signs
 
 pytestmark = pytest.mark.gpu
@@ -162,6 +165,42 @@ def test_the_pair_entry_decodes_as_the_dtype_entry(ops, dtype, head_dim, lens):
     assert torch.equal(out, plain)
     want = ref.paged_decode(q.cpu(), c["kv"], c["block_tables"], c["seq_lens"], head_dim**-0.5)
     close(attn.paged_decode(q, kv, tables, seq, head_dim**-0.5, pair=True), want, "attention")
+
+
+@contextlib.contextmanager
+def built_with(ops, **defines: str):
+    """Every kernel module built with ``defines`` added, inside the block (the loaded functions
+    dropped on the way in and out)."""
+    base = dict(registry.MODULES)
+    extra = tuple(defines.items())
+    try:
+        registry.MODULES.update({n: dataclasses.replace(m, defines=m.defines + extra) for n, m in base.items()})
+        ops.loader._functions.clear()
+        yield
+    finally:
+        registry.MODULES.clear()
+        registry.MODULES.update(base)
+        ops.loader._functions.clear()
+
+
+@pytest.mark.parametrize("dtype, head_dim", [(d, hd) for d, hd in KV_CASES if kv_pair(d)[1] == SideType.TURBO8
+                                             and kv_kernels(d, hd).decode_tc is not None],
+                         ids=lambda x: getattr(x, "value", str(x)))
+def test_turbo8_v_in_one_bf16_multiply_equals_the_fp32_way(ops, dtype, head_dim):
+    """A turbo8 V side decoded on tensor cores as e4m3 bits read as bf16 times scale x 2^120 in one
+    bf16x2 multiply (mul.rn.bf16x2, subnormal e4m3 inputs included) gives the bytes of the fp32
+    way, which a build with TC_TURBO8_FACTOR_MAX=0 takes for every tile: every e4m3 code but NaN,
+    scales from 2^-117 to 255 and zero, three vectors with a scale of 256 or more."""
+    hk, group = 2, 4
+    c = make_paged_case([1, 7, 99, 300, 4099], hk * group, hk, head_dim, dtype, seed=head_dim)
+    fill_turbo8_v(c, seed=head_dim, wide=3)
+    q = randn(5, hk * group, head_dim, seed=5)
+    attn, kv, tables, seq = attention(ops, c), gpu(c), c["block_tables"].cuda(), c["seq_lens"].cuda()
+    fast = attn.paged_decode(q, kv, tables, seq, head_dim**-0.5)
+    with built_with(ops, TC_TURBO8_FACTOR_MAX="0"):
+        slow = attn.paged_decode(q, kv, tables, seq, head_dim**-0.5)
+    assert torch.isfinite(fast).all()
+    assert torch.equal(fast, slow)
 
 
 @pytest.mark.parametrize("context", [40, 4099], ids=["narrow table", "split"])

@@ -261,6 +261,32 @@ __device__ __forceinline__ void tc_quad(const TcSlice<TC_TURBO8, S>& s, int q, u
     w1 = tc_pair(s, 2 * q + 1);
 }
 
+// Bytes I and J (0-7) of (y:x), e4m3 values, as a bf16x2 word (I low) of 2^-120 times each value,
+// exactly: byte b's exponent and mantissa (bits 0-6) go to bits 4-10, where a bf16 with a zero
+// high exponent nibble holds them, its sign to bit 15 (a sign-replicated byte's, shifted). Normal
+// and subnormal e4m3 alike; an e4m3 NaN code (only a NaN input writes one) reads as 480 x 2^-120.
+template <int I, int J>
+__device__ __forceinline__ unsigned tc_e4m3_bf16(unsigned x, unsigned y) {
+    return (prmt(x, y, I | (I | 8) << 4 | J << 8 | (J | 8) << 12) << 4) & 0x87f087f0u;
+}
+
+// turbo8 V: two keys' bf16 scales (bits 0-15 of a and b) times 2^120, as the bf16x2 word (a low)
+// that turns tc_e4m3_bf16's words into the elements, rounded once (mul_bf16x2): the bits of
+// tc_pair's. Exact below 256; `top` keeps the larger scale's bits for the caller's guard (a scale
+// of 256 or more, or not finite, has no such factor).
+__device__ __forceinline__ unsigned tc_turbo8_factor(unsigned a, unsigned b, unsigned& top) {
+    a &= 0xffffu;
+    b &= 0xffffu;
+    top = max(top, max(a, b));
+    const float fa = __uint_as_float(a << 16) * 0x1p120f, fb = __uint_as_float(b << 16) * 0x1p120f;
+    return prmt(__float_as_uint(fa), __float_as_uint(fb), 0x7632u);
+}
+// The largest bf16 scale tc_turbo8_factor serves: 255.0 (0 sends every tile with a nonzero scale
+// the fp32 way: the tests' bit-for-bit reference build).
+#ifndef TC_TURBO8_FACTOR_MAX
+#define TC_TURBO8_FACTOR_MAX 0x437fu
+#endif
+
 // A codebook side's (turbo4, turbo3, turbo2) eight codes as table indices, in the nibbles of idx
 // (code i at bits B i of the word, bits above 8B ignored). turbo4's index a magnitude, as its
 // negative levels mirror the positive ones below code 8 (index 7 - c there); bit 7 of byte i of
@@ -700,22 +726,44 @@ __device__ void decode_tc(const TcWork& w) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) tc_mma<true>(o[4 * x + i], a[i], pb);
             }
-        } else if constexpr (VFmt::kPacked) {  // turbo8: quad m of each key: pairs 2m, 2m + 1, tiles 2m and 2m + 1
+        } else if constexpr (VFmt::kPacked) {  // turbo8: word m of each key: tiles 2m and 2m + 1
+            // Register 2h + r of tile 2m + t: dim 4m + 2t + r of keys 8h + 2c (low), 8h + 2c + 1
+            // (high), bytes 2t + r of the keys' words, one bf16x2 multiply by their factor.
+            unsigned f[2], top = 0u;
 #pragma unroll
-            for (int m = 0; m < KS / 2; ++m) {
-                unsigned a0[4], a1[4];
+            for (int h = 0; h < 2; ++h) f[h] = tc_turbo8_factor(vr[2 * h].scales, vr[2 * h + 1].scales, top);
+            if (__reduce_max_sync(0xffffffffu, top) <= TC_TURBO8_FACTOR_MAX) {
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    unsigned x0, x1, y0, y1;
-                    tc_quad(vr[2 * h], m, x0, x1);      // key 8h + 2c
-                    tc_quad(vr[2 * h + 1], m, y0, y1);  // key 8h + 2c + 1
-                    a0[2 * h] = __byte_perm(x0, y0, 0x5410);
-                    a0[2 * h + 1] = __byte_perm(x0, y0, 0x7632);
-                    a1[2 * h] = __byte_perm(x1, y1, 0x5410);
-                    a1[2 * h + 1] = __byte_perm(x1, y1, 0x7632);
+                for (int m = 0; m < KS / 2; ++m) {
+                    unsigned a0[4], a1[4];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const unsigned x = vr[2 * h].w[m], y = vr[2 * h + 1].w[m];
+                        a0[2 * h] = mul_bf16x2(tc_e4m3_bf16<0, 4>(x, y), f[h]);
+                        a0[2 * h + 1] = mul_bf16x2(tc_e4m3_bf16<1, 5>(x, y), f[h]);
+                        a1[2 * h] = mul_bf16x2(tc_e4m3_bf16<2, 6>(x, y), f[h]);
+                        a1[2 * h + 1] = mul_bf16x2(tc_e4m3_bf16<3, 7>(x, y), f[h]);
+                    }
+                    tc_mma<VF16>(o[2 * m], a0, pb);
+                    tc_mma<VF16>(o[2 * m + 1], a1, pb);
                 }
-                tc_mma<VF16>(o[2 * m], a0, pb);
-                tc_mma<VF16>(o[2 * m + 1], a1, pb);
+            } else {  // a scale of 256 or more in the warp's tile: each element in fp32 (tc_pair)
+#pragma unroll
+                for (int m = 0; m < KS / 2; ++m) {
+                    unsigned a0[4], a1[4];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        unsigned x0, x1, y0, y1;
+                        tc_quad(vr[2 * h], m, x0, x1);      // key 8h + 2c
+                        tc_quad(vr[2 * h + 1], m, y0, y1);  // key 8h + 2c + 1
+                        a0[2 * h] = __byte_perm(x0, y0, 0x5410);
+                        a0[2 * h + 1] = __byte_perm(x0, y0, 0x7632);
+                        a1[2 * h] = __byte_perm(x1, y1, 0x5410);
+                        a1[2 * h + 1] = __byte_perm(x1, y1, 0x7632);
+                    }
+                    tc_mma<VF16>(o[2 * m], a0, pb);
+                    tc_mma<VF16>(o[2 * m + 1], a1, pb);
+                }
             }
         } else {
 #pragma unroll

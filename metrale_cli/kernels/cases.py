@@ -73,6 +73,29 @@ def make_paged_case(seq_lens, hq: int, hk: int, head_dim: int, dtype: KvCacheDty
     return dict(kv=kv, block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
 
 
+def fill_turbo8_v(case: dict, seed: int = 0, wide: int = 0) -> None:
+    """Overwrite a turbo8 V side of ``case`` (make_paged_case) with every e4m3 code but NaN, at
+    random, and group scales from 2^-117 (the least whose products with e4m3 are normal floats) to
+    255, one in eight zero; ``wide`` random vectors get a scale of 256 or more in one group (the
+    tensor-core decode takes their tiles the fp32 way, tc_turbo8_factor)."""
+    from metrale_cli.kv.formats import regions
+
+    pool = case["kv"].v
+    assert pool.side == SideType.TURBO8, pool.side
+    g = torch.Generator().manual_seed(seed)
+    data, scales = regions(pool)
+    codes = torch.randint(0, 254, data.shape, generator=g)
+    data.copy_(codes + (codes >= 0x7F).long())  # 0x7f and 0xff, e4m3's NaNs, skipped
+    bits = torch.randint(10 << 7, 135 << 7, scales[..., ::2].shape, generator=g)
+    bits[torch.randint(0, 8, bits.shape, generator=g) == 0] = 0
+    flat = bits.view(-1, bits.shape[-1])
+    for row in torch.randperm(flat.shape[0], generator=g)[:wide]:
+        flat[row, torch.randint(0, flat.shape[1], (1,), generator=g)] = torch.randint(135 << 7, 140 << 7, (1,),
+                                                                                     generator=g)
+    scales[..., 0::2].copy_(bits & 0xFF)
+    scales[..., 1::2].copy_(bits >> 8)
+
+
 def _randn(*shape, seed=1):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 

@@ -83,7 +83,7 @@ def side_format(side: SideType) -> SideFormat:
 
 
 # --- the reference write / read ----------------------------------------------------------------
-def _regions(pool: SidePool) -> tuple[torch.Tensor, torch.Tensor]:
+def regions(pool: SidePool) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of a packed pool: data (NB, Hk, 16, data_bytes), scales (NB, Hk, 16, D/16 * sb)."""
     fmt, hk, d = side_format(pool.side), pool.num_kv_heads, pool.head_dim
     split = BLOCK_SIZE * hk * fmt.data_bytes(d)
@@ -124,7 +124,7 @@ def store_prepared(values: torch.Tensor, pool: SidePool, slots: torch.Tensor) ->
     """Quantize values (n, Hk, D) fp32, already rotated / scaled, into a packed pool at slots >= 0."""
     fmt = side_format(pool.side)
     data, scales = fmt.encode(values.reshape(-1, pool.head_dim))
-    data_view, scale_view = _regions(pool)
+    data_view, scale_view = regions(pool)
     blocks, offsets = slots // BLOCK_SIZE, slots % BLOCK_SIZE
     data_view[blocks, :, offsets] = data.reshape(*values.shape[:2], -1)
     scale_view[blocks, :, offsets] = scales.reshape(*values.shape[:2], -1)
@@ -133,7 +133,7 @@ def store_prepared(values: torch.Tensor, pool: SidePool, slots: torch.Tensor) ->
 def load_slots(pool: SidePool, slots: torch.Tensor) -> torch.Tensor:
     """The stored values at ``slots`` (n,) int64 >= 0 of a packed pool: (n, Hk, D) fp32."""
     fmt = side_format(pool.side)
-    data_view, scale_view = _regions(pool)
+    data_view, scale_view = regions(pool)
     blocks, offsets = slots // BLOCK_SIZE, slots % BLOCK_SIZE
     data = data_view[blocks, :, offsets].reshape(-1, data_view.shape[-1])
     scales = scale_view[blocks, :, offsets].reshape(-1, scale_view.shape[-1])
@@ -151,7 +151,7 @@ def load(pool: SidePool, block_table: torch.Tensor, length: int) -> torch.Tensor
     if not fmt.packed:
         flat = token_rows(pool.data[ids])[:length].float()
         return flat * pool.scale.float() if pool.side == S.FP8 else flat
-    data_view, scale_view = _regions(pool)
+    data_view, scale_view = regions(pool)
     data = token_rows(data_view[ids]).reshape(-1, data_view.shape[-1])
     scales = token_rows(scale_view[ids]).reshape(-1, scale_view.shape[-1])
     return fmt.decode(data, scales, d).reshape(-1, hk, d)[:length]
