@@ -116,7 +116,7 @@ def test_prefill_equals_the_reference(build_dir, dtype, head_dim, group, tokens,
     assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
 
 
-_TC_LIB: dict[str, ctypes.CDLL] = {}
+_TC_LIB: dict[tuple, ctypes.CDLL] = {}
 
 
 def tc_library(build_dir, head_dim: int = 128, **extra: str) -> ctypes.CDLL:
