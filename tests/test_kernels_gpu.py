@@ -4,8 +4,6 @@ The references of the KV kernels run on the CPU (they define the bytes); the ker
 Tolerances (|got - want| <= atol + rtol·|want|) are the rows of ``kernels/tolerances.py``.
 """
 
-import contextlib
-import dataclasses
 import math
 
 import pytest
@@ -22,6 +20,7 @@ from metrale_cli.kernels.tolerances import bounds
 from metrale_cli.kernels.validate import validate_kernels
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
 from metrale_cli.kv.wht import wht_signs
+from tools.layer_variants import use_build
 
 pytestmark = pytest.mark.gpu
 
@@ -167,22 +166,6 @@ def test_the_pair_entry_decodes_as_the_dtype_entry(ops, dtype, head_dim, lens):
     close(attn.paged_decode(q, kv, tables, seq, head_dim**-0.5, pair=True), want, "attention")
 
 
-@contextlib.contextmanager
-def built_with(ops, **defines: str):
-    """Every kernel module built with ``defines`` added, inside the block (the loaded functions
-    dropped on the way in and out)."""
-    base = dict(registry.MODULES)
-    extra = tuple(defines.items())
-    try:
-        registry.MODULES.update({n: dataclasses.replace(m, defines=m.defines + extra) for n, m in base.items()})
-        ops.loader._functions.clear()
-        yield
-    finally:
-        registry.MODULES.clear()
-        registry.MODULES.update(base)
-        ops.loader._functions.clear()
-
-
 @pytest.mark.parametrize("dtype, head_dim", [(d, hd) for d, hd in KV_CASES if kv_pair(d)[1] == SideType.TURBO8
                                              and kv_kernels(d, hd).decode_tc is not None],
                          ids=lambda x: getattr(x, "value", str(x)))
@@ -197,8 +180,12 @@ def test_turbo8_v_in_one_bf16_multiply_equals_the_fp32_way(ops, dtype, head_dim)
     q = randn(5, hk * group, head_dim, seed=5)
     attn, kv, tables, seq = attention(ops, c), gpu(c), c["block_tables"].cuda(), c["seq_lens"].cuda()
     fast = attn.paged_decode(q, kv, tables, seq, head_dim**-0.5)
-    with built_with(ops, TC_TURBO8_FACTOR_MAX="0"):
+    base = dict(registry.MODULES)
+    use_build(ops, base, {name: (("TC_TURBO8_FACTOR_MAX", "0"),) for name in base})
+    try:
         slow = attn.paged_decode(q, kv, tables, seq, head_dim**-0.5)
+    finally:
+        use_build(ops, base, {})
     assert torch.isfinite(fast).all()
     assert torch.equal(fast, slow)
 
