@@ -12,6 +12,7 @@ import torch
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.ops import StepBuffers
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType, concrete
+from metrale_cli.kv.formats import new_layer_kv, regions
 from metrale_cli.kv.pool import LayerKv, SidePool
 
 
@@ -50,8 +51,6 @@ def make_paged_case(seq_lens, hq: int, hk: int, head_dim: int, dtype: KvCacheDty
     """CPU tensors: a layer cache ``kv`` of ``dtype`` filled through the reference write with randn
     vectors, shuffled block tables, seq_lens; fp8 sides get the scales :data:`FP8_SCALES` and a
     rotated K side random InnerQ scales in [0.5, 2] when ``innerq``."""
-    from metrale_cli.kv.formats import new_layer_kv
-
     g = torch.Generator().manual_seed(seed)
     need = [(n + 15) // 16 for n in seq_lens]
     width, total = max(need + [1]) + spare_blocks, sum(need) + spare_blocks
@@ -78,8 +77,6 @@ def fill_turbo8_v(case: dict, seed: int = 0, wide: int = 0) -> None:
     random, and group scales from 2^-117 (the least whose products with e4m3 are normal floats) to
     255, one in eight zero; ``wide`` random vectors get a scale of 256 or more in one group (the
     tensor-core decode takes their tiles the fp32 way, tc_turbo8_factor)."""
-    from metrale_cli.kv.formats import regions
-
     pool = case["kv"].v
     assert pool.side == SideType.TURBO8, pool.side
     g = torch.Generator().manual_seed(seed)
