@@ -84,12 +84,13 @@ def test_every_dtype_validates_clean_on_cpu(dtype):
     assert {r.numeric for r in report.rows} == {SKIPPED}
     assert {r.symbol for r in report.rows} == {"exported"}
     rotated = any(is_wht_rotated(s) for s in kv_pair(dtype))
-    # 9 dtype-independent + write, decode, split combine, prefill (+ the two WHT bookends)
+    # 12 dtype-independent (3 of them gemm_rows variants) + write, decode, split combine, prefill
+    # (+ the two WHT bookends)
     # + the fused QK-norm / RoPE / write + the tensor-core decode (+ bf16 / fp8's decode attention in
     # one launch)
     fused = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)
     pair = dtype.row.tensor_core.pair  # (+ the batch-1 pair entry)
-    assert len(report.rows) == 15 + 2 * rotated + fused + pair
+    assert len(report.rows) == 18 + 2 * rotated + fused + pair
 
 
 @pytest.mark.parametrize("dtype", [d.value for d in KvCacheDtype] + ["fp8k4v"])

@@ -186,12 +186,14 @@ def test_layer_kernels_cover_every_side(dtype):
     assert f"paged_decode_tc::paged_decode_attn_tc{dtype.suffix}" in names  # every dtype's tensor-core decode
     pair = dtype.row.tensor_core.pair  # + the batch-1 pair entry
     assert (f"paged_decode_tc::paged_decode_attn_tc_pair{dtype.suffix}" in names) == pair
-    assert len(names) == len(set(names)) == 15 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + fused + pair
+    assert len(names) == len(set(names)) == 18 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + fused + pair
     assert set(map(str, required_kernels(dtype, 128))) <= set(names)
     assert all(module_for(s) is not None for s in specs)
-    assert names[:9] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
-                         "activation::silu_and_mul_bf16", "gemv::gemv_norm_bf16", "gemv::gemv_norm_logits_bf16",
-                         "gemv::gemv_norm_swiglu_bf16", "gemv::gemv_add_bf16", "decode_step::decode_advance"]
+    assert names[:12] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
+                          "activation::silu_and_mul_bf16", "gemv::gemv_norm_bf16", "gemv::gemv_norm_logits_bf16",
+                          "gemv::gemv_norm_swiglu_bf16", "gemv::gemv_add_bf16", "decode_step::decode_advance",
+                          "gemm_rows::gemm_rows_bf16_t1_s4", "gemm_rows::gemm_rows_bf16_t2_s4",
+                          "gemm_rows::gemm_rows_bf16_t2_s6"]
 
 
 def test_launch_checks_arguments_before_touching_cupy():
@@ -521,3 +523,20 @@ def test_batch_one_gate_up_keeps_more_loads_in_flight_where_its_grid_is_one_wave
     name, grid, block, *_ = ops.loader.calls[0]
     assert (name, grid, block) == (f"moe::{kernel}", (inter // 16, experts), (128,))
     assert ops.loader.calls[1][0] == ("moe::moe_down_one_bf16" if rows == 1 else "moe::moe_down_bf16")
+
+
+@pytest.mark.parametrize("n, want, grid", [
+    (4096, (2, 6), 128),    # Qwen3-8B's o_proj and down: 128 tiles of 32 columns, one CTA an SM
+    (6144, (1, 4), 384),    # its q/k/v: 192 tiles of 32 are more than 132, 384 of 16 fit 3 an SM
+    (5120, (1, 4), 320),    # Qwen3.5-27B's o_proj and down
+    (24576, (2, 4), 264),   # gate/up: more tiles than any wave, CTAs two an SM walk them
+    (16, (2, 6), 1),
+])
+def test_gemm_rows_plan_takes_the_first_variant_whose_tiles_fit_a_wave(n, want, grid):
+    from metrale_cli.kernels.table import GEMM_ROWS, SM_SHARED_BYTES, gemm_rows_plan, gemm_rows_shared
+
+    spec, tiles, shared, got_grid = gemm_rows_plan(n, 132)
+    assert spec == GEMM_ROWS[want] and tiles == want[0] and got_grid == grid
+    assert shared == gemm_rows_shared(*want) and shared + 1024 <= SM_SHARED_BYTES
+    per_sm = {(2, 6): 1, (1, 4): 3, (2, 4): 2}[want]
+    assert SM_SHARED_BYTES // (shared + 1024) == per_sm and got_grid <= 132 * per_sm

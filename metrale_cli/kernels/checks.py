@@ -91,6 +91,15 @@ def _check_gemv(kind: str):
     return check
 
 
+def _check_gemm_rows(variant):
+    """A projection of 7 rows (gemm_rows.cu, this variant) against the fp64 product: within fp32
+    summation error and bf16 rounding; a partial last column tile."""
+    def check(ops, _hd):
+        w, x = _gpu(_randn(99, 512, seed=10) * 0.1, _randn(7, 512, seed=11))
+        return compare(ops.gemm_rows(x, w, variant), x.double() @ w.double().T, *bounds("gemv"))
+    return check
+
+
 def _check_write(dtype):
     def check(ops, hd):
         c = make_paged_case([40], 4, 2, hd, dtype)
@@ -185,8 +194,8 @@ def _numeric_checks() -> dict[str, Callable]:
     """{``module::function``: check(ops, head_dim) -> problem or None} for every kernel."""
     from metrale_cli.kernels.kv_kernels import WHT_KERNELS, kv_kernels
     from metrale_cli.kernels.table import (
-        ADD_RMS_NORM, DECODE_ADVANCE, GEMV_ADD, GEMV_NORM, GEMV_NORM_LOGITS, GEMV_NORM_SWIGLU, RMS_NORM, ROPE,
-        SILU_AND_MUL,
+        ADD_RMS_NORM, DECODE_ADVANCE, GEMM_ROWS, GEMV_ADD, GEMV_NORM, GEMV_NORM_LOGITS, GEMV_NORM_SWIGLU, RMS_NORM,
+        ROPE, SILU_AND_MUL,
     )
     from metrale_cli.kv.dtypes import HEAD_DIMS
 
@@ -196,6 +205,7 @@ def _numeric_checks() -> dict[str, Callable]:
               str(GEMV_NORM_LOGITS[0]): _check_gemv("logits"),
               str(GEMV_ADD[0]): _check_gemv("add"), str(DECODE_ADVANCE[0]): _check_decode_advance}
     checks.update({str(spec): _check_wht(inverse) for inverse, spec in enumerate(WHT_KERNELS)})
+    checks.update({str(spec): _check_gemm_rows(variant) for variant, spec in GEMM_ROWS.items()})
     for d in KvCacheDtype:
         for hd in HEAD_DIMS:
             kk = kv_kernels(d, hd)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from metrale_cli.errors import MetraleError
-from metrale_cli.kernels import cuda_launch
+from metrale_cli.kernels import cuda_launch, tensor_maps
 from metrale_cli.kernels.cuda_attention import CudaPagedAttention
 from metrale_cli.kernels.cuda_gdn import CudaGdn
 from metrale_cli.kernels.cuda_launch import CudaLauncher, _ready
@@ -24,9 +25,10 @@ from metrale_cli.kernels.loader import KernelLoader
 from metrale_cli.kernels.ops import STEP_MAX_SLICES, StepBuffers
 from metrale_cli.kernels.registry import module_for
 from metrale_cli.kernels.table import (
-    ADD_RMS_NORM, DECODE_ADVANCE, GEMV_ADD, GEMV_CTAS_PER_SM, GEMV_MAX_K, GEMV_NORM, GEMV_NORM_LOGITS,
+    ADD_RMS_NORM, DECODE_ADVANCE, GEMM_ROWS_KC, GEMM_ROWS_MAX, GEMM_ROWS_SIG, GEMM_ROWS_THREADS, GEMV_ADD,
+    GEMV_CTAS_PER_SM, GEMV_MAX_K, GEMV_NORM, GEMV_NORM_LOGITS,
     GEMV_NORM_SWIGLU, GEMV_THREADS, RMS_NORM, ROPE, SILU_AND_MUL, STEP_SLICE, STEP_THREADS, WHT_ROWS_PER_CTA,
-    WHT_SIG,
+    WHT_SIG, gemm_rows_plan,
 )
 from metrale_cli.kv.dtypes import KvCacheDtype
 
@@ -72,6 +74,25 @@ class CudaOps(CudaMoe, CudaGdn, CudaLauncher):
                 x2.shape[1], eps,
             )
         return out.view(x.shape), total.view(x.shape)
+
+    def linear(self, x, weight, bias=None):
+        """Up to GEMM_ROWS_MAX rows of bf16 with no bias and K a multiple of GEMM_ROWS_KC:
+        gemm_rows.cu; else (a prefill's rows, a bias, other shapes) cuBLAS through F.linear."""
+        if not rows_gemm_fits(x, weight, bias):
+            return F.linear(x, weight, bias)
+        return self.gemm_rows(x, weight)
+
+    def gemm_rows(self, x, weight, variant: tuple[int, int] | None = None):
+        """gemm_rows.cu: x (M <= 16, K) bf16 times weight (N, K)ᵀ -> (M, N), in the plan's variant
+        (table.gemm_rows_plan) or the given (column tiles of 16 rows a CTA, stages)."""
+        x2, w = _ready(x), _ready(weight)
+        rows, n, k = x2.shape[0], w.shape[0], w.shape[1]
+        y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        sms = cuda_launch._sm_count(x.device.index)
+        spec, tiles, shared, grid = gemm_rows_plan(n, sms, variant)
+        self._launch((spec, GEMM_ROWS_SIG), (grid,), (GEMM_ROWS_THREADS,), tensor_maps.bf16_map(w, 16 * tiles),
+                     tensor_maps.bf16_map(x2, 16), y, rows, n, k, shared_mem=shared, pdl=True)
+        return y
 
     def gemv_fits(self, k: int) -> bool:
         return k % 8 == 0 and 0 < k <= GEMV_MAX_K
@@ -162,3 +183,14 @@ class CudaOps(CudaMoe, CudaGdn, CudaLauncher):
 
 def _norm_block(hidden: int) -> int:
     return 256 if hidden >= 2048 else 128
+
+
+def rows_gemm_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether CudaOps.linear runs gemm_rows.cu for these operands: 1 to GEMM_ROWS_MAX rows of
+    bf16 on an sm_90 GPU with tensor maps available, a contiguous, 16-byte aligned 2-D bf16 weight
+    (as loaded: never copied per call), K a multiple of GEMM_ROWS_KC, no bias."""
+    return (bias is None and x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= GEMM_ROWS_MAX
+            and x.dtype == weight.dtype == torch.bfloat16 and x.shape[1] == weight.shape[1]
+            and weight.shape[1] % GEMM_ROWS_KC == 0 and weight.shape[0] > 0 and x.is_cuda
+            and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+            and torch.cuda.get_device_capability(x.device) >= (9, 0) and tensor_maps.available())

@@ -167,8 +167,10 @@ def _launch_ex(driver, fn, grid, block, shared_mem: int, stream_ptr: int, typed:
         attrs.append(attr)
     config.attrs = attrs
     config.numAttrs = len(attrs)
-    values = [_CTYPES[type(v)](v) for v in typed]
-    params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+    # A tensor map (driver.CUtensorMap) goes by value: the parameter's address is its own.
+    values = [v if hasattr(v, "getPtr") else _CTYPES[type(v)](v) for v in typed]
+    params = (ctypes.c_void_p * len(values))(*(v.getPtr() if hasattr(v, "getPtr") else ctypes.addressof(v)
+                                                for v in values))
     (err,) = driver.cuLaunchKernelEx(config, driver.CUfunction(fn.kernel.ptr), ctypes.addressof(params), 0)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise MetraleError(f"kernel launch failed: {err.name}")
@@ -248,6 +250,8 @@ class KernelLoader:
             driver = _pdl_driver() if (pdl or clustered) and int(device_arch(device.index)[3:]) >= 90 else None
             if clustered and driver is None:
                 raise MetraleError(f"{spec}: a cluster launch needs an sm_90 GPU and cuda-bindings")
+            if driver is None and any(kind == "tmap" for _, kind in sig.params):
+                raise MetraleError(f"{spec}: a tensor-map kernel needs an sm_90 GPU and cuda-bindings")
             if driver is not None:
                 _launch_ex(driver, fn, grid, block, shared_mem, stream.ptr, typed, pdl, tuple(cluster))
             else:
@@ -268,6 +272,11 @@ def _device_of(spec: KernelSpec, args) -> torch.device:
 def _typed(spec: KernelSpec, name: str, kind: str, arg, device: torch.device):
     import torch
 
+    if kind == "tmap":
+        driver = _pdl_driver()
+        if driver is None or not isinstance(arg, driver.CUtensorMap):
+            raise MetraleError(f"{spec}: {name} must be a tensor map (got {type(arg).__name__})")
+        return arg
     if kind in SCALARS:
         if isinstance(arg, torch.Tensor):
             raise MetraleError(f"{spec}: {name} must be a Python {kind} scalar, not a tensor")

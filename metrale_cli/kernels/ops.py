@@ -201,6 +201,12 @@ class Ops(Protocol):
         """The paged-cache attention of one KV dtype at one head_dim, its kernels resolved now (a
         layer asks once, at build time). Raises MetraleError when this backend cannot serve it."""
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``: x (T, K), weight (N, K) -> (T, N), the layers' projections
+        of more than one row (a decode step of a batch, a prefill chunk). The cuda backend runs up to
+        16 bf16 rows in its own kernel (its sums in another order than cuBLAS's: the same values to
+        within bf16 rounding), more through cuBLAS."""
+
     def gemv_fits(self, k: int) -> bool:
         """True when the fused decode GEMVs below serve an input row of ``k`` elements; the
         layers then run batch-1 decode through them, else through the unfused sequence."""

@@ -243,6 +243,7 @@ class TorchOps:
     add_rms_norm = staticmethod(add_rms_norm)
     rope = staticmethod(rope)
     silu_and_mul = staticmethod(silu_and_mul)
+    linear = staticmethod(F.linear)
     gemv_norm = staticmethod(gemv_norm)
     gemv_norm_logits = staticmethod(gemv_norm_logits)
     gemv_norm_swiglu = staticmethod(gemv_norm_swiglu)

@@ -17,7 +17,8 @@ class Signature:
 
     Pointer types end in ``*`` (``bf16*``, ``fp8*``, ``f32*``, ``i32*``, ``i64*``, ``u8*`` for packed
     KV pools); a trailing ``?``
-    (``f32*?``) accepts None for an unused pointer. Scalars are ``i32`` or ``f32``.
+    (``f32*?``) accepts None for an unused pointer. Scalars are ``i32`` or ``f32``; ``tmap`` is a
+    tensor map (cuda-bindings' ``CUtensorMap``) passed by value.
     """
 
     params: tuple[tuple[str, str], ...]
@@ -73,9 +74,40 @@ STEP_SLICE = 2048
 GEMV_THREADS = 256  # gemv.cu's CTA
 GEMV_CTAS_PER_SM = 2  # its __launch_bounds__ minimum; the grid is this many CTAs per SM
 GEMV_MAX_K = 20480  # its shared-memory row of x (gemv.cuh)
+# gemm_rows.cu: projections of up to GEMM_ROWS_MAX rows, K a multiple of GEMM_ROWS_KC, from
+# tensor maps (``tmap``: a CUtensorMap by value). Its variants: (column tiles of 16 rows a CTA,
+# ring stages) -> kernel.
+GEMM_ROWS_MAX = 16
+GEMM_ROWS_KC = 256
+GEMM_ROWS_THREADS = 160  # four consumer warps and the producer's
+GEMM_ROWS_SIG = Signature.parse("w_map: tmap, x_map: tmap, y: bf16*, m: i32, n: i32, k: i32")
+GEMM_ROWS = {(t, s): K(f"gemm_rows::gemm_rows_bf16_t{t}_s{s}") for t, s in ((1, 4), (2, 4), (2, 6))}
+SM_SHARED_BYTES = 233472  # an H100 / H200 SM's shared memory (228 KB), 1 KB of it reserved a CTA
+
+
+def gemm_rows_shared(tiles: int, stages: int) -> int:
+    """gemm_rows.cu's dynamic shared memory: barriers, the warps' sums, 1 KB of alignment, the ring."""
+    return 128 + 4 * tiles * 1024 + 1024 + stages * 4 * (tiles * 16 + 16) * 128
+
+
+def gemm_rows_plan(n: int, sms: int, variant: tuple[int, int] | None = None) -> tuple[KernelSpec, int, int, int]:
+    """(kernel, column tiles of 16 rows a CTA, shared bytes, grid) of an ``n``-column projection:
+    the first variant whose column tiles fit one wave of resident CTAs: tiles of 32 columns and a
+    6-stage ring (one CTA an SM), or of 16 and 4 stages (three an SM); else 32 columns, 4 stages
+    (two an SM) and CTAs that walk several tiles. The best of the three in each shape measured on
+    an H200 (docs/performance.md, 2026-12-04). ``variant`` (tiles, stages): that one instead."""
+    for tiles, stages in ((2, 6), (1, 4), (2, 4)) if variant is None else (variant,):
+        shared = gemm_rows_shared(tiles, stages)
+        resident = sms * (SM_SHARED_BYTES // (shared + 1024))
+        columns = -(-n // (16 * tiles))
+        if columns <= resident or (tiles, stages) in ((2, 4), variant):
+            return GEMM_ROWS[tiles, stages], tiles, shared, min(columns, resident)
+    raise AssertionError("unreachable")
+
+
 # Launched by every layer (decode_advance: by every decode step) whatever the KV dtype.
 COMMON_KERNELS = tuple(k[0] for k in (RMS_NORM, ADD_RMS_NORM, ROPE, SILU_AND_MUL, GEMV_NORM, GEMV_NORM_LOGITS,
-                                      GEMV_NORM_SWIGLU, GEMV_ADD, DECODE_ADVANCE))
+                                      GEMV_NORM_SWIGLU, GEMV_ADD, DECODE_ADVANCE)) + tuple(GEMM_ROWS.values())
 # The routed experts of a MoE FFN for up to MOE_DECODE_ROWS rows (moe.cu); more rows run
 # grouped GEMMs (torch._grouped_mm) between moe.cu's routing of many rows and its combine.
 MOE_ROUTE = K("moe::moe_route_bf16"), Signature.parse(

@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.ops import Ops
@@ -148,14 +147,14 @@ class Qwen3AttentionLayer:
 
     def _attention(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         w = self.weights
-        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        qkv = self.ops.linear(x, w.qkv, w.qkv_bias)
         if ctx.is_prefill:
             q = self._prepare(qkv, ctx)
             out = self.attention.paged_prefill(q, self.kv, ctx.block_table, ctx.start_pos, self.scale)
             out = restore_output(self.ops, out, self.kv.v)
         else:
             out = self._decode_attention(qkv, ctx)
-        return self.tp.reduce(F.linear(self._gated(out, qkv), w.o, w.o_bias))
+        return self.tp.reduce(self.ops.linear(self._gated(out, qkv), w.o, w.o_bias))
 
     def _gated(self, out: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """out (T, Hq, D) -> (T, Hq*D), times sigmoid(gate) with an output gate (HF's order: in the

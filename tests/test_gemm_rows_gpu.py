@@ -1,0 +1,73 @@
+"""The projections of up to 16 rows (gemm_rows.cu through CudaOps.linear) on a GPU (GPU only).
+
+Each output is the fp64 product up to fp32 summation error and the output's bf16 rounding (the
+bound of test_gemv_gpu.py); a row's outputs do not depend on the rows beside it (bit for bit);
+a CUDA graph's replay gives the eager bytes; more rows, a bias, or K not a multiple of 256 go
+through F.linear (cuBLAS), unchanged.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from metrale_cli.kernels.cuda_ops import rows_gemm_fits
+
+pytestmark = pytest.mark.gpu
+
+# (n, k): Qwen3-8B's q/k/v, o, gate/up, down; Qwen3.5-27B's o and down; a partial last column
+# tile; one tile; the shortest K
+SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (5120, 6144), (5120, 17408), (1040, 4096),
+          (16, 256), (48, 512)]
+
+
+def _randn(*shape, scale=1.0, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+
+def _close(got, x, w):
+    want = x.double() @ w.double().T
+    bound = (x.double().abs() @ w.double().abs().T) * w.shape[1] * 2**-24 + want.abs() * 2**-8
+    err = (got.double() - want).abs()
+    assert bool((err <= bound).all()), f"max |err| {err.max().item():.3g}, worst excess {(err - bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+def test_rows_projection_is_the_product(ops, n, k, rows):
+    x, w = _randn(rows, k, scale=2, seed=rows), _randn(n, k, scale=0.05, seed=n + k)
+    assert rows_gemm_fits(x, w, None)
+    got = ops.linear(x, w)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    _close(got, x, w)
+    alone = ops.linear(x[rows - 1 :].clone(), w)
+    assert torch.equal(alone[0], got[rows - 1])
+
+
+@pytest.mark.parametrize("n, k", [(4096, 4096), (1040, 4096)])
+def test_rows_projection_replays_from_a_graph(ops, n, k):
+    x, w = _randn(16, k, seed=3), _randn(n, k, scale=0.05, seed=4)
+    eager = ops.linear(x, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.linear(x, w)
+    x.copy_(_randn(16, k, seed=5))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ops.linear(x, w))
+    x.copy_(_randn(16, k, seed=3))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_other_operands_go_through_cublas(ops):
+    w, b = _randn(4096, 4096, scale=0.05, seed=6), _randn(4096, seed=7)
+    for x, bias in ((_randn(17, 4096, seed=8), None), (_randn(4, 4096, seed=9), b)):
+        assert not rows_gemm_fits(x, w, bias)
+        assert torch.equal(ops.linear(x, w, bias), F.linear(x, w, bias))
+    x, w = _randn(4, 1000, seed=10), _randn(64, 1000, seed=11)
+    assert not rows_gemm_fits(x, w, None)
+    assert torch.equal(ops.linear(x, w), F.linear(x, w))
