@@ -2,8 +2,9 @@
 
 Each output is the fp64 product up to fp32 summation error and the output's bf16 rounding (the
 bound of test_gemv_gpu.py); a row's outputs do not depend on the rows beside it (bit for bit);
-a CUDA graph's replay gives the eager bytes; more rows, a bias, or K not a multiple of 256 go
-through F.linear (cuBLAS), unchanged.
+a CUDA graph's replay gives the eager bytes; CudaOps.linear runs the variant its rule picks, and
+more rows, a bias, K not a multiple of 256 or a shape the rule leaves to cuBLAS go through F.linear,
+unchanged.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from metrale_cli.kernels.cuda_ops import rows_gemm_fits
+from metrale_cli.kernels.cuda_ops import rows_gemm_variant
+from metrale_cli.kernels.table import GEMM_ROWS
 
 pytestmark = pytest.mark.gpu
 
@@ -34,21 +36,32 @@ def _close(got, x, w):
     assert bool((err <= bound).all()), f"max |err| {err.max().item():.3g}, worst excess {(err - bound).max().item():.3g}"
 
 
+@pytest.mark.parametrize("variant", list(GEMM_ROWS))
 @pytest.mark.parametrize("n, k", SHAPES)
 @pytest.mark.parametrize("rows", [1, 2, 7, 16])
-def test_rows_projection_is_the_product(ops, n, k, rows):
+def test_rows_projection_is_the_product(ops, n, k, rows, variant):
     x, w = _randn(rows, k, scale=2, seed=rows), _randn(n, k, scale=0.05, seed=n + k)
-    assert rows_gemm_fits(x, w, None)
-    got = ops.linear(x, w)
+    got = ops.gemm_rows(x, w, variant)
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     _close(got, x, w)
-    alone = ops.linear(x[rows - 1 :].clone(), w)
+    alone = ops.gemm_rows(x[rows - 1 :].clone(), w, variant)
     assert torch.equal(alone[0], got[rows - 1])
+
+
+@pytest.mark.parametrize("rows, n, k, variant", [(16, 4096, 4096, (2, 6)), (4, 6144, 4096, (2, 4)),
+                                                 (16, 6144, 4096, (1, 4)), (16, 24576, 4096, None),
+                                                 (8, 5120, 6144, None)])
+def test_linear_runs_the_rules_variant(ops, rows, n, k, variant):
+    x, w = _randn(rows, k, seed=12), _randn(n, k, scale=0.05, seed=13)
+    assert rows_gemm_variant(x, w, None) == variant  # an H200's 132 SMs
+    want = F.linear(x, w) if variant is None else ops.gemm_rows(x, w, variant)
+    assert torch.equal(ops.linear(x, w), want)
 
 
 @pytest.mark.parametrize("n, k", [(4096, 4096), (1040, 4096)])
 def test_rows_projection_replays_from_a_graph(ops, n, k):
     x, w = _randn(16, k, seed=3), _randn(n, k, scale=0.05, seed=4)
+    assert rows_gemm_variant(x, w, None) is not None
     eager = ops.linear(x, w)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -66,8 +79,8 @@ def test_rows_projection_replays_from_a_graph(ops, n, k):
 def test_other_operands_go_through_cublas(ops):
     w, b = _randn(4096, 4096, scale=0.05, seed=6), _randn(4096, seed=7)
     for x, bias in ((_randn(17, 4096, seed=8), None), (_randn(4, 4096, seed=9), b)):
-        assert not rows_gemm_fits(x, w, bias)
+        assert rows_gemm_variant(x, w, bias) is None
         assert torch.equal(ops.linear(x, w, bias), F.linear(x, w, bias))
     x, w = _randn(4, 1000, seed=10), _randn(64, 1000, seed=11)
-    assert not rows_gemm_fits(x, w, None)
+    assert rows_gemm_variant(x, w, None) is None
     assert torch.equal(ops.linear(x, w), F.linear(x, w))

@@ -525,18 +525,35 @@ def test_batch_one_gate_up_keeps_more_loads_in_flight_where_its_grid_is_one_wave
     assert ops.loader.calls[1][0] == ("moe::moe_down_one_bf16" if rows == 1 else "moe::moe_down_bf16")
 
 
-@pytest.mark.parametrize("n, want, grid", [
-    (4096, (2, 6), 128),    # Qwen3-8B's o_proj and down: 128 tiles of 32 columns, one CTA an SM
-    (6144, (1, 4), 384),    # its q/k/v: 192 tiles of 32 are more than 132, 384 of 16 fit 3 an SM
-    (5120, (1, 4), 320),    # Qwen3.5-27B's o_proj and down
-    (24576, (2, 4), 264),   # gate/up: more tiles than any wave, CTAs two an SM walk them
-    (16, (2, 6), 1),
+@pytest.mark.parametrize("m, n, k, want", [
+    (16, 4096, 4096, (2, 6)),     # Qwen3-8B's o_proj (and down): 128 tiles of 32 columns fill a wave
+    (2, 4096, 12288, (2, 6)),
+    (16, 6144, 4096, (1, 4)),     # its q/k/v: more 32-column tiles than SMs
+    (4, 6144, 4096, (2, 4)),      # ... with few rows, whose x boxes (16 rows) cost the 16-column tiles
+    (16, 2048, 4096, (1, 4)),     # Qwen3-30B-A3B's o_proj: 64 tiles, half the SMs
+    (7, 2048, 4096, (2, 4)),
+    (16, 4096, 1024, (2, 4)),     # Qwen3-0.6B's q/k/v: a wave of tiles, K too short for 6 stages
+    (16, 2560, 9728, (2, 4)),     # Qwen3-4B's down: 80 tiles
+    (16, 24576, 4096, None),      # gate/up: cuBLAS past 8192 columns
+    (16, 5120, 6144, None),       # Qwen3.5-27B's o_proj: 160 tiles and K past 4096
+    (1, 16, 256, (2, 4)),
 ])
-def test_gemm_rows_plan_takes_the_first_variant_whose_tiles_fit_a_wave(n, want, grid):
-    from metrale_cli.kernels.table import GEMM_ROWS, SM_SHARED_BYTES, gemm_rows_plan, gemm_rows_shared
+def test_gemm_rows_variant_is_the_measured_best_class(m, n, k, want):
+    from metrale_cli.kernels.table import gemm_rows_variant
 
-    spec, tiles, shared, got_grid = gemm_rows_plan(n, 132)
-    assert spec == GEMM_ROWS[want] and tiles == want[0] and got_grid == grid
-    assert shared == gemm_rows_shared(*want) and shared + 1024 <= SM_SHARED_BYTES
-    per_sm = {(2, 6): 1, (1, 4): 3, (2, 4): 2}[want]
-    assert SM_SHARED_BYTES // (shared + 1024) == per_sm and got_grid <= 132 * per_sm
+    assert gemm_rows_variant(m, n, k, 132) == want
+
+
+@pytest.mark.parametrize("n, variant, grid, per_sm", [
+    (4096, (2, 6), 128, 1),   # a CTA a tile
+    (6144, (1, 4), 384, 3),
+    (6144, (2, 4), 192, 2),
+    (24576, (2, 4), 264, 2),  # more tiles than resident CTAs: two an SM walk them
+    (16, (2, 6), 1, 1),
+])
+def test_gemm_rows_launch_fits_the_resident_ctas(n, variant, grid, per_sm):
+    from metrale_cli.kernels.table import GEMM_ROWS, SM_SHARED_BYTES, gemm_rows_launch, gemm_rows_shared
+
+    spec, shared, got_grid = gemm_rows_launch(n, 132, variant)
+    assert spec == GEMM_ROWS[variant] and got_grid == grid
+    assert shared == gemm_rows_shared(*variant) and SM_SHARED_BYTES // (shared + 1024) == per_sm

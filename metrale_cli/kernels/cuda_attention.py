@@ -43,6 +43,13 @@ class CudaPagedAttention:
         if head_dim is not None and head_dim != self.head_dim:
             raise MetraleError(f"q has head_dim {head_dim}, the KV pools {self.head_dim}")
 
+    def _programmatic(self, batch: int) -> bool:
+        """Whether the tensor-core decode of ``batch`` sequences launches programmatically: where
+        its row says so, at batch 1 only. A batch's projections (gemm_rows.cu) let the next launch in
+        as soon as they have read x, and the decode's grid, sized to one wave, then waited beside
+        them: bf16 at batch 16 and 32k 723.2 -> 629.3 tok/s on an H200 (docs/performance.md)."""
+        return self.tc.programmatic and batch == 1
+
     def reshape_and_cache(self, k, v, kv: LayerKv, slot_mapping):
         tokens, hk, head_dim = k.shape
         self._check(kv, head_dim=head_dim)
@@ -104,7 +111,7 @@ class CudaPagedAttention:
         kernel, programmatic = self.kernels.decode, False
         tc = tensor_cores and self.kernels.decode_tc is not None
         if tc:
-            kernel, chunks, programmatic = self.kernels.decode_tc, math.ceil(hq // hk / TC_ROWS), self.tc.programmatic
+            kernel, chunks, programmatic = self.kernels.decode_tc, math.ceil(hq // hk / TC_ROWS), self._programmatic(batch)
             splits = tc_decode_splits(q.device, hk * batch * chunks, block_tables.shape[1], self.tc)
             if self._pair(pair, q.device, hk * batch * chunks * splits, block_tables.shape[1], splits):
                 kernel = self.kernels.decode_tc_pair
@@ -161,7 +168,7 @@ class CudaPagedAttention:
             _ready(slot_mapping), _ready(positions), _ready(cos), _ready(sin), q_norm, k_norm, _ready(block_tables),
             _ready(seq_lens), out, part_o, part_ml, self.ops.combine_counters(q.device, tokens * hk * chunks),
             kv.k.scale, kv.v.scale, scale, q_stride, k_stride, v_stride, hq, hk, head_dim, rot_dim,
-            block_tables.shape[1], splits, eps, pdl=self.tc.programmatic, cluster=(1, 1, cluster),
+            block_tables.shape[1], splits, eps, pdl=self._programmatic(tokens), cluster=(1, 1, cluster),
         )
         return out
 

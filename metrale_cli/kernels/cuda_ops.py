@@ -28,7 +28,7 @@ from metrale_cli.kernels.table import (
     ADD_RMS_NORM, DECODE_ADVANCE, GEMM_ROWS_KC, GEMM_ROWS_MAX, GEMM_ROWS_SIG, GEMM_ROWS_THREADS, GEMV_ADD,
     GEMV_CTAS_PER_SM, GEMV_MAX_K, GEMV_NORM, GEMV_NORM_LOGITS,
     GEMV_NORM_SWIGLU, GEMV_THREADS, RMS_NORM, ROPE, SILU_AND_MUL, STEP_SLICE, STEP_THREADS, WHT_ROWS_PER_CTA,
-    WHT_SIG, gemm_rows_plan,
+    WHT_SIG, gemm_rows_launch, gemm_rows_variant,
 )
 from metrale_cli.kv.dtypes import KvCacheDtype
 
@@ -76,20 +76,22 @@ class CudaOps(CudaMoe, CudaGdn, CudaLauncher):
         return out.view(x.shape), total.view(x.shape)
 
     def linear(self, x, weight, bias=None):
-        """Up to GEMM_ROWS_MAX rows of bf16 with no bias and K a multiple of GEMM_ROWS_KC:
-        gemm_rows.cu; else (a prefill's rows, a bias, other shapes) cuBLAS through F.linear."""
-        if not rows_gemm_fits(x, weight, bias):
+        """Up to GEMM_ROWS_MAX rows of bf16 with no bias and K a multiple of GEMM_ROWS_KC, in a
+        shape where it is the faster (table.gemm_rows_variant): gemm_rows.cu; else (a prefill's
+        rows, a bias, other shapes) cuBLAS through F.linear."""
+        variant = rows_gemm_variant(x, weight, bias)
+        if variant is None:
             return F.linear(x, weight, bias)
-        return self.gemm_rows(x, weight)
+        return self.gemm_rows(x, weight, variant)
 
-    def gemm_rows(self, x, weight, variant: tuple[int, int] | None = None):
-        """gemm_rows.cu: x (M <= 16, K) bf16 times weight (N, K)ᵀ -> (M, N), in the plan's variant
-        (table.gemm_rows_plan) or the given (column tiles of 16 rows a CTA, stages)."""
+    def gemm_rows(self, x, weight, variant: tuple[int, int]):
+        """gemm_rows.cu: x (M <= 16, K) bf16 times weight (N, K)ᵀ -> (M, N) in ``variant``
+        (column tiles of 16 rows a CTA, ring stages: a key of table.GEMM_ROWS)."""
         x2, w = _ready(x), _ready(weight)
         rows, n, k = x2.shape[0], w.shape[0], w.shape[1]
         y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-        sms = cuda_launch._sm_count(x.device.index)
-        spec, tiles, shared, grid = gemm_rows_plan(n, sms, variant)
+        spec, shared, grid = gemm_rows_launch(n, cuda_launch._sm_count(x.device.index), variant)
+        tiles = variant[0]
         self._launch((spec, GEMM_ROWS_SIG), (grid,), (GEMM_ROWS_THREADS,), tensor_maps.bf16_map(w, 16 * tiles),
                      tensor_maps.bf16_map(x2, 16), y, rows, n, k, shared_mem=shared, pdl=True)
         return y
@@ -185,10 +187,17 @@ def _norm_block(hidden: int) -> int:
     return 256 if hidden >= 2048 else 128
 
 
-def rows_gemm_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether CudaOps.linear runs gemm_rows.cu for these operands: 1 to GEMM_ROWS_MAX rows of
-    bf16 on an sm_90 GPU with tensor maps available, a contiguous, 16-byte aligned 2-D bf16 weight
-    (as loaded: never copied per call), K a multiple of GEMM_ROWS_KC, no bias."""
+def rows_gemm_variant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int] | None:
+    """The gemm_rows.cu variant CudaOps.linear runs for these operands, or None (cuBLAS): where it
+    can (1 to GEMM_ROWS_MAX rows of bf16 on an sm_90 GPU with tensor maps available, a contiguous,
+    16-byte aligned 2-D bf16 weight, as loaded: never copied per call, K a multiple of
+    GEMM_ROWS_KC, no bias) and table.gemm_rows_variant finds it the faster."""
+    if not _rows_gemm_fits(x, weight, bias):
+        return None
+    return gemm_rows_variant(x.shape[0], weight.shape[0], weight.shape[1], cuda_launch._sm_count(x.device.index))
+
+
+def _rows_gemm_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (bias is None and x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= GEMM_ROWS_MAX
             and x.dtype == weight.dtype == torch.bfloat16 and x.shape[1] == weight.shape[1]
             and weight.shape[1] % GEMM_ROWS_KC == 0 and weight.shape[0] > 0 and x.is_cuda

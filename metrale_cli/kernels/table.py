@@ -90,19 +90,37 @@ def gemm_rows_shared(tiles: int, stages: int) -> int:
     return 128 + 4 * tiles * 1024 + 1024 + stages * 4 * (tiles * 16 + 16) * 128
 
 
-def gemm_rows_plan(n: int, sms: int, variant: tuple[int, int] | None = None) -> tuple[KernelSpec, int, int, int]:
-    """(kernel, column tiles of 16 rows a CTA, shared bytes, grid) of an ``n``-column projection:
-    the first variant whose column tiles fit one wave of resident CTAs: tiles of 32 columns and a
-    6-stage ring (one CTA an SM), or of 16 and 4 stages (three an SM); else 32 columns, 4 stages
-    (two an SM) and CTAs that walk several tiles. The best of the three in each shape measured on
-    an H200 (docs/performance.md, 2026-12-04). ``variant`` (tiles, stages): that one instead."""
-    for tiles, stages in ((2, 6), (1, 4), (2, 4)) if variant is None else (variant,):
-        shared = gemm_rows_shared(tiles, stages)
-        resident = sms * (SM_SHARED_BYTES // (shared + 1024))
-        columns = -(-n // (16 * tiles))
-        if columns <= resident or (tiles, stages) in ((2, 4), variant):
-            return GEMM_ROWS[tiles, stages], tiles, shared, min(columns, resident)
-    raise AssertionError("unreachable")
+def gemm_rows_variant(m: int, n: int, k: int, sms: int) -> tuple[int, int] | None:
+    """The variant (column tiles of 16 rows a CTA, ring stages) for an ``m``-row projection of an
+    (n, k) weight, or None where cuBLAS streams it as fast: the best of each class in the table of
+    docs/performance.md (2026-12-04, 14 shapes x 2-16 rows on an H200), as a rule.
+
+    - More than 8192 columns, or more 32-column tiles than SMs with K over 4096 (Qwen3.5-27B's
+      q/k/v, gate/up, o_proj): cuBLAS, at 3.4-4.1 TB/s there.
+    - Tiles of 32 columns that fill one wave, K >= 4096 (Qwen3-8B's o_proj and down): a 6-stage
+      ring, one CTA an SM.
+    - 8+ rows with at most half the SMs' worth of 32-column tiles, or with more 32-column tiles
+      than SMs (Qwen3-30B-A3B's o_proj, Qwen3-8B's q/k/v): tiles of 16 columns, three CTAs an SM;
+      with fewer rows that variant's x boxes (16 rows, mostly zeros) cost it up to 25%.
+    - Else tiles of 32 columns and 4 stages, two CTAs an SM, walking the tiles past one wave.
+    """
+    tiles = -(-n // 32)
+    if n > 8192 or (tiles > sms and k > 4096):
+        return None
+    if tiles <= sms:
+        if 10 * tiles >= 9 * sms and k >= 4096:
+            return 2, 6
+        return (1, 4) if m >= 8 and 2 * tiles <= sms else (2, 4)
+    return (1, 4) if m >= 8 else (2, 4)
+
+
+def gemm_rows_launch(n: int, sms: int, variant: tuple[int, int]) -> tuple[KernelSpec, int, int]:
+    """(kernel, dynamic shared bytes, grid) of ``variant`` for ``n`` columns: a CTA a column tile
+    up to the CTAs resident at once, which then walk the tiles past that."""
+    tiles, stages = variant
+    shared = gemm_rows_shared(tiles, stages)
+    resident = sms * (SM_SHARED_BYTES // (shared + 1024))
+    return GEMM_ROWS[variant], shared, min(-(-n // (16 * tiles)), resident)
 
 
 # Launched by every layer (decode_advance: by every decode step) whatever the KV dtype.
