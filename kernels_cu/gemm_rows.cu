@@ -12,7 +12,7 @@
 // stage with ldmatrix into m16n8k16 MMAs (weights as A, x as B), and the four warps' sums meet in
 // shared memory at a tile's end, added in warp order: a row's outputs do not depend on the other
 // rows. The host builds the tensor maps (CudaOps.linear) and picks NT and the stages
-// (table.gemm_rows_kernel).
+// (table.gemm_rows_variant, which leaves the shapes cuBLAS streams as fast to it).
 #include "bulk_copy.cuh"
 #include "mma.cuh"
 #include "numeric.cuh"
@@ -146,7 +146,7 @@ __device__ void gemm_rows(const TensorMap& wmap, const TensorMap& xmap, bf16_t* 
 
 // wmap: w (N, K) bf16, boxes of 64 x NT * 16; xmap: x (M, K) bf16, boxes of 64 x 16; both 128-byte
 // swizzled. y (M, N) bf16. M <= 16, K % GR_KC == 0. block (GR_CW + 1) * 32; dynamic shared memory
-// 128 + GR_CW * NT * 1024 + 1024 + STAGES * 4 * (NT * 16 + 16) * 128 bytes (table.gemm_rows_kernel).
+// 128 + GR_CW * NT * 1024 + 1024 + STAGES * 4 * (NT * 16 + 16) * 128 bytes (table.gemm_rows_shared).
 #define GEMM_ROWS_ENTRY(NT, S)                                                                                    \
     extern "C" __global__ void __launch_bounds__((GR_CW + 1) * 32) gemm_rows_bf16_t##NT##_s##S(                 \
         const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, bf16_t* y, int m, int n, \

@@ -93,7 +93,7 @@ def gemm_rows_shared(tiles: int, stages: int) -> int:
 def gemm_rows_variant(m: int, n: int, k: int, sms: int) -> tuple[int, int] | None:
     """The variant (column tiles of 16 rows a CTA, ring stages) for an ``m``-row projection of an
     (n, k) weight, or None where cuBLAS streams it as fast: the best of each class in the table of
-    docs/performance.md (2026-12-04, 14 shapes x 2-16 rows on an H200), as a rule.
+    docs/performance.md (2026-12-04, 15 shapes x 2-16 rows on an H200), as a rule.
 
     - More than 8192 columns, or more 32-column tiles than SMs with K over 4096 (Qwen3.5-27B's
       q/k/v, gate/up, o_proj): cuBLAS, at 3.4-4.1 TB/s there.
