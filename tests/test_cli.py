@@ -624,3 +624,20 @@ def test_every_bad_option_is_one_error_line_with_a_hint(args):
     result = metrale(*args)
     assert_one_line_error(result)
     assert len([line for line in result.stderr.splitlines() if line.startswith("hint: ")]) == 1, result.stderr
+
+
+def test_the_critical_path_counts_an_overlap_once():
+    """bench --profile's critical path: a programmatic launch that starts while the kernel before it
+    runs is charged only past that kernel's end, a kernel inside another's span adds nothing, the
+    gaps are idle, and the shares and the idle time add up to the range."""
+    from metrale_cli.commands.bench import critical_path, critical_path_table
+
+    kernels = [("gemm", 0.0, 10.0), ("norm", 8.0, 12.0), ("tiny", 9.0, 9.5), ("gemm", 15.0, 25.0), ("norm", 26.0, 27.0)]
+    shares, idle = critical_path(list(reversed(kernels)))
+    assert shares == {"gemm": (2, 20.0), "norm": (2, 3.0), "tiny": (1, 0.0)} and idle == 4.0
+    assert sum(t for _, t in shares.values()) + idle == 27.0
+    table = critical_path_table(kernels, steps=2, rows=2).splitlines()
+    assert table[0].startswith("critical path of a decode step (13.5 µs;")
+    assert table[2].split() == ["10.0", "74.1%", "1.0", "gemm"] and table[3].split() == ["1.5", "11.1%", "1.0", "norm"]
+    assert table[4].split()[:3] == ["2.0", "14.8%", "0.0"] and table[4].endswith("(no kernel running)")
+    assert critical_path_table([], 2, 2) == "critical path of a decode step: no device work recorded"

@@ -113,6 +113,8 @@ def profile_run(runner, opts: BenchOptions, rows: int = 15) -> str:
         _time_run(runner, opts, seed=99)
     key = "self_cuda_time_total" if runner.model.device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+    if runner.model.device.type == "cuda":
+        table += "\n" + critical_path_table(decode_kernels(prof.events()), opts.n_gen, rows)
     if runner.model.tp.size == 1:
         return table
     cuda = runner.model.device.type == "cuda"
@@ -120,6 +122,47 @@ def profile_run(runner, opts: BenchOptions, rows: int = 15) -> str:
     return table + (f"\nall-reduce in the decode steps: {calls / opts.n_gen:.0f} a step, "
                     f"{seconds / opts.n_gen * 1e6:.1f} µs a step ({'device' if cuda else 'host'} time, "
                     f"{runner.model.tp.size} ranks)")
+
+
+def decode_kernels(events) -> list[tuple[str, float, float]]:
+    """(name, start µs, end µs) of the device work (kernels, copies) inside the profiler's decode
+    range, from its device-side record."""
+    from torch.autograd import DeviceType
+
+    device = [e for e in events if e.device_type == DeviceType.CUDA]
+    ranges = [e.time_range for e in device if e.name == DECODE_RANGE]
+    return [(e.name, e.time_range.start, e.time_range.end) for e in device
+            if e.name != DECODE_RANGE and any(r.start <= e.time_range.start < r.end for r in ranges)]
+
+
+def critical_path(kernels: list[tuple[str, float, float]]) -> tuple[dict[str, tuple[int, float]], float]:
+    """Each name's (launches, µs on the critical path) and the µs with nothing running. A kernel's
+    share is the part of its span past the end of everything that started before it: a kernel
+    launched programmatically starts while the one before it runs, so its own span counts that
+    overlap twice; this way the shares and the idle time add up to the range's length."""
+    shares: dict[str, tuple[int, float]] = {}
+    idle, reach = 0.0, None
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
+        if reach is not None and start > reach:
+            idle += start - reach
+        launches, total = shares.get(name, (0, 0.0))
+        shares[name] = launches + 1, total + max(0.0, end - (start if reach is None else max(start, reach)))
+        reach = end if reach is None else max(reach, end)
+    return shares, idle
+
+
+def critical_path_table(kernels: list[tuple[str, float, float]], steps: int, rows: int) -> str:
+    """:func:`critical_path` of a repetition's decode steps, per step, the largest shares first."""
+    shares, idle = critical_path(kernels)
+    total = sum(t for _, t in shares.values()) + idle
+    if not total:
+        return "critical path of a decode step: no device work recorded"
+    lines = [f"critical path of a decode step ({total / steps:.1f} µs; each kernel's time past the end of "
+             f"those before it):", f"{'µs a step':>10}  {'share':>6}  {'launches':>8}  kernel"]
+    ranked = sorted(shares.items(), key=lambda kv: -kv[1][1])[:rows] + [("(no kernel running)", (0, idle))]
+    for name, (launches, t) in ranked:
+        lines.append(f"{t / steps:10.1f}  {t / total:6.1%}  {launches / steps:8.1f}  {name[:70]}")
+    return "\n".join(lines)
 
 
 def all_reduce_time(events, cuda: bool) -> tuple[int, float]:
