@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.loader import _pdl_driver
 
 _MAPS: dict[tuple[int, int, int, int, int], object] = {}
@@ -39,6 +40,7 @@ def bf16_map(t: torch.Tensor, box_rows: int):
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed for a ({rows}, {cols}) bf16 matrix: {err.name}")
+        raise MetraleError(f"cuTensorMapEncodeTiled failed for a ({rows}, {cols}) bf16 matrix: {err.name}",
+                           hint="the projection needs a contiguous, 16-byte aligned bf16 weight")
     _MAPS[key] = tmap
     return tmap
