@@ -557,3 +557,36 @@ def test_gemm_rows_launch_fits_the_resident_ctas(n, variant, grid, per_sm):
     spec, shared, got_grid = gemm_rows_launch(n, 132, variant)
     assert spec == GEMM_ROWS[variant] and got_grid == grid
     assert shared == gemm_rows_shared(*variant) and SM_SHARED_BYTES // (shared + 1024) == per_sm
+
+
+def test_a_tensor_map_goes_by_value():
+    """A ``tmap`` parameter: cuda-bindings' CUtensorMap only, and its own 128 bytes' address in the
+    launch's parameter array (the kernel takes it by value), the scalars beside it as before."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from metrale_cli.kernels import loader
+
+    real = pytest.importorskip("cuda.bindings.driver")
+    from metrale_cli.kernels.table import GEMM_ROWS, GEMM_ROWS_SIG
+
+    spec, sig = GEMM_ROWS[1, 4], GEMM_ROWS_SIG
+    tmap = real.CUtensorMap()
+    assert loader._typed(spec, "w_map", "tmap", tmap, CPU) is tmap
+    with pytest.raises(MetraleError, match="w_map must be a tensor map"):
+        loader._typed(spec, "w_map", "tmap", torch.zeros(4), CPU)
+    seen = []
+
+    class Driver:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def cuLaunchKernelEx(self, config, fn, params, extra):
+            array = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+            seen.append((array[0], ctypes.cast(array[1], ctypes.POINTER(ctypes.c_int32)).contents.value))
+            return (real.CUresult.CUDA_SUCCESS,)
+
+    fn = SimpleNamespace(kernel=SimpleNamespace(ptr=4096))
+    loader._launch_ex(Driver(), fn, (1,), (160,), 0, 0, [tmap, np.int32(7)], True)
+    assert seen == [(tmap.getPtr(), 7)]
+    assert [kind for _, kind in sig.params][:2] == ["tmap", "tmap"]
