@@ -164,9 +164,11 @@ def test_a_bad_size_is_one_error_line(checkpoint, size, message):
 def test_bench_profile_reports_the_all_reduces_of_a_decode_step(checkpoint):
     """Two layers: each sums its attention and its FFN over the ranks, and the embedding is summed
     once: five all-reduces a decode step (the LM head's logits are gathered, not summed)."""
-    got = _cli("bench", "-m", checkpoint, "--backend", "torch", "-p", "8", "-n", "4", "-r", "1", "--profile",
+    got = _cli("bench", "-m", checkpoint, "--backend", "torch", "-p", "8,12", "-n", "4", "-r", "1", "--profile",
                "-tp", "2")
     assert got.exit_code == 0, got.output
+    for n in (8, 12):  # a profile for each point of the sweep
+        assert f"top kernels, metrale torch eager kv=bf16 tg4 b1 @{n} (one pp + tg repetition):" in got.output
     line = next(x for x in got.output.splitlines() if x.startswith("all-reduce in the decode steps:"))
     assert line.startswith("all-reduce in the decode steps: 5 a step, ") and "host time, 2 ranks" in line
     assert float(line.split(", ")[1].split(" µs")[0]) > 0

@@ -249,13 +249,14 @@ def bench_metrale(runner, opts: BenchOptions, peak: float | None) -> list[dict]:
     name = f"metrale {runner.backend} {graphs} kv={runner.kv_dtype.value}"
     routed = statistics.mean(r[2] for r in runs)
     step_bytes = _step_bytes(runner, opts) + routed
-    if opts.profile:
-        _PROFILES[name] = profile_run(runner, opts)
+    decode = f"tg{opts.n_gen} b{opts.batch} @{opts.n_prompt}"
+    if opts.profile:  # a sweep profiles each of its points
+        _PROFILES[f"{name} {decode}"] = profile_run(runner, opts)
     rows = [] if opts.synthetic_context else [
         timing_row(name, f"pp{opts.n_prompt}", [r[0] for r in runs], opts.n_prompt, None, peak)]
     if rows and runner.model.ssm_pool is not None and runner.model.device.type == "cuda":
         rows[0] |= prefill_split(runner, opts.n_prompt)
-    rows.append(timing_row(name, f"tg{opts.n_gen} b{opts.batch} @{opts.n_prompt}", [r[1] for r in runs],
+    rows.append(timing_row(name, decode, [r[1] for r in runs],
                      opts.batch, step_bytes, peak) | ({"routed_bytes_per_step": routed} if routed else {}))
     memory = kv_memory(runner)
     return [r | memory for r in rows]
