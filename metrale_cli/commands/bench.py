@@ -104,20 +104,20 @@ DECODE_RANGE = "metrale.decode_steps"  # the profiler range of a repetition's de
 
 
 def profile_run(runner, opts: BenchOptions, rows: int = 15) -> str:
-    """One more repetition under the torch profiler: the top kernels by device time; with tensor
-    parallelism, then the all-reduce time of a decode step."""
+    """One more repetition under the torch profiler: the top kernels by device time and, on a GPU,
+    the decode step's critical path; with tensor parallelism, then the all-reduce time of a step."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.model.device.type == "cuda" else [])
+    cuda = runner.model.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         _time_run(runner, opts, seed=99)
-    key = "self_cuda_time_total" if runner.model.device.type == "cuda" else "self_cpu_time_total"
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
-    if runner.model.device.type == "cuda":
+    if cuda:
         table += "\n" + critical_path_table(decode_kernels(prof.events()), opts.n_gen, rows)
     if runner.model.tp.size == 1:
         return table
-    cuda = runner.model.device.type == "cuda"
     calls, seconds = all_reduce_time(prof.events(), cuda)
     return table + (f"\nall-reduce in the decode steps: {calls / opts.n_gen:.0f} a step, "
                     f"{seconds / opts.n_gen * 1e6:.1f} µs a step ({'device' if cuda else 'host'} time, "

@@ -91,8 +91,7 @@ class CudaOps(CudaMoe, CudaGdn, CudaLauncher):
         rows, n, k = x2.shape[0], w.shape[0], w.shape[1]
         y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         spec, shared, grid = gemm_rows_launch(n, cuda_launch._sm_count(x.device.index), variant)
-        tiles = variant[0]
-        self._launch((spec, GEMM_ROWS_SIG), (grid,), (GEMM_ROWS_THREADS,), tensor_maps.bf16_map(w, 16 * tiles),
+        self._launch((spec, GEMM_ROWS_SIG), (grid,), (GEMM_ROWS_THREADS,), tensor_maps.bf16_map(w, 16 * variant[0]),
                      tensor_maps.bf16_map(x2, 16), y, rows, n, k, shared_mem=shared, pdl=True)
         return y
 
