@@ -331,7 +331,9 @@ def bench(
     gpu_memory_utilization: GpuMemOpt = 0.9,
     cuda_graph_mode: GraphOpt = "full",
     enforce_eager: EagerOpt = False,
-    profile: Annotated[bool, typer.Option("--profile", help="print the top kernels by time (torch profiler)")] = False,
+    profile: Annotated[bool, typer.Option(
+        "--profile", help="print the top kernels by time (torch profiler) and, on a GPU, the decode step's critical path"
+    )] = False,
     synthetic_context: Annotated[bool, typer.Option(
         "--synthetic-context", help="fill the -p context with random K/V through the cache-write kernels "
         "instead of prefilling it: decode timing at long contexts (no pp row)")] = False,
