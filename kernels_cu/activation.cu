@@ -7,7 +7,7 @@ __device__ void silu_mul_span(const bf16_t* gate, const bf16_t* up, bf16_t* out,
     load_vec<V>(gate + i, g);
     load_vec<V>(up + i, u);
 #pragma unroll
-    for (int j = 0; j < V; ++j) g[j] = round_bf16(g[j] / (1.0f + expf(-g[j]))) * u[j];
+    for (int j = 0; j < V; ++j) g[j] = silu_mul(g[j], u[j]);
     store_vec<V>(out + i, g);
 }
 

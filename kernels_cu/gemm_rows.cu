@@ -13,6 +13,12 @@
 // shared memory at a tile's end, added in warp order: a row's outputs do not depend on the other
 // rows. The host builds the tensor maps (CudaOps.linear) and picks NT and the stages
 // (table.gemm_rows_variant, which leaves the shapes cuBLAS streams as fast to it).
+//
+// The SwiGLU entry runs a dense FFN's gate/up with its activation: w is [gate | up] (2I, K), a
+// tile's 32 weight rows are 16 of gate and the same 16 of up (two boxes of 16 rows a 64-element
+// step, stacked as one 32-row box), and its epilogue stores silu(gate) * up for those 16 of the I
+// columns: the bytes of silu_and_mul_bf16 on the 2/4 variant's output, one launch and no (M, 2I)
+// tensor.
 #include "bulk_copy.cuh"
 #include "mma.cuh"
 #include "numeric.cuh"
@@ -46,8 +52,9 @@ __device__ __forceinline__ void bar_consumers() { asm volatile("bar.sync 1, %0;"
 // Byte offset of 16-byte chunk q of row r in a 128-byte swizzled box (the copies' layout).
 __device__ __forceinline__ unsigned swizzled(int r, int q) { return r * 128 + ((q ^ (r & 7)) << 4); }
 
-template <int NT, int STAGES>
+template <int NT, int STAGES, bool SWIGLU = false>
 __device__ void gemm_rows(const TensorMap& wmap, const TensorMap& xmap, bf16_t* y, int m, int n, int k) {
+    static_assert(!SWIGLU || NT == 2, "a SwiGLU tile is 16 rows of gate and 16 of up");
     constexpr int BR = NT * 16;                      // a tile's weight rows
     constexpr int WBOX = BR * 128, XBOX = 16 * 128;  // a box's bytes
     constexpr int STAGE = 4 * (WBOX + XBOX);
@@ -57,7 +64,8 @@ __device__ void gemm_rows(const TensorMap& wmap, const TensorMap& xmap, bf16_t* 
     float* red = reinterpret_cast<float*>(smem + 128);
     const unsigned ring = (smem_addr(smem + 128 + GR_CW * NT * 1024) + 1023u) & ~1023u;  // swizzled boxes: 1 KB aligned
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int tiles = (n + BR - 1) / BR, chunks = k / GR_KC;
+    // n: the output's columns (SwiGLU: I, the weight holding 2I rows)
+    const int tiles = SWIGLU ? (n + 15) / 16 : (n + BR - 1) / BR, chunks = k / GR_KC;
     const int mine = (int)blockIdx.x < tiles ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
     const int total = mine * chunks;  // stages this CTA consumes
     if (threadIdx.x == 0) {
@@ -72,7 +80,12 @@ __device__ void gemm_rows(const TensorMap& wmap, const TensorMap& xmap, bf16_t* 
             const unsigned base = ring + s * STAGE;
 #pragma unroll
             for (int b = 0; b < 4; ++b) {
-                if (weights) tma_box(base + b * WBOX, &wmap, k0 + 64 * b, tile * BR, &full[s]);
+                if (weights && SWIGLU) {  // wmap's boxes are 16 rows: gate's, then up's below them
+                    tma_box(base + b * WBOX, &wmap, k0 + 64 * b, tile * 16, &full[s]);
+                    tma_box(base + b * WBOX + 16 * 128, &wmap, k0 + 64 * b, n + tile * 16, &full[s]);
+                } else if (weights) {
+                    tma_box(base + b * WBOX, &wmap, k0 + 64 * b, tile * BR, &full[s]);
+                }
                 if (rows) tma_box(base + 4 * WBOX + b * XBOX, &xmap, k0 + 64 * b, 0, &full[s]);
             }
         };
@@ -130,6 +143,20 @@ __device__ void gemm_rows(const TensorMap& wmap, const TensorMap& xmap, bf16_t* 
                         acc[t][h][i] = 0.0f;
                     }
             bar_consumers();
+            if (SWIGLU) {
+                const int c0 = (blockIdx.x + (it / chunks) * gridDim.x) * 16;
+                for (int e = threadIdx.x; e < 256; e += GR_CW * 32) {  // gate's sums at e, up's at 256 + e
+                    float gate = 0.0f, up = 0.0f;
+#pragma unroll
+                    for (int v = 0; v < GR_CW; ++v) gate += red[v * 512 + e], up += red[v * 512 + 256 + e];
+                    const int l = e & 31, i = (e >> 5) & 3, h = (e >> 7) & 1;
+                    const int col = c0 + (l >> 2) + (i >= 2 ? 8 : 0), row = 8 * h + 2 * (l & 3) + (i & 1);
+                    if (row < m && col < n)
+                        y[(long long)row * n + col] = f32_to_bf16(silu_mul(round_bf16(gate), round_bf16(up)));
+                }
+                bar_consumers();
+                continue;
+            }
             for (int e = threadIdx.x; e < NT * 256; e += GR_CW * 32) {
                 float sum = 0.0f;
 #pragma unroll
@@ -157,3 +184,10 @@ __device__ void gemm_rows(const TensorMap& wmap, const TensorMap& xmap, bf16_t* 
 GEMM_ROWS_ENTRY(1, 4)
 GEMM_ROWS_ENTRY(2, 4)
 GEMM_ROWS_ENTRY(2, 6)
+
+// w: [gate | up] (2I, K) with boxes of 64 x 16 rows; y (M, I) = silu(x gate^T) * (x up^T), each
+// rounded to bf16 first; n = I, a multiple of 16. Launched as the 2/4 variant.
+extern "C" __global__ void __launch_bounds__((GR_CW + 1) * 32) gemm_rows_swiglu_bf16(
+    const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, bf16_t* y, int m, int n, int k) {
+    gemm_rows<2, 4, true>(wmap, xmap, y, m, n, k);
+}

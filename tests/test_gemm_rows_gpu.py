@@ -84,3 +84,36 @@ def test_other_operands_go_through_cublas(ops):
     x, w = _randn(4, 1000, seed=10), _randn(64, 1000, seed=11)
     assert rows_gemm_variant(x, w, None) is None
     assert torch.equal(ops.linear(x, w), F.linear(x, w))
+
+
+# (2I, K): Qwen3-8B's, Qwen3-0.6B's and Qwen3.5-27B's gate/up; I = 48 (a partial grid); the shortest K
+SWIGLU_SHAPES = [(24576, 4096), (6144, 1024), (34816, 5120), (96, 512), (32, 256)]
+
+
+@pytest.mark.parametrize("n, k", SWIGLU_SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+def test_swiglu_entry_is_silu_and_mul_of_the_projection(ops, n, k, rows):
+    """The bytes of silu_and_mul on the 2/4 variant's product, and within the SwiGLU tolerance of
+    the fp64 product's; a row alone gives the bits it gives in the batch."""
+    x, w = _randn(rows, k, scale=2, seed=rows + 20), _randn(n, k, scale=0.05, seed=n + k + 1)
+    got = ops.gemm_rows_swiglu(x, w)
+    assert got.shape == (rows, n // 2) and got.dtype == torch.bfloat16
+    assert torch.equal(got, ops.silu_and_mul(ops.gemm_rows(x, w, (2, 4))))
+    y = x.double() @ w.double().T
+    want = F.silu(y[:, : n // 2]) * y[:, n // 2 :]
+    assert torch.allclose(got.double(), want, rtol=2e-2, atol=2e-2)
+    assert torch.equal(ops.gemm_rows_swiglu(x[rows - 1 :].clone(), w)[0], got[rows - 1])
+
+
+def test_linear_silu_and_mul_runs_the_swiglu_entry_where_it_can(ops):
+    x, w = _randn(16, 4096, seed=21), _randn(24576, 4096, scale=0.05, seed=22)
+    assert torch.equal(ops.linear_silu_and_mul(x, w), ops.gemm_rows_swiglu(x, w))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.linear_silu_and_mul(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ops.gemm_rows_swiglu(x, w))
+    for x, w in ((_randn(17, 4096, seed=23), w), (_randn(4, 1000, seed=24), _randn(64, 1000, seed=25)),
+                 (_randn(4, 512, seed=26), _randn(48, 512, seed=27))):  # 17 rows, K 1000, I = 24
+        assert torch.equal(ops.linear_silu_and_mul(x, w), ops.silu_and_mul(ops.linear(x, w)))

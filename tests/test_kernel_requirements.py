@@ -90,7 +90,7 @@ def test_every_dtype_validates_clean_on_cpu(dtype):
     # one launch)
     fused = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)
     pair = dtype.row.tensor_core.pair  # (+ the batch-1 pair entry)
-    assert len(report.rows) == 18 + 2 * rotated + fused + pair
+    assert len(report.rows) == 19 + 2 * rotated + fused + pair
 
 
 @pytest.mark.parametrize("dtype", [d.value for d in KvCacheDtype] + ["fp8k4v"])
@@ -141,7 +141,7 @@ def test_a_kernel_missing_from_the_build_fails_with_the_full_list(monkeypatch):
     progress = []
     report = validate_kernels("turbo3", 128, progress=lambda k, i, n: progress.append((i, n)), on_gpu=False)
     # the total first (-1: the modules compile before the first row), then a call a kernel
-    assert not report.ok and progress == [(-1, 21)] + [(i, 21) for i in range(21)]  # with its pair entry
+    assert not report.ok and progress == [(-1, 22)] + [(i, 22) for i in range(22)]  # with its pair entry
     missing = [r.kernel for r in report.rows if not r.ok]
     assert all(r.compiled.startswith("missing") for r in report.rows if not r.ok)
     assert "paged_decode_turbo3_128::paged_decode_attn_turbo3" not in missing and len(missing) == 4

@@ -186,14 +186,14 @@ def test_layer_kernels_cover_every_side(dtype):
     assert f"paged_decode_tc::paged_decode_attn_tc{dtype.suffix}" in names  # every dtype's tensor-core decode
     pair = dtype.row.tensor_core.pair  # + the batch-1 pair entry
     assert (f"paged_decode_tc::paged_decode_attn_tc_pair{dtype.suffix}" in names) == pair
-    assert len(names) == len(set(names)) == 18 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + fused + pair
+    assert len(names) == len(set(names)) == 19 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + fused + pair
     assert set(map(str, required_kernels(dtype, 128))) <= set(names)
     assert all(module_for(s) is not None for s in specs)
-    assert names[:12] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
+    assert names[:13] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
                           "activation::silu_and_mul_bf16", "gemv::gemv_norm_bf16", "gemv::gemv_norm_logits_bf16",
                           "gemv::gemv_norm_swiglu_bf16", "gemv::gemv_add_bf16", "decode_step::decode_advance",
                           "gemm_rows::gemm_rows_bf16_t1_s4", "gemm_rows::gemm_rows_bf16_t2_s4",
-                          "gemm_rows::gemm_rows_bf16_t2_s6"]
+                          "gemm_rows::gemm_rows_bf16_t2_s6", "gemm_rows::gemm_rows_swiglu_bf16"]
 
 
 def test_launch_checks_arguments_before_touching_cupy():

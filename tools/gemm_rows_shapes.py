@@ -7,7 +7,8 @@ no asserts):
 For every shape, eight distinct weights (so that L2 holds none of them) are chained in a CUDA graph
 per variant and for ``F.linear``; the graph is replayed 15 times and the median time a projection
 printed in µs, with the GB/s its weight streams at and the variant ``table.gemm_rows_variant``
-picks (``cublas``: it leaves the shape to cuBLAS). The table in docs/performance.md
+picks (``cublas``: it leaves the shape to cuBLAS); for a gate/up, also cuBLAS followed by
+silu_and_mul_bf16 against the SwiGLU entry. The table in docs/performance.md
 (2026-12-04, 1beed15) and that rule come from this.
 """
 
@@ -65,6 +66,9 @@ def main() -> None:
             times = {"cublas": _median_us(lambda: [F.linear(x, w) for w in weights])}
             for variant in GEMM_ROWS:
                 times["%d/%d" % variant] = _median_us(lambda: [ops.gemm_rows(x, w, variant) for w in weights])
+            if "gate/up" in name:  # with its SwiGLU: the two launches against the SwiGLU entry
+                times["cublas+silu"] = _median_us(lambda: [ops.silu_and_mul(F.linear(x, w)) for w in weights])
+                times["swiglu"] = _median_us(lambda: [ops.gemm_rows_swiglu(x, w) for w in weights])
             pick = gemm_rows_variant(rows, n, k, sms)
             cells = "  ".join(f"{key} {t:6.2f} ({n * k * 2 / t / 1e3:4.0f})" for key, t in times.items())
             print(f"{name:22s} {rows:2d} rows  {cells}  rule: {'cublas' if pick is None else '%d/%d' % pick}",

@@ -21,6 +21,10 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
 // Round through bf16: what torch does when a float result is stored in a bf16 tensor.
 __device__ __forceinline__ float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+// SwiGLU of one column, in the rounding order of torch's silu(g) * u on bf16 tensors (the product
+// is rounded where it is stored).
+__device__ __forceinline__ float silu_mul(float g, float u) { return round_bf16(g / (1.0f + expf(-g))) * u; }
+
 #ifdef METRALE_HOST_EMULATION
 // kernels_cu/host/: the same conversions in software, for the CPU emulation tests.
 unsigned short f32x2_to_e4m3x2(float lo, float hi);

@@ -100,6 +100,16 @@ def _check_gemm_rows(variant):
     return check
 
 
+def _check_gemm_rows_swiglu(ops, _hd):
+    """gate/up + SwiGLU of 7 rows (gemm_rows.cu's SwiGLU entry), I = 48 (a partial grid): the bytes of
+    silu_and_mul on the 2/4 variant's product, and within the tolerance of the fp64 product's."""
+    w, x = _gpu(_randn(96, 512, seed=12) * 0.1, _randn(7, 512, seed=13))
+    got = ops.gemm_rows_swiglu(x, w)
+    y = x.double() @ w.double().T
+    return (compare_bytes(got, ops.silu_and_mul(ops.gemm_rows(x, w, (2, 4))))
+            or compare(got, torch.nn.functional.silu(y[:, :48]) * y[:, 48:], *bounds("gemv swiglu")))
+
+
 def _check_write(dtype):
     def check(ops, hd):
         c = make_paged_case([40], 4, 2, hd, dtype)
@@ -194,7 +204,7 @@ def _numeric_checks() -> dict[str, Callable]:
     """{``module::function``: check(ops, head_dim) -> problem or None} for every kernel."""
     from metrale_cli.kernels.kv_kernels import WHT_KERNELS, kv_kernels
     from metrale_cli.kernels.table import (
-        ADD_RMS_NORM, DECODE_ADVANCE, GEMM_ROWS, GEMV_ADD, GEMV_NORM, GEMV_NORM_LOGITS, GEMV_NORM_SWIGLU, RMS_NORM,
+        ADD_RMS_NORM, DECODE_ADVANCE, GEMM_ROWS, GEMM_ROWS_SWIGLU, GEMV_ADD, GEMV_NORM, GEMV_NORM_LOGITS, GEMV_NORM_SWIGLU, RMS_NORM,
         ROPE, SILU_AND_MUL,
     )
     from metrale_cli.kv.dtypes import HEAD_DIMS
@@ -206,6 +216,7 @@ def _numeric_checks() -> dict[str, Callable]:
               str(GEMV_ADD[0]): _check_gemv("add"), str(DECODE_ADVANCE[0]): _check_decode_advance}
     checks.update({str(spec): _check_wht(inverse) for inverse, spec in enumerate(WHT_KERNELS)})
     checks.update({str(spec): _check_gemm_rows(variant) for variant, spec in GEMM_ROWS.items()})
+    checks[str(GEMM_ROWS_SWIGLU)] = _check_gemm_rows_swiglu
     for d in KvCacheDtype:
         for hd in HEAD_DIMS:
             kk = kv_kernels(d, hd)

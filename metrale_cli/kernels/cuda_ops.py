@@ -25,7 +25,8 @@ from metrale_cli.kernels.loader import KernelLoader
 from metrale_cli.kernels.ops import STEP_MAX_SLICES, StepBuffers
 from metrale_cli.kernels.registry import module_for
 from metrale_cli.kernels.table import (
-    ADD_RMS_NORM, DECODE_ADVANCE, GEMM_ROWS_KC, GEMM_ROWS_MAX, GEMM_ROWS_SIG, GEMM_ROWS_THREADS, GEMV_ADD,
+    ADD_RMS_NORM, DECODE_ADVANCE, GEMM_ROWS_KC, GEMM_ROWS_MAX, GEMM_ROWS_SIG, GEMM_ROWS_SWIGLU,
+    GEMM_ROWS_SWIGLU_VARIANT, GEMM_ROWS_THREADS, GEMV_ADD,
     GEMV_CTAS_PER_SM, GEMV_MAX_K, GEMV_NORM, GEMV_NORM_LOGITS,
     GEMV_NORM_SWIGLU, GEMV_THREADS, RMS_NORM, ROPE, SILU_AND_MUL, STEP_SLICE, STEP_THREADS, WHT_ROWS_PER_CTA,
     WHT_SIG, gemm_rows_launch, gemm_rows_variant,
@@ -93,6 +94,25 @@ class CudaOps(CudaMoe, CudaGdn, CudaLauncher):
         spec, shared, grid = gemm_rows_launch(n, cuda_launch._sm_count(x.device.index), variant)
         self._launch((spec, GEMM_ROWS_SIG), (grid,), (GEMM_ROWS_THREADS,), tensor_maps.bf16_map(w, 16 * variant[0]),
                      tensor_maps.bf16_map(x2, 16), y, rows, n, k, shared_mem=shared, pdl=True)
+        return y
+
+    def linear_silu_and_mul(self, x, gate_up):
+        """Where gemm_rows.cu can run it (``rows_gemm_variant``'s operand checks) and I is a
+        multiple of 16: its SwiGLU entry, one launch; else the projection and silu_and_mul_bf16."""
+        if not (_rows_gemm_fits(x, gate_up, None) and gate_up.shape[0] % 32 == 0):
+            return self.silu_and_mul(self.linear(x, gate_up))
+        return self.gemm_rows_swiglu(x, gate_up)
+
+    def gemm_rows_swiglu(self, x, gate_up):
+        """gemm_rows.cu's SwiGLU entry: x (M <= 16, K) bf16, gate_up (2I, K) -> silu(x gateᵀ) * (x upᵀ)
+        (M, I), the bytes of silu_and_mul on the 2/4 variant's product."""
+        x2, w = _ready(x), _ready(gate_up)
+        rows, inter, k = x2.shape[0], w.shape[0] // 2, w.shape[1]
+        y = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+        # the 2/4 variant's grid and shared memory: its 32-row tiles are 16 of gate and 16 of up
+        _, shared, grid = gemm_rows_launch(2 * inter, cuda_launch._sm_count(x.device.index), GEMM_ROWS_SWIGLU_VARIANT)
+        self._launch((GEMM_ROWS_SWIGLU, GEMM_ROWS_SIG), (grid,), (GEMM_ROWS_THREADS,), tensor_maps.bf16_map(w, 16),
+                     tensor_maps.bf16_map(x2, 16), y, rows, inter, k, shared_mem=shared, pdl=True)
         return y
 
     def gemv_fits(self, k: int) -> bool:

@@ -207,6 +207,11 @@ class Ops(Protocol):
         16 bf16 rows in its own kernel (its sums in another order than cuBLAS's: the same values to
         within bf16 rounding), more through cuBLAS."""
 
+    def linear_silu_and_mul(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu_and_mul(linear(x, gate_up))``: x (T, K), gate_up (2I, K) = [gate; up] -> (T, I), a
+        dense FFN's first half. The cuda backend runs up to 16 bf16 rows in one launch (the same
+        bytes as its two), more as the two."""
+
     def gemv_fits(self, k: int) -> bool:
         """True when the fused decode GEMVs below serve an input row of ``k`` elements; the
         layers then run batch-1 decode through them, else through the unfused sequence."""

@@ -261,6 +261,10 @@ class TorchOps:
         return TorchPagedAttention(dtype, head_dim)
 
     @staticmethod
+    def linear_silu_and_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(F.linear(x, gate_up))
+
+    @staticmethod
     def gemv_fits(k: int) -> bool:
         """Never: the torch backend runs the unfused sequence the fused GEMVs are checked against."""
         return False

@@ -82,6 +82,9 @@ GEMM_ROWS_KC = 256
 GEMM_ROWS_THREADS = 160  # four consumer warps and the producer's
 GEMM_ROWS_SIG = Signature.parse("w_map: tmap, x_map: tmap, y: bf16*, m: i32, n: i32, k: i32")
 GEMM_ROWS = {(t, s): K(f"gemm_rows::gemm_rows_bf16_t{t}_s{s}") for t, s in ((1, 4), (2, 4), (2, 6))}
+# A dense FFN's gate/up and SwiGLU (w = [gate | up], y = silu(gate) * up), launched as the 2/4 variant.
+GEMM_ROWS_SWIGLU = K("gemm_rows::gemm_rows_swiglu_bf16")
+GEMM_ROWS_SWIGLU_VARIANT = (2, 4)
 SM_SHARED_BYTES = 233472  # an H100 / H200 SM's shared memory (228 KB), 1 KB of it reserved a CTA
 
 
@@ -125,7 +128,8 @@ def gemm_rows_launch(n: int, sms: int, variant: tuple[int, int]) -> tuple[Kernel
 
 # Launched by every layer (decode_advance: by every decode step) whatever the KV dtype.
 COMMON_KERNELS = tuple(k[0] for k in (RMS_NORM, ADD_RMS_NORM, ROPE, SILU_AND_MUL, GEMV_NORM, GEMV_NORM_LOGITS,
-                                      GEMV_NORM_SWIGLU, GEMV_ADD, DECODE_ADVANCE)) + tuple(GEMM_ROWS.values())
+                                      GEMV_NORM_SWIGLU, GEMV_ADD, DECODE_ADVANCE)) + tuple(GEMM_ROWS.values()) \
+    + (GEMM_ROWS_SWIGLU,)
 # The routed experts of a MoE FFN for up to MOE_DECODE_ROWS rows (moe.cu); more rows run
 # grouped GEMMs (torch._grouped_mm) between moe.cu's routing of many rows and its combine.
 MOE_ROUTE = K("moe::moe_route_bf16"), Signature.parse(

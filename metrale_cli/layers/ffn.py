@@ -22,7 +22,7 @@ class DenseSwiGluFfn:
                           and all(ops.gemv_fits(k) for k in (gate_up.shape[1], down.shape[1])))
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.tp.reduce(self.ops.linear(self.ops.silu_and_mul(self.ops.linear(x, self.gate_up)), self.down))
+        return self.tp.reduce(self.ops.linear(self.ops.linear_silu_and_mul(x, self.gate_up), self.down))
 
     def add_row(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
         """norm + gate/up + SwiGLU in one GEMV, down + the residual add in another."""
