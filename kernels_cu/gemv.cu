@@ -4,6 +4,7 @@
 //   gemv_norm_logits_bf16  the same, its bf16 outputs stored as fp32 (the LM head's logits)
 //   gemv_norm_swiglu_bf16  the same prologue; rows i and inter+i of [gate; up] give silu(g)·u
 //   gemv_add_bf16          out = residual + y, the residual add of o_proj and down_proj
+//   gemv_gate_add_bf16     the same, x times sigmoid(gate) first (a gated attention's o_proj)
 // Batch-1 decode reads every weight once per token, so these kernels are written for bandwidth:
 // each warp streams whole rows with 16-byte loads (8 per lane in flight, the next batch loaded
 // while the current one is summed), and a CTA issues its first weight loads before its prologue
@@ -23,9 +24,10 @@ enum Epilogue { STORE, ADD, SWIGLU };
 // R rows per warp task (row t, or rows t and inter + t for SWIGLU), U chunks of each per lane
 // per batch; a task's batches walk the row in 512-byte warp-wide steps.
 // Out: bf16_t, or float for STORE (each output the bf16 value, widened).
-template <bool NORM, Epilogue EPI, int R, int U, class Out>
+// GATED: x is staged times sigmoid(gate) (GatedRow; no norm).
+template <bool NORM, Epilogue EPI, int R, int U, class Out, bool GATED = false>
 __device__ void gemv(const bf16_t* w, const bf16_t* x, const bf16_t* residual, const bf16_t* gamma,
-                     bf16_t* sum_out, Out* out, int tasks, int k, float eps) {
+                     bf16_t* sum_out, Out* out, int tasks, int k, float eps, const bf16_t* gate = nullptr) {
     __shared__ Chunk xs[GEMV_MAX_K / 8];
     const int lane = threadIdx.x & 31;
     const int warps = gridDim.x * GEMV_WARPS;
@@ -51,7 +53,10 @@ __device__ void gemv(const bf16_t* w, const bf16_t* x, const bf16_t* residual, c
     pdl_wait();
     pdl_launch_dependents();
     TL_MARK(1);
-    stage_x<NORM>(xs, x, residual, gamma, sum_out, k, eps, &early);
+    if constexpr (GATED)
+        stage_row<false>(xs, GatedRow{x, gate}, nullptr, nullptr, nullptr, k, eps);
+    else
+        stage_x<NORM>(xs, x, residual, gamma, sum_out, k, eps, &early);
     TL_MARK(2);
     float acc[R];
 #pragma unroll
@@ -127,4 +132,12 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 2)
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 2)
     gemv_add_bf16(const bf16_t* w, const bf16_t* x, const bf16_t* residual, bf16_t* out, int n, int k) {
     gemv<false, ADD, 1, 8>(w, x, residual, nullptr, nullptr, out, n, k, 0.0f);
+}
+
+// gemv_add_bf16 of bf16(x * bf16(sigmoid(gate))): gate (k,) the gate half of a gated attention's
+// q projection, x its attention output, as HF's attn_output * torch.sigmoid(gate) before o_proj.
+extern "C" __global__ void __launch_bounds__(GEMV_THREADS, 2)
+    gemv_gate_add_bf16(const bf16_t* w, const bf16_t* x, const bf16_t* gate, const bf16_t* residual, bf16_t* out,
+                       int n, int k) {
+    gemv<false, ADD, 1, 8, bf16_t, true>(w, x, residual, nullptr, nullptr, out, n, k, 0.0f, gate);
 }

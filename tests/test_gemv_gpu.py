@@ -71,6 +71,15 @@ def test_gemv_add(ops, rows, k):
     _close(got, residual.double() + y, _sum_bound(w, x) + y.abs() * 2**-8)
 
 
+@pytest.mark.parametrize("rows, k", [(4096, 4096), (2048, 4096), (98, 1000), (2, 8)])
+def test_gemv_gate_add_is_gemv_add_of_torchs_gated_row(ops, rows, k):
+    """A gated attention's o_proj (Qwen3-Next's 2048 x 4096): the row times torch.sigmoid(gate),
+    staged inside the GEMV, gives gemv_add's bytes on the row torch gates."""
+    w, x, residual = _randn(rows, k, scale=0.05), _randn(1, k, seed=9), _randn(1, rows, scale=4, seed=10)
+    gate = _randn(1, k, scale=3, seed=11)
+    assert torch.equal(ops.gemv_add(x, w, residual, gate), ops.gemv_add(x * torch.sigmoid(gate), w, residual))
+
+
 def test_gemv_rejects_what_it_does_not_serve(ops):
     from metrale_cli.errors import MetraleError
 

@@ -30,6 +30,7 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
         handle.host_gemv.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 2 + [ctypes.c_float,
                                                                                                     ctypes.c_int]
         handle.host_norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_float]
+        handle.host_gemv_gate_add.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
         _LIB.append(handle)
     return _LIB[0]
 
@@ -117,3 +118,45 @@ def test_gemv_add_equals_the_reference(lib, n, k):
     # the projection is rounded to bf16 before the add, the sum once more
     want = residual.double() + y
     _close(got, want, _sum_bound(w, x) + y.abs() * 2**-8)
+
+
+# Gate values whose sigmoid lies far from a bf16 rounding boundary (checked below), so that the
+# fp32 sigmoid of any libm rounds to the bf16 an fp64 one does.
+GATES = torch.tensor([-3.0, -2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
+
+
+def _gated(x, gate):
+    """torch's x * sigmoid(gate) on bf16 tensors, from an fp64 sigmoid: the sigmoid rounded to bf16,
+    the (exact fp32) product rounded to bf16."""
+    s = (1 / (1 + torch.exp(-gate.double()))).to(torch.bfloat16)
+    return (x.float() * s.float()).to(torch.bfloat16)
+
+
+def _run_gated(lib, w, x, gate, residual, ctas=3):
+    out = torch.full((1, w.shape[0]), float("nan"), dtype=torch.bfloat16)
+    lib.host_gemv_gate_add(_p(w), _p(x), _p(gate), _p(residual), _p(out), w.shape[0], w.shape[1], ctas)
+    return out
+
+
+def test_gated_rows_are_torchs_bytes(lib):
+    """With W the identity and no residual the output is the staged row itself: x * sigmoid(gate)
+    with torch's two roundings, element for element."""
+    s64 = 1 / (1 + torch.exp(-GATES.double()))
+    ulp = 2.0 ** (torch.floor(torch.log2(s64)) - 7)  # a bf16 ulp at each sigmoid
+    tie = torch.round(s64 / ulp - 0.5) + 0.5  # the nearest rounding boundary, in ulps
+    assert bool(((s64 / ulp - tie).abs() > 1e-3).all())  # none near one: any fp32 sigmoid rounds alike
+    k = 96
+    x, gate = _randn(1, k, seed=30) * 3, GATES.repeat(k // len(GATES))[None].to(torch.bfloat16)
+    got = _run_gated(lib, torch.eye(k, dtype=torch.bfloat16), x, gate, torch.zeros(1, k, dtype=torch.bfloat16))
+    assert torch.equal(got, _gated(x, gate))
+
+
+@pytest.mark.parametrize("n, k", [(1, 8), (7, 200), (99, 1000), (33, 2056)])
+def test_gemv_gate_add_equals_the_reference(lib, n, k):
+    w, x, residual = _randn(n, k, seed=31) * 0.1, _randn(1, k, seed=32), _randn(1, n, seed=33) * 4
+    gate = GATES[torch.randint(len(GATES), (1, k), generator=torch.Generator().manual_seed(34))].to(torch.bfloat16)
+    got = _run_gated(lib, w, x, gate, residual)
+    xg = _gated(x, gate)
+    y = xg.double() @ w.double().T
+    _close(got, residual.double() + y, _sum_bound(w, xg) + y.abs() * 2**-8)
+

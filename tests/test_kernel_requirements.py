@@ -84,13 +84,13 @@ def test_every_dtype_validates_clean_on_cpu(dtype):
     assert {r.numeric for r in report.rows} == {SKIPPED}
     assert {r.symbol for r in report.rows} == {"exported"}
     rotated = any(is_wht_rotated(s) for s in kv_pair(dtype))
-    # 12 dtype-independent (3 of them gemm_rows variants) + write, decode, split combine, prefill
+    # 14 dtype-independent (3 gemm_rows variants, its SwiGLU entry, the gated o_proj GEMV) + write, decode, split combine, prefill
     # (+ the two WHT bookends)
     # + the fused QK-norm / RoPE / write + the tensor-core decode (+ bf16 / fp8's decode attention in
     # one launch)
     fused = dtype in (KvCacheDtype.BF16, KvCacheDtype.FP8)
     pair = dtype.row.tensor_core.pair  # (+ the batch-1 pair entry)
-    assert len(report.rows) == 19 + 2 * rotated + fused + pair
+    assert len(report.rows) == 20 + 2 * rotated + fused + pair
 
 
 @pytest.mark.parametrize("dtype", [d.value for d in KvCacheDtype] + ["fp8k4v"])
@@ -141,7 +141,7 @@ def test_a_kernel_missing_from_the_build_fails_with_the_full_list(monkeypatch):
     progress = []
     report = validate_kernels("turbo3", 128, progress=lambda k, i, n: progress.append((i, n)), on_gpu=False)
     # the total first (-1: the modules compile before the first row), then a call a kernel
-    assert not report.ok and progress == [(-1, 22)] + [(i, 22) for i in range(22)]  # with its pair entry
+    assert not report.ok and progress == [(-1, 23)] + [(i, 23) for i in range(23)]  # with its pair entry
     missing = [r.kernel for r in report.rows if not r.ok]
     assert all(r.compiled.startswith("missing") for r in report.rows if not r.ok)
     assert "paged_decode_turbo3_128::paged_decode_attn_turbo3" not in missing and len(missing) == 4

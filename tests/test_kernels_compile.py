@@ -139,7 +139,7 @@ def test_registry_walk():
     # head_dim 64 / 128 and at 256 + 3 batch-1 pair entries (64 / 128) + 16 dtypes x (a prefill and a
     # (decode, combine) pair per decode module)
     decode_modules = sum(len(row.decode) for row in KV_DTYPES.values())
-    assert len(names) == len(set(names)) == 4 + 4 + 1 + 4 + 8 + 7 + 2 + 16 + 16 + 2 * (16 + 2) + 3 + 16 + 2 * decode_modules == 167
+    assert len(names) == len(set(names)) == 4 + 5 + 1 + 4 + 8 + 7 + 2 + 16 + 16 + 2 * (16 + 2) + 3 + 16 + 2 * decode_modules == 168
     assert set(every_kernel()) == set(all_kernels())  # every registered kernel is launched by some dtype
     for spec in all_kernels():
         assert module_for(spec).path.is_file()

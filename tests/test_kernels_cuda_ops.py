@@ -186,12 +186,13 @@ def test_layer_kernels_cover_every_side(dtype):
     assert f"paged_decode_tc::paged_decode_attn_tc{dtype.suffix}" in names  # every dtype's tensor-core decode
     pair = dtype.row.tensor_core.pair  # + the batch-1 pair entry
     assert (f"paged_decode_tc::paged_decode_attn_tc_pair{dtype.suffix}" in names) == pair
-    assert len(names) == len(set(names)) == 19 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + fused + pair
+    assert len(names) == len(set(names)) == 20 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + fused + pair
     assert set(map(str, required_kernels(dtype, 128))) <= set(names)
     assert all(module_for(s) is not None for s in specs)
-    assert names[:13] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
+    assert names[:14] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
                           "activation::silu_and_mul_bf16", "gemv::gemv_norm_bf16", "gemv::gemv_norm_logits_bf16",
-                          "gemv::gemv_norm_swiglu_bf16", "gemv::gemv_add_bf16", "decode_step::decode_advance",
+                          "gemv::gemv_norm_swiglu_bf16", "gemv::gemv_add_bf16", "gemv::gemv_gate_add_bf16",
+                          "decode_step::decode_advance",
                           "gemm_rows::gemm_rows_bf16_t1_s4", "gemm_rows::gemm_rows_bf16_t2_s4",
                           "gemm_rows::gemm_rows_bf16_t2_s6", "gemm_rows::gemm_rows_swiglu_bf16"]
 
@@ -287,11 +288,19 @@ def test_decode_gemvs_launch_two_ctas_per_sm_programmatically(ops):
     y, s = ops.gemv_norm(x, None, g, 1e-6, w)
     act, _ = ops.gemv_norm_swiglu(x, x, g, 1e-6, w)
     out = ops.gemv_add(torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(5, 16, dtype=torch.bfloat16), torch.zeros(1, 5, dtype=torch.bfloat16))
-    assert s is x and y.shape == (1, 24) and act.shape == (1, 12) and out.shape == (1, 5)
+    gate = torch.ones(1, 16, dtype=torch.bfloat16)
+    gated = ops.gemv_add(torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(5, 16, dtype=torch.bfloat16),
+                         torch.zeros(1, 5, dtype=torch.bfloat16), gate)
+    assert s is x and y.shape == (1, 24) and act.shape == (1, 12) and out.shape == gated.shape == (1, 5)
     calls = ops.loader.calls
-    assert [c[0] for c in calls] == ["gemv::gemv_norm_bf16", "gemv::gemv_norm_swiglu_bf16", "gemv::gemv_add_bf16"]
+    assert [c[0] for c in calls] == ["gemv::gemv_norm_bf16", "gemv::gemv_norm_swiglu_bf16", "gemv::gemv_add_bf16",
+                                     "gemv::gemv_gate_add_bf16"]
     assert all(c[1] == (264,) and c[2] == (256,) for c in calls)
-    assert [c[3]["n"] for c in calls] == [24, 12, 5] and calls[0][3]["sum_out"] is None
+    assert [c[3]["n"] for c in calls] == [24, 12, 5, 5] and calls[0][3]["sum_out"] is None
+    assert calls[3][3]["gate"] is gate
+    with pytest.raises(MetraleError, match="output gate"):
+        ops.gemv_add(torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(5, 16, dtype=torch.bfloat16),
+                     torch.zeros(1, 5, dtype=torch.bfloat16), torch.ones(1, 8, dtype=torch.bfloat16))
     assert calls[1][3]["sum_out"] is not None and calls[1][3]["residual"] is x
     assert ops.loader.programmatic == [c[0] for c in calls]
     assert not ops.gemv_fits(12) and ops.gemv_fits(20480) and not ops.gemv_fits(20488)

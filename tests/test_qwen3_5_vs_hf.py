@@ -34,6 +34,7 @@ from metrale_cli.checkpoint import load_checkpoint
 from metrale_cli.commands.bench_presets import DESCRIPTIONS, PRESETS
 from metrale_cli.engine.sampler import SamplingParams
 from metrale_cli.errors import MetraleError
+from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.layers.rope import rope_tables
 from metrale_cli.layers.spec import unserved
 from metrale_cli.models import family_of, model_config
@@ -253,6 +254,33 @@ def test_a_vision_language_state_dict_builds_the_text_model():
         want = hf_logits(hf, ids)
     got = teacher_forced(ours(hf, hf.config.to_dict(), dtype=torch.float32), ids)
     assert (got - want).abs().max() < 1e-3
+
+
+class _FusedGemvs(TorchOps):
+    """The torch references with the batch-1 GEMVs switched on (the cuda backend's wiring), on the
+    CPU, counting the o_proj rows that come with their output gate."""
+
+    def __init__(self):
+        self.gated = 0
+
+    @staticmethod
+    def gemv_fits(k: int) -> bool:
+        return k % 8 == 0
+
+    def gemv_add(self, x, weight, residual, gate=None):
+        self.gated += gate is not None
+        return TorchOps.gemv_add(x, weight, residual, gate)
+
+
+def test_batch1_fused_decode_gates_o_projs_row_as_the_unfused_path():
+    """A gated attention at batch 1: o_proj's GEMV takes the attention's row with its gate (the
+    sigmoid and the product inside it) and decodes the greedy tokens of the unfused sequence."""
+    hf, raw = _hf("dense")
+    ids, params = random_ids(40, seed=5), SamplingParams(max_new_tokens=16, ignore_eos=True)
+    ops = _FusedGemvs()
+    fused = ours(hf, raw, ops=ops).generate([ids], params)[0][0].output_ids
+    assert fused == ours(hf, raw).generate([ids], params)[0][0].output_ids
+    assert ops.gated == 2 * 16  # two attention layers a step; the pipelined loop runs one step past the last
 
 
 # --- refused configs ---------------------------------------------------------------------------------

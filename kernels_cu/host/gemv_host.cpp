@@ -36,3 +36,12 @@ extern "C" void host_gemv(int kind, const bf16_t* w, const bf16_t* x, const bf16
         });
     gridDim = {1, 1, 1};
 }
+
+// gemv_gate_add_bf16 over `ctas` CTAs.
+extern "C" void host_gemv_gate_add(const bf16_t* w, const bf16_t* x, const bf16_t* gate, const bf16_t* residual,
+                                   bf16_t* out, int n, int k, int ctas) {
+    gridDim = {(unsigned)ctas, 1, 1};
+    for (int b = 0; b < ctas; ++b)
+        run_block({(unsigned)b, 0, 0}, GEMV_THREADS, [&] { gemv_gate_add_bf16(w, x, gate, residual, out, n, k); });
+    gridDim = {1, 1, 1};
+}

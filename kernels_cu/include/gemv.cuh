@@ -40,6 +40,27 @@ struct BfRow {
     __device__ Chunk chunk(int i) const { return *reinterpret_cast<const Chunk*>(p + i); }
 };
 
+// A row times sigmoid(gate) as stage_row's source: torch's ``x * torch.sigmoid(g)`` on bf16 tensors
+// (the sigmoid rounded to bf16, then the product), a gated attention's output before o_proj.
+struct GatedRow {
+    const bf16_t* p;
+    const bf16_t* g;
+    __device__ void operator()(int i, float* a) const {
+        float s[8];
+        load_vec<8>(p + i, a);
+        load_vec<8>(g + i, s);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) a[j] = round_bf16(a[j] * round_bf16(1.0f / (1.0f + expf(-s[j]))));
+    }
+    __device__ Chunk chunk(int i) const {
+        float a[8];
+        (*this)(i, a);
+        Chunk c;
+        store_vec<8>(reinterpret_cast<bf16_t*>(&c), a);
+        return c;
+    }
+};
+
 // The threads that stage a row of k elements: with the norm, add_rms_norm_bf16's block size.
 template <bool NORM>
 __device__ __forceinline__ int stage_threads(int k) {

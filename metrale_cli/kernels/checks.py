@@ -77,6 +77,10 @@ def _check_gemv(kind: str):
             w = w[:n]
             got, want = ops.gemv_add(x, w, r[:, :n]), r[:, :n].double() + x.double() @ w.double().T
             return compare(got, want, *bounds("gemv"))
+        if kind == "gate":  # the gated row's bytes are torch's; its product as gemv_add's
+            gated = x * torch.sigmoid(g[None])
+            got, want = ops.gemv_add(x, w[:n], r[:, :n], g[None]), ops.gemv_add(gated, w[:n], r[:, :n])
+            return compare_bytes(got, want)
         if kind == "logits":  # the bf16 outputs of gemv_norm, widened
             got, (want, _) = ops.gemv_norm_logits(x, r, g, 1e-6, w), ops.gemv_norm(x, r, g, 1e-6, w)
             return compare_bytes(got, want.float())
@@ -204,7 +208,7 @@ def _numeric_checks() -> dict[str, Callable]:
     """{``module::function``: check(ops, head_dim) -> problem or None} for every kernel."""
     from metrale_cli.kernels.kv_kernels import WHT_KERNELS, kv_kernels
     from metrale_cli.kernels.table import (
-        ADD_RMS_NORM, DECODE_ADVANCE, GEMM_ROWS, GEMM_ROWS_SWIGLU, GEMV_ADD, GEMV_NORM, GEMV_NORM_LOGITS, GEMV_NORM_SWIGLU, RMS_NORM,
+        ADD_RMS_NORM, DECODE_ADVANCE, GEMM_ROWS, GEMM_ROWS_SWIGLU, GEMV_ADD, GEMV_GATE_ADD, GEMV_NORM, GEMV_NORM_LOGITS, GEMV_NORM_SWIGLU, RMS_NORM,
         ROPE, SILU_AND_MUL,
     )
     from metrale_cli.kv.dtypes import HEAD_DIMS
@@ -213,7 +217,8 @@ def _numeric_checks() -> dict[str, Callable]:
               str(ROPE[0]): _check_rope, str(SILU_AND_MUL[0]): _check_silu,
               str(GEMV_NORM[0]): _check_gemv("norm"), str(GEMV_NORM_SWIGLU[0]): _check_gemv("swiglu"),
               str(GEMV_NORM_LOGITS[0]): _check_gemv("logits"),
-              str(GEMV_ADD[0]): _check_gemv("add"), str(DECODE_ADVANCE[0]): _check_decode_advance}
+              str(GEMV_ADD[0]): _check_gemv("add"), str(GEMV_GATE_ADD[0]): _check_gemv("gate"),
+              str(DECODE_ADVANCE[0]): _check_decode_advance}
     checks.update({str(spec): _check_wht(inverse) for inverse, spec in enumerate(WHT_KERNELS)})
     checks.update({str(spec): _check_gemm_rows(variant) for variant, spec in GEMM_ROWS.items()})
     checks[str(GEMM_ROWS_SWIGLU)] = _check_gemm_rows_swiglu

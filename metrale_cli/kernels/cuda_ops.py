@@ -27,7 +27,7 @@ from metrale_cli.kernels.registry import module_for
 from metrale_cli.kernels.table import (
     ADD_RMS_NORM, DECODE_ADVANCE, GEMM_ROWS_KC, GEMM_ROWS_MAX, GEMM_ROWS_SIG, GEMM_ROWS_SWIGLU,
     GEMM_ROWS_SWIGLU_VARIANT, GEMM_ROWS_THREADS, GEMV_ADD,
-    GEMV_CTAS_PER_SM, GEMV_MAX_K, GEMV_NORM, GEMV_NORM_LOGITS,
+    GEMV_CTAS_PER_SM, GEMV_GATE_ADD, GEMV_MAX_K, GEMV_NORM, GEMV_NORM_LOGITS,
     GEMV_NORM_SWIGLU, GEMV_THREADS, RMS_NORM, ROPE, SILU_AND_MUL, STEP_SLICE, STEP_THREADS, WHT_ROWS_PER_CTA,
     WHT_SIG, gemm_rows_launch, gemm_rows_variant,
 )
@@ -138,11 +138,17 @@ class CudaOps(CudaMoe, CudaGdn, CudaLauncher):
                      None if residual is None else s, out, n, k, eps, pdl=True)
         return out, s
 
-    def gemv_add(self, x, weight, residual):
+    def gemv_add(self, x, weight, residual, gate=None):
         k = self._gemv_shape(x, weight)
         out = torch.empty(1, weight.shape[0], dtype=residual.dtype, device=residual.device)
-        self._launch(GEMV_ADD, self._gemv_grid(x.device), (GEMV_THREADS,), weight, _ready(x), _ready(residual), out,
-                     weight.shape[0], k, pdl=True)
+        if gate is None:
+            self._launch(GEMV_ADD, self._gemv_grid(x.device), (GEMV_THREADS,), weight, _ready(x), _ready(residual), out,
+                         weight.shape[0], k, pdl=True)
+        else:
+            if gate.shape != x.shape:
+                raise MetraleError(f"the output gate {tuple(gate.shape)} does not match the row {tuple(x.shape)}")
+            self._launch(GEMV_GATE_ADD, self._gemv_grid(x.device), (GEMV_THREADS,), weight, _ready(x), _ready(gate),
+                         _ready(residual), out, weight.shape[0], k, pdl=True)
         return out
 
     def decode_advance(self, logits, step: StepBuffers, rows: int) -> None:

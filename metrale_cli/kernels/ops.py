@@ -238,10 +238,12 @@ class Ops(Protocol):
         """:meth:`gemv_norm` with ``gate_up``: (2I, H) = [gate; up], followed by
         :meth:`silu_and_mul` -> ((1, I), s)."""
 
-    def gemv_add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def gemv_add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                 gate: torch.Tensor | None = None) -> torch.Tensor:
         """One row, the residual add fused into the projection before it: x: (1, K),
         weight: (N, K), residual: (1, N) -> residual + F.linear(x, weight), rounded once more to
-        the dtype as torch's add does; a new tensor."""
+        the dtype as torch's add does; a new tensor. With ``gate`` (1, K), x is first
+        ``x * torch.sigmoid(gate)`` in its dtype (a gated attention's output before o_proj)."""
 
     def decode_advance(self, logits: torch.Tensor | None, step: StepBuffers, rows: int) -> None:
         """The end of a decode step over the first ``rows`` rows of ``step``. With ``logits``

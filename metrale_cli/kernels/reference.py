@@ -131,8 +131,8 @@ def gemv_norm_swiglu(x, residual, norm_weight, eps, gate_up):
     return silu_and_mul(y), s
 
 
-def gemv_add(x, weight, residual):
-    return residual + F.linear(x, weight)
+def gemv_add(x, weight, residual, gate=None):
+    return residual + F.linear(x if gate is None else x * torch.sigmoid(gate), weight)
 
 
 def decode_advance(logits, step: StepBuffers, rows: int) -> None:

@@ -123,7 +123,7 @@ MODULES: dict[str, KernelModule] = {
         KernelModule("activation", "activation.cu", (), ("silu_and_mul_bf16",)),
         # Batch-1 decode GEMVs fused with the norm before them or the residual add after them.
         KernelModule("gemv", "gemv.cu", (), ("gemv_norm_bf16", "gemv_norm_logits_bf16", "gemv_norm_swiglu_bf16",
-                                             "gemv_add_bf16")),
+                                             "gemv_add_bf16", "gemv_gate_add_bf16")),
         # Projections of 2-16 rows (decode steps of a batch) from a ring of tensor-map copies.
         KernelModule("gemm_rows", "gemm_rows.cu", (), ("gemm_rows_bf16_t1_s4", "gemm_rows_bf16_t2_s4",
                                                        "gemm_rows_bf16_t2_s6", "gemm_rows_swiglu_bf16")),

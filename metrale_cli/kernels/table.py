@@ -63,6 +63,8 @@ GEMV_NORM_LOGITS = K("gemv::gemv_norm_logits_bf16"), Signature.parse(
     "w: bf16*, x: bf16*, residual: bf16*?, gamma: bf16*, sum_out: bf16*?, out: f32*, n: i32, k: i32, eps: f32"
 )
 GEMV_ADD = K("gemv::gemv_add_bf16"), Signature.parse("w: bf16*, x: bf16*, residual: bf16*, out: bf16*, n: i32, k: i32")
+GEMV_GATE_ADD = K("gemv::gemv_gate_add_bf16"), Signature.parse(
+    "w: bf16*, x: bf16*, gate: bf16*, residual: bf16*, out: bf16*, n: i32, k: i32")
 DECODE_ADVANCE = K("decode_step::decode_advance"), Signature.parse(
     "logits: f32*?, vocab: i32, next_tokens: i64*, tokens: i64*, positions: i32*, seq_lens: i32*, slots: i32*, "
     "live: i32*, tables: i32*, max_blocks: i32, keys: i64*, counters: i32*"
@@ -128,7 +130,7 @@ def gemm_rows_launch(n: int, sms: int, variant: tuple[int, int]) -> tuple[Kernel
 
 # Launched by every layer (decode_advance: by every decode step) whatever the KV dtype.
 COMMON_KERNELS = tuple(k[0] for k in (RMS_NORM, ADD_RMS_NORM, ROPE, SILU_AND_MUL, GEMV_NORM, GEMV_NORM_LOGITS,
-                                      GEMV_NORM_SWIGLU, GEMV_ADD, DECODE_ADVANCE)) + tuple(GEMM_ROWS.values()) \
+                                      GEMV_NORM_SWIGLU, GEMV_ADD, GEMV_GATE_ADD, DECODE_ADVANCE)) + tuple(GEMM_ROWS.values()) \
     + (GEMM_ROWS_SWIGLU,)
 # The routed experts of a MoE FFN for up to MOE_DECODE_ROWS rows (moe.cu); more rows run
 # grouped GEMMs (torch._grouped_mm) between moe.cu's routing of many rows and its combine.

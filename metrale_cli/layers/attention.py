@@ -141,8 +141,9 @@ class Qwen3AttentionLayer:
         """One token through the fused GEMVs: returns (hidden + attention + FFN, None)."""
         w, ops = self.weights, self.ops
         qkv, stream = ops.gemv_norm(hidden, residual, self.input_norm, self.eps, w.qkv)
-        out = self._gated(self._decode_attention(qkv, ctx), qkv)
-        stream = ops.gemv_add(out, w.o, stream)
+        a = self.spec.attention
+        out = self._decode_attention(qkv, ctx).reshape(1, a.q_size)
+        stream = ops.gemv_add(out, w.o, stream, qkv[:, -a.q_size:] if a.output_gate else None)
         return self.ffn.add_row(stream, self.ffn_norm, self.eps), None
 
     def _attention(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
