@@ -71,3 +71,33 @@ def test_host_write_and_read_equal_the_torch_codecs(codec, side, head_dim):
         out = out * pool.scale  # the kernels fold the per-tensor scale into the scores / output
     expected = load(pool, torch.arange(pool.num_blocks, dtype=torch.int32), slots_all)
     assert torch.equal(out, expected)
+
+
+def test_software_e4m3_of_gpus_below_sm_89_is_the_conversion_instruction(tmp_path_factory):
+    """numeric.cuh's e4m3 in software (what sm_80 compiles in place of cvt.rn.satfinite.e4m3x2.f32
+    and cvt.rn.f16x2.e4m3x2): RNE bytes, +-448 past the range, NaN kept; each byte's exact f16.
+    Held to torch's float8_e4m3fn (after the saturation it lacks) and to the CPU emulation."""
+    lib = build_host_library("kv_codec_host.cpp", tmp_path_factory.mktemp("e4m3"))
+    fn = lib.e4m3_software_host
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+    g = torch.Generator().manual_seed(0)
+    codes = torch.arange(256, dtype=torch.uint8)
+    levels = codes.view(torch.float8_e4m3fn).float()
+    finite = levels[torch.isfinite(levels)].unique()
+    mids = (finite[1:] + finite[:-1]) / 2  # every tie between neighbours (RNE picks the even code)
+    x = torch.cat([finite, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1),
+                   torch.randn(20000, generator=g) * 40, torch.rand(5000, generator=g) * 0.02,
+                   torch.tensor([447.9, 448.0, 463.9, 464.0, 480.0, 1e6, float("inf"), float("-inf"), 0.0, -0.0,
+                                 2.0 ** -10, 2.0 ** -9 * 1.5, 1e-30, float("nan"), -float("nan")])]).float()
+    x = torch.cat([x, -x]).contiguous()
+    got, emulated = torch.empty(x.numel(), dtype=torch.uint8), torch.empty(x.numel(), dtype=torch.uint8)
+    f16 = torch.empty(256, dtype=torch.int16)
+    fn(_ptr(x), _ptr(got), _ptr(emulated), x.numel(), _ptr(codes), _ptr(f16), 256)
+    nan = torch.isnan(x)
+    want = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(got[~nan], want[~nan]) and torch.equal(got[~nan], emulated[~nan])
+    assert torch.equal(got[nan] & 0x7f, torch.full_like(got[nan], 0x7f))
+    is_nan = (codes & 0x7f) == 0x7f
+    want16 = levels.half().view(torch.int16)
+    assert torch.equal(f16[~is_nan], want16[~is_nan])
+    assert f16[is_nan].tolist() == [0x7fff, -1]  # 0x7f, 0xff: sign | 0x7fff

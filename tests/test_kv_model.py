@@ -103,6 +103,29 @@ def test_turbo_needs_a_wht_head_dim():
     assert check_kernels(_planned(D.NVFP4, 96), "torch", CPU) is None  # nvfp4 is not rotated
 
 
+@pytest.mark.parametrize("arch, loads_projections", [("sm_90", True), ("sm_89", False), ("sm_80", False)])
+def test_the_start_up_check_loads_the_sm_90_projections_on_sm_90_only(monkeypatch, arch, loads_projections):
+    """On an older GPU the projections of up to 16 rows run in cuBLAS, so the start-up check must
+    neither load gemm_rows.cu's kernels (they do not compile there) nor refuse to start for them."""
+    from metrale_cli.kernels import loader as loader_mod
+    from metrale_cli.kernels.table import SM90_KERNELS
+
+    asked = []
+
+    class Loader:
+        def function(self, spec, device):
+            asked.append(spec)
+            if spec in SM90_KERNELS and arch != "sm_90":
+                raise MetraleError("does not compile for " + arch)
+
+    monkeypatch.setattr(loader_mod, "KernelLoader", Loader)
+    monkeypatch.setattr(loader_mod, "device_arch", lambda index: arch)
+    monkeypatch.setattr(loader_mod, "device_index", lambda device: 0)
+    assert isinstance(check_kernels(_planned(D.BF16, 128), "cuda", torch.device("cuda", 0)), Loader)
+    assert any(s in SM90_KERNELS for s in asked) == loads_projections
+    assert len(asked) > 10  # the rest of the layer's kernels are still loaded
+
+
 # --- InnerQ -----------------------------------------------------------------------------------
 def test_channel_scales_rule():
     flat = torch.ones(2, 64)

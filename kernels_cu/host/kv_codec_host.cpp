@@ -70,3 +70,15 @@ extern "C" int kv_codec_host(int side, int head_dim, int write, const bf16_t* sr
     }
     return 2;
 }
+
+// numeric.cuh's software e4m3 (the conversions of GPUs below sm_89) over n values: x -> bytes,
+// and bytes -> their f16 bits; and the emulation's own conversion of x, for the tests to hold the
+// two to each other and to torch's e4m3fn.
+extern "C" void e4m3_software_host(const float* x, unsigned char* bytes, unsigned char* emulated, int n,
+                                   const unsigned char* codes, unsigned short* f16, int m) {
+    for (int i = 0; i < n; ++i) {
+        bytes[i] = (unsigned char)e4m3_from_f32(x[i]);
+        emulated[i] = (unsigned char)(f32x2_to_e4m3x2(x[i], 0.0f) & 0xffu);
+    }
+    for (int i = 0; i < m; ++i) f16[i] = (unsigned short)e4m3_to_f16_bits(codes[i]);
+}

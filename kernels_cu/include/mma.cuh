@@ -74,22 +74,35 @@ __device__ __forceinline__ void unpack_f16x2(unsigned v, float& lo, float& hi) {
 // halves are split inside the asm so that the conversion reads the high one in place (R.H1), with
 // no shift before it.
 __device__ __forceinline__ unsigned e4m3x4_lo_to_f16x2(unsigned v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890  // no e4m3 conversion: numeric.cuh's, the same bits
+    return e4m3_to_f16_bits(v & 0xffu) | e4m3_to_f16_bits((v >> 8) & 0xffu) << 16;
+#else
     unsigned d;
     asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;\n}" : "=r"(d) : "r"(v));
     return d;
+#endif
 }
 __device__ __forceinline__ unsigned e4m3x4_hi_to_f16x2(unsigned v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+    return e4m3_to_f16_bits((v >> 16) & 0xffu) | e4m3_to_f16_bits(v >> 24) << 16;
+#else
     unsigned d;
     asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;\n}" : "=r"(d) : "r"(v));
     return d;
+#endif
 }
 
 // a * b, two bf16 lanes, each rounded to bf16 (RNE) once: the product of two bf16 values is exact
 // in fp32, so this equals round_bf16(float(a) * float(b)) lane by lane.
 __device__ __forceinline__ unsigned mul_bf16x2(unsigned a, unsigned b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900  // no bf16 multiply: the fp32 product, rounded once
+    return pack_bf16x2(__uint_as_float(a << 16) * __uint_as_float(b << 16),
+                       __uint_as_float(a & 0xffff0000u) * __uint_as_float(b & 0xffff0000u));
+#else
     unsigned d;
     asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
     return d;
+#endif
 }
 
 // a * b, two f16 lanes, each rounded to f16 (RNE) once.

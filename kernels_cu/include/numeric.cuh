@@ -25,10 +25,44 @@ __device__ __forceinline__ float round_bf16(float f) { return bf16_to_f32(f32_to
 // is rounded where it is stored).
 __device__ __forceinline__ float silu_mul(float g, float u) { return round_bf16(g / (1.0f + expf(-g))) * u; }
 
+// e4m3 in software, for GPUs without the conversion instructions (below sm_89): the bytes of
+// cvt.rn.satfinite.e4m3x2.f32 (RNE; +-448 past the range, infinities too; NaN as 0x7f with its
+// sign) and the exact f16 of a byte (NaN as 0x7fff with its sign).
+__device__ __forceinline__ unsigned e4m3_from_f32(float x) {
+    const unsigned sign = (__float_as_uint(x) >> 24) & 0x80u;
+    const float a = fabsf(x);
+    if (!(a == a)) return sign | 0x7fu;
+    if (a >= 448.0f) return sign | 0x7eu;
+    if (a < 0.015625f) return sign | (unsigned)rintf(a * 512.0f);  // below 2^-6: quanta of 2^-9 (8: 2^-6)
+    const int e = (int)(__float_as_uint(a) >> 23) - 127;  // -6 .. 8: the quantum is 2^(e - 3)
+    const unsigned n = (unsigned)rintf(a * __uint_as_float((unsigned)(130 - e) << 23));  // 8 .. 16, exact scaling
+    return sign | (((unsigned)(e + 7) << 3) + n - 8);  // n = 16 carries into the next exponent
+}
+
+__device__ __forceinline__ unsigned e4m3_to_f16_bits(unsigned byte) {
+    const unsigned sign = (byte & 0x80u) << 8, e = (byte >> 3) & 15u, m = byte & 7u;
+    if (e == 15u && m == 7u) return sign | 0x7fffu;
+    if (e != 0u) return sign | (e + 8u) << 10 | m << 7;
+    if (m == 0u) return sign;
+    const unsigned p = m >= 4u ? 2u : (m >= 2u ? 1u : 0u);  // m * 2^-9: its leading bit, 2^(p - 9)
+    return sign | (p + 6u) << 10 | (m - (1u << p)) << (10u - p);
+}
+
 #ifdef METRALE_HOST_EMULATION
 // kernels_cu/host/: the same conversions in software, for the CPU emulation tests.
 unsigned short f32x2_to_e4m3x2(float lo, float hi);
 void e4m3x2_to_f32x2(unsigned short v, float& lo, float& hi);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+__device__ __forceinline__ unsigned short f32x2_to_e4m3x2(float lo, float hi) {
+    return (unsigned short)(e4m3_from_f32(lo) | e4m3_from_f32(hi) << 8);
+}
+
+__device__ __forceinline__ void e4m3x2_to_f32x2(unsigned short v, float& lo, float& hi) {
+    const unsigned short h_lo = (unsigned short)e4m3_to_f16_bits(v & 0xffu);
+    const unsigned short h_hi = (unsigned short)e4m3_to_f16_bits(v >> 8);
+    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(h_lo));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(h_hi));
+}
 #else
 // Two floats -> two e4m3 bytes (lo in bits 0-7), RNE, saturated to +-448 (NaN stays NaN).
 __device__ __forceinline__ unsigned short f32x2_to_e4m3x2(float lo, float hi) {

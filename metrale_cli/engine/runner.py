@@ -165,7 +165,7 @@ def check_kernels(cfg: ModelConfig, backend: str, device: torch.device, requeste
     the cuda backend every kernel they launch compiles and loads through CuPy, all problems
     reported in one message. Returns the kernel loader (cuda)."""
     from metrale_cli.kernels.kv_kernels import layer_kernels
-    from metrale_cli.kernels.table import GDN_KERNELS, MOE_KERNELS
+    from metrale_cli.kernels.table import GDN_KERNELS, MOE_KERNELS, for_arch
     from metrale_cli.kernels.requirements import validate_required_kv_kernels
 
     kv_layers = [s for s in cfg.layers if s.has_kv]
@@ -177,9 +177,10 @@ def check_kernels(cfg: ModelConfig, backend: str, device: torch.device, requeste
         for d, head_dim in used:
             TorchOps.paged_attention(d, head_dim)  # a rotated side refuses a head_dim the WHT does not serve
         return None
-    from metrale_cli.kernels.loader import KernelLoader
+    from metrale_cli.kernels.loader import KernelLoader, device_arch, device_index
 
     loader = KernelLoader()
+    arch = device_arch(device_index(device))
 
     def load(spec) -> str | None:
         try:
@@ -197,7 +198,7 @@ def check_kernels(cfg: ModelConfig, backend: str, device: torch.device, requeste
         specs.update(dict.fromkeys(MOE_KERNELS))
     if any(s.mixer == "gdn" for s in cfg.layers):
         specs.update(dict.fromkeys(GDN_KERNELS))
-    problems = {str(spec): why for spec in specs if (why := load(spec))}
+    problems = {str(spec): why for spec in for_arch(specs, arch) if (why := load(spec))}
     if problems:
         raise MetraleError(f"the cuda backend needs kernel(s) that do not load: {', '.join(problems)}",
                            hint="; ".join(sorted(set(problems.values()))))

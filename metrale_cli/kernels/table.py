@@ -87,6 +87,17 @@ GEMM_ROWS = {(t, s): K(f"gemm_rows::gemm_rows_bf16_t{t}_s{s}") for t, s in ((1, 
 # A dense FFN's gate/up and SwiGLU (w = [gate | up], y = silu(gate) * up), launched as the 2/4 variant.
 GEMM_ROWS_SWIGLU = K("gemm_rows::gemm_rows_swiglu_bf16")
 GEMM_ROWS_SWIGLU_VARIANT = (2, 4)
+# Kernels built on sm_90 instructions (tensor-map copies, transaction barriers); on an older GPU the
+# projections they serve run in cuBLAS (CudaOps.linear), so they are neither loaded nor required.
+SM90_KERNELS = frozenset((*GEMM_ROWS.values(), GEMM_ROWS_SWIGLU))
+
+
+def for_arch(specs, arch: str) -> list:
+    """``specs`` less those a GPU of ``arch`` ("sm_89", ...) does not run (SM90_KERNELS below sm_90)."""
+    major_minor = int(arch.removeprefix("sm_"))
+    return [s for s in specs if major_minor >= 90 or s not in SM90_KERNELS]
+
+
 SM_SHARED_BYTES = 233472  # an H100 / H200 SM's shared memory (228 KB), 1 KB of it reserved a CTA
 
 

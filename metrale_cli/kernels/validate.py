@@ -1,8 +1,9 @@
 """The library behind ``metrale validate-kernels``: is every kernel a dtype needs here and right?
 
 Without a GPU each kernel is compiled to an sm_90 cubin (compile.py) and its symbol looked up;
-the numeric column says "skipped (no GPU)". On a GPU each kernel is loaded through CuPy and
-checked against its torch reference (``checks.py``). A passed check is recorded in the kernel
+the numeric column says "skipped (no GPU)". On a GPU each kernel it runs (below sm_90 not the
+sm_90-only projections, table.SM90_KERNELS) is loaded through CuPy and checked against its torch
+reference (``checks.py``). A passed check is recorded in the kernel
 cache, keyed by the kernel, head_dim, the module's source digest (its cubin's inputs), the GPU,
 the driver and the checks' own sources: a later run on the same GPU loads the kernels and reuses
 those verdicts without importing torch (``recheck`` runs every check again). Nothing is printed
@@ -24,6 +25,7 @@ from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.compile import check_modules, kernel_cache_dir, source_digest
 from metrale_cli.kernels.kv_kernels import kernels_to_validate, kv_kernels
 from metrale_cli.kernels.registry import KernelSpec, module_for
+from metrale_cli.kernels.table import for_arch
 from metrale_cli.kv.dtypes import HEAD_DIMS, concrete
 
 SKIPPED = "skipped (no GPU)"
@@ -86,6 +88,10 @@ def validate_kernels(dtype, head_dim: int = 128, progress: Progress | None = Non
     gpu = gpu_count() > 0 if on_gpu is None else on_gpu
     d = concrete(dtype)
     specs = kernels_to_validate(d, check_head_dim(head_dim))
+    if gpu:  # what this GPU runs: the sm_90-only kernels are not used on an older one
+        from metrale_cli.kernels.loader import current_device, device_arch
+
+        specs = for_arch(specs, device_arch(current_device()))
     unserved = kv_kernels(d, head_dim).unserved()
     start, cold = time.perf_counter(), 0.0
     rows = []
