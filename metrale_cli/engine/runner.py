@@ -177,10 +177,11 @@ def check_kernels(cfg: ModelConfig, backend: str, device: torch.device, requeste
         for d, head_dim in used:
             TorchOps.paged_attention(d, head_dim)  # a rotated side refuses a head_dim the WHT does not serve
         return None
+    from metrale_cli.kernels.registry import ARCH
     from metrale_cli.kernels.loader import KernelLoader, device_arch, device_index
 
     loader = KernelLoader()
-    arch = device_arch(device_index(device))
+    arch = device_arch(device_index(device)) if device.type == "cuda" else ARCH  # the GPU's, else the build's
 
     def load(spec) -> str | None:
         try:
