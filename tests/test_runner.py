@@ -78,6 +78,25 @@ class _RecordingLoader:
         self.asked.append(spec)
 
 
+@pytest.mark.parametrize("arch, head_dim, refused", [("sm_90", 256, False), ("sm_89", 128, True),
+                                                     ("sm_89", 64, False), ("sm_80", 128, False), ("sm_80", 256, True)])
+def test_a_hybrid_is_refused_at_start_up_where_its_prefill_chunk_does_not_fit_a_block(monkeypatch, arch, head_dim,
+                                                                                       refused):
+    """gdn_chunk_prep_f32 stages a 64-token chunk in shared memory (102 KB at head dims 128, 166
+    KB at 256): an sm_89 block may have 99 KB, an sm_80 one 163 KB."""
+    monkeypatch.setattr(loader, "KernelLoader", _RecordingLoader)
+    monkeypatch.setattr(loader, "device_arch", lambda index: arch)
+    monkeypatch.setattr(loader, "device_index", lambda device: 0)
+    raw = HYBRID | {"linear_key_head_dim": head_dim, "linear_value_head_dim": head_dim}
+    planned = plan(model_config(raw), KvCacheDtype.BF16, RunnerOptions())
+    if not refused:
+        assert check_kernels(planned, "cuda", torch.device("cuda", 0)) is not None
+        return
+    with pytest.raises(MetraleError, match=f"Gated DeltaNet prefill kernel needs .* an {arch} GPU allows") as e:
+        check_kernels(planned, "cuda", torch.device("cuda", 0))
+    assert "--backend torch" in e.value.hint
+
+
 @pytest.mark.parametrize("raw, gdn", [(TINY, False), (HYBRID, True)])
 def test_the_cuda_start_up_check_loads_the_gdn_kernels_of_a_hybrid(monkeypatch, raw, gdn):
     monkeypatch.setattr(loader, "KernelLoader", _RecordingLoader)

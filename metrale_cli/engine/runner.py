@@ -197,13 +197,30 @@ def check_kernels(cfg: ModelConfig, backend: str, device: torch.device, requeste
     specs = dict.fromkeys(spec for d, head_dim in used for spec in layer_kernels(d, head_dim))
     if any(s.ffn.kind == "moe" for s in cfg.layers):
         specs.update(dict.fromkeys(MOE_KERNELS))
-    if any(s.mixer == "gdn" for s in cfg.layers):
+    gdn = [s.gdn for s in cfg.layers if s.mixer == "gdn"]
+    if gdn:
         specs.update(dict.fromkeys(GDN_KERNELS))
+        _check_gdn_shared(gdn, arch)
     problems = {str(spec): why for spec in for_arch(specs, arch) if (why := load(spec))}
     if problems:
         raise MetraleError(f"the cuda backend needs kernel(s) that do not load: {', '.join(problems)}",
                            hint="; ".join(sorted(set(problems.values()))))
     return loader
+
+
+def _check_gdn_shared(specs, arch: str) -> None:
+    """The chunked Gated DeltaNet prefill kernel (gdn_chunk_prep_f32) stages a chunk in shared
+    memory: refuse at start-up a GPU whose blocks may not have that much (sm_89 at head dims 128,
+    sm_80 at 256), rather than fail at the first prompt."""
+    from metrale_cli.kernels.table import BLOCK_SHARED_OPTIN, gdn_prep_shared_bytes
+
+    have = BLOCK_SHARED_OPTIN.get(arch)
+    need = max(gdn_prep_shared_bytes(g.head_k_dim, g.head_v_dim) for g in specs)
+    if have is not None and need > have:
+        g = max(specs, key=lambda g: gdn_prep_shared_bytes(g.head_k_dim, g.head_v_dim))
+        raise MetraleError(f"the Gated DeltaNet prefill kernel needs {need:,} bytes of shared memory a block "
+                           f"(head dims {g.head_k_dim} x {g.head_v_dim}); an {arch} GPU allows {have:,}",
+                           hint="use --backend torch for this model on this GPU")
 
 
 def context_length(cfg: ModelConfig, opts: RunnerOptions) -> int:

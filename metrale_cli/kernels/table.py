@@ -240,6 +240,12 @@ GDN_PREP_MAX_DV = 256
 GDN_PREP_BLOCK = 16  # its solve's blocks
 
 
+# The most shared memory one block may opt into, by architecture (the CUDA programming guide's
+# table): sm_80 / sm_87 163 KB, sm_86 / sm_89 / sm_120 99 KB, sm_90 / sm_100 227 KB.
+BLOCK_SHARED_OPTIN = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376, "sm_90": 232448,
+                      "sm_100": 232448, "sm_120": 101376}
+
+
 def gdn_prep_shared_bytes(dk: int, dv: int, chunk: int = 64) -> int:
     """gdn_chunk_prep_f32's dynamic shared memory: k rows, v-then-q rows (pitch width + 4), A and
     T (L x L), c, beta and exp(c), the solve's three block sums."""
