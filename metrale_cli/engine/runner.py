@@ -215,9 +215,9 @@ def _check_gdn_shared(specs, arch: str) -> None:
     from metrale_cli.kernels.table import BLOCK_SHARED_OPTIN, gdn_prep_shared_bytes
 
     have = BLOCK_SHARED_OPTIN.get(arch)
-    need = max(gdn_prep_shared_bytes(g.head_k_dim, g.head_v_dim) for g in specs)
+    g = max(specs, key=lambda g: gdn_prep_shared_bytes(g.head_k_dim, g.head_v_dim))
+    need = gdn_prep_shared_bytes(g.head_k_dim, g.head_v_dim)
     if have is not None and need > have:
-        g = max(specs, key=lambda g: gdn_prep_shared_bytes(g.head_k_dim, g.head_v_dim))
         raise MetraleError(f"the Gated DeltaNet prefill kernel needs {need:,} bytes of shared memory a block "
                            f"(head dims {g.head_k_dim} x {g.head_v_dim}); an {arch} GPU allows {have:,}",
                            hint="use --backend torch for this model on this GPU")

@@ -141,9 +141,8 @@ class Qwen3AttentionLayer:
         """One token through the fused GEMVs: returns (hidden + attention + FFN, None)."""
         w, ops = self.weights, self.ops
         qkv, stream = ops.gemv_norm(hidden, residual, self.input_norm, self.eps, w.qkv)
-        a = self.spec.attention
-        out = self._decode_attention(qkv, ctx).reshape(1, a.q_size)
-        stream = ops.gemv_add(out, w.o, stream, qkv[:, -a.q_size:] if a.output_gate else None)
+        out = self._decode_attention(qkv, ctx).reshape(1, self.spec.attention.q_size)
+        stream = ops.gemv_add(out, w.o, stream, self._gate(qkv))
         return self.ffn.add_row(stream, self.ffn_norm, self.eps), None
 
     def _attention(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -157,12 +156,16 @@ class Qwen3AttentionLayer:
             out = self._decode_attention(qkv, ctx)
         return self.tp.reduce(self.ops.linear(self._gated(out, qkv), w.o, w.o_bias))
 
+    def _gate(self, qkv: torch.Tensor) -> torch.Tensor | None:
+        """The output gate's pre-activations (T, Hq*D): the last columns of qkv; None without one."""
+        a = self.spec.attention
+        return qkv[:, -a.q_size:] if a.output_gate else None
+
     def _gated(self, out: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """out (T, Hq, D) -> (T, Hq*D), times sigmoid(gate) with an output gate (HF's order: in the
         activations' dtype, before o_proj)."""
-        a = self.spec.attention
-        out = out.reshape(qkv.shape[0], a.q_size)
-        return out * torch.sigmoid(qkv[:, -a.q_size:]) if a.output_gate else out
+        out, gate = out.reshape(qkv.shape[0], self.spec.attention.q_size), self._gate(qkv)
+        return out if gate is None else out * torch.sigmoid(gate)
 
     def _decode_attention(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """One token per sequence: QK-norm, RoPE, the cache write and paged decode -> (B, Hq, D).
