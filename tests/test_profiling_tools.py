@@ -118,3 +118,13 @@ def test_a_layer_variant_names_a_registry_module_and_its_defines():
     for bad in ("nomodule:A=1", "gemv", "gemv:A", "gemv:=1"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_variant(bad)
+
+
+def test_the_expert_read_patterns_compile():
+    """tools/expert_read_patterns.py's pure-load kernels (its figures in docs/performance.md)."""
+    from tools.expert_read_patterns import KERNELS
+
+    module = KernelModule("expert_read_patterns", "../tools/expert_read_patterns.cu", (), KERNELS)
+    cubin, log = kc.compile_cubin(module)
+    assert cubin is not None, log
+    assert kc.function_symbols(cubin) == tuple(sorted(KERNELS))
