@@ -429,6 +429,9 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
         } else if (writes) {
             store_elements<Store, D>(a.v + b * a.v_stride + kvh * D, a.v_cache, slot, kvh, a.hk, a.v_scale);
         }
+#if defined(METRALE_TIMELINE) && TL_MARKS > 8
+        if (x / TC_WARPS < 3) TL_MARK(6 + x / TC_WARPS);  // warp 0 (thread 0 stamps): each row it staged
+#endif
     }
     if (idle && !clustered) {
         TL_MARK(5);

@@ -47,3 +47,16 @@ def test_a_launch_without_marks_is_left_out():
     assert tl._launch(stamps["moe"][3, 1]) is None
     chain = [k for k in tl.CHAIN if tl._launch(stamps[k[0]][k[1], 1]) is not None]
     assert [k[2] for k in tl.CHAIN if k not in chain] == ["moe_down_one"]
+
+
+def test_the_row_marks_build_s_extra_marks_are_read():
+    """--row-marks: nine marks a CTA; the attention's marks 6-8 (its staged rows) follow 2-5."""
+    m = np.zeros((3, tl.ROW_MARKS), dtype=np.uint64)
+    for c in range(3):
+        m[c, :6] = [1000, 2000 + c, 2500 + c, 3000 + c, 0, 4000]
+        m[c, 6:] = [2100 + c, 2200 + c, 0 if c else 2300]
+    r = tl._launch(m)
+    assert len(r["med"]) == tl.ROW_MARKS - 2
+    assert r["med"][4:6] == [pytest.approx(0.1), pytest.approx(0.2)]
+    assert r["med"][6] == pytest.approx(0.3) and r["slow"][6] == pytest.approx(0.3)  # one CTA reached it
+    assert np.isnan(r["med"][2])  # mark 4 never reached

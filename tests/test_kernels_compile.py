@@ -45,6 +45,18 @@ def test_the_timeline_builds_compile():
         assert set(module.functions) <= set(result.symbols)
 
 
+def test_the_row_marks_build_compiles():
+    """tools/decode_timeline.py --row-marks: the one-launch decode's module with nine marks a CTA."""
+    from tools.decode_timeline import ROW_MARKS
+
+    module = MODULES["paged_decode_tc"]
+    module = dataclasses.replace(module, defines=module.defines + (("METRALE_TIMELINE", "1"),
+                                                                   ("TL_MARKS", str(ROW_MARKS))))
+    cubin, log = kc.compile_cubin(module)
+    assert cubin is not None, log
+    assert set(module.functions) <= set(kc.function_symbols(cubin))
+
+
 def test_warm_check_is_served_from_the_disk_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("METRALE_CACHE_DIR", str(tmp_path))
     module = MODULES["rope"]

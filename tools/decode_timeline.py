@@ -19,7 +19,9 @@ for the middle layers, each launch is split into:
 hop + span summed over the launches is the layer. The marks: gemv 2 = the row staged (norm);
 attention 2 = q staged and the new K / V written, 3 = the split's decode, 4 = the split counter
 taken (none where the splits combine in a cluster); router 2 = the row staged, 3 = logits stored, 4 = the last-CTA counter; gate/up 2 = the
-plan read; down (batch 1's one CTA a column tile) 2 = every slot's y in shared memory.
+plan read; down (batch 1's one CTA a column tile) 2 = every slot's y in shared memory. With
+--row-marks the build keeps three more (TL_MARKS 9): the attention's 6, 7, 8 = warp 0's first,
+second and third staged row done (query heads 0 and 4, then the new key in the writing CTA).
 """
 
 from __future__ import annotations
@@ -36,18 +38,20 @@ from tools import moe_layer_launches
 
 TIMED = ("gemv", "moe", "paged_decode_tc")
 KINDS, LAUNCHES, CTAS, MARKS = 4, 64, 2048, 6
+ROW_MARKS = 9  # the build with the attention's row marks (--row-marks)
 # The layer's launches in order: (module, kind in timeline.cuh's numbering, name)
 CHAIN = (("gemv", 0, "q/k/v gemv_norm"), ("paged_decode_tc", 0, "attention"), ("gemv", 1, "o gemv_add"),
          ("moe", 0, "moe_router"), ("moe", 1, "moe_gate_up"), ("moe", 3, "moe_down_one"))
 
 
-def _timed_modules() -> None:
+def _timed_modules(marks: int = MARKS) -> None:
+    extra = (("TL_MARKS", str(marks)),) if marks != MARKS else ()
     for name in TIMED:
         m = registry.MODULES[name]
-        registry.MODULES[name] = dataclasses.replace(m, defines=m.defines + (("METRALE_TIMELINE", "1"),))
+        registry.MODULES[name] = dataclasses.replace(m, defines=m.defines + (("METRALE_TIMELINE", "1"),) + extra)
 
 
-def _globals(ops: CudaOps, name: str):
+def _globals(ops: CudaOps, name: str, marks: int = MARKS):
     """The module's timeline arrays (marks, CTA counts), or None where it was not loaded."""
     import cupy as cp
 
@@ -55,9 +59,9 @@ def _globals(ops: CudaOps, name: str):
     raw = ops.loader._modules.get((module.name, module.defines, device_arch(0), 0))
     if raw is None:
         return None
-    marks = cp.ndarray((KINDS, LAUNCHES, CTAS, MARKS), dtype=cp.uint64, memptr=raw.get_global("metrale_timeline"))
+    stamps = cp.ndarray((KINDS, LAUNCHES, CTAS, marks), dtype=cp.uint64, memptr=raw.get_global("metrale_timeline"))
     counts = cp.ndarray((KINDS,), dtype=cp.uint32, memptr=raw.get_global("metrale_timeline_ctas"))
-    return marks, counts
+    return stamps, counts
 
 
 def _launch(m: np.ndarray) -> dict | None:
@@ -66,7 +70,7 @@ def _launch(m: np.ndarray) -> dict | None:
     if not len(m):
         return None
     waited = m[:, 1]
-    marks = [m[:, j] - waited for j in range(2, MARKS)]  # -waited where a mark was not reached
+    marks = [m[:, j] - waited for j in range(2, m.shape[1])]  # -waited where a mark was not reached
     return dict(ctas=len(m), first=waited.min(), spread=np.median(waited) - waited.min(), end=m[:, 5].max(),
                 med=[np.median(x[x >= 0]) if (x >= 0).any() else np.nan for x in marks],
                 slow=[x.max() if (x >= 0).any() else np.nan for x in marks])
@@ -75,7 +79,8 @@ def _launch(m: np.ndarray) -> dict | None:
 def _replay(a) -> tuple[dict, float]:
     """The layer chain captured in a graph and replayed with the marks zeroed first: each loaded
     module's marks (ns) and the replay's µs a layer."""
-    _timed_modules()
+    per_cta = ROW_MARKS if a.row_marks else MARKS
+    _timed_modules(per_cta)
     ops = CudaOps()
     layer = moe_layer_launches.build(a, ops)["whole layer"]
     for i in range(a.layers):
@@ -87,7 +92,7 @@ def _replay(a) -> tuple[dict, float]:
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()
-    loaded = {name: g for name in TIMED if (g := _globals(ops, name)) is not None}
+    loaded = {name: g for name in TIMED if (g := _globals(ops, name, per_cta)) is not None}
     for marks, counts in loaded.values():
         marks.fill(0)
         counts.fill(0)
@@ -134,7 +139,10 @@ def _report(chain: list, rows: dict, hops: list, missing: list) -> None:
 
 
 def main() -> None:
-    a = moe_layer_launches.parser().parse_args()
+    p = moe_layer_launches.parser()
+    p.add_argument("--row-marks", action="store_true",
+                   help="also stamp the attention's staged rows (marks 6-8; a build with TL_MARKS 9)")
+    a = p.parse_args()
     if a.dense:
         raise SystemExit("decode_timeline follows a MoE layer's launches: --dense is not served")
     stamps, us_layer = _replay(a)

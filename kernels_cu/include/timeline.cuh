@@ -4,14 +4,16 @@
 // metrale_timeline[kind][launch % TL_LAUNCHES][cta][mark], kind naming the kernel within its
 // module and launch counted per kind (every CTA of a launch starts before the next launch's
 // first, as programmatic launches are let in only once all CTAs of the one before have started).
-// Mark 0 is the CTA's start, 1 the return of its PDL wait, TL_MARKS - 1 its end.
+// Mark 0 is the CTA's start, 1 the return of its PDL wait, 5 its end.
 #pragma once
 
 #ifdef METRALE_TIMELINE
 #define TL_KINDS 4
 #define TL_LAUNCHES 64
 #define TL_CTAS 2048
-#define TL_MARKS 6
+#ifndef TL_MARKS
+#define TL_MARKS 6  // 9 with tools/decode_timeline.py --row-marks (marks 6-8: the one-launch decode's rows)
+#endif
 __device__ unsigned long long metrale_timeline[TL_KINDS][TL_LAUNCHES][TL_CTAS][TL_MARKS];
 __device__ unsigned metrale_timeline_ctas[TL_KINDS];
 
