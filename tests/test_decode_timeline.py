@@ -60,3 +60,10 @@ def test_the_row_marks_build_s_extra_marks_are_read():
     assert r["med"][4:6] == [pytest.approx(0.1), pytest.approx(0.2)]
     assert r["med"][6] == pytest.approx(0.3) and r["slow"][6] == pytest.approx(0.3)  # one CTA reached it
     assert np.isnan(r["med"][2])  # mark 4 never reached
+
+
+def test_a_head_dim_256_layer_times_the_wide_module_s_attention():
+    """Qwen3-Next's attention (head_dim 256) runs in paged_decode_tc_wide, whose marks are read too."""
+    assert "paged_decode_tc_wide" in tl.TIMED
+    assert [k[0] for k in tl.chain_for(256)] == ["gemv", "paged_decode_tc_wide", "gemv", "moe", "moe", "moe"]
+    assert tl.chain_for(128) == tl.CHAIN

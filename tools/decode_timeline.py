@@ -36,12 +36,19 @@ from metrale_cli.kernels.cuda_ops import CudaOps
 from metrale_cli.kernels.loader import device_arch
 from tools import moe_layer_launches
 
-TIMED = ("gemv", "moe", "paged_decode_tc")
+TIMED = ("gemv", "moe", "paged_decode_tc", "paged_decode_tc_wide")
 KINDS, LAUNCHES, CTAS, MARKS = 4, 64, 2048, 6
 ROW_MARKS = 9  # the build with the attention's row marks (--row-marks)
 # The layer's launches in order: (module, kind in timeline.cuh's numbering, name)
 CHAIN = (("gemv", 0, "q/k/v gemv_norm"), ("paged_decode_tc", 0, "attention"), ("gemv", 1, "o gemv_add"),
          ("moe", 0, "moe_router"), ("moe", 1, "moe_gate_up"), ("moe", 3, "moe_down_one"))
+
+
+def chain_for(head_dim: int) -> tuple:
+    """CHAIN with the attention launch of ``head_dim``'s module (head_dim 256: paged_decode_tc_wide)."""
+    attention = registry.tc_module(head_dim)
+    return tuple((attention, kind, name) if module == "paged_decode_tc" else (module, kind, name)
+                 for module, kind, name in CHAIN)
 
 
 def _timed_modules(marks: int = MARKS) -> None:
@@ -149,9 +156,10 @@ def main() -> None:
     print(f"batch-1 MoE layer, hidden {a.hidden}, {a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}, "
           f"{a.experts} experts of {a.inter} (top {a.top_k}), context {a.context}, {a.layers} layers: "
           f"{us_layer:.2f} µs a layer in this replay (the timeline build)")
-    chain = [key for key in CHAIN if key[0] in stamps and _launch(stamps[key[0]][key[1], 1]) is not None]
+    full = chain_for(a.head_dim)
+    chain = [key for key in full if key[0] in stamps and _launch(stamps[key[0]][key[1], 1]) is not None]
     rows, hops = _per_layer(stamps, chain, a.layers)
-    _report(chain, rows, hops, [key[2] for key in CHAIN if key not in chain])
+    _report(chain, rows, hops, [key[2] for key in full if key not in chain])
 
 
 if __name__ == "__main__":
