@@ -35,6 +35,7 @@
 #include "pdl.cuh"
 #include "reduce.cuh"
 #include "rms_row.cuh"
+#include "timeline.cuh"
 
 #define GDN_SPLIT 4            // threads per state column
 #define GDN_MAX_DV 256         // the largest Dv served
@@ -138,6 +139,7 @@ template <int DK, bool ONE>
 __device__ void gdn_head(const GdnArgs& g) {
     constexpr int ROWS = DK / GDN_SPLIT;  // state rows per thread
     __shared__ float qs[DK], ks[DK];
+    TL_BEGIN(ONE ? 1 : 0);  // marks: 2 q / k normalised, 3 the state updated, 4 the gated norm's sum
     const int h = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
     const int j = tid / GDN_SPLIT, quarter = tid % GDN_SPLIT;  // lane = column_in_warp * 4 + quarter
     const int hk = g.num_k_heads, hv = g.num_v_heads, dv = g.head_v_dim, group = hv / hk, kh = h / group;
@@ -173,6 +175,7 @@ __device__ void gdn_head(const GdnArgs& g) {
         for (int r = 0; r < ROWS; ++r) s[r] = column ? __ldcg(state + (long long)r * GDN_SPLIT * dv) : 0.0f;
         pdl_wait();
         pdl_launch_dependents();
+        TL_MARK(1);
         const float iq = qk ? bf16_to_f32(g.mixed[cq]) : 0.0f, iv = column ? bf16_to_f32(g.mixed[cv]) : 0.0f;
         z = lead ? bf16_to_f32(g.z[h * dv + j]) : 0.0f;
         b_in = bf16_to_f32(g.b[h]);
@@ -203,6 +206,7 @@ __device__ void gdn_head(const GdnArgs& g) {
             prefetch_head<DK>(g, h, row, kh, channels);
         pdl_wait();
         pdl_launch_dependents();
+        TL_MARK(1);
         const int slot = g.slots[row], p = g.positions[row];
         float* window = g.conv_pool + (long long)slot * g.taps * channels;
         state = g.state_pool + ((long long)slot * hv + h) * DK * dv + (long long)quarter * dv + j;
@@ -223,6 +227,7 @@ __device__ void gdn_head(const GdnArgs& g) {
         z = lead ? bf16_to_f32(g.z[(long long)row * g.z_stride + h * dv + j]) : 0.0f;
     }
     const float rq = 1.0f / sqrtf(block_sum(qq) + 1e-6f), rk = 1.0f / sqrtf(block_sum(kk) + 1e-6f);
+    TL_MARK(2);
     const float root_dk = sqrtf((float)DK);
     for (int i = tid; i < DK; i += blockDim.x) qs[i] = qs[i] * rq / root_dk, ks[i] *= rk;
     if constexpr (!ONE) {
@@ -243,6 +248,7 @@ __device__ void gdn_head(const GdnArgs& g) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) s[r] += ks[r * GDN_SPLIT + quarter] * delta;
     const float o = round_bf16(column_dot<DK>(s, qs, quarter));
+    TL_MARK(3);
     if (column) {
         // The stores' addresses from an opaque copy of the row stride, so that the compiler need
         // not keep the loads' Dk/4 64-bit addresses live (no measured effect on the registers).
@@ -251,7 +257,9 @@ __device__ void gdn_head(const GdnArgs& g) {
         for (int r = 0; r < ROWS; ++r) state[r * stride] = s[r];
     }
     const float r = inv_rms(block_sum(lead ? o * o : 0.0f), dv, g.eps);
+    TL_MARK(4);
     if (lead) g.out[((long long)row * hv + h) * dv + j] = f32_to_bf16(round_bf16(rms_scaled(o, w_norm, r)) * silu(z));
+    TL_MARK(5);
 }
 
 // grid = (Hv, B), block = GDN_SPLIT * Dv rounded up to a multiple of 32 (Dv <= GDN_MAX_DV). head_k_dim:

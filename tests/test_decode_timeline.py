@@ -67,3 +67,11 @@ def test_a_head_dim_256_layer_times_the_wide_module_s_attention():
     assert "paged_decode_tc_wide" in tl.TIMED
     assert [k[0] for k in tl.chain_for(256)] == ["gemv", "paged_decode_tc_wide", "gemv", "moe", "moe", "moe"]
     assert tl.chain_for(128) == tl.CHAIN
+
+
+def test_a_gated_deltanet_layer_times_its_mixer_s_three_launches():
+    """--gdn: the in-projection, gdn_decode_one_bf16 (gdn's kind 1) and the out-projection in
+    place of q/k/v, the attention and o_proj; the MoE launches after them as before."""
+    assert "gdn" in tl.TIMED
+    assert [k[:2] for k in tl.chain_for(128, gdn=True)] == [("gemv", 0), ("gdn", 1), ("gemv", 1), ("moe", 0),
+                                                            ("moe", 1), ("moe", 3)]

@@ -87,7 +87,9 @@ def test_prefill_host_timing_times_every_phase_from_outside_the_layers():
 
 @pytest.mark.parametrize("ffn", [["--dense", "96"], ["--experts", "8", "--inter", "32", "--top-k", "2"],
                                  ["--experts", "8", "--inter", "32", "--top-k", "2", "--shared", "48"],
-                                 ["--dense", "96", "--kv-cache-dtype", "turbo4k_turbo3v"]])
+                                 ["--dense", "96", "--kv-cache-dtype", "turbo4k_turbo3v"],
+                                 ["--experts", "8", "--inter", "32", "--top-k", "2", "--shared", "32", "--gdn",
+                                  "--gdn-k-heads", "2", "--gdn-v-heads", "4", "--gdn-head-dim", "16"]])
 def test_the_layer_launches_run_on_the_reference_ops(ffn):
     """moe_layer_launches' launches, built on the torch reference on the CPU at a small shape: each
     runs, and the whole layer gives a row of the hidden size; the attention over the cache dtype
@@ -101,6 +103,7 @@ def test_the_layer_launches_run_on_the_reference_ops(ffn):
                                                 "--layers", "2", "--context", "40", *ffn])
     launches = moe_layer_launches.build(a, TorchOps(), "cpu")
     assert ("dense FFN (DenseSwiGluFfn.add_row)" in launches) == ("--dense" in ffn)
+    assert ("gdn decode" in launches) == ("attention" not in launches) == ("--gdn" in ffn)
     assert a.kv_cache_dtype == (ffn[-1] if "--kv-cache-dtype" in ffn else "bf16")
     for fn in launches.values():
         fn(1)

@@ -2,8 +2,10 @@
 no asserts):
 
     python -m tools.decode_timeline                  # Qwen3-30B-A3B's shapes, context 600
-    python -m tools.decode_timeline --experts 512 --inter 512 --top-k 10 --layers 24 \\
+    python -m tools.decode_timeline --experts 512 --inter 512 --top-k 10 --shared 512 --layers 24 \\
         --heads 16 --kv-heads 2 --head-dim 256      # (any tools.moe_layer_launches MoE shape)
+    python -m tools.decode_timeline --gdn --experts 512 --inter 512 --top-k 10 --shared 512 \\
+        --layers 24                                  # Qwen3-Next's Gated DeltaNet layers
 
 The kernels are compiled with METRALE_TIMELINE (kernels_cu/include/timeline.cuh): thread 0 of
 every CTA stamps the GPU's global timer at its start, at the return of its PDL wait, at marks
@@ -19,7 +21,8 @@ for the middle layers, each launch is split into:
 hop + span summed over the launches is the layer. The marks: gemv 2 = the row staged (norm);
 attention 2 = q staged and the new K / V written, 3 = the split's decode, 4 = the split counter
 taken (none where the splits combine in a cluster); router 2 = the row staged, 3 = logits stored, 4 = the last-CTA counter; gate/up 2 = the
-plan read; down (batch 1's one CTA a column tile) 2 = every slot's y in shared memory. With
+plan read; down (batch 1's one CTA a column tile) 2 = every slot's y in shared memory; gdn decode
+2 = q and k normalised, 3 = the state updated, 4 = the gated norm's sum. With
 --row-marks the build keeps three more (TL_MARKS 9): the attention's 6, 7, 8 = warp 0's first,
 second and third staged row done (query heads 0 and 4, then the new key in the writing CTA).
 """
@@ -36,7 +39,7 @@ from metrale_cli.kernels.cuda_ops import CudaOps
 from metrale_cli.kernels.loader import device_arch
 from tools import moe_layer_launches
 
-TIMED = ("gemv", "moe", "paged_decode_tc", "paged_decode_tc_wide")
+TIMED = ("gemv", "moe", "paged_decode_tc", "paged_decode_tc_wide", "gdn")
 KINDS, LAUNCHES, CTAS, MARKS = 4, 64, 2048, 6
 ROW_MARKS = 9  # the build with the attention's row marks (--row-marks)
 # The layer's launches in order: (module, kind in timeline.cuh's numbering, name)
@@ -44,8 +47,15 @@ CHAIN = (("gemv", 0, "q/k/v gemv_norm"), ("paged_decode_tc", 0, "attention"), ("
          ("moe", 0, "moe_router"), ("moe", 1, "moe_gate_up"), ("moe", 3, "moe_down_one"))
 
 
-def chain_for(head_dim: int) -> tuple:
-    """CHAIN with the attention launch of ``head_dim``'s module (head_dim 256: paged_decode_tc_wide)."""
+# A Gated DeltaNet layer's (--gdn) in place of CHAIN's first three: gdn_decode_one_bf16 is gdn's kind 1
+GDN_MIXER = (("gemv", 0, "in-proj gemv_norm"), ("gdn", 1, "gdn decode"), ("gemv", 1, "out-proj gemv_add"))
+
+
+def chain_for(head_dim: int, gdn: bool = False) -> tuple:
+    """CHAIN with the attention launch of ``head_dim``'s module (head_dim 256: paged_decode_tc_wide),
+    or with a Gated DeltaNet's launches in place of the attention's."""
+    if gdn:
+        return GDN_MIXER + CHAIN[3:]
     attention = registry.tc_module(head_dim)
     return tuple((attention, kind, name) if module == "paged_decode_tc" else (module, kind, name)
                  for module, kind, name in CHAIN)
@@ -153,10 +163,12 @@ def main() -> None:
     if a.dense:
         raise SystemExit("decode_timeline follows a MoE layer's launches: --dense is not served")
     stamps, us_layer = _replay(a)
-    print(f"batch-1 MoE layer, hidden {a.hidden}, {a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}, "
+    mixer = (f"a Gated DeltaNet of {a.gdn_k_heads} / {a.gdn_v_heads} heads of {a.gdn_head_dim}" if a.gdn else
+             f"{a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}")
+    print(f"batch-1 MoE layer, hidden {a.hidden}, {mixer}, "
           f"{a.experts} experts of {a.inter} (top {a.top_k}), context {a.context}, {a.layers} layers: "
           f"{us_layer:.2f} µs a layer in this replay (the timeline build)")
-    full = chain_for(a.head_dim)
+    full = chain_for(a.head_dim, a.gdn)
     chain = [key for key in full if key[0] in stamps and _launch(stamps[key[0]][key[1], 1]) is not None]
     rows, hops = _per_layer(stamps, chain, a.layers)
     _report(chain, rows, hops, [key[2] for key in full if key not in chain])

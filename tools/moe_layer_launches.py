@@ -12,11 +12,14 @@ no asserts). Qwen3-30B-A3B's shapes by default:
 Every launch runs ``--layers`` times on distinct random weights (so a launch does not find its
 weights in L2 from the one before), replayed from one CUDA graph; the figure is µs per launch.
 "whole layer" chains them as the decoder's batch-1 path does: gemv_norm (q/k/v), the fused
-decode attention, gemv_add (o_proj and the residual), moe_norm_route, moe_routed. With
+decode attention, gemv_add (o_proj and the residual), the MoE FFN's row (moe_norm_route,
+moe_routed; a shared expert folded in, as the model runs it). With
 ``--shared N`` the MoE FFN has a shared expert of width N (Qwen2-MoE, Qwen3-Next), and the lines
 "MoE FFN" (the layers' ``MoeFfn.add_row``: without it, with it run apart, with it folded into the
 routed experts as the cuda backend runs it) give what the shared expert costs. With ``--dense N``
-the layer's FFN is a dense SwiGLU of width N instead (a dense model's batch-1 path).
+the layer's FFN is a dense SwiGLU of width N instead (a dense model's batch-1 path). With ``--gdn``
+the mixer is a Gated DeltaNet instead of the attention (Qwen3-Next's 27 linear-attention layers of
+36: ``--gdn --experts 512 --inter 512 --top-k 10 --shared 512``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 
 from metrale_cli.kernels.cases import kv_to, rope_decode_args, rope_decode_case
 from metrale_cli.kernels.cuda_ops import CudaOps
+from metrale_cli.kernels.ops import GdnTensors
 from metrale_cli.layers.ffn import DenseSwiGluFfn
 from metrale_cli.layers.moe import MoeFfn
 from metrale_cli.layers.spec import MoeSpec
@@ -59,7 +63,43 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shared", type=int, default=0, help="a shared expert of this width (0: none)")
     p.add_argument("--dense", type=int, default=0,
                    help="a dense SwiGLU FFN of this width in place of the MoE (Qwen3-8B: 12288)")
+    p.add_argument("--gdn", action="store_true",
+                   help="a Gated DeltaNet mixer in place of the attention (Qwen3-Next's linear-attention layers)")
+    p.add_argument("--gdn-k-heads", type=int, default=16, help="its key heads")
+    p.add_argument("--gdn-v-heads", type=int, default=32, help="its value heads")
+    p.add_argument("--gdn-head-dim", type=int, default=128, help="its key and value heads' dim")
+    p.add_argument("--gdn-taps", type=int, default=4, help="its causal conv's taps")
     return p
+
+
+def _gdn(a: argparse.Namespace, ops: CudaOps, rand, x, residual, gamma, dev: str):
+    """A Gated DeltaNet mixer's launches alone, and the layer up to the residual after its
+    out-projection as GatedDeltaNetLayer runs a row: norm + in-projection, the mixer over one
+    sequence's state at position ``--context``, out-projection + the residual."""
+    hk, hv, dk, taps, h, n = a.gdn_k_heads, a.gdn_v_heads, a.gdn_head_dim, a.gdn_taps, a.hidden, a.layers
+    conv_dim, value_dim = 2 * hk * dk + hv * dk, hv * dk
+    widths = [conv_dim, value_dim, hv, hv]  # [q; k; v], z, b, a
+    f32 = dict(device=dev, dtype=torch.float32)
+    in_w = [rand(sum(widths), h) for _ in range(n)]
+    out_w = [rand(h, value_dim) for _ in range(n)]
+    mixers = [GdnTensors(rand(conv_dim, taps) * 10, -torch.rand(hv, **f32), torch.rand(hv, **f32),
+                         torch.ones(dk, device=dev, dtype=torch.bfloat16), 1e-6, hk,
+                         torch.zeros(2, taps, conv_dim, **f32), torch.randn(2, hv, dk, dk, **f32) * 0.1)
+              for _ in range(n)]
+    slots = torch.zeros(1, dtype=torch.int32, device=dev)
+    positions = torch.full((1,), a.context, dtype=torch.int32, device=dev)
+    parts, mixed_out = rand(1, sum(widths)).split(widths, -1), rand(1, value_dim)
+
+    def mix(i):
+        projected, stream = ops.gemv_norm(x, residual, gamma, 1e-6, in_w[i])
+        out = ops.gdn_decode(*projected.split(widths, -1), mixers[i], slots, positions)
+        return ops.gemv_add(out, out_w[i], stream)
+
+    return mix, {
+        "in-proj gemv_norm": lambda i: ops.gemv_norm(x, residual, gamma, 1e-6, in_w[i]),
+        "gdn decode": lambda i: ops.gdn_decode(*parts, mixers[i], slots, positions),
+        "out-proj gemv_add": lambda i: ops.gemv_add(mixed_out, out_w[i], residual),
+    }
 
 
 def build(a: argparse.Namespace, ops: CudaOps, dev: str = "cuda") -> dict:
@@ -90,6 +130,8 @@ def build(a: argparse.Namespace, ops: CudaOps, dev: str = "cuda") -> dict:
         "attention": lambda i: attention.rope_cache_decode(*args[i % 4]),
         "o gemv_add": lambda i: ops.gemv_add(o_in, o_w[i], residual),
     }
+    if a.gdn:
+        attend, launches = _gdn(a, ops, rand, x, residual, gamma, dev)
     if a.dense:
         ffn = [DenseSwiGluFfn(rand(2 * a.dense, h), rand(h, a.dense), ops) for _ in range(n)]
         launches["dense FFN (DenseSwiGluFfn.add_row)"] = lambda i: ffn[i].add_row(residual, gamma, 1e-6)
@@ -101,10 +143,8 @@ def build(a: argparse.Namespace, ops: CudaOps, dev: str = "cuda") -> dict:
     logits = rand(1, e)
     read = torch.zeros(1, dtype=torch.long, device=dev)
 
-    def layer(i):
-        s = attend(i)
-        normed, route = ops.moe_norm_route(s, gamma, 1e-6, router[i], k, True, read)
-        return ops.moe_routed(normed, route, gate_up[i], down[i], s)
+    def layer(i):  # the MoE FFN as the model runs it: a shared expert folded into the routed launches
+        return (folded or plain)[i].add_row(attend(i), gamma, 1e-6)
 
     def unfused_router(i):
         normed = ops.rms_norm(residual, gamma, 1e-6)
@@ -137,8 +177,10 @@ def main() -> None:
     launches = build(a, CudaOps())
     ffn = (f"a dense FFN of {a.dense}" if a.dense else f"{a.experts} experts of {a.inter} (top {a.top_k})"
            + (f", a shared expert of {a.shared}" if a.shared else ""))
-    print(f"batch-1 decode layer, hidden {a.hidden}, {a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}, "
-          f"{ffn}, context {a.context} ({a.kv_cache_dtype}), {a.layers} layers")
+    mixer = (f"a Gated DeltaNet of {a.gdn_k_heads} / {a.gdn_v_heads} heads of {a.gdn_head_dim}" if a.gdn else
+             f"{a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}")
+    print(f"batch-1 decode layer, hidden {a.hidden}, {mixer}, {ffn}, context {a.context} ({a.kv_cache_dtype}), "
+          f"{a.layers} layers")
     for name, fn in launches.items():
         print(f"  {name:36s} {_time(fn, a.layers):7.2f} µs")
 
