@@ -102,36 +102,42 @@ def _gdn(a: argparse.Namespace, ops: CudaOps, rand, x, residual, gamma, dev: str
     }
 
 
-def build(a: argparse.Namespace, ops: CudaOps, dev: str = "cuda") -> dict:
-    """The shape's random weights, one per layer, and the launches to time: name -> fn(layer)
-    (``ops`` and ``dev``: the torch reference on the CPU too, as the tests build them)."""
-    h, hq, hk, d, e, inter, k, n = a.hidden, a.heads, a.kv_heads, a.head_dim, a.experts, a.inter, a.top_k, a.layers
-    torch.manual_seed(0)
-
-    def rand(*shape):
-        return torch.randn(*shape, device=dev, dtype=torch.bfloat16) * 0.02
-
+def _attention(a: argparse.Namespace, ops: CudaOps, rand, x, residual, gamma, dev: str):
+    """The attention's launches alone (q/k/v, the one-launch decode over a ``--context`` cache,
+    o_proj), and the layer up to the residual after o_proj, as the decoder runs a row."""
+    h, hq, hk, d, n = a.hidden, a.heads, a.kv_heads, a.head_dim, a.layers
     qkv_w = [rand((hq + 2 * hk) * d, h) for _ in range(n)]
     o_w = [rand(h, hq * d) for _ in range(n)]
-    gamma = torch.ones(h, device=dev, dtype=torch.bfloat16)
     case = rope_decode_case([a.context], hq, hk, d, a.kv_cache_dtype, seed=1)
     attention = ops.paged_attention(case["kv"].dtype, d)
     args = [list(rope_decode_args(case, kv_to(case["kv"], dev), dev)) for _ in range(4)]
-    x, residual, o_in = rand(1, h) * 50, rand(1, h) * 50, rand(1, hq * d)
+    o_in = rand(1, hq * d)
 
-    def attend(i):  # the layer up to the residual after o_proj
+    def attend(i):
         qkv, s = ops.gemv_norm(x, residual, gamma, 1e-6, qkv_w[i])
         q, kk, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
         out = attention.rope_cache_decode(q.view(1, hq, d), kk.view(1, hk, d), v.view(1, hk, d), *args[i % 4][3:])
         return ops.gemv_add(out.reshape(1, -1), o_w[i], s)
 
-    launches = {
+    return attend, {
         "qkv gemv_norm": lambda i: ops.gemv_norm(x, residual, gamma, 1e-6, qkv_w[i]),
         "attention": lambda i: attention.rope_cache_decode(*args[i % 4]),
         "o gemv_add": lambda i: ops.gemv_add(o_in, o_w[i], residual),
     }
-    if a.gdn:
-        attend, launches = _gdn(a, ops, rand, x, residual, gamma, dev)
+
+
+def build(a: argparse.Namespace, ops: CudaOps, dev: str = "cuda") -> dict:
+    """The shape's random weights, one per layer, and the launches to time: name -> fn(layer)
+    (``ops`` and ``dev``: the torch reference on the CPU too, as the tests build them)."""
+    h, e, inter, k, n = a.hidden, a.experts, a.inter, a.top_k, a.layers
+    torch.manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, dtype=torch.bfloat16) * 0.02
+
+    gamma = torch.ones(h, device=dev, dtype=torch.bfloat16)
+    x, residual = rand(1, h) * 50, rand(1, h) * 50
+    attend, launches = (_gdn if a.gdn else _attention)(a, ops, rand, x, residual, gamma, dev)
     if a.dense:
         ffn = [DenseSwiGluFfn(rand(2 * a.dense, h), rand(h, a.dense), ops) for _ in range(n)]
         launches["dense FFN (DenseSwiGluFfn.add_row)"] = lambda i: ffn[i].add_row(residual, gamma, 1e-6)
