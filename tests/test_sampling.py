@@ -87,7 +87,7 @@ def test_min_p_keeps_what_hfs_warper_keeps():
 
 
 @pytest.mark.parametrize("bad", [dict(repetition_penalty=0.0), dict(presence_penalty=2.5),
-                                 dict(frequency_penalty=-3.0), dict(min_p=1.5)])
+                                 dict(frequency_penalty=-3.0), dict(min_p=1.5), dict(stop=("end", ""))])
 def test_out_of_range_knobs_are_refused(bad):
     with pytest.raises(MetraleError):
         SamplingParams(**bad)

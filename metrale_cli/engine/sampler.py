@@ -47,6 +47,8 @@ class SamplingParams:
             raise MetraleError(f"--top-p must be in (0, 1], got {self.top_p}", hint="1 is off")
         if self.top_k < 0:
             raise MetraleError(f"--top-k must be >= 0, got {self.top_k}", hint="0 is off")
+        if any(not s for s in self.stop):  # an empty string would stop nowhere, or everywhere
+            raise MetraleError("--stop takes a non-empty string", hint="e.g. --stop '###'; leave it out for none")
 
     @property
     def greedy(self) -> bool:

@@ -10,7 +10,7 @@ class StopText:
 
     def __init__(self, decoder, stop: tuple[str, ...]):
         self.decoder = decoder
-        self.stop = tuple(s for s in stop if s)
+        self.stop = tuple(stop)  # non-empty (SamplingParams refuses an empty one)
         self.text = ""
         self.emitted = 0
         self.stopped = False
