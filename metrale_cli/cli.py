@@ -216,6 +216,9 @@ def generate(
                             seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos, min_p=min_p,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, logprobs=logprobs)
+    if logprobs and not json_out:
+        out.error(f"--logprobs {logprobs} is shown in the --json output only", "add --json")
+        raise typer.Exit(1)
     _run(out, debug, lambda: run_ranks(
         tensor_parallel_size, generate_rank, _with_revision(model, revision), opts, prompts, params,
         chat=not no_chat_template, system=system, verbose=verbose, chat_template=template, main_output=out,

@@ -618,7 +618,7 @@ def test_generate_logprobs_in_json(tiny):
     ["generate", "--top-k", "-2", "hi"], ["generate", "--repetition-penalty", "0", "hi"],
     ["generate", "--n", "0", "hi"], ["generate", "-f", "/no/such/prompt.txt"], ["bench", "-r", "0"],
     ["bench", "--batch", "1,0"], ["generate", "--revision", "main", "hi"], ["generate", "--dtype", "int4", "hi"],
-    ["generate", "-n", "abc", "hi"], ["generate", "--stop", "", "hi"],
+    ["generate", "-n", "abc", "hi"], ["generate", "--stop", "", "hi"], ["generate", "--logprobs", "3", "hi"],
 ])
 def test_every_bad_option_is_one_error_line_with_a_hint(args):
     result = metrale(*args)
