@@ -163,9 +163,7 @@ def main() -> None:
     if a.dense:
         raise SystemExit("decode_timeline follows a MoE layer's launches: --dense is not served")
     stamps, us_layer = _replay(a)
-    mixer = (f"a Gated DeltaNet of {a.gdn_k_heads} / {a.gdn_v_heads} heads of {a.gdn_head_dim}" if a.gdn else
-             f"{a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}")
-    print(f"batch-1 MoE layer, hidden {a.hidden}, {mixer}, "
+    print(f"batch-1 MoE layer, hidden {a.hidden}, {moe_layer_launches.mixer_name(a)}, "
           f"{a.experts} experts of {a.inter} (top {a.top_k}), context {a.context}, {a.layers} layers: "
           f"{us_layer:.2f} µs a layer in this replay (the timeline build)")
     full = chain_for(a.head_dim, a.gdn)

@@ -72,6 +72,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def mixer_name(a: argparse.Namespace) -> str:
+    """The layer's mixer in words, for the tools' headers."""
+    if a.gdn:
+        return f"a Gated DeltaNet of {a.gdn_k_heads} / {a.gdn_v_heads} heads of {a.gdn_head_dim}"
+    return f"{a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}"
+
+
 def _gdn(a: argparse.Namespace, ops: CudaOps, rand, x, residual, gamma, dev: str):
     """A Gated DeltaNet mixer's launches alone, and the layer up to the residual after its
     out-projection as GatedDeltaNetLayer runs a row: norm + in-projection, the mixer over one
@@ -183,9 +190,7 @@ def main() -> None:
     launches = build(a, CudaOps())
     ffn = (f"a dense FFN of {a.dense}" if a.dense else f"{a.experts} experts of {a.inter} (top {a.top_k})"
            + (f", a shared expert of {a.shared}" if a.shared else ""))
-    mixer = (f"a Gated DeltaNet of {a.gdn_k_heads} / {a.gdn_v_heads} heads of {a.gdn_head_dim}" if a.gdn else
-             f"{a.heads} heads on {a.kv_heads} KV heads of {a.head_dim}")
-    print(f"batch-1 decode layer, hidden {a.hidden}, {mixer}, {ffn}, context {a.context} ({a.kv_cache_dtype}), "
+    print(f"batch-1 decode layer, hidden {a.hidden}, {mixer_name(a)}, {ffn}, context {a.context} ({a.kv_cache_dtype}), "
           f"{a.layers} layers")
     for name, fn in launches.items():
         print(f"  {name:36s} {_time(fn, a.layers):7.2f} µs")
