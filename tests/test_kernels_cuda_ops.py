@@ -388,6 +388,37 @@ def test_a_batch_one_router_of_up_to_16_ctas_is_one_cluster(monkeypatch, ctas, c
     assert cuda_moe.router_cluster(CPU, ctas) == 1
 
 
+@pytest.mark.parametrize("static, dynamic, opted_in", [(0, 40_000, False), (20_000, 40_000, True),
+                                                      (0, 60_000, True), (20_000, 0, False)])
+def test_dynamic_shared_memory_is_opted_into_above_the_limit_left_by_static(static, dynamic, opted_in):
+    """The default dynamic limit is 48 KB less the kernel's static shared memory: a kernel with
+    both opts in below 48 KB of dynamic memory too, and a function opts in once, not every launch."""
+    from types import SimpleNamespace
+
+    from metrale_cli.kernels.loader import KernelLoader
+
+    reads, writes = [], []
+
+    class Fn:
+        kernel = SimpleNamespace(ptr=8192)
+
+        @property
+        def max_dynamic_shared_size_bytes(self):
+            reads.append(1)
+            return writes[-1] if writes else 48 * 1024 - static
+
+        @max_dynamic_shared_size_bytes.setter
+        def max_dynamic_shared_size_bytes(self, value):
+            writes.append(value)
+
+    loader, fn = KernelLoader(), Fn()
+    for _ in range(3):
+        if dynamic:
+            loader._allow_dynamic_shared(fn, dynamic)
+    assert writes == ([dynamic] if opted_in else [])
+    assert len(reads) == (1 if dynamic else 0)
+
+
 @pytest.mark.parametrize("cluster_z, opted_in", [(16, True), (8, False), (1, False)])
 def test_a_launch_sets_its_attributes_and_opts_into_large_clusters_once(monkeypatch, cluster_z, opted_in):
     """cuLaunchKernelEx's config, built from cuda-bindings' own types with the driver's two calls

@@ -186,6 +186,7 @@ class KernelLoader:
     _modules: dict = field(default_factory=dict)
     _functions: dict = field(default_factory=dict)
     _streams: dict = field(default_factory=dict)
+    _dynamic_limits: dict = field(default_factory=dict)
 
     def function(self, spec: KernelSpec, device):
         """The CuPy function for ``spec`` on ``device`` (an index or a ``torch.device``),
@@ -242,8 +243,8 @@ class KernelLoader:
         typed = [_typed(spec, name, kind, arg, device) for (name, kind), arg in params]
         cp = _cupy()
         fn = self.function(spec, device)
-        if shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared_mem:
-            fn.max_dynamic_shared_size_bytes = shared_mem  # an opt-in above the default 48 KB
+        if shared_mem:
+            self._allow_dynamic_shared(fn, shared_mem)
         stream = self._stream(cp, device)
         with cp.cuda.Device(device.index), stream:
             clustered = cluster != (1, 1, 1)
@@ -256,6 +257,18 @@ class KernelLoader:
                 _launch_ex(driver, fn, grid, block, shared_mem, stream.ptr, typed, pdl, tuple(cluster))
             else:
                 fn(tuple(grid), tuple(block), tuple(typed), shared_mem=shared_mem)
+
+
+    def _allow_dynamic_shared(self, fn, shared_mem: int):
+        """Opt ``fn`` into ``shared_mem`` bytes of dynamic shared memory where its limit is lower.
+        The default limit is 48 KB less the kernel's static shared memory, so a kernel with both
+        needs the opt-in below 48 KB of dynamic memory too."""
+        limit = self._dynamic_limits.get(fn.kernel.ptr)
+        if limit is None:
+            limit = self._dynamic_limits[fn.kernel.ptr] = fn.max_dynamic_shared_size_bytes
+        if shared_mem > limit:
+            fn.max_dynamic_shared_size_bytes = shared_mem
+            self._dynamic_limits[fn.kernel.ptr] = shared_mem
 
 
 def _device_of(spec: KernelSpec, args) -> torch.device:
