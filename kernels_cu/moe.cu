@@ -1,8 +1,9 @@
 // The routed experts of a MoE FFN for a few rows (decode, short prefill chunks), in three launches
 // that read each chosen expert's weights once however many rows chose it, and keep every expert
 // id on the device (graph-captured, no host sync):
-//   moe_route_bf16     one CTA: each row's softmax over the router's logits, its top-k (ties to
-//                      the lower expert id, as torch.topk), renormalized when asked; then the
+//   moe_route_bf16     one CTA: each row's top-k of the router's logits (the softmax's top k;
+//                      ties to the lower expert id, as torch.topk), weighted by the softmax,
+//                      renormalized when asked; then the
 //                      plan: the experts some row chose, ascending, and each one's (row, slot)
 //                      pairs; and the count of experts read.
 //   moe_router_bf16    batch 1: the FFN's RMSNorm, the router's GEMV and moe_route_bf16's work
@@ -22,7 +23,7 @@
 //
 // Prefill chunks (more rows) group their pairs by expert for torch's grouped GEMMs, with two launches
 // of their own around them:
-//   moe_route_rows_bf16  a warp per row: route_row's softmax and top-k, each expert's pair count.
+//   moe_route_rows_bf16  a warp per row: route_row's top-k and weights, each expert's pair count.
 //   moe_combine_bf16     a CTA per row: the row's top-k outputs, found in the grouped order,
 //                        weighted and summed in slot order [+ residual] -> out.
 //
@@ -56,48 +57,51 @@ __device__ __forceinline__ bf16_t load_logit(const bf16_t* p) {
     return __ldcg(p);
 }
 
-// The warp's largest float (one redux: its bits mapped to an unsigned order), exact as fmaxf's
-// rounds: -inf where every lane holds -inf.
-__device__ __forceinline__ float warp_max(float v) {
-    const unsigned u = __float_as_uint(v);
-    const unsigned k = __reduce_max_sync(0xffffffffu, (u & 0x80000000u) ? ~u : (u | 0x80000000u));
+// A float's bits mapped to an unsigned order (-0 taken as +0, so that the two tie): a < b as floats
+// exactly where key(a) < key(b).
+__device__ __forceinline__ unsigned float_order(float v) {
+    const unsigned u = __float_as_uint(v + 0.0f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float order_float(unsigned k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-// One row's routing by one warp, V = ceil(E / 32) probabilities a lane (expert lane + 32 v):
-// softmax; top-k by k rounds of two warp reductions (the largest probability, then the lowest
-// expert id holding it: torch.topk's order among equals); the weights. Lane s keeps slot s, and
-// the chosen ids go to `chosen` and are counted per expert after the rounds. With `shared` slots the row's logits hold one more, the shared
-// expert's gate, after the E routed ones; the row's slots top_k .. top_k + shared - 1 are the
-// shared expert's chunks E .. E + shared - 1, each weighted sigmoid(gate).
+// One row's routing by one warp, V = ceil(E / 32) logits a lane (expert lane + 32 v). The softmax
+// is monotone, so the top k of its probabilities are the top k of the logits: k rounds of two warp
+// reductions (the largest logit, then the lowest expert id holding it: torch.topk's order among
+// equal probabilities, which equal logits give). Lane s keeps slot s. Its weight is exp(l_s - m)
+// (m the largest logit) over the k slots' sum when normalized, which is HF's p_s / sum of the k
+// p's with the softmax's denominator cancelled, else over the sum of every expert's exp(l - m):
+// the row's exponentials are taken only there, and a lane divides once. The chosen ids go to
+// `chosen` and are counted per expert after the rounds. With `shared` slots the row's logits hold
+// one more, the shared expert's gate, after the E routed ones; the row's slots top_k .. top_k +
+// shared - 1 are the shared expert's chunks E .. E + shared - 1, each weighted sigmoid(gate).
 template <int V>
 __device__ void route_row(const bf16_t* logits, int* ids, float* weights, int* chosen, unsigned* count, int r,
                           int num_experts, int top_k, int shared, int normalize) {
     const int lane = threadIdx.x & 31;
     const int slots = top_k + shared;
     const bf16_t* row = logits + (long long)r * (num_experts + (shared > 0));
-    float p[V];
-    float m = METRALE_NEG_INF;
+    // An expert's key: its logit's order + 1; 0 for no expert or one taken.
+    unsigned key[V];
 #pragma unroll
     for (int v = 0; v < V; ++v) {
         const int e = lane + 32 * v;
-        p[v] = e < num_experts ? bf16_to_f32(load_logit(row + e)) : METRALE_NEG_INF;
-        m = fmaxf(m, p[v]);
+        key[v] = e < num_experts ? float_order(bf16_to_f32(load_logit(row + e))) + 1u : 0u;
     }
-    m = warp_max(m);
-    float sum = 0.0f;
+    float z = 0.0f;  // the sum of every expert's exp(l - m), where not normalized
+    if (!normalize) {
+        unsigned top = 0u;
 #pragma unroll
-    for (int v = 0; v < V; ++v) {
-        p[v] = lane + 32 * v < num_experts ? expf(p[v] - m) : 0.0f;
-        sum += p[v];
+        for (int v = 0; v < V; ++v) top = key[v] > top ? key[v] : top;
+        const float m = order_float(__reduce_max_sync(0xffffffffu, top) - 1u);
+#pragma unroll
+        for (int v = 0; v < V; ++v) z += key[v] != 0u ? expf(order_float(key[v] - 1u) - m) : 0.0f;
+        z = warp_sum(z);
     }
-    sum = warp_sum(sum);
-    // An expert's key: its probability's bits + 1 (p >= 0, so the bits order as p does); 0 for no
-    // expert or one taken.
-    unsigned key[V];
-#pragma unroll
-    for (int v = 0; v < V; ++v) key[v] = lane + 32 * v < num_experts ? __float_as_uint(p[v] / sum) + 1u : 0u;
-    float picked = 0.0f, mine = 0.0f;
+    float mine = METRALE_NEG_INF, m = 0.0f;
     int mine_id = 0;
     for (int s = 0; s < top_k; ++s) {
         unsigned best = 0u;
@@ -112,14 +116,16 @@ __device__ void route_row(const bf16_t* logits, int* ids, float* weights, int* c
 #pragma unroll
         for (int v = 0; v < V; ++v)
             if (lane + 32 * v == (int)i) key[v] = 0u;  // taken
-        const float p_best = __uint_as_float(best - 1u);
-        if (lane == s) mine = p_best, mine_id = (int)i;
-        picked += p_best;
+        const float l_best = order_float(best - 1u);
+        if (s == 0) m = l_best;
+        if (lane == s) mine = l_best, mine_id = (int)i;
     }
+    const float e = lane < top_k ? expf(mine - m) : 0.0f;
+    const float total = normalize ? warp_sum(e) : z;
     if (lane < top_k) {
         chosen[r * slots + lane] = ids[r * slots + lane] = mine_id;
         atomicAdd(&count[mine_id], 1u);
-        weights[r * slots + lane] = normalize ? mine / picked : mine;
+        weights[r * slots + lane] = e / total;
     }
     if (shared > 0) {
         const float gate = 1.0f / (1.0f + expf(-bf16_to_f32(load_logit(row + num_experts))));

@@ -63,6 +63,22 @@ def test_routing_takes_torch_topk_values_in_expert_id_order(ops, case, normalize
     close(weights, want_w, "moe route")
 
 
+@pytest.mark.parametrize("normalize", [True, False])
+def test_logits_of_either_sign_of_zero_tie(ops, normalize):
+    """-0 and +0 logits give equal probabilities: the lower expert id first, whichever sign it
+    holds (the routing ranks logits); negative logits below them."""
+    logits = torch.full((2, 40), -3.0)
+    logits[:, 2] = 1.5
+    logits[0, 4], logits[0, 37] = -0.0, 0.0
+    logits[1, 4], logits[1, 37] = 0.0, -0.0
+    logits[:, 9] = -0.25
+    logits = logits.bfloat16().cuda()
+    ids, weights = ops.moe_route(logits, 3, normalize, 0)
+    want_ids, want_w = stable_route(logits, 3, normalize)
+    assert ids.tolist() == [[2, 4, 37], [2, 4, 37]] == want_ids.tolist()
+    close(weights, want_w, "moe route")
+
+
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("case", CASES + PREFILL + SHARED_CASES + SHARED_PREFILL, ids=case_id)
 def test_moe_equals_the_reference(ops, case, with_residual):

@@ -119,6 +119,23 @@ def test_batch_one_routing_equals_the_rows_routing(lib, rows, experts, top_k, pa
             assert torch.equal(one_ids, ids[r:r + 1]) and torch.equal(one_w, weights[r:r + 1])
 
 
+@pytest.mark.parametrize("normalize", [True, False])
+def test_logits_of_either_sign_of_zero_tie(lib, normalize):
+    """The routing ranks logits, not probabilities: -0 and +0 give equal probabilities, so they
+    tie, and the lower expert id comes first whichever sign it holds; negative logits rank below
+    them. The weights are the softmax's."""
+    logits = torch.full((2, 40), -3.0)
+    logits[:, 2] = 1.5
+    logits[0, 4], logits[0, 37] = -0.0, 0.0
+    logits[1, 4], logits[1, 37] = 0.0, -0.0
+    logits[:, 9] = -0.25
+    logits = logits.bfloat16()
+    ids, weights, _, _ = route(lib, logits, 3, normalize)
+    want_ids, want_w = stable_route(logits, 3, normalize)
+    assert ids.tolist() == [[2, 4, 37], [2, 4, 37]] == want_ids.tolist()
+    close(weights, want_w, "moe route")
+
+
 def test_routing_runs_rows_on_fewer_warps_than_rows(lib):
     t = moe_case(33, 12, 3, 64, 32, "random", seed=3)
     ids, _, _, _ = route(lib, t["logits"], 3, True, threads=64)
