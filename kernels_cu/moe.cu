@@ -1,8 +1,9 @@
 // The routed experts of a MoE FFN for a few rows (decode, short prefill chunks), in three launches
 // that read each chosen expert's weights once however many rows chose it, and keep every expert
 // id on the device (graph-captured, no host sync):
-//   moe_route_bf16     one CTA: each row's softmax over the router's logits, its top-k (ties to
-//                      the lower expert id, as torch.topk), renormalized when asked; then the
+//   moe_route_bf16     one CTA: each row's top-k of the router's logits (the softmax's top k;
+//                      ties to the lower expert id, as torch.topk), weighted by the softmax,
+//                      renormalized when asked; then the
 //                      plan: the experts some row chose, ascending, and each one's (row, slot)
 //                      pairs; and the count of experts read.
 //   moe_router_bf16    batch 1: the FFN's RMSNorm, the router's GEMV and moe_route_bf16's work
@@ -22,7 +23,7 @@
 //
 // Prefill chunks (more rows) group their pairs by expert for torch's grouped GEMMs, with two launches
 // of their own around them:
-//   moe_route_rows_bf16  a warp per row: route_row's softmax and top-k, each expert's pair count.
+//   moe_route_rows_bf16  a warp per row: route_row's top-k and weights, each expert's pair count.
 //   moe_combine_bf16     a CTA per row: the row's top-k outputs, found in the grouped order,
 //                        weighted and summed in slot order [+ residual] -> out.
 //
@@ -56,73 +57,110 @@ __device__ __forceinline__ bf16_t load_logit(const bf16_t* p) {
     return __ldcg(p);
 }
 
-// The warp's largest float (one redux: its bits mapped to an unsigned order), exact as fmaxf's
-// rounds: -inf where every lane holds -inf.
-__device__ __forceinline__ float warp_max(float v) {
-    const unsigned u = __float_as_uint(v);
-    const unsigned k = __reduce_max_sync(0xffffffffu, (u & 0x80000000u) ? ~u : (u | 0x80000000u));
+// A float's bits mapped to an unsigned order (-0 taken as +0, so that the two tie): a < b as floats
+// exactly where key(a) < key(b).
+__device__ __forceinline__ unsigned float_order(float v) {
+    const unsigned u = __float_as_uint(v + 0.0f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float order_float(unsigned k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-// One row's routing by one warp, V = ceil(E / 32) probabilities a lane (expert lane + 32 v):
-// softmax; top-k by k rounds of two warp reductions (the largest probability, then the lowest
-// expert id holding it: torch.topk's order among equals); the weights. Lane s keeps slot s, and
-// the chosen ids go to `chosen` and are counted per expert after the rounds. With `shared` slots the row's logits hold one more, the shared
-// expert's gate, after the E routed ones; the row's slots top_k .. top_k + shared - 1 are the
-// shared expert's chunks E .. E + shared - 1, each weighted sigmoid(gate).
+// Expert e's routing key: its bf16 logit's bits mapped to a 16-bit unsigned order (-0 taken as +0,
+// so that the two tie), a < b exactly where order(a) < order(b), above 0xffff - e. Keys are
+// distinct, larger logits give larger keys, and equal logits rank the lower id first (torch.topk's
+// order among equals). Every key is above 0, which stands for no expert.
+__device__ __forceinline__ unsigned logit_key(bf16_t logit, int e) {
+    const unsigned u = logit == 0x8000u ? 0u : logit;
+    const unsigned order = (u & 0x8000u) ? (~u & 0xffffu) : (u | 0x8000u);
+    return order << 16 | (0xffffu - (unsigned)e);
+}
+
+__device__ __forceinline__ float key_logit(unsigned key) {
+    const unsigned order = key >> 16;
+    return bf16_to_f32((bf16_t)((order & 0x8000u) ? (order & 0x7fffu) : (~order & 0xffffu)));
+}
+
+__device__ __forceinline__ int key_expert(unsigned key) { return (int)(0xffffu - (key & 0xffffu)); }
+
+// A lane's V keys sorted, largest first (a bitonic network: constant indices, so they stay in
+// registers).
 template <int V>
-__device__ void route_row(const bf16_t* logits, int* ids, float* weights, int* chosen, unsigned* count, int r,
-                          int num_experts, int top_k, int shared, int normalize) {
+__device__ __forceinline__ void sort_descending(unsigned (&key)[V]) {
+#pragma unroll
+    for (int size = 2; size <= V; size <<= 1)
+#pragma unroll
+        for (int stride = size >> 1; stride > 0; stride >>= 1)
+#pragma unroll
+            for (int i = 0; i < V; ++i) {
+                const int j = i ^ stride;
+                if (j > i) {
+                    const unsigned hi = key[i] > key[j] ? key[i] : key[j], lo = key[i] > key[j] ? key[j] : key[i];
+                    const bool down = (i & size) == 0;  // this run sorts largest first
+                    key[i] = down ? hi : lo;
+                    key[j] = down ? lo : hi;
+                }
+            }
+}
+
+// One row's routing by one warp, V = ceil(E / 32) logits a lane (expert lane + 32 v). The softmax
+// is monotone, so the top k of its probabilities are the top k of the logits. Each lane sorts its
+// experts' keys (logit_key: the logit above the id), then each of k rounds takes the warp's
+// largest head by one reduction, and the lane that held it moves its next key up. Lane s keeps
+// slot s. Its weight is exp(l_s - m) (m the largest logit) over the k slots' sum when normalized,
+// which is HF's p_s / sum of the k p's with the softmax's denominator cancelled, else over the sum
+// of every expert's exp(l - m): the row's exponentials are taken only there, and a lane divides
+// once. The chosen ids go to `chosen` and are counted per expert after the rounds. With `shared`
+// slots the row's logits hold one more, the shared expert's gate, after the E routed ones (loaded
+// with the others); the row's slots top_k .. top_k + shared - 1 are the shared expert's chunks E ..
+// E + shared - 1, each weighted sigmoid(gate). Returns the lane's expert id (lanes below top_k).
+template <int V>
+__device__ int route_row(const bf16_t* logits, int* ids, float* weights, int* chosen, unsigned* count, int r,
+                         int num_experts, int top_k, int shared, int normalize) {
     const int lane = threadIdx.x & 31;
     const int slots = top_k + shared;
     const bf16_t* row = logits + (long long)r * (num_experts + (shared > 0));
-    float p[V];
-    float m = METRALE_NEG_INF;
+    unsigned key[V];
 #pragma unroll
     for (int v = 0; v < V; ++v) {
         const int e = lane + 32 * v;
-        p[v] = e < num_experts ? bf16_to_f32(load_logit(row + e)) : METRALE_NEG_INF;
-        m = fmaxf(m, p[v]);
+        key[v] = e < num_experts ? logit_key(load_logit(row + e), e) : 0u;
     }
-    m = warp_max(m);
-    float sum = 0.0f;
+    const bf16_t gate_logit = shared > 0 ? load_logit(row + num_experts) : (bf16_t)0;
+    float z = 0.0f;  // the sum of every expert's exp(l - m), where not normalized
+    if (!normalize) {
+        unsigned top = 0u;
 #pragma unroll
-    for (int v = 0; v < V; ++v) {
-        p[v] = lane + 32 * v < num_experts ? expf(p[v] - m) : 0.0f;
-        sum += p[v];
+        for (int v = 0; v < V; ++v) top = key[v] > top ? key[v] : top;
+        const float m = key_logit(__reduce_max_sync(0xffffffffu, top));
+#pragma unroll
+        for (int v = 0; v < V; ++v) z += key[v] != 0u ? expf(key_logit(key[v]) - m) : 0.0f;
+        z = warp_sum(z);
     }
-    sum = warp_sum(sum);
-    // An expert's key: its probability's bits + 1 (p >= 0, so the bits order as p does); 0 for no
-    // expert or one taken.
-    unsigned key[V];
-#pragma unroll
-    for (int v = 0; v < V; ++v) key[v] = lane + 32 * v < num_experts ? __float_as_uint(p[v] / sum) + 1u : 0u;
-    float picked = 0.0f, mine = 0.0f;
-    int mine_id = 0;
+    sort_descending(key);
+    unsigned mine = 0u, first = 0u;
     for (int s = 0; s < top_k; ++s) {
-        unsigned best = 0u;
+        const unsigned best = __reduce_max_sync(0xffffffffu, key[0]);
+        if (key[0] == best) {  // this lane's head taken: its next key moves up
 #pragma unroll
-        for (int v = 0; v < V; ++v) best = key[v] > best ? key[v] : best;
-        best = __reduce_max_sync(0xffffffffu, best);
-        unsigned i = MOE_MAX_EXPERTS;
-#pragma unroll
-        for (int v = V - 1; v >= 0; --v)
-            if (key[v] == best) i = lane + 32 * v;  // the lane's lowest id of that key
-        i = __reduce_min_sync(0xffffffffu, i);
-#pragma unroll
-        for (int v = 0; v < V; ++v)
-            if (lane + 32 * v == (int)i) key[v] = 0u;  // taken
-        const float p_best = __uint_as_float(best - 1u);
-        if (lane == s) mine = p_best, mine_id = (int)i;
-        picked += p_best;
+            for (int v = 0; v + 1 < V; ++v) key[v] = key[v + 1];
+            key[V - 1] = 0u;
+        }
+        if (s == 0) first = best;
+        if (lane == s) mine = best;
     }
+    const int mine_id = key_expert(mine);
+    const float e = lane < top_k ? expf(key_logit(mine) - key_logit(first)) : 0.0f;
+    const float total = normalize ? warp_sum(e) : z;
     if (lane < top_k) {
         chosen[r * slots + lane] = ids[r * slots + lane] = mine_id;
         atomicAdd(&count[mine_id], 1u);
-        weights[r * slots + lane] = normalize ? mine / picked : mine;
+        weights[r * slots + lane] = e / total;
     }
     if (shared > 0) {
-        const float gate = 1.0f / (1.0f + expf(-bf16_to_f32(load_logit(row + num_experts))));
+        const float gate = 1.0f / (1.0f + expf(-bf16_to_f32(gate_logit)));
         for (int j = lane; j < shared; j += 32) {
             const int q = r * slots + top_k + j;
             chosen[q] = ids[q] = num_experts + j;
@@ -130,16 +168,17 @@ __device__ void route_row(const bf16_t* logits, int* ids, float* weights, int* c
             atomicAdd(&count[num_experts + j], 1u);
         }
     }
+    return mine_id;
 }
 
 // route_row with V sized to the experts a lane holds.
-__device__ void route_row_any(const bf16_t* logits, int* ids, float* weights, int* chosen, unsigned* count, int r,
-                              int num_experts, int top_k, int shared, int normalize) {
+__device__ int route_row_any(const bf16_t* logits, int* ids, float* weights, int* chosen, unsigned* count, int r,
+                             int num_experts, int top_k, int shared, int normalize) {
     const int per_lane = (num_experts + 31) / 32;
-    if (per_lane <= 4) route_row<4>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
-    else if (per_lane <= 8) route_row<8>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
-    else if (per_lane <= 16) route_row<16>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
-    else route_row<32>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
+    if (per_lane <= 4) return route_row<4>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
+    if (per_lane <= 8) return route_row<8>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
+    if (per_lane <= 16) return route_row<16>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
+    return route_row<32>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
 }
 
 // The routing CTA's shared scratch: each pair's expert, each expert's pair count and fill.
@@ -161,12 +200,16 @@ __device__ void route_plan(const bf16_t* logits, int* ids, float* weights, int* 
     unsigned *count = sh.count, *fill = sh.fill;
     if (rows == 1 && slots <= 32) {  // one pair an expert: the plan is the row's slots in id order
         if (warp != 0) return;
-        route_row_any(logits, ids, weights, chosen, count, 0, num_experts, top_k, shared, normalize);  // count unread
-        __syncwarp();
+        const int routed = route_row_any(logits, ids, weights, chosen, count, 0, num_experts, top_k, shared,
+                                         normalize);  // count unread
+        const int e = lane < top_k ? routed : num_experts + lane - top_k;  // slot `lane`'s expert
+        int rank = 0;  // the ids are distinct
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            const int other = __shfl_sync(0xffffffffu, e, j);
+            rank += j < slots && other < e;
+        }
         if (lane < slots) {
-            const int e = chosen[lane];
-            int rank = 0;  // the ids are distinct
-            for (int j = 0; j < slots; ++j) rank += chosen[j] < e;
             plan[1 + rank] = e;
             plan[1 + total + rank] = rank;
             plan[2 + 2 * total + rank] = lane;

@@ -88,3 +88,21 @@ def stable_route(logits, top_k, normalize, shared=0):
         ids = torch.cat([ids, torch.arange(experts, experts + shared, device=ids.device).expand(rows, shared)], 1)
         weights = torch.cat([weights, torch.sigmoid(logits[:, experts:].float()).expand(rows, shared)], 1)
     return ids.to(torch.int32), weights
+
+
+# (experts, top_k) of lane_heavy_logits: every count of experts a routing lane holds (1 to 32)
+LANE_HEAVY = [(128, 8), (256, 10), (512, 32), (1024, 32), (40, 32)]
+
+
+def lane_heavy_logits(experts, device="cpu"):
+    """Three rows of router logits (bf16) whose largest sit in one routing lane (a warp's lane
+    holds experts lane, lane + 32, ..): lane 0's experts in row 0, with some equal to expert 0's in
+    row 1, lane 5's above them in row 2; the rest from seven values (ties). So one lane gives
+    several slots in a row and may run out of experts."""
+    logits = torch.full((3, experts), -4.0) + torch.arange(experts) % 7 * 0.125
+    lane0 = torch.arange(0, experts, 32)
+    logits[:, lane0] = 6.0 - torch.arange(len(lane0)) * 0.25
+    logits[1, lane0[1::2]] = 6.0
+    lane5 = torch.arange(5, experts, 32)
+    logits[2, lane5] = 7.0 - torch.arange(len(lane5)) * 0.5
+    return logits.bfloat16().to(device)

@@ -16,7 +16,8 @@ import torch
 from metrale_cli.kernels import cuda_moe, reference as ref
 from metrale_cli.kernels.ops import SharedExpert
 from metrale_cli.kernels.tolerances import bounds
-from moe_cases import CASES, SHARED_CASES, case_id, moe_case, shared_case, stable_route
+from moe_cases import (CASES, LANE_HEAVY, SHARED_CASES, case_id, lane_heavy_logits, moe_case, shared_case,
+                        stable_route)
 
 pytestmark = pytest.mark.gpu
 
@@ -61,6 +62,37 @@ def test_routing_takes_torch_topk_values_in_expert_id_order(ops, case, normalize
     want_ids, want_w = stable_route(t["logits"], k, normalize, shared)
     assert torch.equal(ids, want_ids)
     close(weights, want_w, "moe route")
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_logits_of_either_sign_of_zero_tie(ops, normalize):
+    """-0 and +0 logits give equal probabilities: the lower expert id first, whichever sign it
+    holds (the routing ranks logits); negative logits below them."""
+    logits = torch.full((2, 40), -3.0)
+    logits[:, 2] = 1.5
+    logits[0, 4], logits[0, 37] = -0.0, 0.0
+    logits[1, 4], logits[1, 37] = 0.0, -0.0
+    logits[:, 9] = -0.25
+    logits = logits.bfloat16().cuda()
+    ids, weights = ops.moe_route(logits, 3, normalize, 0)
+    want_ids, want_w = stable_route(logits, 3, normalize)
+    assert ids.tolist() == [[2, 4, 37], [2, 4, 37]] == want_ids.tolist()
+    close(weights, want_w, "moe route")
+
+
+@pytest.mark.parametrize("experts, top_k", LANE_HEAVY)
+def test_routing_takes_a_lanes_every_expert_in_turn(ops, experts, top_k):
+    """One lane gives several slots in a row and runs out of experts (lane_heavy_logits): torch.topk's
+    ids, equal logits in id order; each row alone (batch 1) as in the batch, bit for bit."""
+    logits = lane_heavy_logits(experts, "cuda")
+    for normalize in (True, False):
+        ids, weights = ops.moe_route(logits, top_k, normalize, 0)
+        want_ids, want_w = stable_route(logits, top_k, normalize)
+        assert torch.equal(ids, want_ids)
+        close(weights, want_w, "moe route")
+        for r in range(logits.shape[0]):
+            one_ids, one_w = ops.moe_route(logits[r:r + 1].contiguous(), top_k, normalize, 0)
+            assert torch.equal(one_ids, ids[r:r + 1]) and torch.equal(one_w, weights[r:r + 1])
 
 
 @pytest.mark.parametrize("with_residual", [True, False])

@@ -19,7 +19,8 @@ import torch
 from host_build import build_host_library
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.tolerances import bounds
-from moe_cases import CASES, SHARED_CASES, case_id, moe_case, shared_case, stable_route
+from moe_cases import (CASES, LANE_HEAVY, SHARED_CASES, case_id, lane_heavy_logits, moe_case, shared_case,
+                        stable_route)
 
 _LIB: list[ctypes.CDLL] = []
 
@@ -116,6 +117,39 @@ def test_batch_one_routing_equals_the_rows_routing(lib, rows, experts, top_k, pa
         ids, weights, _, _ = route(lib, t["logits"], top_k, normalize)
         for r in range(rows):
             one_ids, one_w, _, _ = route(lib, t["logits"][r:r + 1].contiguous(), top_k, normalize, threads=256)
+            assert torch.equal(one_ids, ids[r:r + 1]) and torch.equal(one_w, weights[r:r + 1])
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_logits_of_either_sign_of_zero_tie(lib, normalize):
+    """The routing ranks logits, not probabilities: -0 and +0 give equal probabilities, so they
+    tie, and the lower expert id comes first whichever sign it holds; negative logits rank below
+    them. The weights are the softmax's."""
+    logits = torch.full((2, 40), -3.0)
+    logits[:, 2] = 1.5
+    logits[0, 4], logits[0, 37] = -0.0, 0.0
+    logits[1, 4], logits[1, 37] = 0.0, -0.0
+    logits[:, 9] = -0.25
+    logits = logits.bfloat16()
+    ids, weights, _, _ = route(lib, logits, 3, normalize)
+    want_ids, want_w = stable_route(logits, 3, normalize)
+    assert ids.tolist() == [[2, 4, 37], [2, 4, 37]] == want_ids.tolist()
+    close(weights, want_w, "moe route")
+
+
+@pytest.mark.parametrize("experts, top_k", LANE_HEAVY)
+def test_routing_takes_a_lanes_every_expert_in_turn(lib, experts, top_k):
+    """One lane gives several slots in a row and runs out of experts (lane_heavy_logits), at every
+    count of experts a lane holds: the ids are torch.topk's (equal logits in id order), a row's the
+    same alone (batch 1's path) and in the batch."""
+    logits = lane_heavy_logits(experts)
+    for normalize in (True, False):
+        ids, weights, _, _ = route(lib, logits, top_k, normalize)
+        want_ids, want_w = stable_route(logits, top_k, normalize)
+        assert torch.equal(ids, want_ids)
+        close(weights, want_w, "moe route")
+        for r in range(logits.shape[0]):
+            one_ids, one_w, _, _ = route(lib, logits[r:r + 1].contiguous(), top_k, normalize, threads=256)
             assert torch.equal(one_ids, ids[r:r + 1]) and torch.equal(one_w, weights[r:r + 1])
 
 

@@ -2,7 +2,7 @@
 // torch codecs (and fused kernels against the kernels they replace) where no GPU is present.
 // A block's threads are fibers (ucontext) of the calling thread, run in turn: deterministic, and
 // a switch costs far less than an OS thread's. __syncwarp / __syncthreads are barriers of the
-// warp / block; __shfl_xor_sync exchanges through the warp's slots; the __f*_rn intrinsics are
+// warp / block; __shfl_xor_sync and __shfl_sync exchange through the warp's slots; the __f*_rn intrinsics are
 // the host's IEEE fp32 operations (compile with -ffp-contract=off); e4m3 conversions are done in
 // software; the tensor-core MMA and movmatrix of mma.cuh exchange operands through per-warp
 // words, products exact in fp32, summed in order. Not part of any kernel module: only the host libraries of this folder include it.
@@ -96,6 +96,15 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     lanes[lane] = v;
     __syncwarp();
     const float other = lanes[lane ^ lane_mask];
+    __syncwarp();
+    return other;
+}
+inline int __shfl_sync(unsigned, int v, int src_lane) {
+    float* lanes = emulated_slots.data() + threadIdx.x / 32 * 32;
+    std::memcpy(&lanes[threadIdx.x & 31], &v, 4);
+    __syncwarp();
+    int other;
+    std::memcpy(&other, &lanes[src_lane & 31], 4);
     __syncwarp();
     return other;
 }
