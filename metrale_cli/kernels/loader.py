@@ -258,7 +258,6 @@ class KernelLoader:
             else:
                 fn(tuple(grid), tuple(block), tuple(typed), shared_mem=shared_mem)
 
-
     def _allow_dynamic_shared(self, fn, shared_mem: int):
         """Opt ``fn`` into ``shared_mem`` bytes of dynamic shared memory where its limit is lower.
         The default limit is 48 KB less the kernel's static shared memory, so a kernel with both
