@@ -57,17 +57,6 @@ __device__ __forceinline__ bf16_t load_logit(const bf16_t* p) {
     return __ldcg(p);
 }
 
-// A float's bits mapped to an unsigned order (-0 taken as +0, so that the two tie): a < b as floats
-// exactly where key(a) < key(b).
-__device__ __forceinline__ unsigned float_order(float v) {
-    const unsigned u = __float_as_uint(v + 0.0f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-__device__ __forceinline__ float order_float(unsigned k) {
-    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
 // Expert e's routing key: its bf16 logit's bits mapped to a 16-bit unsigned order (-0 taken as +0,
 // so that the two tie), a < b exactly where order(a) < order(b), above 0xffff - e. Keys are
 // distinct, larger logits give larger keys, and equal logits rank the lower id first (torch.topk's

@@ -90,26 +90,22 @@ inline std::map<int, EmulatedBarrier> emulated_named;  // bar.sync id, count: ma
 inline void __syncwarp() { emulated_warps[threadIdx.x / 32].arrive_and_wait(); }
 inline void emulated_named_sync(int id, unsigned threads) { emulated_named.try_emplace(id, threads).first->second.arrive_and_wait(); }
 inline void __syncthreads() { emulated_whole->arrive_and_wait(); }
-inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
-    float* lanes = emulated_slots.data() + threadIdx.x / 32 * 32;
-    const unsigned lane = threadIdx.x & 31;
-    lanes[lane] = v;
-    __syncwarp();
-    const float other = lanes[lane ^ lane_mask];
-    __syncwarp();
-    return other;
-}
-inline int __shfl_sync(unsigned, int v, int src_lane) {
-    float* lanes = emulated_slots.data() + threadIdx.x / 32 * 32;
-    std::memcpy(&lanes[threadIdx.x & 31], &v, 4);
-    __syncwarp();
-    int other;
-    std::memcpy(&other, &lanes[src_lane & 31], 4);
-    __syncwarp();
-    return other;
-}
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+// A warp's exchange of 4-byte words through its shuffle slots: this lane's bits in, lane src's out.
+inline unsigned emulated_exchange(unsigned bits, unsigned src) {
+    float* lanes = emulated_slots.data() + threadIdx.x / 32 * 32;
+    std::memcpy(&lanes[threadIdx.x & 31], &bits, 4);
+    __syncwarp();
+    unsigned other;
+    std::memcpy(&other, &lanes[src & 31], 4);
+    __syncwarp();
+    return other;
+}
+inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
+    return __uint_as_float(emulated_exchange(__float_as_uint(v), (threadIdx.x & 31) ^ lane_mask));
+}
+inline int __shfl_sync(unsigned, int v, int src_lane) { return (int)emulated_exchange((unsigned)v, src_lane); }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
