@@ -376,6 +376,8 @@ BASE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96, "
      "config.json num_experts_per_tok (5) exceeds num_local_experts (4)"),
     ({"moe_intermediate_size": None}, "config.json has no 'moe_intermediate_size'"),
     ({"num_experts": 0}, "config.json key 'num_experts' must be a positive integer, got 0"),
+    ({"num_experts": None, "num_local_experts": 0},
+     "config.json key 'num_local_experts' must be a positive integer, got 0"),
     ({"decoder_sparse_step": 0}, "config.json key 'decoder_sparse_step' must be a positive integer, got 0"),
     ({"hidden_act": "gelu"}, "config.json hidden_act='gelu' is not supported"),
     ({"mlp_only_layers": "1"}, "config.json mlp_only_layers must be a list of layer indices, got '1'"),
