@@ -33,7 +33,8 @@ _PER_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)
 
 def _moe_spec(r: ConfigReader, shared_expert: bool) -> MoeSpec:
     # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts (its attribute_map)
-    key = "num_local_experts" if r.get("num_experts") is None and r.get("num_local_experts") is not None else "num_experts"
+    local = r.get("num_experts") is None and r.get("num_local_experts") is not None
+    key = "num_local_experts" if local else "num_experts"
     experts, top_k = r.positive_int(key), r.positive_int("num_experts_per_tok")
     if top_k > experts:
         raise MetraleError(f"config.json num_experts_per_tok ({top_k}) exceeds {key} ({experts})")
