@@ -111,6 +111,21 @@ def test_the_layer_launches_run_on_the_reference_ops(ffn):
     assert out.shape == (1, 64) and torch.isfinite(out.float()).all()
 
 
+def test_the_layer_launches_force_the_attention_splits(monkeypatch):
+    """--attention-splits replaces the split rule of every tensor-core decode built after it (for
+    an A/B of the rule), and a count the launch cannot combine is one error."""
+    from metrale_cli.kernels import cuda_attention
+    from tools import moe_layer_launches
+
+    monkeypatch.setattr(cuda_attention, "tc_decode_splits", cuda_attention.tc_decode_splits)
+    assert moe_layer_launches.parser().parse_args([]).attention_splits == 0
+    moe_layer_launches.force_attention_splits(6)
+    assert cuda_attention.tc_decode_splits("cuda", 4, 40, None) == 6
+    for bad in (0, 65):
+        with pytest.raises(SystemExit, match="--attention-splits must be 1 to 64"):
+            moe_layer_launches.force_attention_splits(bad)
+
+
 def test_a_layer_variant_names_a_registry_module_and_its_defines():
     import argparse
 

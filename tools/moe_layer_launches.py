@@ -8,6 +8,7 @@ no asserts). Qwen3-30B-A3B's shapes by default:
     python -m tools.moe_layer_launches --hidden 4096 --kv-heads 8 --dense 12288 --layers 36  # Qwen3-8B's
     python -m tools.moe_layer_launches --hidden 4096 --kv-heads 8 --dense 12288 --layers 36 \
         --context 32768 --kv-cache-dtype turbo4  # its layer over a 32k turbo4 cache
+    python -m tools.moe_layer_launches --attention-splits 6  # the decode split 6 ways, not by the rule
 
 Every launch runs ``--layers`` times on distinct random weights (so a launch does not find its
 weights in L2 from the one before), replayed from one CUDA graph; the figure is µs per launch.
@@ -29,12 +30,14 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from metrale_cli.kernels import cuda_attention
 from metrale_cli.kernels.cases import kv_to, rope_decode_args, rope_decode_case
 from metrale_cli.kernels.cuda_ops import CudaOps
 from metrale_cli.kernels.ops import GdnTensors
 from metrale_cli.layers.ffn import DenseSwiGluFfn
 from metrale_cli.layers.moe import MoeFfn
 from metrale_cli.layers.spec import MoeSpec
+from metrale_cli.kernels.table import TC_MAX_SPLITS
 from tools.gemv_chain import replay_us
 
 
@@ -69,7 +72,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gdn-v-heads", type=int, default=32, help="its value heads")
     p.add_argument("--gdn-head-dim", type=int, default=128, help="its key and value heads' dim")
     p.add_argument("--gdn-taps", type=int, default=4, help="its causal conv's taps")
+    p.add_argument("--attention-splits", type=int, default=0,
+                   help=f"the one-launch decode's context splits, 1 to {TC_MAX_SPLITS} (0: the split rule's)")
     return p
+
+
+def force_attention_splits(splits: int) -> None:
+    """Every tensor-core decode launch built after this splits its context ``splits`` ways instead
+    of by the split rule (cuda_attention.tc_decode_splits), for an A/B of the rule."""
+    if not 1 <= splits <= TC_MAX_SPLITS:
+        raise SystemExit(f"--attention-splits must be 1 to {TC_MAX_SPLITS}, got {splits}")
+    cuda_attention.tc_decode_splits = lambda device, ctas, max_blocks, tc: splits
 
 
 def mixer_name(a: argparse.Namespace) -> str:
@@ -137,6 +150,8 @@ def build(a: argparse.Namespace, ops: CudaOps, dev: str = "cuda") -> dict:
     """The shape's random weights, one per layer, and the launches to time: name -> fn(layer)
     (``ops`` and ``dev``: the torch reference on the CPU too, as the tests build them)."""
     h, e, inter, k, n = a.hidden, a.experts, a.inter, a.top_k, a.layers
+    if a.attention_splits:
+        force_attention_splits(a.attention_splits)
     torch.manual_seed(0)
 
     def rand(*shape):
@@ -191,7 +206,7 @@ def main() -> None:
     ffn = (f"a dense FFN of {a.dense}" if a.dense else f"{a.experts} experts of {a.inter} (top {a.top_k})"
            + (f", a shared expert of {a.shared}" if a.shared else ""))
     print(f"batch-1 decode layer, hidden {a.hidden}, {mixer_name(a)}, {ffn}, context {a.context} ({a.kv_cache_dtype}), "
-          f"{a.layers} layers")
+          f"{a.layers} layers" + (f", the attention split {a.attention_splits} ways" if a.attention_splits else ""))
     for name, fn in launches.items():
         print(f"  {name:36s} {_time(fn, a.layers):7.2f} µs")
 
