@@ -93,7 +93,8 @@ TpOpt = Annotated[int, typer.Option("--tensor-parallel-size", "-tp", help="shard
 
 
 def _run(out: Output, debug: bool, fn, *args, **kwargs):
-    """Run a library call; MetraleError becomes one clear line and exit code 1."""
+    """Run a library call; MetraleError, and running out of GPU or host memory, become one clear
+    line and exit code 1."""
     logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(message)s")
     try:
         return fn(*args, **kwargs)
@@ -102,9 +103,27 @@ def _run(out: Output, debug: bool, fn, *args, **kwargs):
             raise
         out.error(e.message, e.hint)
         raise typer.Exit(1) from None
+    except (MemoryError, RuntimeError) as e:
+        message = _out_of_memory(e)
+        if message is None or debug:
+            raise
+        out.error(message, "a smaller model or --dtype, a shorter --max-seq-len or smaller batch, "
+                           "or --tensor-parallel-size N over more GPUs")
+        raise typer.Exit(1) from None
     except KeyboardInterrupt:
         out.error("interrupted")
         raise typer.Exit(130) from None
+
+
+def _out_of_memory(e: BaseException) -> str | None:
+    """The error line of an allocation that failed (torch's OutOfMemoryError on a GPU, Python's
+    MemoryError on the host), else None."""
+    if isinstance(e, MemoryError):
+        return "out of host memory" + (f": {e}" if str(e) else "")
+    if type(e).__name__ != "OutOfMemoryError":  # torch.OutOfMemoryError, not imported here
+        return None
+    first = str(e).split(". ")  # "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ..."
+    return "out of GPU memory" + (f": {first[1].rstrip('.')}" if len(first) > 1 and first[1] else "")
 
 
 def _read_text(out: Output, path: str | None, what: str) -> str | None:

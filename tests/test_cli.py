@@ -13,6 +13,7 @@ import transformers as T
 
 from helpers_checkpoints import make_hf_checkpoint
 from hf_oracle import hf_kv_rounded_to_bf16
+from metrale_cli.errors import MetraleError
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
@@ -641,3 +642,70 @@ def test_the_critical_path_counts_an_overlap_once():
     assert table[2].split() == ["10.0", "74.1%", "1.0", "gemm"] and table[3].split() == ["1.5", "11.1%", "1.0", "norm"]
     assert table[4].split()[:3] == ["2.0", "14.8%", "0.0"] and table[4].endswith("(no kernel running)")
     assert critical_path_table([], 2, 2) == "critical path of a decode step: no device work recorded"
+
+
+def test_a_preset_past_the_devices_memory_is_refused_before_a_weight_is_drawn(monkeypatch):
+    """bench --preset checks the preset's weight bytes against what the device can hold first: on
+    the host an allocation past it is not an exception but the kernel's out-of-memory kill."""
+    from metrale_cli.commands import bench
+    from metrale_cli.commands.bench_presets import PRESETS
+    from metrale_cli.engine import room
+
+    need = room.weight_bytes(PRESETS["qwen3-0.6b"], torch.bfloat16)
+    assert 1.1e9 < need < 1.3e9  # the 0.6B's 0.60 B parameters in bf16 (the bench's "weights 1.19 GB")
+    drawn = []
+    monkeypatch.setattr(bench, "random_weights", lambda *a, **k: drawn.append(1) or {})
+    monkeypatch.setattr(room, "free_bytes", lambda device: need - 1)
+    with pytest.raises(MetraleError) as info:
+        bench.bench_source(bench.BenchOptions(preset="qwen3-0.6b"), torch.device("cpu"))
+    assert info.value.message == f"--preset qwen3-0.6b's weights take {need / 1e9:.1f} GB; the host has " \
+                                 f"{(need - 1) / 1e9:.1f} GB free"
+    assert not drawn
+    monkeypatch.setattr(room, "free_bytes", lambda device: need)
+    bench.bench_source(bench.BenchOptions(preset="qwen3-0.6b"), torch.device("cpu"))
+    assert drawn
+
+
+def test_a_checkpoint_past_the_devices_memory_is_refused_before_it_is_read(tiny, monkeypatch):
+    """generate's runner checks the checkpoint's weight bytes (its config's tensors in --dtype)
+    against the device's room before reading a tensor; weights already in memory (a bench preset's)
+    are not counted again."""
+    from metrale_cli.checkpoint import read_config
+    from metrale_cli.engine import room, runner
+    from metrale_cli.engine.source import ModelSource
+
+    checkpoint = ModelSource.checkpoint(str(tiny))
+    source = ModelSource(checkpoint.config, checkpoint.tokenizer, lambda *a, **k: pytest.fail("a tensor was read"))
+    need = room.weight_bytes(read_config(str(tiny)), torch.float32)
+    monkeypatch.setattr(room, "free_bytes", lambda device: need - 1)
+    with pytest.raises(MetraleError) as info:
+        runner.open_runner(runner.RunnerOptions(backend="torch", dtype="fp32"), source)
+    assert info.value.message.startswith(f"the model's weights take {need / 1e9:.1f} GB; the host has ")
+    resident = ModelSource.loaded(source.config, {"x": torch.zeros(1)})
+    assert resident.resident and not source.resident
+
+
+@pytest.mark.parametrize("error, line", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 "
+                            "GiB of which 1.06 GiB is free."), "error: out of GPU memory: Tried to allocate 2.00 GiB"),
+    (MemoryError(), "error: out of host memory"),
+])
+def test_running_out_of_memory_is_one_error_line(capsys, error, line):
+    """An allocation that fails anywhere under a command (a checkpoint past the GPU's memory, a
+    pool that cannot be made) is one error line with a hint and exit code 1; other runtime errors
+    are not taken for it."""
+    import typer
+
+    from metrale_cli.cli import _run
+    from metrale_cli.output import Output
+
+    def fail():
+        raise error
+
+    with pytest.raises(typer.Exit) as info:
+        _run(Output(), False, fail)
+    assert info.value.exit_code == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == line and err.count("error:") == 1 and "hint:" in err
+    with pytest.raises(RuntimeError, match="not memory"):
+        _run(Output(), False, lambda: (_ for _ in ()).throw(RuntimeError("not memory")))

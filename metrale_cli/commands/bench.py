@@ -21,6 +21,7 @@ import torch
 from metrale_cli.commands.bench_presets import DESCRIPTIONS, PRESETS, random_weights
 from metrale_cli.commands.timing import Timer, measure_copy_bandwidth, timing_row
 from metrale_cli.engine.runner import DTYPES, RunnerOptions, open_runner, resolve_backend, resolve_dtype
+from metrale_cli.engine.room import check_room, weight_bytes
 from metrale_cli.engine.sampler import Sampler, SamplingParams
 from metrale_cli.engine.sequence import Sequence
 from metrale_cli.engine.source import ModelSource
@@ -284,10 +285,12 @@ def bench_source(opts: BenchOptions, device: torch.device, tp: TensorParallel = 
         raw, about = PRESETS[opts.preset], DESCRIPTIONS.get(opts.preset)
         name = f"{opts.preset} (random weights{'; ' + about if about else ''})"
         dtype, _ = resolve_dtype(opts.dtype, raw)
+        check_room(f"--preset {opts.preset}", weight_bytes(raw, DTYPES[dtype], tp), device, tp, "preset")
         return ModelSource.loaded(raw, random_weights(raw, device, DTYPES[dtype], tp=tp), None, name,
                                   sharded=tp.size > 1), dtype
     checkpoint = ModelSource.checkpoint(opts.model)
     dtype, _ = resolve_dtype(opts.dtype, checkpoint.config)
+    check_room("the model", weight_bytes(checkpoint.config, DTYPES[dtype], tp), device, tp)
     if tp.size == 1:
         weights = checkpoint.load(device, DTYPES[dtype], None)
         return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name), dtype

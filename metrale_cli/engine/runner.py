@@ -18,6 +18,7 @@ import torch
 from metrale_cli.config import ModelConfig
 from metrale_cli.engine.cuda_graphs import DecodeGraphs
 from metrale_cli.engine.generate import Engine
+from metrale_cli.engine.room import check_room, weight_bytes
 from metrale_cli.engine.source import ModelSource
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.ops import Ops
@@ -311,6 +312,8 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     max_seq_len = context_length(cfg, opts)
     if before_weights is not None:
         before_weights(source.tokenizer(), max_seq_len)
+    if not source.resident:
+        check_room("the model", weight_bytes(source.config, DTYPES[opts.dtype], tp), device, tp)
     if tp.size == 1 or source.sharded:
         weights = source.load(device, DTYPES[opts.dtype], progress)
         tensors = dict(weights.tensors)

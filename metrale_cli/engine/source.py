@@ -28,6 +28,7 @@ class ModelSource:
     tokenizer: Callable[[], object | None]
     load: Callable[..., Weights]
     sharded: bool = False  # its tensors are already this tensor-parallel rank's shard (on its device)
+    resident: bool = False  # its tensors are already in memory (loading them takes no more)
 
     @classmethod
     def checkpoint(cls, spec: str | None) -> ModelSource:
@@ -49,4 +50,4 @@ class ModelSource:
             kept = dict(tensors) if transform is None else {n: transform(n, t).to(device) for n, t in tensors.items()}
             return Weights(kept, tokenizer, name)
 
-        return cls(config, lambda: tokenizer, load, sharded)
+        return cls(config, lambda: tokenizer, load, sharded, resident=True)

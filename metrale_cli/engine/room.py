@@ -1,0 +1,50 @@
+"""Whether a model's weights fit where they are to be loaded, checked before the first is read: on
+the host an allocation past its memory is not an exception but the kernel's out-of-memory kill,
+and on a GPU a load that fails halfway has taken minutes."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from metrale_cli.errors import MetraleError
+from metrale_cli.layers.parallel import SINGLE, TensorParallel
+from metrale_cli.models import family_of, model_config
+from metrale_cli.models.sharding import shard_config
+
+
+def weight_bytes(raw: dict, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> int:
+    """The bytes of the tensors the config's family reads, in ``dtype`` (one rank's shard with ``tp``)."""
+    cfg = shard_config(model_config(raw), tp)
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(shape) * size for shape in family_of(cfg.family).expected_tensors(cfg).values())
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """What ``device`` can still hold: the GPU's free memory, the host's available memory (Linux's
+    MemAvailable); None where the host does not say."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_room(what: str, need: int, device: torch.device, tp: TensorParallel = SINGLE, smaller: str = "model") -> None:
+    """Refuse ``what``'s weights (``need`` bytes; one rank's shard with ``tp``) where ``device``
+    cannot hold them."""
+    free = free_bytes(device)
+    if free is None or need <= free:
+        return
+    where = "the GPU has" if device.type == "cuda" else "the host has"
+    shard = f" (a shard of {tp.size})" if tp.size > 1 else ""
+    hint = (f"a smaller {smaller}, or --tensor-parallel-size N to shard it over N GPUs" if device.type == "cuda"
+            else f"a smaller {smaller}: on the CPU every weight is held in host memory")
+    raise MetraleError(f"{what}'s weights{shard} take {need / 1e9:.1f} GB; {where} {free / 1e9:.1f} GB free",
+                       hint=hint)
