@@ -650,8 +650,9 @@ def test_a_preset_past_the_devices_memory_is_refused_before_a_weight_is_drawn(mo
     from metrale_cli.commands import bench
     from metrale_cli.commands.bench_presets import PRESETS
     from metrale_cli.engine import room
+    from metrale_cli.models import model_config
 
-    need = room.weight_bytes(PRESETS["qwen3-0.6b"], torch.bfloat16)
+    need = room.weight_bytes(model_config(PRESETS["qwen3-0.6b"]), torch.bfloat16)
     assert 1.1e9 < need < 1.3e9  # the 0.6B's 0.60 B parameters in bf16 (the bench's "weights 1.19 GB")
     drawn = []
     monkeypatch.setattr(bench, "random_weights", lambda *a, **k: drawn.append(1) or {})
@@ -673,10 +674,11 @@ def test_a_checkpoint_past_the_devices_memory_is_refused_before_it_is_read(tiny,
     from metrale_cli.checkpoint import read_config
     from metrale_cli.engine import room, runner
     from metrale_cli.engine.source import ModelSource
+    from metrale_cli.models import model_config
 
     checkpoint = ModelSource.checkpoint(str(tiny))
     source = ModelSource(checkpoint.config, checkpoint.tokenizer, lambda *a, **k: pytest.fail("a tensor was read"))
-    need = room.weight_bytes(read_config(str(tiny)), torch.float32)
+    need = room.weight_bytes(model_config(read_config(str(tiny))), torch.float32)
     monkeypatch.setattr(room, "free_bytes", lambda device: need - 1)
     with pytest.raises(MetraleError) as info:
         runner.open_runner(runner.RunnerOptions(backend="torch", dtype="fp32"), source)

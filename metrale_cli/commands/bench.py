@@ -31,6 +31,8 @@ from metrale_cli.kv.dtypes import AUTO, KvCacheDtype, parse_kv_cache_dtype
 from metrale_cli.layers.gdn import GDN_RANGE
 from metrale_cli.output import Output, SilentOutput
 from metrale_cli.layers.parallel import SINGLE, TensorParallel
+from metrale_cli.models import model_config
+from metrale_cli.models.sharding import Sharder, shard_config
 
 
 @dataclass(frozen=True)
@@ -285,19 +287,18 @@ def bench_source(opts: BenchOptions, device: torch.device, tp: TensorParallel = 
         raw, about = PRESETS[opts.preset], DESCRIPTIONS.get(opts.preset)
         name = f"{opts.preset} (random weights{'; ' + about if about else ''})"
         dtype, _ = resolve_dtype(opts.dtype, raw)
-        check_room(f"--preset {opts.preset}", weight_bytes(raw, DTYPES[dtype], tp), device, tp, "preset")
+        shard = shard_config(model_config(raw), tp)
+        check_room(f"--preset {opts.preset}", weight_bytes(shard, DTYPES[dtype]), device, tp, "preset")
         return ModelSource.loaded(raw, random_weights(raw, device, DTYPES[dtype], tp=tp), None, name,
                                   sharded=tp.size > 1), dtype
     checkpoint = ModelSource.checkpoint(opts.model)
     dtype, _ = resolve_dtype(opts.dtype, checkpoint.config)
-    check_room("the model", weight_bytes(checkpoint.config, DTYPES[dtype], tp), device, tp)
+    cfg = model_config(checkpoint.config)
+    check_room("the model", weight_bytes(shard_config(cfg, tp), DTYPES[dtype]), device, tp)
     if tp.size == 1:
         weights = checkpoint.load(device, DTYPES[dtype], None)
         return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name), dtype
-    from metrale_cli.models import model_config
-    from metrale_cli.models.sharding import Sharder
-
-    weights = checkpoint.load(device, DTYPES[dtype], None, transform=Sharder(model_config(checkpoint.config), tp))
+    weights = checkpoint.load(device, DTYPES[dtype], None, transform=Sharder(cfg, tp))
     return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name, sharded=True), dtype
 
 

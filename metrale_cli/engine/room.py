@@ -8,15 +8,15 @@ import math
 
 import torch
 
+from metrale_cli.config import ModelConfig
 from metrale_cli.errors import MetraleError
 from metrale_cli.layers.parallel import SINGLE, TensorParallel
-from metrale_cli.models import family_of, model_config
-from metrale_cli.models.sharding import shard_config
+from metrale_cli.models import family_of
 
 
-def weight_bytes(raw: dict, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> int:
-    """The bytes of the tensors the config's family reads, in ``dtype`` (one rank's shard with ``tp``)."""
-    cfg = shard_config(model_config(raw), tp)
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """The bytes of the tensors ``cfg``'s family reads, in ``dtype`` (a tensor-parallel rank's
+    shard where ``cfg`` is its shard_config)."""
     size = torch.empty((), dtype=dtype).element_size()
     return sum(math.prod(shape) * size for shape in family_of(cfg.family).expected_tensors(cfg).values())
 

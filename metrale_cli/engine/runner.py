@@ -313,7 +313,7 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     if before_weights is not None:
         before_weights(source.tokenizer(), max_seq_len)
     if not source.resident:
-        check_room("the model", weight_bytes(source.config, DTYPES[opts.dtype], tp), device, tp)
+        check_room("the model", weight_bytes(shard, DTYPES[opts.dtype]), device, tp)
     if tp.size == 1 or source.sharded:
         weights = source.load(device, DTYPES[opts.dtype], progress)
         tensors = dict(weights.tensors)
