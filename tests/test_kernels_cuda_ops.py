@@ -419,6 +419,35 @@ def test_dynamic_shared_memory_is_opted_into_above_the_limit_left_by_static(stat
     assert len(reads) == (1 if dynamic else 0)
 
 
+@pytest.mark.parametrize("carveout", [None, 0, 50])
+def test_a_loaded_function_asks_for_the_loaders_carveout(monkeypatch, carveout):
+    """The layer tools' --carveout: each function, as it is loaded (before any launch or graph
+    capture), asks for the loader's carveout; without one, the driver's choice stays untouched."""
+    from types import SimpleNamespace
+
+    from metrale_cli.kernels import loader
+    from metrale_cli.kernels.registry import KernelSpec
+
+    asked = []
+
+    class Fn:
+        @property
+        def preferred_shared_memory_carveout(self):
+            raise AssertionError("not read")
+
+        @preferred_shared_memory_carveout.setter
+        def preferred_shared_memory_carveout(self, value):
+            asked.append(value)
+
+    monkeypatch.setattr(loader, "device_index", lambda device: 0)
+    kl = loader.KernelLoader(carveout=carveout)
+    monkeypatch.setattr(kl, "_module", lambda spec, index: SimpleNamespace(get_function=lambda name: Fn()))
+    for _ in range(2):
+        kl.function(KernelSpec("gemv", "gemv_add_bf16"), 0)
+    kl.function(KernelSpec("gemv", "gemv_norm_bf16"), 0)
+    assert asked == ([] if carveout is None else [carveout, carveout])
+
+
 @pytest.mark.parametrize("cluster_z, opted_in", [(16, True), (8, False), (1, False)])
 def test_a_launch_sets_its_attributes_and_opts_into_large_clusters_once(monkeypatch, cluster_z, opted_in):
     """cuLaunchKernelEx's config, built from cuda-bindings' own types with the driver's two calls

@@ -151,6 +151,19 @@ def test_a_layer_variant_names_a_registry_module_and_its_defines():
             parse_variant(bad)
 
 
+@pytest.mark.parametrize("text, ok", [("0", True), ("50", True), ("100", True), ("-1", False), ("101", False)])
+def test_the_layer_tools_take_a_carveout_in_percent(text, ok):
+    import argparse
+
+    from tools import moe_layer_launches
+
+    if ok:
+        assert moe_layer_launches.parser().parse_args(["--carveout", text]).carveout == int(text)
+    else:
+        with pytest.raises(argparse.ArgumentTypeError):
+            moe_layer_launches.carveout(text)
+
+
 def test_the_expert_read_patterns_compile():
     """tools/expert_read_patterns.py's pure-load kernels (its figures in docs/performance.md)."""
     from tools.expert_read_patterns import KERNELS

@@ -9,6 +9,7 @@ no asserts). Qwen3-30B-A3B's shapes by default:
     python -m tools.moe_layer_launches --hidden 4096 --kv-heads 8 --dense 12288 --layers 36 \
         --context 32768 --kv-cache-dtype turbo4  # its layer over a 32k turbo4 cache
     python -m tools.moe_layer_launches --attention-splits 6  # the decode split 6 ways, not by the rule
+    python -m tools.moe_layer_launches --carveout 50  # every kernel asks for half an SM's most shared memory
 
 Every launch runs ``--layers`` times on distinct random weights (so a launch does not find its
 weights in L2 from the one before), replayed from one CUDA graph; the figure is µs per launch.
@@ -74,7 +75,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gdn-taps", type=int, default=4, help="its causal conv's taps")
     p.add_argument("--attention-splits", type=int, default=0,
                    help=f"the one-launch decode's context splits, 1 to {TC_MAX_SPLITS} (0: the split rule's)")
+    p.add_argument("--carveout", type=carveout, default=None,
+                   help="every kernel asks for this shared-memory carveout, 0-100 percent (default: the driver's)")
     return p
+
+
+def carveout(text: str) -> int:
+    """--carveout's percent of an SM's most shared memory, 0 to 100."""
+    value = int(text)
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"--carveout must be 0 to 100 (percent), got {value}")
+    return value
 
 
 def force_attention_splits(splits: int) -> None:
@@ -152,6 +163,8 @@ def build(a: argparse.Namespace, ops: CudaOps, dev: str = "cuda") -> dict:
     h, e, inter, k, n = a.hidden, a.experts, a.inter, a.top_k, a.layers
     if a.attention_splits:
         force_attention_splits(a.attention_splits)
+    if a.carveout is not None:
+        ops.loader.carveout = a.carveout
     torch.manual_seed(0)
 
     def rand(*shape):
@@ -206,7 +219,8 @@ def main() -> None:
     ffn = (f"a dense FFN of {a.dense}" if a.dense else f"{a.experts} experts of {a.inter} (top {a.top_k})"
            + (f", a shared expert of {a.shared}" if a.shared else ""))
     print(f"batch-1 decode layer, hidden {a.hidden}, {mixer_name(a)}, {ffn}, context {a.context} ({a.kv_cache_dtype}), "
-          f"{a.layers} layers" + (f", the attention split {a.attention_splits} ways" if a.attention_splits else ""))
+          f"{a.layers} layers" + (f", the attention split {a.attention_splits} ways" if a.attention_splits else "")
+          + (f", every kernel at a {a.carveout}% carveout" if a.carveout is not None else ""))
     for name, fn in launches.items():
         print(f"  {name:36s} {_time(fn, a.layers):7.2f} µs")
 

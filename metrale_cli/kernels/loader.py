@@ -179,9 +179,12 @@ def _launch_ex(driver, fn, grid, block, shared_mem: int, stream_ptr: int, typed:
 @dataclass
 class KernelLoader:
     """Compiled modules and typed launches for one process; not thread-safe. ``extra``: modules
-    outside the registry (a tool's own kernels), by name."""
+    outside the registry (a tool's own kernels), by name. ``carveout``: every function loaded asks
+    for this shared-memory carveout (percent of the most an SM has; the layer tools' A/B of it),
+    None: the driver's choice per kernel."""
 
     extra: dict[str, KernelModule] = field(default_factory=dict)
+    carveout: int | None = None
     events: list[LoadEvent] = field(default_factory=list)
     _modules: dict = field(default_factory=dict)
     _functions: dict = field(default_factory=dict)
@@ -194,8 +197,10 @@ class KernelLoader:
         index = device_index(device)
         key = (spec, index)
         if key not in self._functions:
-            module = self._module(spec, index)
-            self._functions[key] = module.get_function(spec.function)
+            fn = self._module(spec, index).get_function(spec.function)
+            if self.carveout is not None:
+                fn.preferred_shared_memory_carveout = self.carveout
+            self._functions[key] = fn
         return self._functions[key]
 
     def _module(self, spec: KernelSpec, index: int):
