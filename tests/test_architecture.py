@@ -39,7 +39,7 @@ def test_an_unsupported_model_type_names_every_supported_family():
         model_config(LLAMA | {"model_type": "mamba"})
     assert info.value.message == "model_type 'mamba' is not supported yet"
     assert info.value.hint == "supported families: " + ", ".join(FAMILIES) == (
-        "supported families: llama, qwen2, qwen3, qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_text, qwen3_5_moe_text, "
+        "supported families: llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_text, qwen3_5_moe_text, "
         "qwen3_5, qwen3_5_moe")
 
 
@@ -84,6 +84,21 @@ def test_a_sliding_window_is_refused_on_the_layers_transformers_gives_it(family,
     assert "layer 1 (and 1 more): sliding_window = 64: no attention kernel applies a sliding window" in info.value.message
     no_window = cls(**(LLAMA | {"model_type": family, "sliding_window": 64})).to_dict()  # use_sliding_window off
     assert all(s.attention.sliding_window is None for s in model_config(no_window).layers)
+
+
+def test_mistrals_window_is_on_every_layer_as_transformers_masks_it():
+    """transformers' MistralModel masks every layer with ``sliding_window`` (4096 by default, as
+    Mistral 7B v0.1 has it): refused on all of them; v0.2 on, Nemo and Small set none and run."""
+    windowed = T.MistralConfig(**(LLAMA | {"model_type": "mistral"})).to_dict()
+    assert windowed["sliding_window"] == 4096
+    assert [s.attention.sliding_window for s in model_config(windowed).layers] == [4096] * 3
+    assert unserved(model_config(windowed).layers) == [
+        "layer 0 (and 2 more): sliding_window = 4096: no attention kernel applies a sliding window yet"]
+    nemo = T.MistralConfig(**(LLAMA | {"model_type": "mistral", "sliding_window": None, "head_dim": 32})).to_dict()
+    cfg = model_config(nemo)
+    assert cfg.family == "mistral" and unserved(cfg.layers) == []
+    a = cfg.layers[0].attention
+    assert (a.head_dim, a.num_heads, a.num_kv_heads, a.qkv_bias, a.qk_norm, a.o_bias) == (32, 4, 2, False, False, False)
 
 
 def test_a_sliding_window_checkpoint_is_one_error_line_on_the_command_line(tmp_path):

@@ -1,4 +1,4 @@
-"""The torch backend against HF transformers on tiny random Llama / Qwen2 / Qwen3 models.
+"""The torch backend against HF transformers on tiny random Llama / Mistral / Qwen2 / Qwen3 models.
 
 Tolerances (one table, a reason per row):
 - bf16 logits: our bf16 stack vs HF in fp32 may differ by at most 1.5x what HF's own bf16 path
@@ -29,6 +29,7 @@ CASES = {
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "llama3-rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "mistral": ("mistral", {"head_dim": 24, "sliding_window": None}),  # Nemo's head_dim != hidden / heads
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 32}),  # head_dim != hidden / heads
     "qwen3-yarn": ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
@@ -48,7 +49,7 @@ def test_logits_match_hf(case):
     assert err <= 1.5 * noise_floor + 0.05, f"{case}: max |logit err| {err:.3f}, HF bf16 floor {noise_floor:.3f}"
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "llama-tied"])
+@pytest.mark.parametrize("case", ["llama", "mistral", "qwen2", "qwen3", "llama-tied"])
 def test_greedy_matches_hf(case):
     family, overrides = CASES[case]
     hf, raw = make_hf(family, **overrides)
@@ -63,7 +64,7 @@ def test_greedy_matches_hf(case):
     check_logprobs_close(got_ids, got_logits, ref_ids, ref_logits)
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3-yarn"])
+@pytest.mark.parametrize("case", ["llama", "mistral", "qwen2", "qwen3", "qwen3-yarn"])
 def test_greedy_equal_for_32_tokens(case):
     """fp32 activations on both sides and HF's K/V rounded to bf16 as our cache stores them: what
     is left is fp32 summation order, far below the logit margins, so the tokens are equal."""

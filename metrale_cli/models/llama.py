@@ -1,8 +1,11 @@
-"""The dense Llama-style families: Llama, Qwen2, Qwen3 (HF ``model.layers.N.{self_attn,mlp}.*``).
+"""The dense Llama-style families: Llama, Mistral, Qwen2, Qwen3 (HF ``model.layers.N.{self_attn,mlp}.*``).
 
-They differ in which optional tensors exist (q/k/v biases, QK-norm) and in Qwen2 / Qwen3's
-sliding-window layers (``layer_types``, by default those from ``max_window_layers`` on). Every
-layer is a :class:`~metrale_cli.layers.attention.Qwen3AttentionLayer` with a dense SwiGLU FFN.
+They differ in which optional tensors exist (q/k/v biases, QK-norm) and in their sliding-window
+layers: Qwen2 / Qwen3's (``layer_types``, by default those from ``max_window_layers`` on), and
+Mistral's ``sliding_window`` on every layer (transformers' MistralModel masks all of them alike;
+Mistral 7B v0.2 on, Nemo and Small have none). Every layer is a
+:class:`~metrale_cli.layers.attention.Qwen3AttentionLayer` with a dense SwiGLU FFN. Mistral's GGUF
+files carry llama.cpp's ``llama`` architecture, so they load through the Llama family.
 """
 
 from __future__ import annotations
@@ -20,7 +23,12 @@ def _config(r: ConfigReader, family: str) -> ModelConfig:
     r.refuse("mlp_bias", (False,), "only bias-free MLPs are built")
     r.refuse("hidden_act", ("silu",), "only SiLU (SwiGLU) FFNs are built")
     layers, bias = r.positive_int("num_hidden_layers"), r.flag("attention_bias")
-    windows = decoder.windows(r, layers, lambda i, max_window: i >= max_window) if family != "llama" else [None] * layers
+    if family == "llama":
+        windows = [None] * layers
+    elif family == "mistral":
+        windows = [r.get("sliding_window")] * layers
+    else:
+        windows = decoder.windows(r, layers, lambda i, max_window: i >= max_window)
     # Qwen2 always has q/k/v biases and no o_proj bias; the others follow attention_bias.
     attention = decoder.attention_specs(r, windows, qk_norm=family == "qwen3", qkv_bias=family == "qwen2" or bias,
                                         o_bias=family != "qwen2" and bias)
@@ -52,5 +60,6 @@ def _family(model_type: str, hf_class: str, gguf: GgufArch) -> Family:
 
 
 LLAMA = _family("llama", "LlamaForCausalLM", GgufArch("llama", permuted_qk=True))
+MISTRAL = Family("mistral", "MistralForCausalLM", lambda r: _config(r, "mistral"), expected_tensors, build)
 QWEN2 = _family("qwen2", "Qwen2ForCausalLM", GgufArch("qwen2", attention_bias=True))
 QWEN3 = _family("qwen3", "Qwen3ForCausalLM", GgufArch("qwen3"))
