@@ -144,8 +144,21 @@ __device__ void stage_row(Chunk* xs, const Src& src, const bf16_t* residual, con
         store_vec<8>(reinterpret_cast<bf16_t*>(xs + i / 8), a);
     };
     float ss = 0.0f;
-    float a[STAGE_EARLY][8], b[STAGE_EARLY][8];
-    auto load_first = [&] {
+    if constexpr (Hook::active) {
+        // The row copied into xs without registers (each thread its own chunks), the hook, then
+        // the sums of the same elements in the same order as below, read back from xs.
+        for (int i = t * 8; t < threads && i < k; i += threads * 8) src.copy_async(xs + i / 8, i);
+        after_loads();
+        copy_async_wait();
+        for (int i = t * 8; t < threads && i < k; i += threads * 8) {
+            float x[8], y[8];
+            load_vec<8>(reinterpret_cast<const bf16_t*>(xs + i / 8), x);
+            if (residual != nullptr) load_vec<8>(residual + i, y);
+            sum_chunk(i, x, y);
+            ss = add_squares<8>(ss, x);
+        }
+    } else if (t < threads) {
+        float a[STAGE_EARLY][8], b[STAGE_EARLY][8];
 #pragma unroll
         for (int e = 0; e < STAGE_EARLY; ++e) {
             const int i = (t + e * threads) * 8;
@@ -154,13 +167,6 @@ __device__ void stage_row(Chunk* xs, const Src& src, const bf16_t* residual, con
                 if (residual != nullptr) load_vec<8>(residual + i, b[e]);
             }
         }
-    };
-    if constexpr (Hook::active) {
-        if (t < threads) load_first();
-        after_loads();
-    }
-    if (t < threads) {
-        if constexpr (!Hook::active) load_first();
 #pragma unroll
         for (int e = 0; e < STAGE_EARLY; ++e) {
             const int i = (t + e * threads) * 8;
