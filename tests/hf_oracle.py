@@ -95,18 +95,24 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
 
 @contextlib.contextmanager
 def hf_kv_rounded_to_bf16():
-    """Make HF store K/V as our bf16 cache does (rounded to bf16), whatever its compute dtype."""
-    original = T.cache_utils.DynamicLayer.update
+    """Make HF store K/V as our bf16 cache does (rounded to bf16), whatever its compute dtype: in its
+    full-attention cache layers and in its sliding-window ones (which have an update of their own)."""
+    layers = (T.cache_utils.DynamicLayer, T.cache_utils.DynamicSlidingWindowLayer)
+    originals = [layer.__dict__["update"] for layer in layers]
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        rnd = lambda x: x.to(torch.bfloat16).to(x.dtype)  # noqa: E731
-        return original(self, rnd(key_states), rnd(value_states), *args, **kwargs)
+    def rounded(original):
+        def update(self, key_states, value_states, *args, **kwargs):
+            rnd = lambda x: x.to(torch.bfloat16).to(x.dtype)  # noqa: E731
+            return original(self, rnd(key_states), rnd(value_states), *args, **kwargs)
+        return update
 
-    T.cache_utils.DynamicLayer.update = update
+    for layer, original in zip(layers, originals):
+        layer.update = rounded(original)
     try:
         yield
     finally:
-        T.cache_utils.DynamicLayer.update = original
+        for layer, original in zip(layers, originals):
+            layer.update = original
 
 
 @torch.no_grad()

@@ -93,12 +93,43 @@ def test_mistrals_window_is_on_every_layer_as_transformers_masks_it():
     assert windowed["sliding_window"] == 4096
     assert [s.attention.sliding_window for s in model_config(windowed).layers] == [4096] * 3
     assert unserved(model_config(windowed).layers) == [
-        "layer 0 (and 2 more): sliding_window = 4096: no attention kernel applies a sliding window yet"]
+        "layer 0 (and 2 more): sliding_window = 4096: no attention kernel applies a sliding window yet (with "
+        "--max-seq-len 4096 or less the window masks nothing, and the model runs)"]
     nemo = T.MistralConfig(**(LLAMA | {"model_type": "mistral", "sliding_window": None, "head_dim": 32})).to_dict()
     cfg = model_config(nemo)
     assert cfg.family == "mistral" and unserved(cfg.layers) == []
     a = cfg.layers[0].attention
     assert (a.head_dim, a.num_heads, a.num_kv_heads, a.qkv_bias, a.qk_norm, a.o_bias) == (32, 4, 2, False, False, False)
+
+
+def test_a_window_at_least_the_context_masks_nothing_so_the_model_runs():
+    """A sliding window as long as the run's context masks no key (a query at position p sees the
+    keys after p - window, and p < context), so full attention is exact there: the run opens, and
+    its fp32 greedy tokens are HF's, which applies the window. One token more of context and the
+    model is refused, its line naming the --max-seq-len that runs it."""
+    from hf_oracle import hf_greedy, hf_kv_rounded_to_bf16, make_hf, random_ids
+
+    hf, raw = make_hf("mistral", sliding_window=48, head_dim=24)
+    layers = model_config(raw).layers
+    assert unserved(layers, 48) == [] and unserved(layers, None) != []
+    assert unserved(layers, 49) == ["layer 0 (and 2 more): sliding_window = 48: no attention kernel applies a "
+                                    "sliding window yet (with --max-seq-len 48 or less the window masks nothing, "
+                                    "and the model runs)"]
+    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+
+    def opened(context):
+        return open_runner(RunnerOptions(backend="torch", dtype="fp32", max_seq_len=context, max_num_seqs=1,
+                                         reserve_all_memory=False, prefill_chunk=7),
+                           ModelSource.loaded(raw, dict(weights), None, "mistral"))
+
+    with pytest.raises(MetraleError) as info:
+        opened(49)
+    assert "sliding_window = 48" in info.value.message and "--max-seq-len 48 or less" in info.value.message
+    prompt = random_ids(16, seed=5)
+    with hf_kv_rounded_to_bf16():
+        want, _ = hf_greedy(hf, prompt, 32)
+    seqs, _ = opened(48).engine.generate([prompt], SamplingParams(max_new_tokens=32, ignore_eos=True))
+    assert seqs[0].output_ids == want
 
 
 def test_a_sliding_window_checkpoint_is_one_error_line_on_the_command_line(tmp_path):
@@ -109,6 +140,7 @@ def test_a_sliding_window_checkpoint_is_one_error_line_on_the_command_line(tmp_p
     assert result.exit_code == 1
     lines = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "layer 0 (and 1 more): sliding_window = 32" in lines[0]
+    assert "--max-seq-len 32 or less" in lines[0]
     assert "Traceback" not in result.output
 
 
@@ -130,7 +162,7 @@ def test_every_field_nothing_serves_is_refused_naming_layer_and_field(rule):
     layers = (cfg.layers[0], with_value(cfg.layers[1]), cfg.layers[2])
     with pytest.raises(MetraleError) as info:
         check_served(layers)
-    assert f"layer 1: {path[-1]} = {value!r}: {rule.why}" in info.value.message
+    assert f"layer 1: {path[-1]} = {value!r}: {rule.why.format(value=value)}" in info.value.message
 
 
 # --- layers of their own shapes in one stack --------------------------------------------------------

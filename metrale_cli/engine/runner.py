@@ -306,10 +306,10 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     cfg = model_config(source.config)
     kv_dtype = cfg.resolve_kv_dtype(opts.kv_cache_dtype)
     cfg = plan(cfg, kv_dtype, opts)
-    check_served(cfg.layers)
+    max_seq_len = context_length(cfg, opts)
+    check_served(cfg.layers, max_seq_len)
     shard = shard_config(cfg, tp)
     loader = check_kernels(shard, backend, device, kv_dtype)
-    max_seq_len = context_length(cfg, opts)
     if before_weights is not None:
         before_weights(source.tokenizer(), max_seq_len)
     if not source.resident:

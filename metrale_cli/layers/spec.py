@@ -162,17 +162,20 @@ class LayerSpec:
 @dataclass(frozen=True)
 class _Unserved:
     """A spec field and the reason no kernel or layer serves a value of it other than ``default``
-    (or one of ``served``) yet."""
+    (or one of ``served``) yet; ``covers``: a value of at least the run's context is served too (a
+    sliding window that long masks nothing). ``why`` may name the value as ``{value}``."""
 
     path: str
     why: str
     default: object = field(default=None)
     served: tuple = ()
+    covers: bool = False
 
 
 UNSERVED = (
     _Unserved("mixer", "only full-attention and Gated DeltaNet layers are built", "attention", ("gdn",)),
-    _Unserved("attention.sliding_window", "no attention kernel applies a sliding window yet"),
+    _Unserved("attention.sliding_window", "no attention kernel applies a sliding window yet (with --max-seq-len "
+              "{value} or less the window masks nothing, and the model runs)", covers=True),
     _Unserved("attention.k_eq_v", "K=V attention is not built yet", False),
     _Unserved("attention.v_norm", "the V-head norm is not built yet", False),
     _Unserved("attention.rope.proportional", "proportional RoPE is not built yet", False),
@@ -190,26 +193,30 @@ def _value(spec: LayerSpec, path: str):
     return value
 
 
-def _is_served(rule: _Unserved, value) -> bool:
+def _is_served(rule: _Unserved, value, context: int | None) -> bool:
+    if rule.covers and value is not None and context is not None and value >= context:
+        return True
     return value is None or value == rule.default or value in rule.served
 
 
-def unserved(specs: tuple[LayerSpec, ...]) -> list[str]:
-    """One line per spec field that some layer sets and nothing serves: the first such layer,
-    how many more, the value and why."""
+def unserved(specs: tuple[LayerSpec, ...], context: int | None = None) -> list[str]:
+    """One line per spec field that some layer sets and nothing serves (in a run of ``context``
+    tokens, where given): the first such layer, how many more, the value and why."""
     lines = []
     for rule in UNSERVED:
-        layers = [s.index for s in specs if not _is_served(rule, _value(s, rule.path))]
+        layers = [s.index for s in specs if not _is_served(rule, _value(s, rule.path), context)]
         if layers:
             more = f" (and {len(layers) - 1} more)" if len(layers) > 1 else ""
             value = _value(specs[layers[0]], rule.path)
-            lines.append(f"layer {layers[0]}{more}: {rule.path.split('.')[-1]} = {value!r}: {rule.why}")
+            why = rule.why.format(value=value)
+            lines.append(f"layer {layers[0]}{more}: {rule.path.split('.')[-1]} = {value!r}: {why}")
     return lines
 
 
-def check_served(specs: tuple[LayerSpec, ...]) -> None:
-    """Refuse a model with a layer setting a field that nothing serves yet: one error line."""
-    problems = unserved(specs)
+def check_served(specs: tuple[LayerSpec, ...], context: int | None = None) -> None:
+    """Refuse a model with a layer setting a field that nothing serves yet (in a run of
+    ``context`` tokens): one error line."""
+    problems = unserved(specs, context)
     if problems:
         raise MetraleError("this model needs what metrale does not build yet: " + "; ".join(problems),
                            hint="the layer's spec is refused, not ignored: running it without that field "
