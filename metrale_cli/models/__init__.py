@@ -21,8 +21,8 @@ from metrale_cli.models.family import BuildParts, Family
 from metrale_cli.models.model import CausalLM
 from metrale_cli.layers.parallel import SINGLE, TensorParallel
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3, qwen_moe.QWEN2_MOE,
-                                                         qwen_moe.QWEN3_MOE, qwen3_next.QWEN3_NEXT,
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3,
+                                                         qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, qwen3_next.QWEN3_NEXT,
                                                          qwen3_5.QWEN3_5_TEXT, qwen3_5.QWEN3_5_MOE_TEXT,
                                                          qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE)}
 

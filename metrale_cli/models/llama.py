@@ -3,9 +3,10 @@
 They differ in which optional tensors exist (q/k/v biases, QK-norm) and in their sliding-window
 layers: Qwen2 / Qwen3's (``layer_types``, by default those from ``max_window_layers`` on), and
 Mistral's ``sliding_window`` on every layer (transformers' MistralModel masks all of them alike;
-Mistral 7B v0.2 on, Nemo and Small have none; layers/spec.py says when a window is served). Every layer is a
-:class:`~metrale_cli.layers.attention.Qwen3AttentionLayer` with a dense SwiGLU FFN. llama.cpp
-writes Mistral's GGUF files with its ``llama`` architecture, so they load through the Llama family.
+Mistral 7B v0.2 on, Nemo and Small have none; layers/spec.py says when a window is served).
+Every layer is a :class:`~metrale_cli.layers.attention.Qwen3AttentionLayer` with a dense SwiGLU
+FFN. llama.cpp writes Mistral's GGUF files with its ``llama`` architecture, so they load through
+the Llama family.
 """
 
 from __future__ import annotations
