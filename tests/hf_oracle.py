@@ -16,8 +16,8 @@ from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.layers.context import ForwardContext
 from metrale_cli.models import build_model, model_config
 
-CONFIGS = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config, "qwen3_moe": T.Qwen3MoeConfig,
-           "qwen2_moe": T.Qwen2MoeConfig, "qwen3_next": T.Qwen3NextConfig, "qwen3_5_text": T.Qwen3_5TextConfig,
+CONFIGS = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config,
+           "qwen3_moe": T.Qwen3MoeConfig, "qwen2_moe": T.Qwen2MoeConfig, "qwen3_next": T.Qwen3NextConfig, "qwen3_5_text": T.Qwen3_5TextConfig,
            "qwen3_5_moe_text": T.Qwen3_5MoeTextConfig}
 def random_ids(n: int, seed: int = 1, vocab: int = 384) -> list[int]:
     """n random token ids below ``vocab`` (TINY's), reproducible by ``seed``."""

@@ -39,8 +39,8 @@ def test_an_unsupported_model_type_names_every_supported_family():
         model_config(LLAMA | {"model_type": "mamba"})
     assert info.value.message == "model_type 'mamba' is not supported yet"
     assert info.value.hint == "supported families: " + ", ".join(FAMILIES) == (
-        "supported families: llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_text, qwen3_5_moe_text, "
-        "qwen3_5, qwen3_5_moe")
+        "supported families: llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_text, "
+        "qwen3_5_moe_text, qwen3_5, qwen3_5_moe")
 
 
 def test_the_gguf_architectures_are_the_families():
