@@ -102,6 +102,19 @@ def test_mistrals_window_is_on_every_layer_as_transformers_masks_it():
     assert (a.head_dim, a.num_heads, a.num_kv_heads, a.qkv_bias, a.qk_norm, a.o_bias) == (32, 4, 2, False, False, False)
 
 
+def test_the_mistral_nemo_preset_reads_as_its_model():
+    """bench's mistral-nemo-12b: head_dim 128 where hidden / heads is 160, no window, 12.25 B weights
+    (24.5 GB in bf16, as its comment says)."""
+    from metrale_cli.commands.bench_presets import PRESETS
+    from metrale_cli.engine.room import weight_bytes
+
+    cfg = model_config(PRESETS["mistral-nemo-12b"])
+    a = cfg.layers[0].attention
+    assert cfg.family == "mistral" and cfg.num_layers == 40 and unserved(cfg.layers) == []
+    assert (a.head_dim, a.num_heads, a.num_kv_heads, a.q_size, a.kv_size) == (128, 32, 8, 4096, 1024)
+    assert round(weight_bytes(cfg, torch.bfloat16) / 1e9, 1) == 24.5
+
+
 def test_a_window_at_least_the_context_masks_nothing_so_the_model_runs():
     """A sliding window as long as the run's context masks no key (a query at position p sees the
     keys after p - window, and p < context), so full attention is exact there: the run opens, and

@@ -660,9 +660,12 @@ def test_a_preset_past_the_devices_memory_is_refused_before_a_weight_is_drawn(mo
     with pytest.raises(MetraleError) as info:
         bench.bench_source(bench.BenchOptions(preset="qwen3-0.6b"), torch.device("cpu"))
     assert info.value.message == f"--preset qwen3-0.6b's weights take {need / 1e9:.1f} GB; the host has " \
-                                 f"{(need - 1) / 1e9:.1f} GB free"
+                                 f"{(need - 1) / 1e9:.1f} GB free, of which 0.5 GB is kept for activations"
     assert not drawn
-    monkeypatch.setattr(room, "free_bytes", lambda device: need)
+    monkeypatch.setattr(room, "free_bytes", lambda device: need + room.HOST_RESERVE - 1)
+    with pytest.raises(MetraleError):
+        bench.bench_source(bench.BenchOptions(preset="qwen3-0.6b"), torch.device("cpu"))
+    monkeypatch.setattr(room, "free_bytes", lambda device: need + room.HOST_RESERVE)
     bench.bench_source(bench.BenchOptions(preset="qwen3-0.6b"), torch.device("cpu"))
     assert drawn
 
@@ -682,9 +685,37 @@ def test_a_checkpoint_past_the_devices_memory_is_refused_before_it_is_read(tiny,
     monkeypatch.setattr(room, "free_bytes", lambda device: need - 1)
     with pytest.raises(MetraleError) as info:
         runner.open_runner(runner.RunnerOptions(backend="torch", dtype="fp32"), source)
-    assert info.value.message.startswith(f"the model's weights take {need / 1e9:.1f} GB; the host has ")
+    assert info.value.message.startswith(f"the model's weights take {need / 1e9:.1f} GB and its KV pool ")
     resident = ModelSource.loaded(source.config, {"x": torch.zeros(1)})
     assert resident.resident and not source.resident
+
+
+def test_on_the_host_the_kv_pool_a_run_needs_is_counted_beside_its_weights(tiny, monkeypatch):
+    """On the CPU the pool is what the run needs (its context times its sequences), known before a
+    weight is read: weights that fit with no room for it are refused, naming both and the shorter
+    context that would fit."""
+    from metrale_cli.checkpoint import read_config
+    from metrale_cli.engine import room, runner
+    from metrale_cli.engine.source import ModelSource
+    from metrale_cli.kv.paged import blocks_for
+    from metrale_cli.models import kv_layout, model_config
+
+    checkpoint = ModelSource.checkpoint(str(tiny))
+    cfg = model_config(read_config(str(tiny)))
+    need, per_block = room.weight_bytes(cfg, torch.float32), kv_layout(cfg).bytes_per_block()
+    opts = runner.RunnerOptions(backend="torch", dtype="fp32", max_seq_len=256, max_num_seqs=2)
+    pool = per_block * blocks_for(256) * 2
+    read = []
+    source = ModelSource(checkpoint.config, checkpoint.tokenizer, lambda *a, **k: read.append(1) or pytest.fail("read"))
+    monkeypatch.setattr(room, "free_bytes", lambda device: need + pool + room.HOST_RESERVE - 1)
+    with pytest.raises(MetraleError) as info:
+        runner.open_runner(opts, source)
+    assert f"and its KV pool {pool / 1e9:.1f} GB" in info.value.message and "--max-seq-len" in info.value.hint
+    assert not read
+    monkeypatch.setattr(room, "free_bytes", lambda device: need + pool + room.HOST_RESERVE)
+    with pytest.raises(pytest.fail.Exception):
+        runner.open_runner(opts, source)  # past the check, the first read
+    assert read
 
 
 @pytest.mark.parametrize("error, line", [

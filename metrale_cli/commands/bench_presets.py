@@ -56,6 +56,15 @@ PRESETS: dict[str, dict] = {
                           "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 151936,
                           "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 8192,
                           "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 151643},
+    # Mistral-Nemo-12B: the model card's shapes (40 layers, dim 5120, head dim 128 against 5120 / 32 =
+    # 160, 32 heads on 8 KV heads, 2^17 vocabulary, RoPE theta 1e6, no sliding window;
+    # https://huggingface.co/mistralai/Mistral-Nemo-Instruct-2407) and NVIDIA NeMo's
+    # MistralNeMoConfig12B for the FFN width, 14336 (the card's "14,436" is a typo for it): 24.5 GB.
+    "mistral-nemo-12b": {"model_type": "mistral", "hidden_size": 5120, "intermediate_size": 14336,
+                         "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+                         "head_dim": 128, "vocab_size": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                         "max_position_embeddings": 1024000, "sliding_window": None,
+                         "tie_word_embeddings": False, "hidden_act": "silu"},
     "qwen2.5-7b": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
                    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
                    "vocab_size": 152064, "rms_norm_eps": 1e-6, "rope_theta": 1e6,

@@ -36,15 +36,26 @@ def free_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_room(what: str, need: int, device: torch.device, tp: TensorParallel = SINGLE, smaller: str = "model") -> None:
+# On the host, beside the weights and the KV pool: the activations of a prefill chunk and the
+# allocator's slack. Past the host's memory an allocation is the kernel's kill, not an error line.
+HOST_RESERVE = 512 << 20
+
+
+def check_room(what: str, need: int, device: torch.device, tp: TensorParallel = SINGLE, smaller: str = "model",
+               pool: int = 0) -> None:
     """Refuse ``what``'s weights (``need`` bytes; one rank's shard with ``tp``) where ``device``
-    cannot hold them."""
+    cannot hold them; on the host with ``pool`` bytes of KV pool and HOST_RESERVE beside them (a
+    GPU's pool is sized after the weights, to what is left)."""
     free = free_bytes(device)
-    if free is None or need <= free:
+    host = device.type != "cuda"
+    if free is None or need + (pool + HOST_RESERVE if host else 0) <= free:
         return
-    where = "the GPU has" if device.type == "cuda" else "the host has"
+    where = "the host has" if host else "the GPU has"
     shard = f" (a shard of {tp.size})" if tp.size > 1 else ""
-    hint = (f"a smaller {smaller}, or --tensor-parallel-size N to shard it over N GPUs" if device.type == "cuda"
-            else f"a smaller {smaller}: on the CPU every weight is held in host memory")
-    raise MetraleError(f"{what}'s weights{shard} take {need / 1e9:.1f} GB; {where} {free / 1e9:.1f} GB free",
-                       hint=hint)
+    beside = f" and its KV pool {pool / 1e9:.1f} GB" if host and pool else ""
+    kept = f", of which {HOST_RESERVE / 1e9:.1f} GB is kept for activations" if host else ""
+    hint = (f"a smaller {smaller}, or --tensor-parallel-size N to shard it over N GPUs" if not host
+            else f"a smaller {smaller}" + (" or a shorter --max-seq-len" if pool else "")
+            + ": on the CPU every weight is held in host memory")
+    raise MetraleError(f"{what}'s weights{shard} take {need / 1e9:.1f} GB{beside}; {where} {free / 1e9:.1f} GB "
+                       f"free{kept}", hint=hint)

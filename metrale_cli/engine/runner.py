@@ -312,15 +312,16 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     loader = check_kernels(shard, backend, device, kv_dtype)
     if before_weights is not None:
         before_weights(source.tokenizer(), max_seq_len)
-    if not source.resident:
-        check_room("the model", weight_bytes(shard, DTYPES[opts.dtype]), device, tp)
+    layout = kv_layout(shard)
+    if not source.resident:  # on the host the pool is what the run needs, known before a weight is read
+        pool = layout.bytes_per_block() * pool_blocks(layout, opts, max_seq_len, device) if device.type != "cuda" else 0
+        check_room("the model", weight_bytes(shard, DTYPES[opts.dtype]), device, tp, pool=pool)
     if tp.size == 1 or source.sharded:
         weights = source.load(device, DTYPES[opts.dtype], progress)
         tensors = dict(weights.tensors)
     else:  # each tensor sharded as it is read: a rank holds its shard and one tensor more
         weights = source.load(device, DTYPES[opts.dtype], progress, transform=Sharder(cfg, tp))
         tensors = dict(weights.tensors)
-    layout = kv_layout(shard)
     blocks = pool_blocks(layout, opts, max_seq_len, device)
     model = build_model(shard, tensors, make_ops(backend, loader), blocks, max_seq_len,
                         opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq(),
