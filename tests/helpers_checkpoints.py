@@ -1,6 +1,6 @@
 """Builders of tiny random checkpoints (HF folders and GGUF files) for tests.
 
-``make_hf_checkpoint(tmp_path, "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen2_moe" | "qwen3_next", **overrides)`` saves a seeded random
+``make_hf_checkpoint(tmp_path, "llama" | "mistral" | "phi3" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen2_moe" | "qwen3_next", **overrides)`` saves a seeded random
 model made by transformers itself (bf16 safetensors + a small trained BPE tokenizer with a ChatML
 template), so model tests can compare metrale against HF on the very same files.
 """
@@ -32,6 +32,7 @@ CORPUS = [
 FAMILIES = {
     "llama": ("LlamaConfig", {}),
     "mistral": ("MistralConfig", {"head_dim": 24, "sliding_window": None}),
+    "phi3": ("Phi3Config", {"partial_rotary_factor": 0.5}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 6, "num_experts_per_tok": 2,

@@ -16,8 +16,9 @@ from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.layers.context import ForwardContext
 from metrale_cli.models import build_model, model_config
 
-CONFIGS = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config,
-           "qwen3_moe": T.Qwen3MoeConfig, "qwen2_moe": T.Qwen2MoeConfig, "qwen3_next": T.Qwen3NextConfig, "qwen3_5_text": T.Qwen3_5TextConfig,
+CONFIGS = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "phi3": T.Phi3Config, "qwen2": T.Qwen2Config,
+           "qwen3": T.Qwen3Config, "qwen3_moe": T.Qwen3MoeConfig, "qwen2_moe": T.Qwen2MoeConfig,
+           "qwen3_next": T.Qwen3NextConfig, "qwen3_5_text": T.Qwen3_5TextConfig,
            "qwen3_5_moe_text": T.Qwen3_5MoeTextConfig}
 def random_ids(n: int, seed: int = 1, vocab: int = 384) -> list[int]:
     """n random token ids below ``vocab`` (TINY's), reproducible by ``seed``."""
@@ -47,10 +48,14 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_atte
             num_key_value_heads=2, vocab_size=384, max_position_embeddings=512, initializer_range=0.2)
 
 
+# A family's own defaults that TINY's vocabulary cannot take (Phi-3 pads with token 32000).
+FAMILY_TINY = {"phi3": dict(pad_token_id=None, bos_token_id=1, eos_token_id=2)}
+
+
 def make_hf(family: str, seed: int = 0, **overrides):
     """(HF model in fp32, its config dict). Seeded, tiny, random."""
     torch.manual_seed(seed)
-    cfg = CONFIGS[family](**(TINY | overrides))
+    cfg = CONFIGS[family](**(TINY | FAMILY_TINY.get(family, {}) | overrides))
     return T.AutoModelForCausalLM.from_config(cfg).eval(), cfg.to_dict()
 
 

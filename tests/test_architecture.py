@@ -39,7 +39,7 @@ def test_an_unsupported_model_type_names_every_supported_family():
         model_config(LLAMA | {"model_type": "mamba"})
     assert info.value.message == "model_type 'mamba' is not supported yet"
     assert info.value.hint == "supported families: " + ", ".join(FAMILIES) == (
-        "supported families: llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_text, "
+        "supported families: llama, mistral, phi3, qwen2, qwen3, qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_text, "
         "qwen3_5_moe_text, qwen3_5, qwen3_5_moe")
 
 
@@ -100,6 +100,27 @@ def test_mistrals_window_is_on_every_layer_as_transformers_masks_it():
     assert cfg.family == "mistral" and unserved(cfg.layers) == []
     a = cfg.layers[0].attention
     assert (a.head_dim, a.num_heads, a.num_kv_heads, a.qkv_bias, a.qk_norm, a.o_bias) == (32, 4, 2, False, False, False)
+
+
+def test_phi3_is_read_with_its_fused_tensors_and_partial_rope():
+    """Phi-3 / Phi-4: the checkpoint holds qkv_proj and gate_up_proj, as transformers does; RoPE on
+    partial_rotary_factor of each head; the 128k models' longrope scaling is refused in one line."""
+    from metrale_cli.models import family_of
+
+    raw = T.Phi3Config(**(LLAMA | {"model_type": "phi3", "partial_rotary_factor": 0.75,
+                                   "pad_token_id": None})).to_dict()  # its default pads with 32000
+    cfg = model_config(raw)
+    a = cfg.layers[0].attention
+    assert cfg.family == "phi3" and unserved(cfg.layers) == [] and a.rope.partial_rotary_factor == 0.75
+    shapes = family_of("phi3").expected_tensors(cfg)
+    assert shapes["model.layers.0.self_attn.qkv_proj.weight"] == (16 * 4 + 2 * 16 * 2, 64)
+    assert shapes["model.layers.0.mlp.gate_up_proj.weight"] == (2 * 96, 64)
+    assert not any(n.endswith(("q_proj.weight", "gate_proj.weight")) for n in shapes)
+    longrope = dict(raw, rope_parameters=None, rope_scaling={  # as Phi-3-mini-128k's config.json spells it
+        "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
+    with pytest.raises(MetraleError) as info:
+        model_config(longrope)
+    assert info.value.message == "config.json rope_type 'longrope' is not supported"
 
 
 def test_the_mistral_nemo_preset_reads_as_its_model():

@@ -27,7 +27,7 @@ def broken(tmp_path):
     return make_hf_checkpoint(tmp_path, "llama", max_shard_size="40KB")
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_hf_folder_loads_bit_equal(tmp_path, family):
     folder = make_hf_checkpoint(tmp_path, family, num_hidden_layers=3)
     ck = load_checkpoint(str(folder), CPU, torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The torch backend against HF transformers on tiny random Llama / Mistral / Qwen2 / Qwen3 models.
+"""The torch backend against HF transformers on tiny random Llama / Mistral / Phi-3 / Qwen2 / Qwen3 models.
 
 Tolerances (one table, a reason per row):
 - bf16 logits: our bf16 stack vs HF in fp32 may differ by at most 1.5x what HF's own bf16 path
@@ -30,6 +30,8 @@ CASES = {
     "llama3-rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
     "mistral": ("mistral", {"head_dim": 24, "sliding_window": None}),  # Nemo's head_dim != hidden / heads
+    "phi3": ("phi3", {"partial_rotary_factor": 0.5}),  # fused q/k/v and gate/up; RoPE on half of each head
+    "phi3-tied": ("phi3", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 32}),  # head_dim != hidden / heads
     "qwen3-yarn": ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
@@ -49,7 +51,7 @@ def test_logits_match_hf(case):
     assert err <= 1.5 * noise_floor + 0.05, f"{case}: max |logit err| {err:.3f}, HF bf16 floor {noise_floor:.3f}"
 
 
-@pytest.mark.parametrize("case", ["llama", "mistral", "qwen2", "qwen3", "llama-tied"])
+@pytest.mark.parametrize("case", ["llama", "mistral", "phi3", "qwen2", "qwen3", "llama-tied"])
 def test_greedy_matches_hf(case):
     family, overrides = CASES[case]
     hf, raw = make_hf(family, **overrides)
@@ -64,7 +66,7 @@ def test_greedy_matches_hf(case):
     check_logprobs_close(got_ids, got_logits, ref_ids, ref_logits)
 
 
-@pytest.mark.parametrize("case", ["llama", "mistral", "qwen2", "qwen3", "qwen3-yarn"])
+@pytest.mark.parametrize("case", ["llama", "mistral", "phi3", "phi3-tied", "qwen2", "qwen3", "qwen3-yarn"])
 def test_greedy_equal_for_32_tokens(case):
     """fp32 activations on both sides and HF's K/V rounded to bf16 as our cache stores them: what
     is left is fp32 summation order, far below the logit margins, so the tokens are equal."""

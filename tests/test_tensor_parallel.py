@@ -33,6 +33,8 @@ CASES = {
     "llama-biases": ("llama", 2, dict(attention_bias=True)),
     "llama-4-ranks-2-kv-heads": ("llama", 4, {}),
     "mistral-head-dim": ("mistral", 2, dict(head_dim=24, sliding_window=None)),
+    "phi3-fused-partial-rope": ("phi3", 2, dict(partial_rotary_factor=0.5)),
+    "phi3-4-ranks-2-kv-heads": ("phi3", 4, {}),  # the fused rows' KV heads replicated
     "qwen2": ("qwen2", 2, dict(num_key_value_heads=1)),
     "qwen3-head-dim": ("qwen3", 2, dict(head_dim=24)),
     "qwen3_moe-dense-layer": ("qwen3_moe", 2, dict(head_dim=16, num_experts=6, num_experts_per_tok=2,

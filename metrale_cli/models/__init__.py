@@ -16,13 +16,13 @@ from metrale_cli.kv.calibration import KvCalibration
 from metrale_cli.kv.fp8 import Fp8ScalePolicy
 from metrale_cli.kv.innerq import InnerQPolicy, InnerQSettings
 from metrale_cli.kv.paged import KvLayerShape, KvLayout, PagedKvCache
-from metrale_cli.models import llama, qwen3_5, qwen3_next, qwen_moe
+from metrale_cli.models import llama, phi3, qwen3_5, qwen3_next, qwen_moe
 from metrale_cli.models.family import BuildParts, Family
 from metrale_cli.models.model import CausalLM
 from metrale_cli.layers.parallel import SINGLE, TensorParallel
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.LLAMA, llama.MISTRAL, llama.QWEN2, llama.QWEN3,
-                                                         qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, qwen3_next.QWEN3_NEXT,
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.LLAMA, llama.MISTRAL, phi3.PHI3, llama.QWEN2,
+                                                         llama.QWEN3, qwen_moe.QWEN2_MOE, qwen_moe.QWEN3_MOE, qwen3_next.QWEN3_NEXT,
                                                          qwen3_5.QWEN3_5_TEXT, qwen3_5.QWEN3_5_MOE_TEXT,
                                                          qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE)}
 
