@@ -165,9 +165,7 @@ def main() -> None:
     stamps, us_layer = _replay(a)
     print(f"batch-1 MoE layer, hidden {a.hidden}, {moe_layer_launches.mixer_name(a)}, "
           f"{a.experts} experts of {a.inter} (top {a.top_k}), context {a.context}, {a.layers} layers"
-          + (f", the attention split {a.attention_splits} ways" if a.attention_splits else "")
-          + (f", every kernel at a {a.carveout}% carveout" if a.carveout is not None else "")
-          + f": {us_layer:.2f} µs a layer in this replay (the timeline build)")
+          f"{moe_layer_launches.forced(a)}: {us_layer:.2f} µs a layer in this replay (the timeline build)")
     full = chain_for(a.head_dim, a.gdn)
     chain = [key for key in full if key[0] in stamps and _launch(stamps[key[0]][key[1], 1]) is not None]
     rows, hops = _per_layer(stamps, chain, a.layers)

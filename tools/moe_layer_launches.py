@@ -96,6 +96,12 @@ def force_attention_splits(splits: int) -> None:
     cuda_attention.tc_decode_splits = lambda device, ctas, max_blocks, tc: splits
 
 
+def forced(a: argparse.Namespace) -> str:
+    """What the run forces beside the shape, for the tools' headers ('' when nothing)."""
+    return ((f", the attention split {a.attention_splits} ways" if a.attention_splits else "")
+            + (f", every kernel at a {a.carveout}% carveout" if a.carveout is not None else ""))
+
+
 def mixer_name(a: argparse.Namespace) -> str:
     """The layer's mixer in words, for the tools' headers."""
     if a.gdn:
@@ -219,8 +225,7 @@ def main() -> None:
     ffn = (f"a dense FFN of {a.dense}" if a.dense else f"{a.experts} experts of {a.inter} (top {a.top_k})"
            + (f", a shared expert of {a.shared}" if a.shared else ""))
     print(f"batch-1 decode layer, hidden {a.hidden}, {mixer_name(a)}, {ffn}, context {a.context} ({a.kv_cache_dtype}), "
-          f"{a.layers} layers" + (f", the attention split {a.attention_splits} ways" if a.attention_splits else "")
-          + (f", every kernel at a {a.carveout}% carveout" if a.carveout is not None else ""))
+          f"{a.layers} layers{forced(a)}")
     for name, fn in launches.items():
         print(f"  {name:36s} {_time(fn, a.layers):7.2f} µs")
 

@@ -313,8 +313,11 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     if before_weights is not None:
         before_weights(source.tokenizer(), max_seq_len)
     layout = kv_layout(shard)
-    if not source.resident:  # on the host the pool is what the run needs, known before a weight is read
-        pool = layout.bytes_per_block() * pool_blocks(layout, opts, max_seq_len, device) if device.type != "cuda" else 0
+    # On the host the pool is what the run needs, known before a weight is read (and counted in the
+    # room check); a GPU's is what the weights leave.
+    host_blocks = pool_blocks(layout, opts, max_seq_len, device) if device.type != "cuda" else None
+    if not source.resident:
+        pool = layout.bytes_per_block() * host_blocks if host_blocks is not None else 0
         check_room("the model", weight_bytes(shard, DTYPES[opts.dtype]), device, tp, pool=pool)
     if tp.size == 1 or source.sharded:
         weights = source.load(device, DTYPES[opts.dtype], progress)
@@ -322,7 +325,7 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     else:  # each tensor sharded as it is read: a rank holds its shard and one tensor more
         weights = source.load(device, DTYPES[opts.dtype], progress, transform=Sharder(cfg, tp))
         tensors = dict(weights.tensors)
-    blocks = pool_blocks(layout, opts, max_seq_len, device)
+    blocks = host_blocks if host_blocks is not None else pool_blocks(layout, opts, max_seq_len, device)
     model = build_model(shard, tensors, make_ops(backend, loader), blocks, max_seq_len,
                         opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq(),
                         max_seqs=max(1, opts.max_num_seqs), tp=tp)
