@@ -21,23 +21,6 @@
 
 enum Epilogue { STORE, ADD, SWIGLU };
 
-// 1: a warp's second weight batch is loaded into registers right after the wait, behind the
-// staged row's first loads (stage_row's hook), instead of when the loop starts after the staging,
-// whose trip to L2 then has weights in flight beside it; the loop loads each next batch at the end
-// of an iteration, and an unnormalized row is staged by cp.async. The same sums in the same order.
-// Off by default: a lever to measure (tools.layer_variants --variant gemv:GEMV_NEXT_EARLY=1).
-#ifndef GEMV_NEXT_EARLY
-#define GEMV_NEXT_EARLY 0
-#endif
-
-// stage_row's hook under GEMV_NEXT_EARLY: the loop's next batch, issued where the hook runs.
-template <class Load>
-struct NextBatch {
-    static constexpr bool active = true;
-    const Load& load;
-    __device__ void operator()() const { load(); }
-};
-
 // R rows per warp task (row t, or rows t and inter + t for SWIGLU), U chunks of each per lane
 // per batch; a task's batches walk the row in 512-byte warp-wide steps.
 // Out: bf16_t, or float for STORE (each output the bf16 value, widened).
@@ -70,37 +53,19 @@ __device__ void gemv(const bf16_t* w, const bf16_t* x, const bf16_t* residual, c
     pdl_wait();
     pdl_launch_dependents();
     TL_MARK(1);
-#if GEMV_NEXT_EARLY
-    int nt, nb;
-    Chunk nxt[R][U];
-    auto load_next = [&] {  // the batch after (t, b)
-        nt = t, nb = b + 1;
-        if (nb == batches) nb = 0, nt += warps;
-        if (nt < tasks) load(nxt, nt, nb);
-    };
-    if constexpr (GATED) {  // its row is computed as it is loaded: the next batch after it
-        stage_row<false>(xs, GatedRow{x, gate}, nullptr, nullptr, nullptr, k, eps);
-        load_next();
-    } else {
-        stage_x<NORM>(xs, x, residual, gamma, sum_out, k, eps, &early, NextBatch<decltype(load_next)>{load_next});
-    }
-#else
     if constexpr (GATED)
         stage_row<false>(xs, GatedRow{x, gate}, nullptr, nullptr, nullptr, k, eps);
     else
         stage_x<NORM>(xs, x, residual, gamma, sum_out, k, eps, &early);
-#endif
     TL_MARK(2);
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
     while (t < tasks) {
-#if !GEMV_NEXT_EARLY
         int nt = t, nb = b + 1;
         if (nb == batches) nb = 0, nt += warps;
         Chunk nxt[R][U];
         if (nt < tasks) load(nxt, nt, nb);
-#endif
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int ci = lane + 32 * (b * U + u);
@@ -133,9 +98,6 @@ __device__ void gemv(const bf16_t* w, const bf16_t* x, const bf16_t* residual, c
 #pragma unroll
             for (int u = 0; u < U; ++u) cur[r][u] = nxt[r][u];
         t = nt, b = nb;
-#if GEMV_NEXT_EARLY
-        load_next();
-#endif
     }
     TL_MARK(5);
 }

@@ -26,16 +26,13 @@ NORM, SWIGLU, ADD, LOGITS = 0, 1, 2, 3
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory) -> ctypes.CDLL:
     if not _LIB:
-        _LIB.append(_declared(build_host_library("gemv_host.cpp", tmp_path_factory.mktemp("gemv"))))
+        handle = build_host_library("gemv_host.cpp", tmp_path_factory.mktemp("gemv"))
+        handle.host_gemv.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 2 + [ctypes.c_float,
+                                                                                                    ctypes.c_int]
+        handle.host_norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_float]
+        handle.host_gemv_gate_add.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
+        _LIB.append(handle)
     return _LIB[0]
-
-
-def _declared(handle: ctypes.CDLL) -> ctypes.CDLL:
-    handle.host_gemv.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 2 + [ctypes.c_float,
-                                                                                                ctypes.c_int]
-    handle.host_norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_float]
-    handle.host_gemv_gate_add.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
-    return handle
 
 
 def _p(t):
@@ -163,35 +160,3 @@ def test_gemv_gate_add_equals_the_reference(lib, n, k):
     y = xg.double() @ w.double().T
     _close(got, residual.double() + y, _sum_bound(w, xg) + y.abs() * 2**-8)
 
-
-
-@pytest.fixture(scope="module")
-def lib_next_early(tmp_path_factory) -> ctypes.CDLL:
-    """The same kernels built with GEMV_NEXT_EARLY=1 (a warp's next weight batch loaded during the
-    staging; the add's row copied by cp.async)."""
-    return _declared(build_host_library("gemv_host.cpp", tmp_path_factory.mktemp("gemv_next_early"),
-                                        {"GEMV_NEXT_EARLY": "1"}, name="gemv_next_early"))
-
-
-@pytest.mark.parametrize("kind", [NORM, SWIGLU, ADD, LOGITS])
-@pytest.mark.parametrize("n, k, ctas", [(1, 8, 1), (7, 200, 3), (99, 1000, 3), (33, 2056, 2), (40, 4096, 1),
-                                        (6, 3072, 5)])
-def test_the_next_batch_loaded_early_gives_the_same_bytes(lib, lib_next_early, kind, n, k, ctas):
-    """GEMV_NEXT_EARLY moves loads only: every output and running sum is the default build's, bit for
-    bit, over grids where a warp walks one row or many, a row in one batch or several."""
-    rows = 2 * n if kind == SWIGLU else n
-    w, x, gamma = _randn(rows, k, seed=40) * 0.1, _randn(1, k, seed=41), _randn(k, seed=42)
-    residual = _randn(1, n if kind == ADD else k, seed=43)
-    want, want_s = _run(lib, kind, w, x, residual, gamma, n, ctas=ctas)
-    got, s = _run(lib_next_early, kind, w, x, residual, gamma, n, ctas=ctas)
-    assert torch.equal(got, want)
-    if want_s is not None:
-        assert torch.equal(s, want_s)
-
-
-@pytest.mark.parametrize("n, k, ctas", [(7, 200, 3), (33, 2056, 1)])
-def test_the_gated_add_with_the_next_batch_early_gives_the_same_bytes(lib, lib_next_early, n, k, ctas):
-    w, x, residual = _randn(n, k, seed=44) * 0.1, _randn(1, k, seed=45), _randn(1, n, seed=46) * 4
-    gate = GATES[torch.randint(len(GATES), (1, k), generator=torch.Generator().manual_seed(47))].to(torch.bfloat16)
-    assert torch.equal(_run_gated(lib_next_early, w, x, gate, residual, ctas),
-                       _run_gated(lib, w, x, gate, residual, ctas))

@@ -47,19 +47,6 @@ def test_the_decode_at_every_ctas_an_sm_variant_compiles():
     assert kc.function_symbols(cubin) == tuple(sorted(base.functions))
 
 
-def test_the_gemvs_with_the_next_batch_early_compile():
-    """tools/layer_variants.py's gemv:GEMV_NEXT_EARLY=1: every decode GEMV builds with a warp's next
-    weight batch loaded during the staging, and the module exports the same functions."""
-    from metrale_cli.kernels import registry
-    from tools.layer_variants import parse_variant
-
-    base = registry.MODULES["gemv"]
-    module = dataclasses.replace(base, defines=base.defines + parse_variant("gemv:GEMV_NEXT_EARLY=1")[1])
-    cubin, log = kc.compile_cubin(module)
-    assert cubin is not None, log
-    assert kc.function_symbols(cubin) == tuple(sorted(base.functions))
-
-
 @pytest.mark.parametrize("text", ["TC_CTAS_ALL", "=4", "TC_CTAS_ALL=", "A=1,B"])
 def test_batch_decode_refuses_a_malformed_variant(text):
     import argparse

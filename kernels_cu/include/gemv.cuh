@@ -33,29 +33,11 @@ __device__ __forceinline__ float dot8(const Chunk& w, const Chunk& x, float acc)
     return acc;
 }
 
-// 16 bytes at p copied to dst (shared memory) by cp.async, through L2, holding no register;
-// copy_async_wait waits for the thread's copies.
-__device__ __forceinline__ void copy_async16(Chunk* dst, const void* p) {
-#ifdef METRALE_HOST_EMULATION
-    *dst = *reinterpret_cast<const Chunk*>(p);
-#else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(p)
-                 : "memory");
-#endif
-}
-
-__device__ __forceinline__ void copy_async_wait() {
-#ifndef METRALE_HOST_EMULATION
-    asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
-
 // A bf16 row in global memory as stage_row's source.
 struct BfRow {
     const bf16_t* p;
     __device__ void operator()(int i, float* a) const { load_vec<8>(p + i, a); }  // elements i .. i + 7
     __device__ Chunk chunk(int i) const { return *reinterpret_cast<const Chunk*>(p + i); }
-    __device__ void copy_async(Chunk* dst, int i) const { copy_async16(dst, p + i); }
 };
 
 // A row times sigmoid(gate) as stage_row's source: torch's ``x * torch.sigmoid(g)`` on bf16 tensors
@@ -104,33 +86,18 @@ __device__ __forceinline__ EarlyGamma early_gamma(const bf16_t* gamma, int k) {
     return g;
 }
 
-// stage_row's default hook: nothing between the row's first loads and their use.
-struct NoHook {
-    static constexpr bool active = false;
-    __device__ void operator()() const {}
-};
-
 // Stage the activation row (read through `src`, see BfRow) in shared memory. With ``gamma`` it is
 // add_rms_norm_bf16's output (s = bf16(x + residual), written to sum_out by CTA 0; then
 // bf16(gamma * bf16(s * r))): threads below rmsnorm's block size cover the elements that thread
 // covers there, so the sums match. A thread's first STAGE_EARLY chunks are loaded together, and
-// their weights come from ``early`` where given. Every thread calls ``after_loads`` (a Hook with
-// `active` true) once those first loads are issued and before any is used, so that what it loads
-// queues behind the row's loads (gemv's GEMV_NEXT_EARLY). Run by GEMV_THREADS threads.
-template <bool NORM, class Src, class Hook = NoHook>
+// their weights come from ``early`` where given. Run by GEMV_THREADS threads.
+template <bool NORM, class Src>
 __device__ void stage_row(Chunk* xs, const Src& src, const bf16_t* residual, const bf16_t* gamma,
-                          bf16_t* sum_out, int k, float eps, const EarlyGamma* early = nullptr,
-                          const Hook& after_loads = Hook{}) {
+                          bf16_t* sum_out, int k, float eps, const EarlyGamma* early = nullptr) {
     const int threads = stage_threads<NORM>(k);
     const int t = threadIdx.x;
-    if constexpr (!NORM) {
-        if constexpr (Hook::active) {  // copied without registers: nothing waits on it before the hook
-            for (int i = t * 8; i < k; i += threads * 8) src.copy_async(xs + i / 8, i);
-            after_loads();
-            copy_async_wait();
-        } else {
-            for (int i = t * 8; i < k; i += threads * 8) xs[i / 8] = src.chunk(i);
-        }
+    if (!NORM) {
+        for (int i = t * 8; i < k; i += threads * 8) xs[i / 8] = src.chunk(i);
         CTA_SYNC();
         return;
     }
@@ -144,20 +111,7 @@ __device__ void stage_row(Chunk* xs, const Src& src, const bf16_t* residual, con
         store_vec<8>(reinterpret_cast<bf16_t*>(xs + i / 8), a);
     };
     float ss = 0.0f;
-    if constexpr (Hook::active) {
-        // The row copied into xs without registers (each thread its own chunks), the hook, then
-        // the sums of the same elements in the same order as below, read back from xs.
-        for (int i = t * 8; t < threads && i < k; i += threads * 8) src.copy_async(xs + i / 8, i);
-        after_loads();
-        copy_async_wait();
-        for (int i = t * 8; t < threads && i < k; i += threads * 8) {
-            float x[8], y[8];
-            load_vec<8>(reinterpret_cast<const bf16_t*>(xs + i / 8), x);
-            if (residual != nullptr) load_vec<8>(residual + i, y);
-            sum_chunk(i, x, y);
-            ss = add_squares<8>(ss, x);
-        }
-    } else if (t < threads) {
+    if (t < threads) {
         float a[STAGE_EARLY][8], b[STAGE_EARLY][8];
 #pragma unroll
         for (int e = 0; e < STAGE_EARLY; ++e) {
@@ -211,9 +165,8 @@ __device__ void stage_row(Chunk* xs, const Src& src, const bf16_t* residual, con
     CTA_SYNC();
 }
 
-template <bool NORM, class Hook = NoHook>
+template <bool NORM>
 __device__ void stage_x(Chunk* xs, const bf16_t* x, const bf16_t* residual, const bf16_t* gamma,
-                        bf16_t* sum_out, int k, float eps, const EarlyGamma* early = nullptr,
-                        const Hook& after_loads = Hook{}) {
-    stage_row<NORM>(xs, BfRow{x}, residual, gamma, sum_out, k, eps, early, after_loads);
+                        bf16_t* sum_out, int k, float eps, const EarlyGamma* early = nullptr) {
+    stage_row<NORM>(xs, BfRow{x}, residual, gamma, sum_out, k, eps, early);
 }
