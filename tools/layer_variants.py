@@ -9,7 +9,8 @@ Each variant is a module of the kernel registry rebuilt with extra defines (seve
 variant: module:NAME=V,NAME=V), macros its source reads under #ifndef; the base is the registry
 as it is. The layer and its launches are tools.moe_layer_launches' (its options after --), built
 once; the variants take turns over --rounds rounds, so that a drift of the GPU's clock shows as a
-drift of every column.
+drift of every column. Before the rounds each variant's outputs of the timed launches are compared
+with the base build's, byte for byte, and the tool says whether they are equal.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from metrale_cli.kernels import registry
+import torch
+
+from metrale_cli.kernels import cuda_moe, registry, table
 from metrale_cli.kernels.cuda_ops import CudaOps
 from tools import moe_layer_launches
 
@@ -40,13 +43,16 @@ def parse_variant(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
 
 def use_build(ops: CudaOps, base: dict, defines: dict[str, tuple[tuple[str, str], ...]]) -> None:
     """The registry as in ``base`` with each named module's extra defines (none: the base build),
-    and ``ops``' loaded functions dropped so that the next launches load from it."""
+    and ``ops``' loaded functions dropped so that the next launches load from it. A moe variant
+    that sets MOE_DOWN_ONE_WARPS also launches moe_down_one_bf16 with that many warps."""
     registry.MODULES.clear()
     registry.MODULES.update(base)
     for module, extra in defines.items():
         m = base[module]
         registry.MODULES[module] = dataclasses.replace(m, defines=m.defines + extra)
     ops.loader._functions.clear()
+    warps = dict(defines.get("moe", ())).get("MOE_DOWN_ONE_WARPS")
+    cuda_moe.MOE_DOWN_ONE_THREADS = table.MOE_DOWN_ONE_THREADS if warps is None else 32 * int(warps)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,13 +67,30 @@ def main(argv: list[str] | None = None) -> None:
     ops = CudaOps()
     launches = moe_layer_launches.build(shape, ops)
     names = a.launch or ["attention", "whole layer"]
+    label = {None: "base"} | {v: f"{v[0]}:" + ",".join(f"{k}={x}" for k, x in v[1]) for v in a.variant}
+    want = None
+    for variant in [None, *a.variant]:  # each variant's outputs against the base build's, byte for byte
+        use_build(ops, base, {} if variant is None else dict([variant]))
+        got = [outputs(launches[n](0)) for n in names]
+        if want is None:
+            want = got
+        else:
+            same = all(len(g) == len(w) and all(torch.equal(x, y) for x, y in zip(g, w)) for g, w in zip(got, want))
+            print(f"{label[variant]:40s} outputs {'equal to' if same else 'DIFFER from'} the base build's", flush=True)
     for _ in range(a.rounds):
         for variant in [None, *a.variant]:
             use_build(ops, base, {} if variant is None else dict([variant]))
-            label = "base" if variant is None else f"{variant[0]}:" + ",".join(f"{k}={v}" for k, v in variant[1])
-            print(f"{label:40s} " + "  ".join(f"{n} {moe_layer_launches._time(launches[n], shape.layers):7.2f}"
-                                            for n in names), flush=True)
+            print(f"{label[variant]:40s} " + "  ".join(f"{n} {moe_layer_launches._time(launches[n], shape.layers):7.2f}"
+                                                     for n in names), flush=True)
     use_build(ops, base, {})
+
+
+def outputs(result) -> list:
+    """A launch's output tensors (a tensor or a tuple of them), copied before the next launch
+    writes the same buffers."""
+    items = result if isinstance(result, (tuple, list)) else [result]
+    torch.cuda.synchronize()
+    return [t.clone() for t in items if isinstance(t, torch.Tensor)]
 
 
 if __name__ == "__main__":
