@@ -644,15 +644,12 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
 // the tile's out = bf16(the slots' y summed in slot order) [then bf16(residual + that)]: the values
 // moe_down_bf16 gives. Arguments as moe_down_bf16's (top_k: the row's slots); grid ceil(hidden /
 // 16), block MOE_DOWN_ONE_WARPS * 32; top_k <= MOE_DOWN_ONE_SLOTS.
-#ifndef MOE_DOWN_ONE_WARPS
-#define MOE_DOWN_ONE_WARPS 32  // a multiple of MOE_TC_WARPS, at most 32 (the launch's threads: MOE_DOWN_ONE_THREADS)
-#endif
+#define MOE_DOWN_ONE_WARPS 32
 #define MOE_DOWN_ONE_SLOTS 32
 #ifndef MOE_DOWN_ONE_EARLY
 #define MOE_DOWN_ONE_EARLY 1  // round 0's first weight blocks loaded before the PDL wait (0: after it)
 #endif
-// At most 64 registers a thread whatever the warps: 32 / MOE_DOWN_ONE_WARPS CTAs an SM's registers hold.
-extern "C" __global__ void __launch_bounds__(MOE_DOWN_ONE_WARPS * 32, 32 / MOE_DOWN_ONE_WARPS)
+extern "C" __global__ void __launch_bounds__(MOE_DOWN_ONE_WARPS * 32, 1)
     moe_down_one_bf16(const bf16_t* act, const bf16_t* down, const bf16_t* shared_down, const int* plan,
                       const float* weights, const bf16_t* residual, bf16_t* out, int hidden, int inter,
                       int shared_width, int num_experts, int top_k) {
