@@ -50,12 +50,13 @@ def check_room(what: str, need: int, device: torch.device, tp: TensorParallel = 
     host = device.type != "cuda"
     if free is None or need + (pool + HOST_RESERVE if host else 0) <= free:
         return
-    where = "the host has" if host else "the GPU has"
     shard = f" (a shard of {tp.size})" if tp.size > 1 else ""
-    beside = f" and its KV pool {pool / 1e9:.1f} GB" if host and pool else ""
-    kept = f", of which {HOST_RESERVE / 1e9:.1f} GB is kept for activations" if host else ""
-    hint = (f"a smaller {smaller}, or --tensor-parallel-size N to shard it over N GPUs" if not host
-            else f"a smaller {smaller}" + (" or a shorter --max-seq-len" if pool else "")
-            + ": on the CPU every weight is held in host memory")
-    raise MetraleError(f"{what}'s weights{shard} take {need / 1e9:.1f} GB{beside}; {where} {free / 1e9:.1f} GB "
-                       f"free{kept}", hint=hint)
+    if host:
+        beside = f" and its KV pool {pool / 1e9:.1f} GB" if pool else ""
+        room = f"the host has {free / 1e9:.1f} GB free, of which {HOST_RESERVE / 1e9:.1f} GB is kept for activations"
+        hint = (f"a smaller {smaller}" + (" or a shorter --max-seq-len" if pool else "")
+                + ": on the CPU every weight is held in host memory")
+    else:
+        beside, room = "", f"the GPU has {free / 1e9:.1f} GB free"
+        hint = f"a smaller {smaller}, or --tensor-parallel-size N to shard it over N GPUs"
+    raise MetraleError(f"{what}'s weights{shard} take {need / 1e9:.1f} GB{beside}; {room}", hint=hint)

@@ -124,9 +124,8 @@ def _layer_rules(spec, tp: TensorParallel) -> dict:
         rules["self_attn.o_proj.weight"] = lambda t: _heads(t, a.num_heads, q, dim=1)
         rules["self_attn.o_proj.bias"] = lambda t: t if tp.rank == 0 else torch.zeros_like(t)  # added once
         rules["self_attn.q_norm.weight"] = rules["self_attn.k_norm.weight"] = None
-        rules["self_attn.qkv_proj.weight"] = lambda t: torch.cat([  # Phi-3's [q; k; v] rows
-            _heads(t[:a.q_size], a.num_heads, q), _heads(t[a.q_size:a.q_size + a.kv_size], a.num_kv_heads, kv),
-            _heads(t[a.q_size + a.kv_size:], a.num_kv_heads, kv)])
+        rules["self_attn.qkv_proj.weight"] = lambda t: torch.cat([  # Phi-3's [q; k; v] rows, each cut as its own
+            rules[f"self_attn.{n}_proj.weight"](rows) for n, rows in zip("qkv", t.split([a.q_size, a.kv_size, a.kv_size]))])
     if spec.gdn is not None:
         g, p = spec.gdn, "linear_attn."
         k, v = _part(g.num_k_heads, tp), _part(g.num_v_heads, tp)
@@ -149,7 +148,7 @@ def _layer_rules(spec, tp: TensorParallel) -> dict:
         w = _part(width, tp)
         return {prefix + "gate_proj.weight": lambda t: t[w], prefix + "up_proj.weight": lambda t: t[w],
                 prefix + "down_proj.weight": lambda t: t[:, w],
-                prefix + "gate_up_proj.weight": lambda t: torch.cat([t[w], t[width + w.start:width + w.stop]])}
+                prefix + "gate_up_proj.weight": lambda t: torch.cat([half[w] for half in t.split(width)])}
 
     m = spec.ffn.moe
     if m is None:
