@@ -259,6 +259,13 @@ struct RopeDecodeArgs {
 };
 
 #define TC_STAGED_BLOCKS 64
+// TC_PRELOAD (a build variant, 0: off): each warp loads its first tile into registers before the
+// PDL wait (its keys were cached by earlier steps), so that the tile's trip to L2 overlaps the wait
+// and the staging instead of following them. The split that writes the new key patches that key's
+// row in the lanes that hold it from the staged key and value (the bytes the cache write stores).
+#ifndef TC_PRELOAD
+#define TC_PRELOAD 0
+#endif
 #define TC_MAX_CLUSTER 16  // the most splits combined in a cluster (a non-portable cluster size)
 
 // The kernel's shared memory (one copy for every head_dim).
@@ -267,6 +274,9 @@ struct RopeDecodeShared {
     float ml[TC_WARPS * TC_ROWS * 2];
     alignas(16) bf16_t q[TC_ROWS * TC_HEAD_MAX];  // the CTA's query heads after norm + RoPE
     alignas(16) bf16_t k[TC_HEAD_MAX];  // the new key after norm + RoPE
+#if TC_PRELOAD
+    alignas(16) bf16_t v[TC_HEAD_MAX];  // the new value, as its warp read it
+#endif
     CombineShared combine;
     // Loaded before the PDL wait: the position's cos and sin halves, the QK-norm weights and the
     // split's block-table entries (when the split has at most TC_STAGED_BLOCKS blocks).
@@ -290,10 +300,12 @@ struct TcStore<true> {
 };
 
 // The split's attention over its keys (the q rows staged): its partial to part_o / part_ml, to
-// shared memory in a cluster, or the output when the context is not split.
+// shared memory in a cluster, or the output when the context is not split. `first`: each warp's
+// first tile as preloaded (TC_PRELOAD), else unread.
 template <int D, bool FP8>
 __device__ void decode_rope_split(const RopeDecodeArgs& a, RopeDecodeShared& sh, bool staged, const int* table,
-                                  long long head0, int rows, int kvh, int begin, int end, int split, bool clustered) {
+                                  long long head0, int rows, int kvh, int begin, int end, int split, bool clustered,
+ const TcTile<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16>* first) {
     const bool split_ = a.num_splits > 1;
     const TcWork w{sh.q,
                    static_cast<const unsigned char*>(a.k_cache),
@@ -316,7 +328,45 @@ __device__ void decode_rope_split(const RopeDecodeArgs& a, RopeDecodeShared& sh,
                    sh.ml,
                    split_ && clustered ? sh.part_o : nullptr,
                    sh.part_ml};
-    decode_tc<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16>(w);
+    decode_tc<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16>(w, TC_PRELOAD ? first : nullptr);
+}
+
+// Bytes off .. off + 3 of a cached row (element side W) as the cache write stores them from src.
+template <class W>
+__device__ __forceinline__ unsigned cached_word(const bf16_t* src, int off, float scale) {
+    if constexpr (sizeof(typename W::Elem) == 2) {
+        return (unsigned)W::convert(src[off / 2], scale) | (unsigned)W::convert(src[off / 2 + 1], scale) << 16;
+    } else {
+        unsigned x = 0u;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x |= (unsigned)W::convert(src[off + i], scale) << (8 * i);
+        return x;
+    }
+}
+
+// The new key (tile row `key` of a warp's preloaded tile) as the cache write stores it: K from the
+// staged key, V from the staged value, in the lanes that hold that row (TcLoader's shares).
+template <int D, int F, class W>
+__device__ void patch_new_key(TcTile<D, F, F>& t, int key, const bf16_t* k, const bf16_t* v, const float* k_scale,
+                              const float* v_scale) {
+    typedef TcLoader<D, F, F> L;
+    static_assert(L::PARTS == 1 && !TcFmt<F>::kPacked, "element sides, a head a warp");
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const float ks = k_scale == nullptr ? 1.0f : *k_scale, vs = v_scale == nullptr ? 1.0f : *v_scale;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (g + 8 * h != key) continue;
+#pragma unroll
+        for (int i = 0; i < L::NC; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) t.k[h].c[i].w[j] = cached_word<W>(k, c * 16 + 64 * i + 4 * j, ks);
+    }
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+        if (tc_v_key(c, x) != key) continue;
+#pragma unroll
+        for (int m = 0; m < L::VW; ++m) t.v[x].w[m] = cached_word<W>(v, g * (L::VW * 4) + 4 * m, vs);
+    }
 }
 
 // The split combine of a cluster whose CTAs are the splits of one (sequence, KV head, chunk), each
@@ -362,6 +412,7 @@ __device__ void cluster_combine(const RopeDecodeArgs& a, RopeDecodeShared& sh, l
 template <int D, bool FP8>
 __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
     typedef typename TcStore<FP8>::type Store;
+    constexpr bool PRELOAD = TC_PRELOAD && tc_parts<D>() == 1;  // the preload's tiles are a warp's
     TL_BEGIN(FP8 ? 1 : 0);
     const int warp = threadIdx.x >> 5;
     const int b = blockIdx.y, kvh = blockIdx.x, chunk = blockIdx.z / a.num_splits, split = blockIdx.z % a.num_splits;
@@ -397,12 +448,25 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
             }
         }
         const int tile = begin + 16 * (warp / tc_parts<D>());  // this warp's unit's first tile (decode_tc)
-        if ((threadIdx.x & 31) < 2 && tile < end) {
+        if (!PRELOAD && (threadIdx.x & 31) < 2 && tile < end) {
             tc_prefetch_l2<D, FP8 ? TC_FP8 : TC_BF16>((threadIdx.x & 1) ? a.v_cache : a.k_cache,
                                                       __ldcg(table + tile / ATTN_BLOCK), kvh, a.hk);
         }
     }
     __syncthreads();
+#if TC_PRELOAD
+    const int tile0 = begin + 16 * warp;  // this warp's first tile (PRELOAD: a head a warp)
+    TcTile<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16> first;
+    if (PRELOAD && !idle && tile0 < end) {
+        const TcLoader<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16> load(
+            static_cast<const u8_t*>(a.k_cache), static_cast<const u8_t*>(a.v_cache),
+            staged ? sh.blocks - begin / ATTN_BLOCK : table, a.hk, kvh, end);  // decode_rope_split's
+        load(tile0, first);
+    }
+#define TC_FIRST (PRELOAD ? &first : nullptr)
+#else
+#define TC_FIRST nullptr
+#endif
     pdl_wait();
     pdl_launch_dependents();
     TL_MARK(1);
@@ -427,7 +491,12 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
             norm_rope<D>(a.k + b * a.k_stride + kvh * D, k_norm, a.eps, cos_row, sin_row, half, sh.k);
             store_elements<Store, D>(sh.k, a.k_cache, slot, kvh, a.hk, a.k_scale);
         } else if (writes) {
+#if TC_PRELOAD
+            store_row<D>(a.v + b * a.v_stride + kvh * D, sh.v);  // each lane reads back its own elements
+            store_elements<Store, D>(sh.v, a.v_cache, slot, kvh, a.hk, a.v_scale);
+#else
             store_elements<Store, D>(a.v + b * a.v_stride + kvh * D, a.v_cache, slot, kvh, a.hk, a.v_scale);
+#endif
         }
 #if defined(METRALE_TIMELINE) && TL_MARKS > 8
         if (x / TC_WARPS < 3) TL_MARK(6 + x / TC_WARPS);  // warp 0 (thread 0 stamps): each row it staged
@@ -440,7 +509,15 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
     if (!idle) {
         __syncthreads();  // q rows staged; the new K / V stored (visible to this CTA's loads)
         TL_MARK(2);
-        decode_rope_split<D, FP8>(a, sh, staged, table, head0, rows, kvh, begin, end, split, clustered);
+#if TC_PRELOAD
+        if constexpr (PRELOAD) {
+            if (writes && len - 1 >= tile0 && len - 1 < tile0 + 16)
+                patch_new_key<D, FP8 ? TC_FP8 : TC_BF16, Store>(first, len - 1 - tile0, sh.k, sh.v, a.k_scale,
+                                                                a.v_scale);
+        }
+#endif
+        decode_rope_split<D, FP8>(a, sh, staged, table, head0, rows, kvh, begin, end, split, clustered, TC_FIRST);
+#undef TC_FIRST
     }
     TL_MARK(3);
     if (a.num_splits == 1) {

@@ -100,3 +100,38 @@ def test_graph_replays_keep_the_counters_zero(ops, dtype):
         torch.cuda.synchronize()
         assert torch.equal(out, want), (step, compare(out, want, 0, 0))
     assert not ops._counters[torch.cuda.current_device()].any()
+
+
+@pytest.mark.parametrize("lens, hq, hk", [([1], 32, 4), ([577], 32, 4), ([4099], 32, 8), ([1, 16, 17, 600, 0, 33], 16, 2),
+                                          ([1024] * 64, 32, 8)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_preloaded_first_tile_build_gives_the_default_builds_bytes(dtype, lens, hq, hk, head_dim):
+    """paged_decode_tc.cu built with TC_PRELOAD=1 (each warp's first tile loaded before the PDL wait,
+    the new key patched in from shared memory) moves loads only: output and cache bytes equal the
+    default build's on the GPU (the host emulation checks it against the three launches)."""
+    import dataclasses
+
+    from metrale_cli.kernels import registry
+    from metrale_cli.kernels.cuda_ops import CudaOps
+
+    c = rope_decode_case(lens, hq, hk, head_dim, dtype, seed=len(lens) + hq + head_dim + 7)
+
+    def run():
+        kv = kv_to(c["kv"], "cuda")
+        out = _attention(CudaOps(), c).rope_cache_decode(*rope_decode_args(c, kv, "cuda"))
+        torch.cuda.synchronize()
+        return out, kv
+
+    base = dict(registry.MODULES)
+    want, theirs = run()
+    try:
+        module = registry.tc_module(head_dim)
+        registry.MODULES[module] = dataclasses.replace(base[module], defines=base[module].defines + (("TC_PRELOAD", "1"),))
+        got, mine = run()
+    finally:
+        registry.MODULES.clear()
+        registry.MODULES.update(base)
+    assert torch.equal(got, want), compare(got, want, 0, 0)
+    assert compare_bytes(mine.k.data, theirs.k.data) is None
+    assert compare_bytes(mine.v.data, theirs.v.data) is None

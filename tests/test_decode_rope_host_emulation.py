@@ -34,6 +34,13 @@ def libs(built, head_dim):
     return built["tc"][max(head_dim, 128)], built["rope"]
 
 
+@pytest.fixture(scope="module")
+def preloaded(tmp_path_factory):
+    """The head_dim 64 / 128 module built with TC_PRELOAD=1 (each warp's first tile loaded before
+    the PDL wait, the new key patched in from shared memory)."""
+    return build_tc_decode_library(tmp_path_factory.mktemp("rope_decode_preload"), 128, {"TC_PRELOAD": "1"})
+
+
 def _ptr(t):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
@@ -92,7 +99,21 @@ def test_one_launch_equals_the_three(libs, dtype, head_dim, group, splits):
     sequence whose slot is skipped (-1: its cache keeps the old key) and an empty one; a group of
     12 takes two CTAs per KV head, which both write the new key. At head_dim 256 a tile is two
     warps' (their scores added through shared memory)."""
-    tc, rc = libs
+    check_one_launch(*libs, dtype, head_dim, group, splits)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 32])
+@pytest.mark.parametrize("group", [1, 4, 12])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.FP8], ids=lambda d: d.value)
+def test_preloaded_first_tile_equals_the_three(preloaded, built, dtype, head_dim, group, splits):
+    """The TC_PRELOAD build on the same cases: a warp's first tile read before the new key is
+    written (the case's cache holds another key at its slot), that key patched in where a tile
+    holds it, the skipped slot's old key kept."""
+    check_one_launch(preloaded, built["rope"], dtype, head_dim, group, splits)
+
+
+def check_one_launch(tc, rc, dtype, head_dim, group, splits):
     hk = 2
     c = rope_decode_case([1, 7, 16, 99, 300, 0], hk * group, hk, head_dim, dtype, seed=head_dim + group)
     fp8 = dtype == KvCacheDtype.FP8

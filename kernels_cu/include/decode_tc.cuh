@@ -433,6 +433,110 @@ __device__ __forceinline__ int tc_out_dim(int n, int r, int g) {
     else return D / 8 * g + 2 * n + r;
 }
 
+// A warp's tile of K and V as its lanes hold them: keys g, g + 8 of K and tc_v_key(c, 0..3) of V.
+template <int D, int KF, int VF>
+struct TcTile {
+    static constexpr int DW = D / tc_parts<D>();
+    typename TcRows<DW, KF>::K k[2];
+    typename TcRows<DW, VF>::V v[4];
+};
+
+// A lane's loads of a tile's K and V (a dead key's slot is still inside the block: its scores are
+// masked, its V zeroed by the decode; with PAIR zeroed here, as is a tile past the end, whose block
+// is not read). Each side loads from per-lane pointers at block 0, a tile's block added by one
+// multiply-add: the lane's first key's codes and scales (or elements); its other keys lie a
+// compile-time number of rows on (a block's rows are head-major). For the packed sides 11-38 fewer
+// instructions a tile than addresses rebuilt from the block and row, 1-4% faster on an H200.
+template <int D, int KF, int VF, bool PAIR = false>
+struct TcLoader {
+    static constexpr int PARTS = tc_parts<D>(), DW = D / PARTS;
+    typedef TcFmt<KF> KFmt;
+    typedef TcFmt<VF> VFmt;
+    typedef typename TcRows<DW, KF>::K KRow;
+    typedef typename TcRows<DW, VF>::V VRow;
+    typedef PackedBlock<D, KFmt::kBits, KFmt::kScaleBytes> KBlock;
+    typedef PackedBlock<D, VFmt::kBits, VFmt::kScaleBytes> VBlock;
+    static constexpr int KB = KF == TC_FP8 ? 1 : 2, VB = VF == TC_FP8 ? 1 : 2;  // element sides' bytes
+    static constexpr int NC = DW / (4 * TcElems<KF>::value);  // 16-byte chunks of a key row per lane
+    static constexpr int VW = DW / 8 * VB / 4;  // V words per key of a lane (element V sides)
+    static constexpr int KROW = KFmt::kPacked ? KBlock::kDataBytes : D * KB;  // a K row's bytes to the next row's
+    static constexpr int VROW = VFmt::kPacked ? VBlock::kDataBytes : D * VB;
+    static constexpr bool U32 = KFmt::kPacked || VFmt::kPacked;
+    const int* block_table;
+    int end, part, c, g;
+    unsigned k_block_bytes, v_block_bytes;
+    const u8_t *kd0, *ks0, *vd0, *vs0;
+
+    // The caches and block table of TcWork's fields, the tiles before `end` live.
+    __device__ __forceinline__ TcLoader(const u8_t* k_cache, const u8_t* v_cache, const int* table, int num_kv_heads,
+                                        int kv_head, int end_)
+        : block_table(table),
+          end(end_),
+          part((threadIdx.x >> 5) % PARTS),
+          c(threadIdx.x & 3),
+          g((threadIdx.x & 31) >> 2),
+          k_block_bytes(ATTN_BLOCK * num_kv_heads * (KFmt::kPacked ? KBlock::kVectorBytes : D * KB)),
+          v_block_bytes(ATTN_BLOCK * num_kv_heads * (VFmt::kPacked ? VBlock::kVectorBytes : D * VB)) {
+        const int d0 = part * DW;
+        const int k_row0 = kv_row(g, kv_head), v_row0 = kv_row(tc_v_key(c, 0), kv_head);
+        kd0 = k_cache + (KFmt::kPacked ? KBlock::data(0, k_row0, num_kv_heads)
+                                       : (long long)k_row0 * KROW + d0 * KB + c * 16);
+        ks0 = k_cache + KBlock::scales(0, k_row0, num_kv_heads);
+        vd0 = v_cache + (VFmt::kPacked ? VBlock::data(0, v_row0, num_kv_heads)
+                                       : (long long)v_row0 * VROW + d0 * VB + g * (VW * 4));
+        vs0 = v_cache + VBlock::scales(0, v_row0, num_kv_heads);
+    }
+    __device__ __forceinline__ explicit TcLoader(const TcWork& w)
+        : TcLoader(w.k_cache, w.v_cache, w.block_table, w.num_kv_heads, w.kv_head, w.end) {}
+
+    __device__ __forceinline__ void operator()(int tile, KRow (&k)[2], VRow (&v)[4]) const {
+        const bool live = !PAIR || tile < end;
+        // The packed entries take the block as unsigned, each pointer one 32 x 32 -> 64-bit
+        // multiply-add (fp8k_turbo3v's decode 2.3% faster on an H200 than with signed 64-bit
+        // products); bf16 and fp8 keep the signed products, with which bf16 measured 1.2% faster.
+        const u8_t *kd, *ks, *vd, *vs;
+        if constexpr (U32) {
+            const unsigned block = live ? (unsigned)block_table[(unsigned)tile / ATTN_BLOCK] : 0u;
+            kd = kd0 + (unsigned long long)block * k_block_bytes;
+            ks = ks0 + (unsigned long long)block * k_block_bytes;
+            vd = vd0 + (unsigned long long)block * v_block_bytes;
+            vs = vs0 + (unsigned long long)block * v_block_bytes;
+        } else {
+            const long long block = live ? block_table[tile / ATTN_BLOCK] : 0;
+            kd = kd0 + block * (int)k_block_bytes;
+            ks = ks0 + block * (int)k_block_bytes;
+            vd = vd0 + block * (int)v_block_bytes;
+            vs = vs0 + block * (int)v_block_bytes;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // K: keys g, g + 8
+            if (!live) {
+                k[h] = KRow{};
+            } else if constexpr (KFmt::kPacked) {  // quarter c of the part's dims
+                k[h] = tc_load_slice<D, KF, DW / 4>(kd + 8 * h * KROW,
+                                                    ks + 8 * h * KBlock::kGroups * KFmt::kScaleBytes, 4 * part + c);
+            } else {
+                const unsigned char* kp = kd + 8 * h * KROW;
+#pragma unroll
+                for (int i = 0; i < NC; ++i) k[h].c[i] = *reinterpret_cast<const Words<4>*>(kp + 64 * i);
+            }
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {  // V: keys tc_v_key(c, x), dims d0 + DW/8 g .. d0 + DW/8 g + DW/8
+            const int dr = (x & 1) + 8 * (x >> 1);  // tc_v_key(c, x) - tc_v_key(c, 0)
+            if (PAIR && tile + tc_v_key(c, x) >= end) {
+                v[x] = VRow{};
+            } else if constexpr (VFmt::kPacked) {
+                v[x] = tc_load_slice<D, VF, DW / 8>(vd + dr * VROW, vs + dr * VBlock::kGroups * VFmt::kScaleBytes,
+                                                    8 * part + g);
+            } else {
+                v[x] = *reinterpret_cast<const VRow*>(vd + dr * VROW);
+            }
+        }
+    }
+    __device__ __forceinline__ void operator()(int tile, TcTile<D, KF, VF>& t) const { (*this)(tile, t.k, t.v); }
+};
+
 // Whether the prefetching loop keeps its two tile buffers in turns, two tiles a pass, rather than
 // copying the next tile's registers over the current one's after each tile. In turns saves the
 // copies (20 to 25 instructions a tile) but unrolls the loop twice over and lets the register
@@ -460,8 +564,10 @@ __device__ constexpr bool tc_turns() {
 // PARTS warps: each warp of a unit takes the unit's tiles over its DW dims (part p: dims DW p ..
 // DW p + DW of q, K, V and the output), the unit's warps add their partial scores through shared
 // memory (a named barrier a tile), and each runs the same online softmax on the sums.
+// `first`: the warp's first tile as the caller loaded it (TcLoader), or null: decode_tc loads it
+// (not with PAIR).
 template <int D, int KF, int VF, int WARPS = TC_WARPS, bool PAIR_ASKED = false>
-__device__ void decode_tc(const TcWork& w) {
+__device__ void decode_tc(const TcWork& w, const TcTile<D, KF, VF>* first = nullptr) {
     constexpr int PARTS = tc_parts<D>(), DW = D / PARTS, UNITS = WARPS / PARTS;
     constexpr int ROWD = D > TC_MAX_D ? D : TC_MAX_D;  // a head's row in a unit's smem_o
     static_assert(DW <= TC_MAX_D && WARPS % PARTS == 0 && (PARTS == 1 || UNITS <= 2), "a head's parts fit a warp each; 1 or 2 units of them");
@@ -469,9 +575,6 @@ __device__ void decode_tc(const TcWork& w) {
     typedef TcFmt<VF> VFmt;
     typedef typename TcRows<DW, KF>::K KRow;
     typedef typename TcRows<DW, VF>::V VRow;
-    constexpr int E = TcElems<KF>::value;
-    constexpr int KB = KF == TC_FP8 ? 1 : 2, VB = VF == TC_FP8 ? 1 : 2;  // element sides' bytes
-    constexpr int NC = DW / (4 * E);  // 16-byte chunks of a key row per lane (element K sides)
     constexpr int KS = DW / 16;       // MMA steps over the part's dims (S^T) and output tiles (O^T)
     constexpr bool KF16 = KFmt::kF16, VF16 = VFmt::kF16;
     // A warp's next tile is loaded before this one is scored where the registers allow it (an fp8
@@ -481,7 +584,7 @@ __device__ void decode_tc(const TcWork& w) {
     // (twice the loaded tiles' registers: the batch-1 entries, which have them to spare).
     constexpr bool PAIR = PAIR_ASKED && PREFETCH && PARTS == 1;
     constexpr bool TURNS = !PAIR && PREFETCH && tc_turns<D, KF, VF>();
-    constexpr int VW = DW / 8 * VB / 4;  // V words per key of a lane (element V sides): DW / 8 dims
+    constexpr int VW = TcLoader<D, KF, VF>::VW;  // V words per key of a lane (element V sides): DW / 8 dims
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int part = warp % PARTS, unit = warp / PARTS, d0 = part * DW;  // the warp's first dim
 
@@ -527,72 +630,7 @@ __device__ void decode_tc(const TcWork& w) {
 #pragma unroll
     for (int n = 0; n < KS; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
-    // A tile's K and V as this lane loads them (a dead key's slot is still inside the block: its
-    // scores are masked, its V zeroed below; with PAIR zeroed here, as is a tile past the end,
-    // whose block is not read).
-    // Each side loads from per-lane pointers at block 0, a tile's block added by one multiply-add:
-    // the lane's first key's codes and scales (or elements); its other keys lie a compile-time
-    // number of rows on (a block's rows are head-major). For the packed sides 11-38 fewer
-    // instructions a tile than addresses rebuilt from the block and row, 1-4% faster on an H200.
-    typedef PackedBlock<D, KFmt::kBits, KFmt::kScaleBytes> KBlock;
-    typedef PackedBlock<D, VFmt::kBits, VFmt::kScaleBytes> VBlock;
-    constexpr int KROW = KFmt::kPacked ? KBlock::kDataBytes : D * KB;  // a K row's bytes to the next row's
-    constexpr int VROW = VFmt::kPacked ? VBlock::kDataBytes : D * VB;
-    const unsigned k_block_bytes = ATTN_BLOCK * w.num_kv_heads * (KFmt::kPacked ? KBlock::kVectorBytes : D * KB);
-    const unsigned v_block_bytes = ATTN_BLOCK * w.num_kv_heads * (VFmt::kPacked ? VBlock::kVectorBytes : D * VB);
-    const int k_row0 = kv_row(g, w.kv_head), v_row0 = kv_row(tc_v_key(c, 0), w.kv_head);
-    const u8_t* const kd0 = w.k_cache + (KFmt::kPacked ? KBlock::data(0, k_row0, w.num_kv_heads)
-                                                        : (long long)k_row0 * KROW + d0 * KB + c * 16);
-    const u8_t* const ks0 = w.k_cache + KBlock::scales(0, k_row0, w.num_kv_heads);
-    const u8_t* const vd0 = w.v_cache + (VFmt::kPacked ? VBlock::data(0, v_row0, w.num_kv_heads)
-                                                        : (long long)v_row0 * VROW + d0 * VB + g * (VW * 4));
-    const u8_t* const vs0 = w.v_cache + VBlock::scales(0, v_row0, w.num_kv_heads);
-    constexpr bool U32 = KFmt::kPacked || VFmt::kPacked;
-    auto load = [&](int tile, KRow (&k)[2], VRow (&v)[4]) {
-        const bool live = !PAIR || tile < w.end;
-        // The packed entries take the block as unsigned, each pointer one 32 x 32 -> 64-bit
-        // multiply-add (fp8k_turbo3v's decode 2.3% faster on an H200 than with signed 64-bit
-        // products); bf16 and fp8 keep the signed products, with which bf16 measured 1.2% faster.
-        const u8_t *kd, *ks, *vd, *vs;
-        if constexpr (U32) {
-            const unsigned block = live ? (unsigned)w.block_table[(unsigned)tile / ATTN_BLOCK] : 0u;
-            kd = kd0 + (unsigned long long)block * k_block_bytes;
-            ks = ks0 + (unsigned long long)block * k_block_bytes;
-            vd = vd0 + (unsigned long long)block * v_block_bytes;
-            vs = vs0 + (unsigned long long)block * v_block_bytes;
-        } else {
-            const long long block = live ? w.block_table[tile / ATTN_BLOCK] : 0;
-            kd = kd0 + block * (int)k_block_bytes;
-            ks = ks0 + block * (int)k_block_bytes;
-            vd = vd0 + block * (int)v_block_bytes;
-            vs = vs0 + block * (int)v_block_bytes;
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // K: keys g, g + 8
-            if (!live) {
-                k[h] = KRow{};
-            } else if constexpr (KFmt::kPacked) {  // quarter c of the part's dims
-                k[h] = tc_load_slice<D, KF, DW / 4>(kd + 8 * h * KROW,
-                                                    ks + 8 * h * KBlock::kGroups * KFmt::kScaleBytes, 4 * part + c);
-            } else {
-                const unsigned char* kp = kd + 8 * h * KROW;
-#pragma unroll
-                for (int i = 0; i < NC; ++i) k[h].c[i] = *reinterpret_cast<const Words<4>*>(kp + 64 * i);
-            }
-        }
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {  // V: keys tc_v_key(c, x), dims d0 + DW/8 g .. d0 + DW/8 g + DW/8
-            const int dr = (x & 1) + 8 * (x >> 1);  // tc_v_key(c, x) - tc_v_key(c, 0)
-            if (PAIR && tile + tc_v_key(c, x) >= w.end) {
-                v[x] = VRow{};
-            } else if constexpr (VFmt::kPacked) {
-                v[x] = tc_load_slice<D, VF, DW / 8>(vd + dr * VROW, vs + dr * VBlock::kGroups * VFmt::kScaleBytes,
-                                                    8 * part + g);
-            } else {
-                v[x] = *reinterpret_cast<const VRow*>(vd + dr * VROW);
-            }
-        }
-    };
+    const TcLoader<D, KF, VF, PAIR> load(w);
     // A unit's partial scores, exchanged in its own rows of smem_o (free until the warps merge):
     // [tile parity][part][4][32]. A unit is two warps (PARTS 2): each adds the other's scores to its
     // own, the same bits in both, as a float sum does not depend on its operands' order. xo indexes
@@ -835,7 +873,14 @@ __device__ void decode_tc(const TcWork& w) {
         KRow ka[2], kb[2];
         VRow va[4], vb[4];
         int tile = w.begin + 16 * unit;
-        if (tile < w.end) load(tile, ka, va);
+        if (first != nullptr) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) ka[h] = first->k[h];
+#pragma unroll
+            for (int x = 0; x < 4; ++x) va[x] = first->v[x];
+        } else if (tile < w.end) {
+            load(tile, ka, va);
+        }
         for (; tile < w.end; tile += 2 * STEP) {
             if (tile + STEP < w.end) load(tile + STEP, kb, vb);
             float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -850,8 +895,21 @@ __device__ void decode_tc(const TcWork& w) {
     } else {
         KRow kr[2], kn[2];
         VRow vr[4], vn[4];
-        if (PREFETCH && w.begin + 16 * unit < w.end) load(w.begin + 16 * unit, kr, vr);
-        for (int tile = w.begin + 16 * unit; tile < w.end; tile += 16 * UNITS) {
+        const bool peel = !PREFETCH && first != nullptr;  // the first tile apart: the loop loads each of its own
+        if (first != nullptr) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) kr[h] = first->k[h];
+#pragma unroll
+            for (int x = 0; x < 4; ++x) vr[x] = first->v[x];
+            if (peel && w.begin + 16 * unit < w.end) {
+                float st[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                score(kr, st);
+                accumulate(st, vr, w.begin + 16 * unit);
+            }
+        } else if (PREFETCH && w.begin + 16 * unit < w.end) {
+            load(w.begin + 16 * unit, kr, vr);
+        }
+        for (int tile = w.begin + 16 * unit + (peel ? 16 * UNITS : 0); tile < w.end; tile += 16 * UNITS) {
             if constexpr (PREFETCH) {  // the warp's next tile is in flight while this one is scored
                 if (tile + 16 * UNITS < w.end) load(tile + 16 * UNITS, kn, vn);
             } else {
