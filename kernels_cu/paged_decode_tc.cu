@@ -263,6 +263,8 @@ struct RopeDecodeArgs {
 // PDL wait (its keys were cached by earlier steps), so that the tile's trip to L2 overlaps the wait
 // and the staging instead of following them. The split that writes the new key patches that key's
 // row in the lanes that hold it from the staged key and value (the bytes the cache write stores).
+// 1: K and V; 2: K only (32 registers a thread fewer held through the staging), V loaded after the
+// staging as without the preload (pulled into L2 before the wait; the new value then in the cache).
 #ifndef TC_PRELOAD
 #define TC_PRELOAD 0
 #endif
@@ -346,7 +348,7 @@ __device__ __forceinline__ unsigned cached_word(const bf16_t* src, int off, floa
 
 // The new key (tile row `key` of a warp's preloaded tile) as the cache write stores it: K from the
 // staged key, V from the staged value, in the lanes that hold that row (TcLoader's shares).
-template <int D, int F, class W>
+template <int D, int F, class W, bool V = true>
 __device__ void patch_new_key(TcTile<D, F, F>& t, int key, const bf16_t* k, const bf16_t* v, const float* k_scale,
                               const float* v_scale) {
     typedef TcLoader<D, F, F> L;
@@ -362,7 +364,7 @@ __device__ void patch_new_key(TcTile<D, F, F>& t, int key, const bf16_t* k, cons
             for (int j = 0; j < 4; ++j) t.k[h].c[i].w[j] = cached_word<W>(k, c * 16 + 64 * i + 4 * j, ks);
     }
 #pragma unroll
-    for (int x = 0; x < 4; ++x) {
+    for (int x = 0; x < 4 && V; ++x) {
         if (tc_v_key(c, x) != key) continue;
 #pragma unroll
         for (int m = 0; m < L::VW; ++m) t.v[x].w[m] = cached_word<W>(v, g * (L::VW * 4) + 4 * m, vs);
@@ -448,7 +450,7 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
             }
         }
         const int tile = begin + 16 * (warp / tc_parts<D>());  // this warp's unit's first tile (decode_tc)
-        if (!PRELOAD && (threadIdx.x & 31) < 2 && tile < end) {
+        if ((!PRELOAD || (TC_PRELOAD == 2 && (threadIdx.x & 1))) && (threadIdx.x & 31) < 2 && tile < end) {
             tc_prefetch_l2<D, FP8 ? TC_FP8 : TC_BF16>((threadIdx.x & 1) ? a.v_cache : a.k_cache,
                                                       __ldcg(table + tile / ATTN_BLOCK), kvh, a.hk);
         }
@@ -461,7 +463,7 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
         const TcLoader<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16> load(
             static_cast<const u8_t*>(a.k_cache), static_cast<const u8_t*>(a.v_cache),
             staged ? sh.blocks - begin / ATTN_BLOCK : table, a.hk, kvh, end);  // decode_rope_split's
-        load(tile0, first);
+        load.template sides<true, TC_PRELOAD != 2>(tile0, first.k, first.v);
     }
 #define TC_FIRST (PRELOAD ? &first : nullptr)
 #else
@@ -491,7 +493,7 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
             norm_rope<D>(a.k + b * a.k_stride + kvh * D, k_norm, a.eps, cos_row, sin_row, half, sh.k);
             store_elements<Store, D>(sh.k, a.k_cache, slot, kvh, a.hk, a.k_scale);
         } else if (writes) {
-#if TC_PRELOAD
+#if TC_PRELOAD == 1
             store_row<D>(a.v + b * a.v_stride + kvh * D, sh.v);  // each lane reads back its own elements
             store_elements<Store, D>(sh.v, a.v_cache, slot, kvh, a.hk, a.v_scale);
 #else
@@ -511,9 +513,15 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
         TL_MARK(2);
 #if TC_PRELOAD
         if constexpr (PRELOAD) {
+            if (TC_PRELOAD == 2 && tile0 < end) {  // the V side as the decode would load it
+                const TcLoader<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16> load(
+                    static_cast<const u8_t*>(a.k_cache), static_cast<const u8_t*>(a.v_cache),
+                    staged ? sh.blocks - begin / ATTN_BLOCK : table, a.hk, kvh, end);
+                load.template sides<false, true>(tile0, first.k, first.v);
+            }
             if (writes && len - 1 >= tile0 && len - 1 < tile0 + 16)
-                patch_new_key<D, FP8 ? TC_FP8 : TC_BF16, Store>(first, len - 1 - tile0, sh.k, sh.v, a.k_scale,
-                                                                a.v_scale);
+                patch_new_key<D, FP8 ? TC_FP8 : TC_BF16, Store, TC_PRELOAD != 2>(first, len - 1 - tile0, sh.k, sh.v,
+                                                                                   a.k_scale, a.v_scale);
         }
 #endif
         decode_rope_split<D, FP8>(a, sh, staged, table, head0, rows, kvh, begin, end, split, clustered, TC_FIRST);
@@ -563,6 +571,9 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
         __shared__ RopeDecodeShared sh;                                                             \
         tc_at_head_dim(head_dim, [&](auto d) { decode_rope_tc<decltype(d)::value, fp8>(a, sh); });  \
     }
-METRALE_ROPE_TC_ENTRY(paged_decode_rope_tc, false, 4)
+#ifndef TC_ROPE_CTAS
+#define TC_ROPE_CTAS 4  // the bf16 entry's resident CTAs an SM (a build variant for measurements)
+#endif
+METRALE_ROPE_TC_ENTRY(paged_decode_rope_tc, false, TC_ROPE_CTAS)
 METRALE_ROPE_TC_ENTRY(paged_decode_rope_tc_fp8, true, 3)
 #undef METRALE_ROPE_TC_ENTRY

@@ -106,10 +106,12 @@ def test_graph_replays_keep_the_counters_zero(ops, dtype):
                                           ([1024] * 64, 32, 8)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_preloaded_first_tile_build_gives_the_default_builds_bytes(dtype, lens, hq, hk, head_dim):
-    """paged_decode_tc.cu built with TC_PRELOAD=1 (each warp's first tile loaded before the PDL wait,
-    the new key patched in from shared memory) moves loads only: output and cache bytes equal the
-    default build's on the GPU (the host emulation checks it against the three launches)."""
+@pytest.mark.parametrize("mode", ["1", "2"])
+def test_preloaded_first_tile_build_gives_the_default_builds_bytes(mode, dtype, lens, hq, hk, head_dim):
+    """paged_decode_tc.cu built with TC_PRELOAD=1 / 2 (each warp's first tile, or its K side, loaded
+    before the PDL wait, the new key patched in from shared memory) moves loads only: output and
+    cache bytes equal the default build's on the GPU (the host emulation checks it against the
+    three launches)."""
     import dataclasses
 
     from metrale_cli.kernels import registry
@@ -127,7 +129,7 @@ def test_preloaded_first_tile_build_gives_the_default_builds_bytes(dtype, lens, 
     want, theirs = run()
     try:
         module = registry.tc_module(head_dim)
-        registry.MODULES[module] = dataclasses.replace(base[module], defines=base[module].defines + (("TC_PRELOAD", "1"),))
+        registry.MODULES[module] = dataclasses.replace(base[module], defines=base[module].defines + (("TC_PRELOAD", mode),))
         got, mine = run()
     finally:
         registry.MODULES.clear()

@@ -34,11 +34,11 @@ def libs(built, head_dim):
     return built["tc"][max(head_dim, 128)], built["rope"]
 
 
-@pytest.fixture(scope="module")
-def preloaded(tmp_path_factory):
-    """The head_dim 64 / 128 module built with TC_PRELOAD=1 (each warp's first tile loaded before
-    the PDL wait, the new key patched in from shared memory)."""
-    return build_tc_decode_library(tmp_path_factory.mktemp("rope_decode_preload"), 128, {"TC_PRELOAD": "1"})
+@pytest.fixture(scope="module", params=["1", "2"], ids=["k_and_v", "k"])
+def preloaded(request, tmp_path_factory):
+    """The head_dim 64 / 128 module built with TC_PRELOAD (each warp's first tile, or its K side,
+    loaded before the PDL wait, the new key patched in from shared memory)."""
+    return build_tc_decode_library(tmp_path_factory.mktemp("rope_decode_preload"), 128, {"TC_PRELOAD": request.param})
 
 
 def _ptr(t):
@@ -107,7 +107,7 @@ def test_one_launch_equals_the_three(libs, dtype, head_dim, group, splits):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.FP8], ids=lambda d: d.value)
 def test_preloaded_first_tile_equals_the_three(preloaded, built, dtype, head_dim, group, splits):
-    """The TC_PRELOAD build on the same cases: a warp's first tile read before the new key is
+    """The TC_PRELOAD builds on the same cases: a warp's first tile read before the new key is
     written (the case's cache holds another key at its slot), that key patched in where a tile
     holds it, the skipped slot's old key kept."""
     check_one_launch(preloaded, built["rope"], dtype, head_dim, group, splits)
