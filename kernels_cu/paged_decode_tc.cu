@@ -259,15 +259,6 @@ struct RopeDecodeArgs {
 };
 
 #define TC_STAGED_BLOCKS 64
-// TC_PRELOAD (a build variant, 0: off): each warp loads its first tile into registers before the
-// PDL wait (its keys were cached by earlier steps), so that the tile's trip to L2 overlaps the wait
-// and the staging instead of following them. The split that writes the new key patches that key's
-// row in the lanes that hold it from the staged key and value (the bytes the cache write stores).
-// 1: K and V; 2: K only (32 registers a thread fewer held through the staging), V loaded after the
-// staging as without the preload (pulled into L2 before the wait; the new value then in the cache).
-#ifndef TC_PRELOAD
-#define TC_PRELOAD 0
-#endif
 #define TC_MAX_CLUSTER 16  // the most splits combined in a cluster (a non-portable cluster size)
 
 // The kernel's shared memory (one copy for every head_dim).
@@ -276,9 +267,6 @@ struct RopeDecodeShared {
     float ml[TC_WARPS * TC_ROWS * 2];
     alignas(16) bf16_t q[TC_ROWS * TC_HEAD_MAX];  // the CTA's query heads after norm + RoPE
     alignas(16) bf16_t k[TC_HEAD_MAX];  // the new key after norm + RoPE
-#if TC_PRELOAD
-    alignas(16) bf16_t v[TC_HEAD_MAX];  // the new value, as its warp read it
-#endif
     CombineShared combine;
     // Loaded before the PDL wait: the position's cos and sin halves, the QK-norm weights and the
     // split's block-table entries (when the split has at most TC_STAGED_BLOCKS blocks).
@@ -289,6 +277,7 @@ struct RopeDecodeShared {
     // In a cluster: the split's partial (decode_tc's keep_o / keep_ml), read by the cluster's CTAs.
     float part_o[TC_ROWS * TC_HEAD_MAX];
     float part_ml[TC_ROWS * 2];
+    alignas(16) bf16_t v[TC_HEAD_MAX];  // the new value as its warp read it (the preloading entries)
 };
 
 // The cache's element store (kv_write.cuh).
@@ -303,8 +292,8 @@ struct TcStore<true> {
 
 // The split's attention over its keys (the q rows staged): its partial to part_o / part_ml, to
 // shared memory in a cluster, or the output when the context is not split. `first`: each warp's
-// first tile as preloaded (TC_PRELOAD), else unread.
-template <int D, bool FP8>
+// first tile as preloaded (PRELOAD), else unread.
+template <int D, bool FP8, bool PRELOAD>
 __device__ void decode_rope_split(const RopeDecodeArgs& a, RopeDecodeShared& sh, bool staged, const int* table,
                                   long long head0, int rows, int kvh, int begin, int end, int split, bool clustered,
  const TcTile<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16>* first) {
@@ -330,7 +319,7 @@ __device__ void decode_rope_split(const RopeDecodeArgs& a, RopeDecodeShared& sh,
                    sh.ml,
                    split_ && clustered ? sh.part_o : nullptr,
                    sh.part_ml};
-    decode_tc<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16>(w, TC_PRELOAD ? first : nullptr);
+    decode_tc<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16>(w, PRELOAD ? first : nullptr);
 }
 
 // Bytes off .. off + 3 of a cached row (element side W) as the cache write stores them from src.
@@ -348,7 +337,7 @@ __device__ __forceinline__ unsigned cached_word(const bf16_t* src, int off, floa
 
 // The new key (tile row `key` of a warp's preloaded tile) as the cache write stores it: K from the
 // staged key, V from the staged value, in the lanes that hold that row (TcLoader's shares).
-template <int D, int F, class W, bool V = true>
+template <int D, int F, class W>
 __device__ void patch_new_key(TcTile<D, F, F>& t, int key, const bf16_t* k, const bf16_t* v, const float* k_scale,
                               const float* v_scale) {
     typedef TcLoader<D, F, F> L;
@@ -364,7 +353,7 @@ __device__ void patch_new_key(TcTile<D, F, F>& t, int key, const bf16_t* k, cons
             for (int j = 0; j < 4; ++j) t.k[h].c[i].w[j] = cached_word<W>(k, c * 16 + 64 * i + 4 * j, ks);
     }
 #pragma unroll
-    for (int x = 0; x < 4 && V; ++x) {
+    for (int x = 0; x < 4; ++x) {
         if (tc_v_key(c, x) != key) continue;
 #pragma unroll
         for (int m = 0; m < L::VW; ++m) t.v[x].w[m] = cached_word<W>(v, g * (L::VW * 4) + 4 * m, vs);
@@ -411,10 +400,16 @@ __device__ void cluster_combine(const RopeDecodeArgs& a, RopeDecodeShared& sh, l
     cluster_sync();
 }
 
-template <int D, bool FP8>
+// PRE (the _preload entries, which the host takes where a KV head has few query heads: the
+// 2026-12-05 8989300 and b60c563 section of docs/performance.md): each warp loads its first tile
+// into registers before the PDL wait (its keys were cached by earlier steps), so that the tile's
+// trip overlaps the wait and the staging instead of following them. The split that writes the new
+// key patches that key's row, in the lanes that hold it, from the staged key and value as the cache
+// write stores them. A head of two warps' parts (256) loads as without it.
+template <int D, bool FP8, bool PRE>
 __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
     typedef typename TcStore<FP8>::type Store;
-    constexpr bool PRELOAD = TC_PRELOAD && tc_parts<D>() == 1;  // the preload's tiles are a warp's
+    constexpr bool PRELOAD = PRE && tc_parts<D>() == 1;
     TL_BEGIN(FP8 ? 1 : 0);
     const int warp = threadIdx.x >> 5;
     const int b = blockIdx.y, kvh = blockIdx.x, chunk = blockIdx.z / a.num_splits, split = blockIdx.z % a.num_splits;
@@ -450,25 +445,20 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
             }
         }
         const int tile = begin + 16 * (warp / tc_parts<D>());  // this warp's unit's first tile (decode_tc)
-        if ((!PRELOAD || (TC_PRELOAD == 2 && (threadIdx.x & 1))) && (threadIdx.x & 31) < 2 && tile < end) {
+        if (!PRELOAD && (threadIdx.x & 31) < 2 && tile < end) {
             tc_prefetch_l2<D, FP8 ? TC_FP8 : TC_BF16>((threadIdx.x & 1) ? a.v_cache : a.k_cache,
                                                       __ldcg(table + tile / ATTN_BLOCK), kvh, a.hk);
         }
     }
     __syncthreads();
-#if TC_PRELOAD
     const int tile0 = begin + 16 * warp;  // this warp's first tile (PRELOAD: a head a warp)
     TcTile<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16> first;
     if (PRELOAD && !idle && tile0 < end) {
         const TcLoader<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16> load(
             static_cast<const u8_t*>(a.k_cache), static_cast<const u8_t*>(a.v_cache),
             staged ? sh.blocks - begin / ATTN_BLOCK : table, a.hk, kvh, end);  // decode_rope_split's
-        load.template sides<true, TC_PRELOAD != 2>(tile0, first.k, first.v);
+        load(tile0, first);
     }
-#define TC_FIRST (PRELOAD ? &first : nullptr)
-#else
-#define TC_FIRST nullptr
-#endif
     pdl_wait();
     pdl_launch_dependents();
     TL_MARK(1);
@@ -493,12 +483,12 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
             norm_rope<D>(a.k + b * a.k_stride + kvh * D, k_norm, a.eps, cos_row, sin_row, half, sh.k);
             store_elements<Store, D>(sh.k, a.k_cache, slot, kvh, a.hk, a.k_scale);
         } else if (writes) {
-#if TC_PRELOAD == 1
-            store_row<D>(a.v + b * a.v_stride + kvh * D, sh.v);  // each lane reads back its own elements
-            store_elements<Store, D>(sh.v, a.v_cache, slot, kvh, a.hk, a.v_scale);
-#else
-            store_elements<Store, D>(a.v + b * a.v_stride + kvh * D, a.v_cache, slot, kvh, a.hk, a.v_scale);
-#endif
+            if constexpr (PRELOAD) {  // kept for the patch; each lane reads back its own elements
+                store_row<D>(a.v + b * a.v_stride + kvh * D, sh.v);
+                store_elements<Store, D>(sh.v, a.v_cache, slot, kvh, a.hk, a.v_scale);
+            } else {
+                store_elements<Store, D>(a.v + b * a.v_stride + kvh * D, a.v_cache, slot, kvh, a.hk, a.v_scale);
+            }
         }
 #if defined(METRALE_TIMELINE) && TL_MARKS > 8
         if (x / TC_WARPS < 3) TL_MARK(6 + x / TC_WARPS);  // warp 0 (thread 0 stamps): each row it staged
@@ -511,21 +501,13 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
     if (!idle) {
         __syncthreads();  // q rows staged; the new K / V stored (visible to this CTA's loads)
         TL_MARK(2);
-#if TC_PRELOAD
         if constexpr (PRELOAD) {
-            if (TC_PRELOAD == 2 && tile0 < end) {  // the V side as the decode would load it
-                const TcLoader<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16> load(
-                    static_cast<const u8_t*>(a.k_cache), static_cast<const u8_t*>(a.v_cache),
-                    staged ? sh.blocks - begin / ATTN_BLOCK : table, a.hk, kvh, end);
-                load.template sides<false, true>(tile0, first.k, first.v);
-            }
             if (writes && len - 1 >= tile0 && len - 1 < tile0 + 16)
-                patch_new_key<D, FP8 ? TC_FP8 : TC_BF16, Store, TC_PRELOAD != 2>(first, len - 1 - tile0, sh.k, sh.v,
-                                                                                   a.k_scale, a.v_scale);
+                patch_new_key<D, FP8 ? TC_FP8 : TC_BF16, Store>(first, len - 1 - tile0, sh.k, sh.v, a.k_scale,
+                                                                a.v_scale);
         }
-#endif
-        decode_rope_split<D, FP8>(a, sh, staged, table, head0, rows, kvh, begin, end, split, clustered, TC_FIRST);
-#undef TC_FIRST
+        decode_rope_split<D, FP8, PRELOAD>(a, sh, staged, table, head0, rows, kvh, begin, end, split, clustered,
+                                           &first);
     }
     TL_MARK(3);
     if (a.num_splits == 1) {
@@ -553,8 +535,10 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
 // The new key's cache block must be its sequence's alone (the block allocator's rule): the CTAs
 // of other splits and sequences never read it while it is written. grid = (Hk, B, chunks *
 // num_splits), block = TC_THREADS; head_dim 64 or 128 (256 in paged_decode_tc_wide). Resident CTAs
-// per SM as the unfused tensor-core decodes: bf16 4, fp8 3.
-#define METRALE_ROPE_TC_ENTRY(name, fp8, min_ctas)                                                   \
+// per SM as the unfused tensor-core decodes: bf16 4, fp8 3. paged_decode_rope_tc_preload<suffix>:
+// the same with each warp's first tile loaded before the PDL wait (decode_rope_tc's PRE); the same
+// bytes.
+#define METRALE_ROPE_TC_ENTRY(name, fp8, min_ctas, pre)                                              \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, min_ctas)                              \
         name(const bf16_t* q, const bf16_t* k, const bf16_t* v, void* k_cache, void* v_cache,        \
              const int* slot_mapping, const int* positions, const float* cos_table,                 \
@@ -569,11 +553,10 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
                                v_scale,  scale,    q_stride,   k_stride, v_stride, hq,              \
                                hk,       rot_dim,  max_blocks, num_splits, eps};                    \
         __shared__ RopeDecodeShared sh;                                                             \
-        tc_at_head_dim(head_dim, [&](auto d) { decode_rope_tc<decltype(d)::value, fp8>(a, sh); });  \
+        tc_at_head_dim(head_dim, [&](auto d) { decode_rope_tc<decltype(d)::value, fp8, pre>(a, sh); }); \
     }
-#ifndef TC_ROPE_CTAS
-#define TC_ROPE_CTAS 4  // the bf16 entry's resident CTAs an SM (a build variant for measurements)
-#endif
-METRALE_ROPE_TC_ENTRY(paged_decode_rope_tc, false, TC_ROPE_CTAS)
-METRALE_ROPE_TC_ENTRY(paged_decode_rope_tc_fp8, true, 3)
+METRALE_ROPE_TC_ENTRY(paged_decode_rope_tc, false, 4, false)
+METRALE_ROPE_TC_ENTRY(paged_decode_rope_tc_fp8, true, 3, false)
+METRALE_ROPE_TC_ENTRY(paged_decode_rope_tc_preload, false, 4, true)
+METRALE_ROPE_TC_ENTRY(paged_decode_rope_tc_preload_fp8, true, 3, true)
 #undef METRALE_ROPE_TC_ENTRY

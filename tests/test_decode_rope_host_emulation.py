@@ -34,13 +34,6 @@ def libs(built, head_dim):
     return built["tc"][max(head_dim, 128)], built["rope"]
 
 
-@pytest.fixture(scope="module", params=["1", "2"], ids=["k_and_v", "k"])
-def preloaded(request, tmp_path_factory):
-    """The head_dim 64 / 128 module built with TC_PRELOAD (each warp's first tile, or its K side,
-    loaded before the PDL wait, the new key patched in from shared memory)."""
-    return build_tc_decode_library(tmp_path_factory.mktemp("rope_decode_preload"), 128, {"TC_PRELOAD": request.param})
-
-
 def _ptr(t):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
@@ -52,7 +45,7 @@ def _strides(c):
     return [width] * 3
 
 
-def fused(lib, c, kp, vp, splits, fp8):
+def fused(lib, c, kp, vp, splits, fp8, preload=False):
     batch, hq, d = c["q"].shape
     hk = c["k"].shape[1]
     out = torch.full((batch, hq, d), float("nan")).to(torch.bfloat16)
@@ -65,7 +58,7 @@ def fused(lib, c, kp, vp, splits, fp8):
                             c["sin"], c["q_norm"], c["k_norm"], c["block_tables"], c["seq_lens"], out, part_o,
                             part_ml, counters, kp.scale, vp.scale)),
         ctypes.c_float(d**-0.5), *_strides(c), hq, hk, d, d, c["block_tables"].shape[1], splits, ctypes.c_float(EPS),
-        batch, chunks, int(fp8))
+        batch, chunks, int(fp8), int(preload))
     assert not counters.any()  # every launch leaves its counters zero
     return out
 
@@ -104,22 +97,22 @@ def test_one_launch_equals_the_three(libs, dtype, head_dim, group, splits):
 
 @pytest.mark.parametrize("splits", [1, 3, 32])
 @pytest.mark.parametrize("group", [1, 4, 12])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.FP8], ids=lambda d: d.value)
-def test_preloaded_first_tile_equals_the_three(preloaded, built, dtype, head_dim, group, splits):
-    """The TC_PRELOAD builds on the same cases: a warp's first tile read before the new key is
-    written (the case's cache holds another key at its slot), that key patched in where a tile
-    holds it, the skipped slot's old key kept."""
-    check_one_launch(preloaded, built["rope"], dtype, head_dim, group, splits)
+def test_preloading_entry_equals_the_three(libs, dtype, head_dim, group, splits):
+    """paged_decode_rope_tc_preload<suffix> on the same cases: a warp's first tile read before the
+    new key is written (the case's cache holds another key at its slot), that key patched in where
+    a tile holds it, the skipped slot's old key kept (at 256 it loads as the default entry)."""
+    check_one_launch(*libs, dtype, head_dim, group, splits, preload=True)
 
 
-def check_one_launch(tc, rc, dtype, head_dim, group, splits):
+def check_one_launch(tc, rc, dtype, head_dim, group, splits, preload=False):
     hk = 2
     c = rope_decode_case([1, 7, 16, 99, 300, 0], hk * group, hk, head_dim, dtype, seed=head_dim + group)
     fp8 = dtype == KvCacheDtype.FP8
     c["slot_mapping"][2] = -1
     mine, theirs = kv_to(c["kv"], "cpu"), kv_to(c["kv"], "cpu")
-    got = fused(tc, c, mine.k, mine.v, splits, fp8)
+    got = fused(tc, c, mine.k, mine.v, splits, fp8, preload)
     want = unfused(tc, rc, c, theirs.k, theirs.v, splits, fp8)
     assert torch.equal(got, want), compare(got, want, 0, 0)
     assert compare_bytes(mine.k.data, theirs.k.data) is None

@@ -151,7 +151,7 @@ def test_registry_walk():
     # head_dim 64 / 128 and at 256 + 3 batch-1 pair entries (64 / 128) + 16 dtypes x (a prefill and a
     # (decode, combine) pair per decode module)
     decode_modules = sum(len(row.decode) for row in KV_DTYPES.values())
-    assert len(names) == len(set(names)) == 4 + 5 + 1 + 4 + 8 + 7 + 2 + 16 + 16 + 2 * (16 + 2) + 3 + 16 + 2 * decode_modules == 168
+    assert len(names) == len(set(names)) == 4 + 5 + 1 + 4 + 8 + 7 + 2 + 16 + 16 + 2 * (16 + 4) + 3 + 16 + 2 * decode_modules == 172
     assert set(every_kernel()) == set(all_kernels())  # every registered kernel is launched by some dtype
     for spec in all_kernels():
         assert module_for(spec).path.is_file()
@@ -187,9 +187,10 @@ def test_tensor_core_entries_equal_the_dtype_table():
                        for d, row in KV_DTYPES.items() if row.tensor_core and row.tensor_core.pair]
     assert len(entries) == len(KvCacheDtype) + 3
     assert re.search(rf"^#define TC_PAIR_CTAS {TC_PAIR_CTAS_PER_SM}$", text, flags=re.M)
-    entries = re.findall(r"^METRALE_ROPE_TC_ENTRY\((\w+), (\w+), (\d+)\)$", text, flags=re.M)
-    assert entries == [(f"paged_decode_rope_tc{d.suffix}", str(d == KvCacheDtype.FP8).lower(),
-                        str(row.tensor_core.ctas_per_sm)) for d, row in KV_DTYPES.items()
+    entries = re.findall(r"^METRALE_ROPE_TC_ENTRY\((\w+), (\w+), (\d+), (\w+)\)$", text, flags=re.M)
+    assert entries == [(f"paged_decode_rope_tc{p}{d.suffix}", str(d == KvCacheDtype.FP8).lower(),
+                        str(row.tensor_core.ctas_per_sm), str(bool(p)).lower())
+                       for p in ("", "_preload") for d, row in KV_DTYPES.items()
                        if row.tensor_core and row.tensor_core.one_launch]
 
 

@@ -186,7 +186,8 @@ def test_layer_kernels_cover_every_side(dtype):
     assert f"paged_decode_tc::paged_decode_attn_tc{dtype.suffix}" in names  # every dtype's tensor-core decode
     pair = dtype.row.tensor_core.pair  # + the batch-1 pair entry
     assert (f"paged_decode_tc::paged_decode_attn_tc_pair{dtype.suffix}" in names) == pair
-    assert len(names) == len(set(names)) == 20 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + fused + pair
+    assert (f"paged_decode_tc::paged_decode_rope_tc_preload{dtype.suffix}" in names) == fused
+    assert len(names) == len(set(names)) == 20 + 2 * any(is_wht_rotated(s) for s in kv_pair(dtype)) + 2 * fused + pair
     assert set(map(str, required_kernels(dtype, 128))) <= set(names)
     assert all(module_for(s) is not None for s in specs)
     assert names[:14] == ["rmsnorm::rms_norm_bf16", "rmsnorm::add_rms_norm_bf16", "rope::rope_neox_bf16",
@@ -363,6 +364,34 @@ def test_decode_attention_is_one_launch_for_a_bf16_or_fp8_cache(ops, dtype, laun
     assert args["k"].data_ptr() == c["q"].data_ptr() + 2 * 32 * 128 and args["rot_dim"] == 128
     attn.rope_cache_decode(*rope_decode_args(c, kv, CPU))
     assert ops.loader.calls[1][3]["counters"] is args["counters"]  # one buffer per device: graphs replay on it
+
+
+@pytest.mark.parametrize("batch, hq, head_dim, preload", [
+    ([999], 16, 128, True),  # Qwen3-0.6B's shape at batch 1: two query heads a KV head
+    ([999], 8, 64, True),  # one a KV head
+    ([999], 24, 128, False),  # three
+    ([999, 500], 16, 128, False),  # batch 2
+    ([999], 16, 256, False),  # a head of two warps' parts
+])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_batch_one_decode_preloads_its_first_tile_where_few_query_heads_share_a_kv_head(ops, dtype, batch, hq,
+                                                                                        head_dim, preload):
+    """The one launch's _preload entry (each warp's first tile loaded before the PDL wait) serves
+    batch 1 where a KV head has at most TC_PRELOAD_MAX_GROUP query heads and a warp holds a head;
+    the default entry the rest, over the same grid and arguments. ``preload=`` forces either."""
+    from metrale_cli.kernels.cases import rope_decode_args, rope_decode_case
+
+    c = rope_decode_case(batch, hq, 8, head_dim, dtype)
+    kv = c["kv"]
+    attn = attention(ops, dtype, head_dim)
+    module = "paged_decode_tc" if head_dim <= 128 else "paged_decode_tc_wide"
+    sfx = KvCacheDtype(dtype).suffix
+    default, preloading = f"{module}::paged_decode_rope_tc{sfx}", f"{module}::paged_decode_rope_tc_preload{sfx}"
+    attn.rope_cache_decode(*rope_decode_args(c, kv, CPU))
+    attn.rope_cache_decode(*rope_decode_args(c, kv, CPU), preload=not preload)
+    (first, grid, _, args, _), (second, grid2, _, args2, _) = ops.loader.calls
+    assert [first, second] == ([preloading, default] if preload else [default, preloading])
+    assert grid == grid2 and args.keys() == args2.keys() and args["num_splits"] == args2["num_splits"]
 
 
 @pytest.mark.parametrize("items, splits, cluster", [

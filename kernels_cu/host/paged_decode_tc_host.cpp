@@ -58,8 +58,8 @@ extern "C" void host_paged_decode_tc(const bf16_t* q, const void* k_cache, const
             for (int x = 0; x < hk; ++x) run_block({(unsigned)x, (unsigned)y, (unsigned)z}, TC_THREADS, decode);
 }
 
-// paged_decode_rope_tc / paged_decode_rope_tc_fp8 over its grid (hk, batch, chunks * num_splits); it
-// combines its splits itself.
+// paged_decode_rope_tc / paged_decode_rope_tc_fp8 (or their _preload entries) over its grid (hk,
+// batch, chunks * num_splits); it combines its splits itself.
 extern "C" void host_paged_decode_rope_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v, void* k_cache,
                                           void* v_cache, const int* slot_mapping, const int* positions,
                                           const float* cos_table, const float* sin_table, const bf16_t* q_norm,
@@ -68,8 +68,9 @@ extern "C" void host_paged_decode_rope_tc(const bf16_t* q, const bf16_t* k, cons
                                           const float* k_scale, const float* v_scale, float scale, int q_stride,
                                           int k_stride, int v_stride, int hq, int hk, int head_dim, int rot_dim,
                                           int max_blocks, int num_splits, float eps, int batch, int chunks,
-                                          int fp8) {
-    auto entry = fp8 ? paged_decode_rope_tc_fp8 : paged_decode_rope_tc;
+                                          int fp8, int preload) {
+    auto entry = preload ? (fp8 ? paged_decode_rope_tc_preload_fp8 : paged_decode_rope_tc_preload)
+                         : (fp8 ? paged_decode_rope_tc_fp8 : paged_decode_rope_tc);
     for (int z = 0; z < chunks * num_splits; ++z)
         for (int y = 0; y < batch; ++y)
             for (int x = 0; x < hk; ++x)

@@ -489,12 +489,9 @@ struct TcLoader {
     __device__ __forceinline__ explicit TcLoader(const TcWork& w)
         : TcLoader(w.k_cache, w.v_cache, w.block_table, w.num_kv_heads, w.kv_head, w.end) {}
 
-    __device__ __forceinline__ void operator()(int tile, KRow (&k)[2], VRow (&v)[4]) const { sides(tile, k, v); }
-    __device__ __forceinline__ void operator()(int tile, TcTile<D, KF, VF>& t) const { sides(tile, t.k, t.v); }
+    __device__ __forceinline__ void operator()(int tile, TcTile<D, KF, VF>& t) const { (*this)(tile, t.k, t.v); }
 
-    // The tile's K side, V side or both.
-    template <bool K = true, bool V = true>
-    __device__ __forceinline__ void sides(int tile, KRow (&k)[2], VRow (&v)[4]) const {
+    __device__ __forceinline__ void operator()(int tile, KRow (&k)[2], VRow (&v)[4]) const {
         const bool live = !PAIR || tile < end;
         // The packed entries take the block as unsigned, each pointer one 32 x 32 -> 64-bit
         // multiply-add (fp8k_turbo3v's decode 2.3% faster on an H200 than with signed 64-bit
@@ -514,7 +511,7 @@ struct TcLoader {
             vs = vs0 + block * (int)v_block_bytes;
         }
 #pragma unroll
-        for (int h = 0; h < 2 && K; ++h) {  // K: keys g, g + 8
+        for (int h = 0; h < 2; ++h) {  // K: keys g, g + 8
             if (!live) {
                 k[h] = KRow{};
             } else if constexpr (KFmt::kPacked) {  // quarter c of the part's dims
@@ -527,7 +524,7 @@ struct TcLoader {
             }
         }
 #pragma unroll
-        for (int x = 0; x < 4 && V; ++x) {  // V: keys tc_v_key(c, x), dims d0 + DW/8 g .. d0 + DW/8 g + DW/8
+        for (int x = 0; x < 4; ++x) {  // V: keys tc_v_key(c, x), dims d0 + DW/8 g .. d0 + DW/8 g + DW/8
             const int dr = (x & 1) + 8 * (x >> 1);  // tc_v_key(c, x) - tc_v_key(c, 0)
             if (PAIR && tile + tc_v_key(c, x) >= end) {
                 v[x] = VRow{};

@@ -187,15 +187,15 @@ def _check_rope_and_cache(dtype):
     return check
 
 
-def _check_rope_decode(dtype):
+def _check_rope_decode(dtype, preload: bool = False):
     def check(ops, hd):
-        """The one-launch decode attention against the launches it replaces (rope_and_cache with
-        rotate_q, the tensor-core decode and its combine with restore_v): output and cache bytes
-        equal."""
+        """The one-launch decode attention (or its preloading entry) against the launches it
+        replaces (rope_and_cache with rotate_q, the tensor-core decode and its combine with
+        restore_v): output and cache bytes equal."""
         attention = ops.paged_attention(dtype, hd)
         c = rope_decode_case([1, 19, 599], 8, 2, hd, dtype, seed=7)
         fused, unfused = kv_to(c["kv"], "cuda"), kv_to(c["kv"], "cuda")
-        got = attention.rope_cache_decode(*rope_decode_args(c, fused, "cuda"))
+        got = attention.rope_cache_decode(*rope_decode_args(c, fused, "cuda"), preload=preload)
         args = rope_decode_args(c, unfused, "cuda")
         want = attention.paged_decode(attention.rope_and_cache(*args[:11], rotate_q=True), *args[3:4], *args[11:],
                                       restore_v=True)
@@ -236,6 +236,8 @@ def _numeric_checks() -> dict[str, Callable]:
                 checks[str(kk.decode_tc_pair[0])] = _check_decode(d, tensor_cores=True, pair=True)
             if kk.decode_rope is not None:
                 checks[str(kk.decode_rope[0])] = _check_rope_decode(d)
+            if kk.decode_rope_preload is not None:
+                checks[str(kk.decode_rope_preload[0])] = _check_rope_decode(d, preload=True)
     return checks
 
 

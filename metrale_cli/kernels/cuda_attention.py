@@ -19,8 +19,8 @@ from metrale_cli.kernels.rotation import restore_output
 from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
 from metrale_cli.kernels.table import (
     ATTN_THREADS, DECODE_CTAS_PER_SM, MAX_SPLITS, MIN_KEYS_PER_SPLIT, ROPE_AND_CACHE_WARPS, SDPA_MIN_TOKENS,
-    TC_FEW_SPLITS, TC_LONG_KEYS_PER_SPLIT, TC_MAX_CLUSTER, TC_MIN_KEYS_PER_SPLIT, TC_PAIR_CTAS_PER_SM, TC_ROWS,
-    decode_rows, rows_per_cta,
+    TC_FEW_SPLITS, TC_LONG_KEYS_PER_SPLIT, TC_MAX_CLUSTER, TC_MIN_KEYS_PER_SPLIT, TC_PAIR_CTAS_PER_SM,
+    TC_PRELOAD_MAX_GROUP, TC_ROWS, decode_rows, rows_per_cta,
 )
 from metrale_cli.kv.dtypes import TensorCoreDecode
 from metrale_cli.kv.pool import LayerKv
@@ -145,13 +145,17 @@ class CudaPagedAttention:
         return asked
 
     def rope_cache_decode(self, q, k, v, kv: LayerKv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps,
-                          block_tables, seq_lens, scale):
+                          block_tables, seq_lens, scale, preload: bool | None = None):
         """One launch (paged_decode_rope_tc<suffix>) where the dtype has it (bf16, fp8: no rotated
         side) and each sequence brings one token, else :meth:`rope_and_cache` (``rotate_q``) then
-        :meth:`paged_decode` (``restore_v``): the same bytes either way."""
-        kernel = self.kernels.decode_rope
+        :meth:`paged_decode` (``restore_v``): the same bytes either way. ``preload``: whether the
+        one launch is the entry that loads each warp's first tile before its wait (the same bytes);
+        None: where :func:`preload_fits`."""
         tokens, hq, head_dim = q.shape
         hk, rot_dim = k.shape[1], cos.shape[-1] * 2
+        if preload is None:
+            preload = preload_fits(tokens, hq // hk, head_dim)
+        kernel = self.kernels.decode_rope_preload if preload else self.kernels.decode_rope
         if kernel is None or not tokens or tokens != block_tables.shape[0]:
             q = self.rope_and_cache(q, k, v, kv, slot_mapping, positions, cos, sin, q_norm, k_norm, eps, rotate_q=True)
             return self.paged_decode(q, kv, block_tables, seq_lens, scale, restore_v=True)
@@ -203,6 +207,14 @@ def _split_buffers(q: torch.Tensor, splits: int):
     batch, hq, head_dim = q.shape
     return (torch.empty(batch, hq, splits, head_dim, dtype=torch.float32, device=q.device),
             torch.empty(batch, hq, splits, 2, dtype=torch.float32, device=q.device))
+
+
+def preload_fits(tokens: int, group: int, head_dim: int) -> bool:
+    """Whether a one-launch decode of ``tokens`` sequences with ``group`` query heads a KV head
+    takes the entry that loads each warp's first tile before its wait: batch 1, at most
+    TC_PRELOAD_MAX_GROUP query heads a KV head, a head a warp (head_dim <= 128), where it measured
+    faster."""
+    return tokens == 1 and group <= TC_PRELOAD_MAX_GROUP and head_dim <= 128
 
 
 def pair_fits(device: torch.device, ctas: int, max_blocks: int, splits: int) -> bool:

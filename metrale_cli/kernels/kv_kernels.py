@@ -59,6 +59,8 @@ class KvKernels:
 
     ``decode_tc`` / ``decode_rope``: the tensor-core decode and the one-launch decode attention
     (QK-norm + RoPE + write + decode + combine) where the dtype has them at this head_dim;
+    ``decode_rope_preload``: the one-launch entry that loads each warp's first tile before its
+    wait (batch 1 where a KV head has few query heads);
     ``decode_tc_pair``: the tensor-core decode's batch-1 entry (two tiles a pass) where the dtype
     has it (head_dim 64 / 128); ``wht``: the Hadamard rotation and its inverse when a side is
     rotated, else empty.
@@ -75,6 +77,7 @@ class KvKernels:
     decode_tc: Kernel | None = None
     decode_rope: Kernel | None = None
     decode_tc_pair: Kernel | None = None
+    decode_rope_preload: Kernel | None = None
 
     def required(self) -> list[KernelSpec]:
         """KV_DTYPES.md's row for the dtype: cache write, paged decode, chunked prefill where it
@@ -84,7 +87,7 @@ class KvKernels:
 
     def specs(self) -> list[KernelSpec]:
         """Every kernel a layer of this dtype launches beyond :data:`COMMON_KERNELS`."""
-        tc = [k[0] for k in (self.decode_tc, self.decode_rope, self.decode_tc_pair) if k]
+        tc = [k[0] for k in (self.decode_tc, self.decode_rope, self.decode_rope_preload, self.decode_tc_pair) if k]
         wht = [k[0] for k in self.wht]
         return [self.write[0], self.decode[0], *tc, self.combine[0], self.prefill[0], *wht, self.rope_write[0]]
 
@@ -132,6 +135,8 @@ def kv_kernels(d: KvCacheDtype, head_dim: int) -> KvKernels:
         decode_rope=(KernelSpec(tc, f"paged_decode_rope_tc{sfx}"), _signature(_DECODE_ROPE, d))
         if tc and row.tensor_core.one_launch else None,
         decode_tc_pair=(pair, _signature(_DECODE_TC, d)) if tc and module_for(pair) is not None else None,
+        decode_rope_preload=(KernelSpec(tc, f"paged_decode_rope_tc_preload{sfx}"), _signature(_DECODE_ROPE, d))
+        if tc and row.tensor_core.one_launch else None,
     )
 
 

@@ -111,7 +111,8 @@ def _writes(module: str) -> tuple[str, ...]:
 
 _TENSOR_CORE = tuple(d for d in KvCacheDtype if d.row.tensor_core is not None)
 _TC_FUNCTIONS = (tuple(f"paged_decode_attn_tc{d.suffix}" for d in _TENSOR_CORE)
-                 + tuple(f"paged_decode_rope_tc{d.suffix}" for d in _TENSOR_CORE if d.row.tensor_core.one_launch))
+                 + tuple(f"paged_decode_rope_tc{p}{d.suffix}" for d in _TENSOR_CORE if d.row.tensor_core.one_launch
+                         for p in ("", "_preload")))
 # the batch-1 pair entries (two tiles a pass): head_dim 64 / 128 only
 _TC_PAIR_FUNCTIONS = tuple(f"paged_decode_attn_tc_pair{d.suffix}" for d in _TENSOR_CORE if d.row.tensor_core.pair)
 

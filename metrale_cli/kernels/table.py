@@ -289,6 +289,11 @@ TC_MIN_KEYS_PER_SPLIT = 64
 TC_MAX_CLUSTER = 16  # the most splits the one-launch decode combines in a cluster (paged_decode_tc.cu)
 TC_MAX_SPLITS = 64  # the most splits a tensor-core decode combines in its launch (split_combine.cuh)
 TC_PAIR_CTAS_PER_SM = 2  # the batch-1 pair entries' __launch_bounds__ minimum (TC_PAIR_CTAS)
+# Batch 1's one-launch decode takes its _preload entry (each warp's first tile loaded before the PDL
+# wait) where a KV head has at most this many query heads and a warp holds a whole head (head_dim
+# <= 128): measured 2.6% faster on Qwen3-0.6B (2 a KV head), 0.1-0.5 µs a layer slower at 4 and 8
+# (docs/performance.md, 2026-12-05, 8989300 and b60c563).
+TC_PRELOAD_MAX_GROUP = 2
 # Past TC_FEW_SPLITS splits a tensor-core decode's split holds at least TC_LONG_KEYS_PER_SPLIT keys
 # (16 tiles, 4 a warp): more, shorter splits cost more in the combine than their warps gain. Batch 1
 # on an H200 (qwen3-8b, docs/performance.md): at a 4k context 16 splits beat 60 (bf16) or 32
