@@ -401,7 +401,7 @@ __device__ void cluster_combine(const RopeDecodeArgs& a, RopeDecodeShared& sh, l
 }
 
 // PRE (the _preload entries, which the host takes where a KV head has few query heads: the
-// 2026-12-05 8989300 and b60c563 section of docs/performance.md): each warp loads its first tile
+// 2026-12-05 8989300 to 9d6084f section of docs/performance.md): each warp loads its first tile
 // into registers before the PDL wait (its keys were cached by earlier steps), so that the tile's
 // trip overlaps the wait and the staging instead of following them. The split that writes the new
 // key patches that key's row, in the lanes that hold it, from the staged key and value as the cache

@@ -67,7 +67,7 @@ def test_kv_quality_scores_a_dtype_on_your_text(tmp_path):
 
 def test_check_kernels_passes_and_fails_as_a_deploy_script_needs():
     out = run("check_kernels.py", "bf16", "fp8k4v")
-    assert out.splitlines() == ["bf16: 21/21 kernels ok (compiled for sm_90)",
+    assert out.splitlines() == ["bf16: 22/22 kernels ok (compiled for sm_90)",
                                 "fp8k_turbo4v: 22/22 kernels ok (compiled for sm_90)"]
     assert run("check_kernels.py", "turbo2", "--head-dim", "512") == "turbo2: 21/21 kernels ok (compiled for sm_90)\n"
     out = run("check_kernels.py", "bf16", "turbo2", "--head-dim", "96", ok=False)
