@@ -296,7 +296,7 @@ struct TcStore<true> {
 template <int D, bool FP8, bool PRELOAD>
 __device__ void decode_rope_split(const RopeDecodeArgs& a, RopeDecodeShared& sh, bool staged, const int* table,
                                   long long head0, int rows, int kvh, int begin, int end, int split, bool clustered,
- const TcTile<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16>* first) {
+                                  const TcTile<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16>* first) {
     const bool split_ = a.num_splits > 1;
     const TcWork w{sh.q,
                    static_cast<const unsigned char*>(a.k_cache),
