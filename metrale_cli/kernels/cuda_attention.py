@@ -15,6 +15,7 @@ from metrale_cli.kernels import cuda_launch
 from metrale_cli.kernels.cuda_launch import CudaLauncher, _head_rows, _ready
 from metrale_cli.kernels.kv_kernels import KvKernels
 from metrale_cli.kernels.loader import clusters_available
+from metrale_cli.kernels.registry import TC_HEAD_DIMS
 from metrale_cli.kernels.rotation import restore_output
 from metrale_cli.kernels.sdpa_prefill import sdpa_prefill
 from metrale_cli.kernels.table import (
@@ -212,9 +213,9 @@ def _split_buffers(q: torch.Tensor, splits: int):
 def preload_fits(tokens: int, group: int, head_dim: int) -> bool:
     """Whether a one-launch decode of ``tokens`` sequences with ``group`` query heads a KV head
     takes the entry that loads each warp's first tile before its wait: batch 1, at most
-    TC_PRELOAD_MAX_GROUP query heads a KV head, a head a warp (head_dim <= 128), where it measured
-    faster."""
-    return tokens == 1 and group <= TC_PRELOAD_MAX_GROUP and head_dim <= 128
+    TC_PRELOAD_MAX_GROUP query heads a KV head, a head a warp (paged_decode_tc's head dims: 64
+    and 128), where it measured faster."""
+    return tokens == 1 and group <= TC_PRELOAD_MAX_GROUP and head_dim in TC_HEAD_DIMS
 
 
 def pair_fits(device: torch.device, ctas: int, max_blocks: int, splits: int) -> bool:
