@@ -412,15 +412,18 @@ def bench(
          main_output=out, on_worker_error=out.error)
 
 
+_COUNT_EXAMPLES = {"-p": "128,512", "-n": "32,128", "--batch": "1,16"}
+
+
 def _counts(flag: str, value: str) -> list[int]:
     """A comma list of positive counts (bench's sweeps)."""
+    hint = f"e.g. {flag} {_COUNT_EXAMPLES[flag]}"
     try:
         counts = [int(v) for v in value.split(",")]
     except ValueError:
-        raise MetraleError(f"{flag} takes a count or a comma list of counts, not '{value}'",
-                           hint=f"e.g. {flag} 128,512") from None
+        raise MetraleError(f"{flag} takes a count or a comma list of counts, not '{value}'", hint=hint) from None
     if min(counts) < 1:
-        raise MetraleError(f"{flag} counts must all be at least 1, got '{value}'", hint=f"e.g. {flag} 128,512")
+        raise MetraleError(f"{flag} counts must all be at least 1, got '{value}'", hint=hint)
     return counts
 
 

@@ -460,7 +460,10 @@ def test_bench_sweeps_and_llama_bench_outputs(tiny):
 
 def test_bench_refuses_a_bad_sweep_or_format(tiny):
     assert_one_line_error(metrale("bench", "-m", str(tiny), "-p", "8,x"), "-p takes a count or a comma list")
-    assert_one_line_error(metrale("bench", "-m", str(tiny), "-n", "4,0"), "-n counts must all be at least 1")
+    assert_one_line_error(metrale("bench", "-m", str(tiny), "-n", "4,0"), "-n counts must all be at least 1",
+                          "e.g. -n 32,128")
+    assert_one_line_error(metrale("bench", "-m", str(tiny), "--batch", "0"), "--batch counts must all be at least 1",
+                          "e.g. --batch 1,16")
     assert_one_line_error(metrale("bench", "-m", str(tiny), "-o", "xml"), "unknown -o 'xml'")
 
 
