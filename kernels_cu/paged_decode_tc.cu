@@ -290,13 +290,17 @@ struct TcStore<true> {
     typedef store_fp8 type;
 };
 
+// The one-launch decode's cache format (both sides): fp8 or bf16.
+template <bool FP8>
+constexpr int tc_rope_format = FP8 ? TC_FP8 : TC_BF16;
+
 // The split's attention over its keys (the q rows staged): its partial to part_o / part_ml, to
 // shared memory in a cluster, or the output when the context is not split. `first`: each warp's
 // first tile as preloaded (PRELOAD), else unread.
 template <int D, bool FP8, bool PRELOAD>
 __device__ void decode_rope_split(const RopeDecodeArgs& a, RopeDecodeShared& sh, bool staged, const int* table,
                                   long long head0, int rows, int kvh, int begin, int end, int split, bool clustered,
-                                  const TcTile<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16>* first) {
+                                  const TcTile<D, tc_rope_format<FP8>, tc_rope_format<FP8>>* first) {
     const bool split_ = a.num_splits > 1;
     const TcWork w{sh.q,
                    static_cast<const unsigned char*>(a.k_cache),
@@ -319,7 +323,7 @@ __device__ void decode_rope_split(const RopeDecodeArgs& a, RopeDecodeShared& sh,
                    sh.ml,
                    split_ && clustered ? sh.part_o : nullptr,
                    sh.part_ml};
-    decode_tc<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16>(w, PRELOAD ? first : nullptr);
+    decode_tc<D, tc_rope_format<FP8>, tc_rope_format<FP8>>(w, PRELOAD ? first : nullptr);
 }
 
 // Bytes off .. off + 3 of a cached row (element side W) as the cache write stores them from src.
@@ -446,15 +450,15 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
         }
         const int tile = begin + 16 * (warp / tc_parts<D>());  // this warp's unit's first tile (decode_tc)
         if (!PRELOAD && (threadIdx.x & 31) < 2 && tile < end) {
-            tc_prefetch_l2<D, FP8 ? TC_FP8 : TC_BF16>((threadIdx.x & 1) ? a.v_cache : a.k_cache,
+            tc_prefetch_l2<D, tc_rope_format<FP8>>((threadIdx.x & 1) ? a.v_cache : a.k_cache,
                                                       __ldcg(table + tile / ATTN_BLOCK), kvh, a.hk);
         }
     }
     __syncthreads();
     const int tile0 = begin + 16 * warp;  // this warp's first tile (PRELOAD: a head a warp)
-    TcTile<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16> first;
+    TcTile<D, tc_rope_format<FP8>, tc_rope_format<FP8>> first;
     if (PRELOAD && !idle && tile0 < end) {
-        const TcLoader<D, FP8 ? TC_FP8 : TC_BF16, FP8 ? TC_FP8 : TC_BF16> load(
+        const TcLoader<D, tc_rope_format<FP8>, tc_rope_format<FP8>> load(
             static_cast<const u8_t*>(a.k_cache), static_cast<const u8_t*>(a.v_cache),
             staged ? sh.blocks - begin / ATTN_BLOCK : table, a.hk, kvh, end);  // decode_rope_split's
         load(tile0, first);
@@ -503,7 +507,7 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
         TL_MARK(2);
         if constexpr (PRELOAD) {
             if (writes && len - 1 >= tile0 && len - 1 < tile0 + 16)
-                patch_new_key<D, FP8 ? TC_FP8 : TC_BF16, Store>(first, len - 1 - tile0, sh.k, sh.v, a.k_scale,
+                patch_new_key<D, tc_rope_format<FP8>, Store>(first, len - 1 - tile0, sh.k, sh.v, a.k_scale,
                                                                 a.v_scale);
         }
         decode_rope_split<D, FP8, PRELOAD>(a, sh, staged, table, head0, rows, kvh, begin, end, split, clustered,

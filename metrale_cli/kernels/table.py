@@ -291,8 +291,8 @@ TC_MAX_SPLITS = 64  # the most splits a tensor-core decode combines in its launc
 TC_PAIR_CTAS_PER_SM = 2  # the batch-1 pair entries' __launch_bounds__ minimum (TC_PAIR_CTAS)
 # Batch 1's one-launch decode takes its _preload entry (each warp's first tile loaded before the PDL
 # wait) where a KV head has at most this many query heads and a warp holds a whole head (head_dim
-# <= 128): measured 2.6% faster on Qwen3-0.6B (2 a KV head), 0.1-0.5 µs a layer slower at 4 and 8
-# (docs/performance.md, 2026-12-05, 8989300 to 9d6084f).
+# <= 128): Qwen3-0.6B (2 a KV head) measured 2.6% faster on an H100 and 1.6% on an H200; 4 and 8 were
+# 0.1-0.5 µs a layer slower on an H100 (docs/performance.md, 2026-12-05, 8989300 to 9d6084f).
 TC_PRELOAD_MAX_GROUP = 2
 # Past TC_FEW_SPLITS splits a tensor-core decode's split holds at least TC_LONG_KEYS_PER_SPLIT keys
 # (16 tiles, 4 a warp): more, shorter splits cost more in the combine than their warps gain. Batch 1
