@@ -120,6 +120,11 @@ def kv_kernels(d: KvCacheDtype, head_dim: int) -> KvKernels:
     decode_module = f"paged_decode{sfx}{row.decode_module(head_dim)[0]}"
     tc = tc_module(head_dim) if row.tensor_core is not None else None
     pair = KernelSpec(tc, f"paged_decode_attn_tc_pair{sfx}")  # (the registry lists it where it is built)
+    one_launch = tc is not None and row.tensor_core.one_launch
+
+    def rope(entry: str) -> Kernel | None:  # a one-launch decode entry, where the dtype has them
+        return (KernelSpec(tc, f"{entry}{sfx}"), _signature(_DECODE_ROPE, d)) if one_launch else None
+
     return KvKernels(
         dtype=d,
         head_dim=head_dim,
@@ -132,11 +137,9 @@ def kv_kernels(d: KvCacheDtype, head_dim: int) -> KvKernels:
         wht=tuple((spec, WHT_SIG) for spec in WHT_KERNELS) if row.rotated else (),
         decode_tc=(KernelSpec(tc, f"paged_decode_attn_tc{sfx}"), _signature(_DECODE_TC, d))
         if tc else None,
-        decode_rope=(KernelSpec(tc, f"paged_decode_rope_tc{sfx}"), _signature(_DECODE_ROPE, d))
-        if tc and row.tensor_core.one_launch else None,
+        decode_rope=rope("paged_decode_rope_tc"),
         decode_tc_pair=(pair, _signature(_DECODE_TC, d)) if tc and module_for(pair) is not None else None,
-        decode_rope_preload=(KernelSpec(tc, f"paged_decode_rope_tc_preload{sfx}"), _signature(_DECODE_ROPE, d))
-        if tc and row.tensor_core.one_launch else None,
+        decode_rope_preload=rope("paged_decode_rope_tc_preload"),
     )
 
 
