@@ -277,3 +277,23 @@ def test_tensor_core_decode_of_packed_sides_equals_the_reference(build_dir, dtyp
                            head_dim + 3)
     assert compare(out, want, ATOL, RTOL) is None, compare(out, want, ATOL, RTOL)
     assert torch.equal(out[4], torch.zeros_like(out[4]))
+
+
+SCALE_WORD_V = [d for d in PACKED if kv_pair(d)[1] not in (SideType.BF16, SideType.FP8, SideType.TURBO8)]
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("dtype", SCALE_WORD_V, ids=lambda d: d.value)
+def test_v_scales_from_a_word_a_lane_give_the_byte_loads_bytes(build_dir, dtype, head_dim):
+    """A packed V side's group scales loaded as one word a lane and handed to their keys' lanes
+    by shuffles (TC_V_SCALE_WORD=2: every entry it serves) give the bytes of the build that loads
+    each key's scale byte on its own (=0): partial last tiles (dead keys' scales zeroed), several
+    tiles a warp, splits combined in the launch, an empty context; at head_dim 256 the two parts'
+    groups of each key."""
+    hk, group = 2, 4
+    c = make_paged_case([1, 7, 16, 17, 99, 300, 0], hk * group, hk, head_dim, dtype, seed=head_dim + 11)
+    q = _q(7, hk * group, head_dim, seed=13)
+    word = _tc_run(tc_library(build_dir, head_dim, TC_V_SCALE_WORD="2"), c, q, dtype, 3, in_launch=True)
+    assert torch.isfinite(word[:6]).all() and torch.equal(word[6], torch.zeros_like(word[6]))
+    assert torch.equal(word, _tc_run(tc_library(build_dir, head_dim, TC_V_SCALE_WORD="0"), c, q, dtype, 3,
+                                     in_launch=True))

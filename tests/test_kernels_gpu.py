@@ -190,6 +190,29 @@ def test_turbo8_v_in_one_bf16_multiply_equals_the_fp32_way(ops, dtype, head_dim)
     assert torch.equal(fast, slow)
 
 
+@pytest.mark.parametrize("dtype, head_dim", [(d, hd) for d, hd in KV_CASES if hd in (128, 256)
+                                             and kv_pair(d)[1] not in (SideType.BF16, SideType.FP8, SideType.TURBO8)
+                                             and kv_kernels(d, hd).decode_tc is not None],
+                         ids=lambda x: getattr(x, "value", str(x)))
+def test_v_scales_from_a_word_a_lane_give_the_byte_loads_bytes(ops, dtype, head_dim):
+    """A packed V side's group scales loaded as one word a lane and shuffled to their keys' lanes
+    (a build with TC_V_SCALE_WORD=2: every entry it serves) give the bytes of the build that loads
+    each key's byte (=0): partial last tiles, several tiles a warp, a split context, an empty one."""
+    hk, group = 2, 4
+    c = make_paged_case([1, 7, 17, 99, 300, 4099, 0], hk * group, hk, head_dim, dtype, seed=head_dim + 11)
+    q = randn(7, hk * group, head_dim, seed=13)
+    attn, kv, tables, seq = attention(ops, c), gpu(c), c["block_tables"].cuda(), c["seq_lens"].cuda()
+    base, out = dict(registry.MODULES), {}
+    try:
+        for word in "20":
+            use_build(ops, base, {name: (("TC_V_SCALE_WORD", word),) for name in base})
+            out[word] = attn.paged_decode(q, kv, tables, seq, head_dim**-0.5)
+    finally:
+        use_build(ops, base, {})
+    assert torch.isfinite(out["2"][:6]).all()
+    assert torch.equal(out["2"], out["0"])
+
+
 @pytest.mark.parametrize("context", [40, 4099], ids=["narrow table", "split"])
 @pytest.mark.parametrize("dtype, head_dim", [(d, hd) for d, hd in KV_CASES if d.row.v.is_turbo],
                          ids=lambda x: getattr(x, "value", str(x)))

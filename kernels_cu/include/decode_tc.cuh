@@ -138,7 +138,8 @@ struct TcSlice {
 
 // Slice `idx` (dims S idx .. S idx + S) of the vector whose codes start at `data` and whose group
 // scales start at `scales`.
-template <int D, int F, int S>
+// SCALES false: the codes only, `scales` left for the caller (TcLoader's scale word).
+template <int D, int F, int S, bool SCALES = true>
 __device__ __forceinline__ TcSlice<F, S> tc_load_slice(const u8_t* data, const u8_t* scales, int idx) {
     typedef TcFmt<F> Fmt;
     typedef PackedBlock<D, Fmt::kBits, Fmt::kScaleBytes> Block;
@@ -148,7 +149,7 @@ __device__ __forceinline__ TcSlice<F, S> tc_load_slice(const u8_t* data, const u
     static_assert(Block::kDataBytes % 4 == 0, "a vector's codes start 4-byte aligned");
     tc_load_bytes<Slice::kBytes, A>(data, idx * Slice::kBytes, s.w);
     constexpr int SB = Slice::kGroups * Fmt::kScaleBytes;
-    s.scales = (unsigned)load_le<SB, true>(scales + idx * S / KV_GROUP * Fmt::kScaleBytes);
+    if constexpr (SCALES) s.scales = (unsigned)load_le<SB, true>(scales + idx * S / KV_GROUP * Fmt::kScaleBytes);
     return s;
 }
 
@@ -441,6 +442,46 @@ struct TcTile {
     typename TcRows<DW, VF>::V v[4];
 };
 
+// Whether a packed V side's group scales come as one word a lane: lane L loads bytes 8 part +
+// 4 (L % 2) .. + 3 of key L / 2's scales (a warp's 128 bytes: the part's 8 groups of the tile's 16
+// keys), and each key's byte is then taken from the lane that holds it by a shuffle (tc_v_scales),
+// where otherwise a lane loads its four keys' bytes one by one and keeps them to the next tile:
+// three registers fewer each for the tile in flight and the one decoded. Served where a warp
+// takes 128 dims (head_dim 128, or 256 in two parts) of a side with one-byte scales, one tile a
+// pass; taken by the rule where the registers otherwise spilled (fp8k_turbo3v and turbo4k_turbo3v
+// at 128). TC_V_SCALE_WORD (a build variant for measurements, tools/batch_decode.py): 0 none, 2
+// every entry it serves.
+template <int D, int KF, int VF, bool PAIR>
+__device__ constexpr bool tc_v_scale_word() {
+    constexpr bool served = !PAIR && D / tc_parts<D>() == 128 && TcFmt<VF>::kPacked && VF != TC_TURBO8 &&
+                            TcFmt<VF>::kScaleBytes == 1 && KV_GROUP == 16;
+#ifdef TC_V_SCALE_WORD
+    if constexpr (TC_V_SCALE_WORD != 1) return served && TC_V_SCALE_WORD == 2;
+#endif
+    return served && D == 128 && VF == TC_TURBO3 && (KF == TC_FP8 || KF == TC_TURBO4);
+}
+
+// The scale words that hold the four V keys' bytes of lane (g, c) (keys tc_v_key(c, 0..3), its
+// slice's group g of the part's eight), from the warp's words (tc_v_scale_word): key x's byte is
+// byte g % 4 of v[x].scales, which tc_v_scale_pair takes.
+template <int F, int S>
+__device__ __forceinline__ void tc_v_scales(TcSlice<F, S> (&v)[4], int g, int c) {
+    const unsigned word = v[0].scales;
+    const int src = 2 * tc_v_key(c, 0) + g / 4;  // 4c + g / 4: bits 1 and 4 clear, so key x's lane is src | 2 tc_v_key(0, x)
+#pragma unroll
+    for (int x = 0; x < 4; ++x)
+        v[x].scales = static_cast<unsigned>(__shfl_sync(0xffffffffu, static_cast<int>(word), src | 2 * tc_v_key(0, x)));
+}
+
+// Two V keys' scale bytes for their slices' group (a slice within one group): a's in bits 0-7, b's
+// in 8-15, as the words hold them (VSW: byte g % 4 of each, tc_v_scales) or as loaded.
+template <bool VSW, int F, int S>
+__device__ __forceinline__ unsigned tc_v_scale_pair(const TcSlice<F, S>& a, const TcSlice<F, S>& b, int g) {
+    static_assert(S <= KV_GROUP, "a slice within one group");
+    if constexpr (VSW) return prmt(a.scales, b.scales, 0x40u + 0x11u * static_cast<unsigned>(g & 3));
+    else return (a.scales & 0xffu) | (b.scales & 0xffu) << 8;
+}
+
 // A lane's loads of a tile's K and V (a dead key's slot is still inside the block: its scores are
 // masked, its V zeroed by the decode; with PAIR zeroed here, as is a tile past the end, whose block
 // is not read). Each side loads from per-lane pointers at block 0, a tile's block added by one
@@ -462,6 +503,7 @@ struct TcLoader {
     static constexpr int KROW = KFmt::kPacked ? KBlock::kDataBytes : D * KB;  // a K row's bytes to the next row's
     static constexpr int VROW = VFmt::kPacked ? VBlock::kDataBytes : D * VB;
     static constexpr bool U32 = KFmt::kPacked || VFmt::kPacked;
+    static constexpr bool VSW = tc_v_scale_word<D, KF, VF, PAIR>();
     const int* block_table;
     int end, part, c, g;
     unsigned k_block_bytes, v_block_bytes;
@@ -484,7 +526,9 @@ struct TcLoader {
         ks0 = k_cache + KBlock::scales(0, k_row0, num_kv_heads);
         vd0 = v_cache + (VFmt::kPacked ? VBlock::data(0, v_row0, num_kv_heads)
                                        : (long long)v_row0 * VROW + d0 * VB + g * (VW * 4));
-        vs0 = v_cache + VBlock::scales(0, v_row0, num_kv_heads);
+        vs0 = v_cache + (VSW ? VBlock::scales(0, kv_row((threadIdx.x & 31) >> 1, kv_head), num_kv_heads) + 8 * part +
+                                   4 * (threadIdx.x & 1)
+                             : VBlock::scales(0, v_row0, num_kv_heads));  // VSW: the lane's scale word
     }
     __device__ __forceinline__ explicit TcLoader(const TcWork& w)
         : TcLoader(w.k_cache, w.v_cache, w.block_table, w.num_kv_heads, w.kv_head, w.end) {}
@@ -528,6 +572,9 @@ struct TcLoader {
             const int dr = (x & 1) + 8 * (x >> 1);  // tc_v_key(c, x) - tc_v_key(c, 0)
             if (PAIR && tile + tc_v_key(c, x) >= end) {
                 v[x] = VRow{};
+            } else if constexpr (VSW) {
+                v[x] = tc_load_slice<D, VF, DW / 8, false>(vd + dr * VROW, nullptr, 8 * part + g);
+                if (x == 0) v[0].scales = *reinterpret_cast<const unsigned*>(vs);
             } else if constexpr (VFmt::kPacked) {
                 v[x] = tc_load_slice<D, VF, DW / 8>(vd + dr * VROW, vs + dr * VBlock::kGroups * VFmt::kScaleBytes,
                                                     8 * part + g);
@@ -586,6 +633,7 @@ __device__ void decode_tc(const TcWork& w, const TcTile<D, KF, VF>* first = null
     constexpr bool PAIR = PAIR_ASKED && PREFETCH && PARTS == 1;
     constexpr bool TURNS = !PAIR && PREFETCH && tc_turns<D, KF, VF>();
     constexpr int VW = TcLoader<D, KF, VF>::VW;  // V words per key of a lane (element V sides): DW / 8 dims
+    constexpr bool VSW = tc_v_scale_word<D, KF, VF, PAIR>();  // V's scales a word a lane
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int part = warp % PARTS, unit = warp / PARTS, d0 = part * DW;  // the warp's first dim
 
@@ -686,6 +734,7 @@ __device__ void decode_tc(const TcWork& w, const TcTile<D, KF, VF>* first = null
     };
     // A scored tile's online softmax and O^T += V^T P^T.
     auto accumulate = [&](const float (&st)[4], VRow (&vr)[4], int tile) {
+        if constexpr (VSW) tc_v_scales(vr, g, c);
         // Online softmax of heads 2c + e over keys g (st[e]) and g + 8 (st[2 + e]);
         // P^T goes back to registers and, transposed, is the B operand of O^T += V^T P^T.
         const bool live0 = tile + g < w.end, live1 = tile + 8 + g < w.end;
@@ -744,7 +793,7 @@ __device__ void decode_tc(const TcWork& w, const TcTile<D, KF, VF>* first = null
             unsigned sc[2];  // keys 8h + 2c and 8h + 2c + 1: their scales (a slice lies in one group)
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-                sc[h] = tc_e4m3_f16x2((vr[2 * h].scales & 0xffu) | (vr[2 * h + 1].scales & 0xffu) << 8);
+                sc[h] = tc_e4m3_f16x2(tc_v_scale_pair<VSW>(vr[2 * h], vr[2 * h + 1], g));
 #pragma unroll
             for (int x = 0; x < KS / 4; ++x) {
                 unsigned a[4][4];  // tile 4x + p: dims 8x + p (row g) and 8x + p + 4 (row g + 8)
@@ -769,7 +818,8 @@ __device__ void decode_tc(const TcWork& w, const TcTile<D, KF, VF>* first = null
                 for (int h = 0; h < 2; ++h) {  // keys 8h + 2c and 8h + 2c + 1
                     unsigned sx, sy, pv[8];
                     const unsigned vx = tc_bits(vr[2 * h], x, sx), vy = tc_bits(vr[2 * h + 1], x, sy);
-                    tc_code_pair<VF>(vx, vy, vcodes, tc_e4m3_f16x2(sx | sy << 8), pv);
+                    const unsigned pair = VSW ? tc_v_scale_pair<true>(vr[2 * h], vr[2 * h + 1], g) : sx | sy << 8;
+                    tc_code_pair<VF>(vx, vy, vcodes, tc_e4m3_f16x2(pair), pv);
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
                         a[i][2 * h] = pv[2 * i];
