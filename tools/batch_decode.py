@@ -18,7 +18,8 @@ times each dtype under every variant after the base build, in one process. ``TC_
 (paged_decode_tc.cu: every entry but the pair ones at N CTAs an SM) also sets the split rule's CTAs
 an SM to N, as the dtype's ``TensorCoreDecode.ctas_per_sm`` would. ``TC_TURNS_ALL=1`` (``=0``) runs
 every prefetching entry's tile loop with its two buffers in turns (none of them; decode_tc.cuh's
-``tc_turns``).
+``tc_turns``). ``TC_V_SCALE_WORD=2`` (``=0``) loads a packed V side's group scales as one word a
+lane in every entry that serves it (in none; decode_tc.cuh's ``tc_v_scale_word``).
 """
 
 from __future__ import annotations

@@ -446,11 +446,13 @@ struct TcTile {
 // 4 (L % 2) .. + 3 of key L / 2's scales (a warp's 128 bytes: the part's 8 groups of the tile's 16
 // keys), and each key's byte is then taken from the lane that holds it by a shuffle (tc_v_scales),
 // where otherwise a lane loads its four keys' bytes one by one and keeps them to the next tile:
-// three registers fewer each for the tile in flight and the one decoded. Served where a warp
-// takes 128 dims (head_dim 128, or 256 in two parts) of a side with one-byte scales, one tile a
-// pass; taken by the rule where the registers otherwise spilled (fp8k_turbo3v and turbo4k_turbo3v
-// at 128). TC_V_SCALE_WORD (a build variant for measurements, tools/batch_decode.py): 0 none, 2
-// every entry it serves.
+// three registers fewer each for the tile in flight and the one decoded, four shuffles more a
+// tile. Served where a warp takes 128 dims (head_dim 128, or 256 in two parts) of a side with
+// one-byte scales, one tile a pass; taken by the rule for turbo4k_turbo3v at 128, whose 16 bytes
+// of spill it removes and which an H100 measured 1.5-3% faster (docs/performance.md). fp8k_turbo3v
+// (24 bytes of spill, 16 left) measured no faster there, bf16k_turbo3v and turbo2 slower.
+// TC_V_SCALE_WORD (a build variant for measurements, tools/batch_decode.py): 0 none, 2 every entry
+// it serves.
 template <int D, int KF, int VF, bool PAIR>
 __device__ constexpr bool tc_v_scale_word() {
     constexpr bool served = !PAIR && D / tc_parts<D>() == 128 && TcFmt<VF>::kPacked && VF != TC_TURBO8 &&
@@ -458,7 +460,7 @@ __device__ constexpr bool tc_v_scale_word() {
 #ifdef TC_V_SCALE_WORD
     if constexpr (TC_V_SCALE_WORD != 1) return served && TC_V_SCALE_WORD == 2;
 #endif
-    return served && D == 128 && VF == TC_TURBO3 && (KF == TC_FP8 || KF == TC_TURBO4);
+    return served && D == 128 && KF == TC_TURBO4 && VF == TC_TURBO3;
 }
 
 // The scale words that hold the four V keys' bytes of lane (g, c) (keys tc_v_key(c, 0..3), its
