@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -456,6 +457,38 @@ def test_bench_sweeps_and_llama_bench_outputs(tiny):
     assert all(r["build"].startswith(f"metrale {__version__} (") for r in rows)
     jsonl = [json.loads(line) for line in metrale(*base, "-o", "jsonl").stdout.splitlines()]
     assert [r["test"] for r in jsonl] == tests and all(r["version"] == __version__ for r in jsonl)
+
+
+def test_bench_shows_the_rows_measured_before_a_later_case_fails(tiny, monkeypatch, capsys):
+    """An error in a later KV dtype's run (here the second's, as a pool that does not fit would
+    raise it) leaves the rows measured before it on the screen, in the table marked as stopped
+    and in -o md; the error itself is raised for the CLI's error line. A -p past the model's
+    context is refused before anything runs."""
+    from metrale_cli.commands import bench
+    from metrale_cli.output import Output
+
+    real, runs = bench.bench_metrale, []
+
+    def second_fails(runner, opts, peak):
+        runs.append(runner.kv_dtype.value)
+        if len(runs) == 2:
+            raise MetraleError("the KV pool does not fit", hint="a shorter context")
+        return real(runner, opts, peak)
+
+    monkeypatch.setattr(bench, "bench_metrale", second_fails)
+    opts = bench.BenchOptions(model=str(tiny), backend="torch", n_prompt=4, n_gen=2, repetitions=1,
+                              kv_cache_dtypes=("bf16", "fp8"))
+    for fmt in ("table", "md"):
+        runs.clear()
+        with pytest.raises(MetraleError, match="the KV pool does not fit"):
+            bench.run_bench_cmd(Output(), opts, fmt=fmt)
+        shown = capsys.readouterr().out
+        assert runs == ["bf16", "fp8"]
+        assert "kv=bf16" in shown and "pp4" in shown and "tg2 b1 @4" in shown and "kv=fp8" not in shown, shown
+        assert ("stopped by the error below" in shown) == (fmt == "table")
+    with pytest.raises(MetraleError, match="-p 300 -n 2 needs 303 positions, past the model's context of 256"):
+        bench.run_bench(dataclasses.replace(opts, n_prompt=300))
+    assert runs == ["bf16", "fp8"]  # nothing ran
 
 
 def test_bench_refuses_a_bad_sweep_or_format(tiny):

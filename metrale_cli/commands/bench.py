@@ -276,17 +276,28 @@ def kv_memory(runner) -> dict:
     return memory
 
 
-def bench_source(opts: BenchOptions, device: torch.device, tp: TensorParallel = SINGLE) -> tuple[ModelSource, str]:
+def _check_context(cfg, cases) -> None:
+    """Every (prompt, generated, batch) case inside the model's context, before a weight is drawn or read."""
+    for n_prompt, n_gen, _ in cases:
+        if n_prompt + n_gen + 1 > cfg.max_position_embeddings:
+            raise MetraleError(f"-p {n_prompt} -n {n_gen} needs {n_prompt + n_gen + 1} positions, past the model's "
+                               f"context of {cfg.max_position_embeddings} tokens (max_position_embeddings)",
+                               hint=f"keep -p + -n at most {cfg.max_position_embeddings - 1}")
+
+
+def bench_source(opts: BenchOptions, device: torch.device, tp: TensorParallel = SINGLE,
+                 cases: list[tuple[int, int, int]] = ()) -> tuple[ModelSource, str]:
     """A preset's random weights at a real model's shapes, or a checkpoint loaded once for every
     dtype; and the --dtype they are in (``auto`` resolved against the config). A tensor-parallel
     rank holds its shard only: a preset's drawn at the shard's shapes, a checkpoint's tensors cut
-    to the rank's part as they are read."""
+    to the rank's part as they are read. ``cases``: checked against the model's context first."""
     if opts.preset:
         if opts.preset not in PRESETS:
             raise MetraleError(f"unknown --preset '{opts.preset}'", hint="presets: " + ", ".join(PRESETS))
         raw, about = PRESETS[opts.preset], DESCRIPTIONS.get(opts.preset)
         name = f"{opts.preset} (random weights{'; ' + about if about else ''})"
         dtype, _ = resolve_dtype(opts.dtype, raw)
+        _check_context(model_config(raw), cases)
         shard = shard_config(model_config(raw), tp)
         check_room(f"--preset {opts.preset}", weight_bytes(shard, DTYPES[dtype]), device, tp, "preset")
         return ModelSource.loaded(raw, random_weights(raw, device, DTYPES[dtype], tp=tp), None, name,
@@ -294,6 +305,7 @@ def bench_source(opts: BenchOptions, device: torch.device, tp: TensorParallel = 
     checkpoint = ModelSource.checkpoint(opts.model)
     dtype, _ = resolve_dtype(opts.dtype, checkpoint.config)
     cfg = model_config(checkpoint.config)
+    _check_context(cfg, cases)
     check_room("the model", weight_bytes(shard_config(cfg, tp), DTYPES[dtype]), device, tp)
     if tp.size == 1:
         weights = checkpoint.load(device, DTYPES[dtype], None)
@@ -303,10 +315,13 @@ def bench_source(opts: BenchOptions, device: torch.device, tp: TensorParallel = 
 
 
 def run_bench(opts: BenchOptions, out: Output | None = None,
-              sweep: list[tuple[int, int, int]] | None = None, tp: TensorParallel = SINGLE) -> dict:
+              sweep: list[tuple[int, int, int]] | None = None, tp: TensorParallel = SINGLE,
+              progress: dict | None = None) -> dict:
     """Every (prompt tokens, generated tokens, batch) case of ``sweep`` (default: the options'
     own), each for every requested KV dtype, on one load of the weights. As a tensor-parallel
-    rank (``tp``): the rank's shard, its weight bytes and roofline those of one GPU."""
+    rank (``tp``): the rank's shard, its weight bytes and roofline those of one GPU. ``progress``
+    (a dict) holds under "result" the result of the rows measured so far, with "expected" rows in
+    all, for a caller whose run stops on a later case's error."""
     cases = sweep or [(opts.n_prompt, opts.n_gen, opts.batch)]
     if min(opts.repetitions, *(v for case in cases for v in case)) < 1:
         raise MetraleError("-p, -n, --batch and --repetitions must all be at least 1", hint="e.g. -p 512 -n 128 -r 3")
@@ -321,24 +336,29 @@ def run_bench(opts: BenchOptions, out: Output | None = None,
                            hint="compare at --tensor-parallel-size 1")
     requested = [parse_kv_cache_dtype(name) for name in opts.kv_cache_dtypes]
     backend, device = resolve_backend(opts.backend)
-    source, dtype = bench_source(opts, device, tp)
+    source, dtype = bench_source(opts, device, tp, cases)
     peak = opts.peak_bandwidth_gbs or measure_copy_bandwidth(device)
     weights = source.load(device, DTYPES[dtype], None)
-    rows = []
+    params = sum(t.numel() for t in weights.tensors.values())
+    result = {"model": weights.name, "device": _device_name(device), "peak_bandwidth_gbs": peak, "profiles": {},
+              "weight_bytes": sum(t.numel() * t.element_size() for t in weights.tensors.values()), "params": params,
+              "build": build_info(), "tensor_parallel_size": tp.size, "rows": []}
+    if progress is not None:
+        progress["result"] = result
+    _PROFILES.clear()
     for n_prompt, n_gen, batch in cases:
         case = dataclasses.replace(opts, n_prompt=n_prompt, n_gen=n_gen, batch=batch)
-        rows += _bench_case(case, source, weights, requested, backend, device, dtype, peak, out, tp)
-    profiles = dict(_PROFILES)
+        _bench_case(case, source, weights, requested, backend, device, dtype, peak, out, tp, result["rows"])
+    result["profiles"] = dict(_PROFILES)
     _PROFILES.clear()
-    params = sum(t.numel() for t in weights.tensors.values())
-    return {"model": weights.name, "device": _device_name(device), "peak_bandwidth_gbs": peak, "profiles": profiles,
-            "weight_bytes": sum(t.numel() * t.element_size() for t in weights.tensors.values()), "params": params,
-            "build": build_info(), "tensor_parallel_size": tp.size, "rows": rows}
+    return result
 
 
 def _bench_case(opts: BenchOptions, source, weights, requested, backend, device, dtype, peak, out,
-                tp: TensorParallel = SINGLE) -> list[dict]:
-    rows = []
+                tp: TensorParallel, rows: list[dict]) -> None:
+    """One (prompt, generated, batch) case for every requested KV dtype (and HF with
+    --compare-hf), its rows appended to ``rows`` as each is measured."""
+    first = len(rows)
     for kv in requested:
         ropts = RunnerOptions(backend=backend, kv_cache_dtype=kv, dtype=dtype, max_num_seqs=opts.batch,
                               max_seq_len=opts.n_prompt + opts.n_gen + 1, reserve_all_memory=False,
@@ -358,10 +378,9 @@ def _bench_case(opts: BenchOptions, source, weights, requested, backend, device,
 
         hf_rows = bench_hf(source.config, weights.tensors, opts, device, peak)
         hf_tps = {r["test"]: r["tokens_per_s"] for r in hf_rows}
-        for r in rows:
+        for r in rows[first:]:
             r["vs_hf"] = r["tokens_per_s"] / hf_tps[r["test"]]
         rows += hf_rows
-    return rows
 
 
 def _tokens(row: dict) -> str:
@@ -447,18 +466,34 @@ def run_bench_cmd(out: Output, opts: BenchOptions, sweep: list[tuple[int, int, i
                   fmt: str = "table", tp: TensorParallel = SINGLE) -> dict:
     if fmt not in OUTPUT_FORMATS:
         raise MetraleError(f"unknown -o '{fmt}'", hint="choose one of: " + ", ".join(OUTPUT_FORMATS))
-    result = run_bench(opts, out, sweep, tp)
-    if out.json_mode or fmt != "table":
-        _render(out, result, "json" if out.json_mode else fmt)
-        return result
+    progress: dict = {}
+    try:
+        result = run_bench(opts, out, sweep, tp, progress)
+    except BaseException:
+        # a later case's error (a pool that does not fit, running out of memory, Ctrl-C): the rows
+        # measured before it are shown, then the error line; one json document is not written in part
+        partial = progress.get("result")
+        if partial is not None and partial["rows"] and not out.json_mode and fmt != "json":
+            _show(out, partial, fmt, tp, stopped=True)
+        raise
+    _show(out, result, "json" if out.json_mode else fmt, tp)
+    return result
+
+
+def _show(out: Output, result: dict, fmt: str, tp: TensorParallel, stopped: bool = False) -> None:
+    """The result in ``fmt``; ``stopped``: the rows of a run that an error ended (the table says so)."""
+    if fmt != "table":
+        _render(out, result, fmt)
+        return
     peak = result["peak_bandwidth_gbs"]
     rows = [_cells(result, r)[3:] for r in result["rows"]]
     caption = f"{result['device']}; weights {result['weight_bytes'] / 1e9:.2f} GB, {result['params'] / 1e9:.2f} B " \
               f"parameters" + (f" per rank of {tp.size} (tensor parallel)" if tp.size > 1 else "") \
         + (f"; roofline bandwidth {peak:.0f} GB/s" if peak else "") + f"; {_build_line(result)}"
-    out.table(f"metrale bench: {result['model']}", COLUMNS[3:], rows, caption)
+    title = f"metrale bench: {result['model']}" + (" (stopped by the error below: the rows measured before it)"
+                                                    if stopped else "")
+    out.table(title, COLUMNS[3:], rows, caption)
     for line in split_lines(result):
         out.text(line)
     for name, table in result["profiles"].items():
         out.text(f"top kernels, {name} (one pp + tg repetition):\n{table}")
-    return result
