@@ -320,8 +320,8 @@ def run_bench(opts: BenchOptions, out: Output | None = None,
     """Every (prompt tokens, generated tokens, batch) case of ``sweep`` (default: the options'
     own), each for every requested KV dtype, on one load of the weights. As a tensor-parallel
     rank (``tp``): the rank's shard, its weight bytes and roofline those of one GPU. ``progress``
-    (a dict) holds under "result" the result of the rows measured so far, with "expected" rows in
-    all, for a caller whose run stops on a later case's error."""
+    (a dict) holds under "result" the result with the rows measured so far, for a caller whose run
+    a later case's error stops."""
     cases = sweep or [(opts.n_prompt, opts.n_gen, opts.batch)]
     if min(opts.repetitions, *(v for case in cases for v in case)) < 1:
         raise MetraleError("-p, -n, --batch and --repetitions must all be at least 1", hint="e.g. -p 512 -n 128 -r 3")
