@@ -635,7 +635,7 @@ __device__ void decode_tc(const TcWork& w, const TcTile<D, KF, VF>* first = null
     constexpr bool PAIR = PAIR_ASKED && PREFETCH && PARTS == 1;
     constexpr bool TURNS = !PAIR && PREFETCH && tc_turns<D, KF, VF>();
     constexpr int VW = TcLoader<D, KF, VF>::VW;  // V words per key of a lane (element V sides): DW / 8 dims
-    constexpr bool VSW = tc_v_scale_word<D, KF, VF, PAIR>();  // V's scales a word a lane
+    constexpr bool VSW = TcLoader<D, KF, VF, PAIR>::VSW;  // V's scales a word a lane
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int part = warp % PARTS, unit = warp / PARTS, d0 = part * DW;  // the warp's first dim
 
@@ -818,10 +818,9 @@ __device__ void decode_tc(const TcWork& w, const TcTile<D, KF, VF>* first = null
                 unsigned a[4][4];  // tile 4x + i: dims 8x + 2i (row g) and 8x + 2i + 1 (row g + 8)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {  // keys 8h + 2c and 8h + 2c + 1
-                    unsigned sx, sy, pv[8];
-                    const unsigned vx = tc_bits(vr[2 * h], x, sx), vy = tc_bits(vr[2 * h + 1], x, sy);
-                    const unsigned pair = VSW ? tc_v_scale_pair<true>(vr[2 * h], vr[2 * h + 1], g) : sx | sy << 8;
-                    tc_code_pair<VF>(vx, vy, vcodes, tc_e4m3_f16x2(pair), pv);
+                    unsigned unused, pv[8];  // tc_bits' scale byte: a slice lies in one group, whose pair tc_v_scale_pair gives
+                    const unsigned vx = tc_bits(vr[2 * h], x, unused), vy = tc_bits(vr[2 * h + 1], x, unused);
+                    tc_code_pair<VF>(vx, vy, vcodes, tc_e4m3_f16x2(tc_v_scale_pair<VSW>(vr[2 * h], vr[2 * h + 1], g)), pv);
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
                         a[i][2 * h] = pv[2 * i];
