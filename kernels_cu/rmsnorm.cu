@@ -1,6 +1,9 @@
 // RMSNorm, HF rounding order: y = bf16(x * rsqrt(mean(x^2) + eps)); out = bf16(w * y).
 // One block per row; 8-wide vector loads when the row allows it. The per-element arithmetic is
 // rms_row.cuh's, shared with the fused QK-norm of rope_and_cache.cu.
+// Both launch programmatically (pdl.cuh): the projection after a norm loads its first weights
+// while the norm runs.
+#include "pdl.cuh"
 #include "reduce.cuh"
 #include "rms_row.cuh"
 
@@ -53,6 +56,8 @@ __device__ __forceinline__ bool vec8_ok(int hidden, const void* a, const void* b
 // x, out: (rows, hidden) bf16; weight: (hidden,) bf16. grid = rows.
 extern "C" __global__ void rms_norm_bf16(const bf16_t* x, const bf16_t* weight, bf16_t* out,
                                          int hidden, float eps) {
+    pdl_wait();
+    pdl_launch_dependents();
     const long long row = (long long)blockIdx.x * hidden;
     const bf16_t* xr = x + row;
     bf16_t* outr = out + row;
@@ -70,6 +75,8 @@ extern "C" __global__ void rms_norm_bf16(const bf16_t* x, const bf16_t* weight, 
 extern "C" __global__ void add_rms_norm_bf16(const bf16_t* x, const bf16_t* residual,
                                              const bf16_t* weight, bf16_t* out, bf16_t* sum_out,
                                              int hidden, float eps) {
+    pdl_wait();
+    pdl_launch_dependents();
     const long long row = (long long)blockIdx.x * hidden;
     if (vec8_ok(hidden, x, residual, out, sum_out) && aligned16(weight)) {
         float r = inv_rms(row_add<8>(x + row, residual + row, sum_out + row, hidden), hidden, eps);

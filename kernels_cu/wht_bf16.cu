@@ -1,8 +1,9 @@
 // The WHT bookends of rotated KV sides: rotate bf16 rows in place by R = S2 H S1 / sqrt(D)
 // (wht_bf16_inplace: Q before attention when K is rotated) or by R^T (wht_bf16_inplace_inv:
 // the attention output when V is rotated). fp32 inside, rounded to bf16 once, in the order of
-// docs/kv-formats.md (wht.cuh). Compiled with --fmad=false.
+// docs/kv-formats.md (wht.cuh). Compiled with --fmad=false. Launched programmatically (pdl.cuh).
 #include "numeric.cuh"
+#include "pdl.cuh"
 #include "wht.cuh"
 
 #define WHT_WARPS 4
@@ -11,6 +12,8 @@ __device__ void rotate_rows(bf16_t* x, const float* first, const float* last, in
     __shared__ float scratch[WHT_WARPS][512];
     const int warp = threadIdx.x >> 5;
     const long long row = (long long)blockIdx.x * WHT_WARPS + warp;
+    pdl_wait();
+    pdl_launch_dependents();
     if (row >= rows) return;
     bf16_t* r = x + row * head_dim;
     switch (head_dim) {

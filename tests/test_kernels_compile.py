@@ -227,7 +227,8 @@ def test_every_programmatic_kernel_triggers_after_its_wait():
     tools = KERNELS_DIR.parent / "tools"
     sources = [p for p in sorted([*KERNELS_DIR.rglob("*.cu*"), *tools.rglob("*.cu")]) if p.name != "pdl.cuh"]
     users = [p for p in sources if "pdl_launch_dependents()" in p.read_text()]
-    assert {p.name for p in users} >= {"gemv.cu", "paged_decode_tc.cu", "rope_and_cache.cu", "decode_stack.cu"}
+    assert {p.name for p in users} >= {"gemv.cu", "paged_decode_tc.cu", "rope_and_cache.cu", "decode_stack.cu",
+                                         "rmsnorm.cu", "wht_bf16.cu"}
     assert [p.name for p in users if _triggers_before_waits(p.read_text())] == []
     assert _triggers_before_waits("void f() { pdl_launch_dependents(); pdl_wait(); }") == 1
     assert _triggers_before_waits("void f() { pdl_wait(); /* pdl_launch_dependents(); */ }\n"

@@ -62,7 +62,7 @@ class CudaOps(CudaMoe, CudaGdn, CudaLauncher):
         out = torch.empty_like(x2)
         if x2.shape[0]:
             block = (_norm_block(x2.shape[1]),)
-            self._launch(RMS_NORM, (x2.shape[0],), block, x2, _ready(weight), out, x2.shape[1], eps)
+            self._launch(RMS_NORM, (x2.shape[0],), block, x2, _ready(weight), out, x2.shape[1], eps, pdl=True)
         return out.view(x.shape)
 
     def add_rms_norm(self, x, residual, weight, eps):
@@ -72,7 +72,7 @@ class CudaOps(CudaMoe, CudaGdn, CudaLauncher):
             block = (_norm_block(x2.shape[1]),)
             self._launch(
                 ADD_RMS_NORM, (x2.shape[0],), block, x2, r2, _ready(weight), out, total,
-                x2.shape[1], eps,
+                x2.shape[1], eps, pdl=True,
             )
         return out.view(x.shape), total.view(x.shape)
 
@@ -203,7 +203,7 @@ class CudaOps(CudaMoe, CudaGdn, CudaLauncher):
         if rows:
             buf = _ready(x)
             self._launch(kernel, (math.ceil(rows / WHT_ROWS_PER_CTA),), (32 * WHT_ROWS_PER_CTA,),
-                         buf, _ready(signs), rows, head_dim)
+                         buf, _ready(signs), rows, head_dim, pdl=True)
             if buf is not x:
                 x.copy_(buf)
         return x
