@@ -491,6 +491,17 @@ def test_bench_shows_the_rows_measured_before_a_later_case_fails(tiny, monkeypat
     assert runs == ["bf16", "fp8"]  # nothing ran
 
 
+def test_bench_prints_a_small_bandwidth_in_significant_digits():
+    """A CPU's decode reads a fraction of a GB/s: printed as 0.32, not rounded to 0."""
+    from metrale_cli.commands import bench
+
+    result = {"model": "m", "weight_bytes": 2**30, "params": 1e9}
+    row = {"engine": "e", "test": "tg8", "tokens_per_s": 1.2, "std": 0.0}
+    gbs = [bench._cells(result, row | {"achieved_gbs": g})[6] for g in (0.3187, 3.46, 12.4, 2382.4)]
+    assert gbs == ["0.32", "3.5", "12", "2382"]
+    assert bench._cells(result, row)[6] == ""
+
+
 def test_bench_refuses_a_bad_sweep_or_format(tiny):
     assert_one_line_error(metrale("bench", "-m", str(tiny), "-p", "8,x"), "-p takes a count or a comma list")
     assert_one_line_error(metrale("bench", "-m", str(tiny), "-n", "4,0"), "-n counts must all be at least 1",

@@ -402,9 +402,15 @@ COLUMNS = ["model", "size", "params", "engine", "test", "t/s", "GB/s", "% roofli
 def _cells(result: dict, r: dict) -> list[str]:
     return [result["model"], f"{result['weight_bytes'] / 2**30:.2f} GiB", f"{result['params'] / 1e9:.2f} B",
             r["engine"], r["test"], f"{r['tokens_per_s']:.1f} ± {r['std']:.1f}",
-            f"{r['achieved_gbs']:.0f}" if "achieved_gbs" in r else "",
+            _gbs(r["achieved_gbs"]) if "achieved_gbs" in r else "",
             f"{r['roofline_pct']:.1f}%" if "roofline_pct" in r else "",
             f"{r['vs_hf']:.2f}x" if "vs_hf" in r else "", str(r.get("kv_bytes_per_token", "")), _tokens(r)]
+
+
+def _gbs(gbs: float) -> str:
+    """A bandwidth in GB/s: whole numbers from 10 up, two significant digits below (a CPU's
+    decode reads a fraction of a GB/s, which a whole number would print as 0)."""
+    return f"{gbs:.0f}" if gbs >= 10 else f"{gbs:.2g}"
 
 
 def _build_line(result: dict) -> str:
