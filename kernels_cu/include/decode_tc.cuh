@@ -365,17 +365,22 @@ __device__ __forceinline__ void tc_code_pair(unsigned x, unsigned y, const TcCod
     for (int j = 0; j < 4; ++j) p[j] = h0[j], p[4 + j] = h1[j];
 }
 
-// A packed slice's codes 8x .. 8x + 7 (the bits of a B-bit side's codes from bit 8 B x) and their
-// group's e4m3 scale byte.
+// A packed slice's codes 8x .. 8x + 7 (the bits of a B-bit side's codes from bit 8 B x).
 template <int F, int S>
-__device__ __forceinline__ unsigned tc_bits(const TcSlice<F, S>& s, int x, unsigned& scale) {
+__device__ __forceinline__ unsigned tc_code_bits(const TcSlice<F, S>& s, int x) {
     constexpr int B = TcFmt<F>::kBits;
-    const int grp = S >= KV_GROUP ? 8 * x / KV_GROUP : 0;
-    scale = (s.scales >> (8 * grp)) & 0xffu;
     const int bit = 8 * B * x, word = bit / 32, sh = bit % 32;
     unsigned v = s.w[word] >> sh;
     if (sh + 8 * B > 32) v |= s.w[word + 1] << (32 - sh);
     return v;
+}
+
+// The same codes and their group's e4m3 scale byte.
+template <int F, int S>
+__device__ __forceinline__ unsigned tc_bits(const TcSlice<F, S>& s, int x, unsigned& scale) {
+    const int grp = S >= KV_GROUP ? 8 * x / KV_GROUP : 0;
+    scale = (s.scales >> (8 * grp)) & 0xffu;
+    return tc_code_bits(s, x);
 }
 
 // Codes 8x .. 8x + 7 of a slice as four f16x2 words times their group's scale: nvfp4's h[p] hold
@@ -818,8 +823,8 @@ __device__ void decode_tc(const TcWork& w, const TcTile<D, KF, VF>* first = null
                 unsigned a[4][4];  // tile 4x + i: dims 8x + 2i (row g) and 8x + 2i + 1 (row g + 8)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {  // keys 8h + 2c and 8h + 2c + 1
-                    unsigned unused, pv[8];  // tc_bits' scale byte: a slice lies in one group, whose pair tc_v_scale_pair gives
-                    const unsigned vx = tc_bits(vr[2 * h], x, unused), vy = tc_bits(vr[2 * h + 1], x, unused);
+                    unsigned pv[8];  // a slice lies in one group: its scale pair from tc_v_scale_pair
+                    const unsigned vx = tc_code_bits(vr[2 * h], x), vy = tc_code_bits(vr[2 * h + 1], x);
                     tc_code_pair<VF>(vx, vy, vcodes, tc_e4m3_f16x2(tc_v_scale_pair<VSW>(vr[2 * h], vr[2 * h + 1], g)), pv);
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
