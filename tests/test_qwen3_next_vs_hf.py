@@ -178,6 +178,32 @@ def test_batch_equals_each_alone_and_states_go_back():
     assert engine.model.free_state_slots() == 8
 
 
+def test_the_gdn_projections_of_a_batch_go_through_ops_linear():
+    """A GDN layer's in- and out-projections of several rows are Ops.linear's, as the attention's
+    and the dense FFN's are: the cuda backend picks its 16-row kernel or cuBLAS per shape there."""
+    from metrale_cli.kernels.reference import TorchOps
+
+    class Recording(TorchOps):
+        def __init__(self):
+            self.calls = []  # (weight, rows)
+
+        def linear(self, x, weight, bias=None):
+            self.calls.append((weight, x.shape[0]))
+            return super().linear(x, weight, bias)
+
+    hf, raw = _hf("hybrid-moe")
+    ops = Recording()
+    engine = ours(hf, raw, dtype=torch.float32, ops=ops)
+    ids = random_ids(40)
+    engine.generate([ids[:9], ids[20:33]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    layers = [layer for layer in engine.model.layers if layer.is_ssm_layer()]
+    assert len(layers) == 3
+    for layer in layers:  # each prompt's prefill, then decode steps of both rows
+        for weight in (layer.weights.in_proj, layer.weights.out):
+            rows = [n for w, n in ops.calls if w is weight]
+            assert rows[:2] == [9, 13] and set(rows[2:]) == {2}, rows
+
+
 def test_more_sequences_than_state_slots_wait_and_an_exhausted_pool_is_one_error():
     from hf_oracle import planned
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.ops import GdnTensors, Ops
@@ -194,7 +193,8 @@ class GatedDeltaNetLayer:
 
     def _project(self, x: torch.Tensor):
         s = self.gdn
-        return F.linear(x, self.weights.in_proj).split([s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads], -1)
+        widths = [s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads]
+        return self.ops.linear(x, self.weights.in_proj).split(widths, -1)
 
     def _sequence(self, x: torch.Tensor, state: GdnState | None, start_pos: int) -> torch.Tensor:
         """T tokens of one sequence from ``start_pos``: the chunked rule over its slot."""
@@ -203,9 +203,9 @@ class GatedDeltaNetLayer:
             self.ssm_pool.reset(self.spec.index, slot)
         with torch.profiler.record_function(GDN_RANGE):
             out = self.ops.gdn_prefill(*self._project(x), self.mixer, slot, start_pos if state is not None else 0)
-        return self.tp.reduce(F.linear(out, self.weights.out))
+        return self.tp.reduce(self.ops.linear(out, self.weights.out))
 
     def _step(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per row, each continuing its slot."""
         out = self.ops.gdn_decode(*self._project(x), self.mixer, slots, positions)
-        return self.tp.reduce(F.linear(out, self.weights.out))
+        return self.tp.reduce(self.ops.linear(out, self.weights.out))
