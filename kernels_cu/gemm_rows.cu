@@ -70,7 +70,7 @@ __device__ void gemm_rows(const TensorMap& wmap, const TensorMap& xmap, bf16_t* 
     const int total = mine * chunks;  // stages this CTA consumes
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], GR_CW);
-        mbar_init_fence();
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
     if (warp == GR_CW) {  // the producer

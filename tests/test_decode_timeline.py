@@ -75,13 +75,3 @@ def test_a_gated_deltanet_layer_times_its_mixer_s_three_launches():
     assert "gdn" in tl.TIMED
     assert [k[:2] for k in tl.chain_for(128, gdn=True)] == [("gemv", 0), ("gdn", 1), ("gemv", 1), ("moe", 0),
                                                             ("moe", 1), ("moe", 3)]
-
-
-def test_a_down_from_shared_memory_takes_moe_down_one_s_place():
-    """Where batch 1's down runs as moe_down_smem_bf16 (its module's kind 0), the chain times it in
-    place of moe_down_one_bf16; the rest of the chain is as before."""
-    assert "moe_down_smem" in tl.TIMED
-    for head_dim, gdn in ((128, False), (256, False), (128, True)):
-        base, smem = tl.chain_for(head_dim, gdn), tl.chain_for(head_dim, gdn, down_smem=True)
-        assert smem[:-1] == base[:-1] and base[-1] == ("moe", 3, "moe_down_one")
-        assert smem[-1] == ("moe_down_smem", 0, "moe_down_smem")

@@ -57,22 +57,6 @@ def test_the_row_marks_build_compiles():
     assert set(module.functions) <= set(kc.function_symbols(cubin))
 
 
-def test_batch_one_down_s_static_shared_memory_is_the_one_its_launch_counts_on():
-    """moe_down_smem_bf16's dynamic shared memory is chosen against the block's opt-in limit less
-    table.MOE_DOWN_SMEM_STATIC: that must be the cubin's static shared memory. An sm_90 cubin's
-    section holds the 1 KB a CTA reserves besides (gemm_rows.cu's kernels, which declare none,
-    read 1024)."""
-    from metrale_cli.kernels.table import MOE_DOWN_SMEM_STATIC
-
-    sizes = {}
-    for name in ("moe_down_smem", "gemm_rows"):
-        cubin, log = kc.compile_cubin(MODULES[name])
-        assert cubin is not None, log
-        sizes |= kc.section_sizes(cubin)
-    assert sizes[".nv.shared.gemm_rows_bf16_t2_s4"] == 1024
-    assert sizes[".nv.shared.moe_down_smem_bf16"] == MOE_DOWN_SMEM_STATIC + 1024
-
-
 def test_warm_check_is_served_from_the_disk_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("METRALE_CACHE_DIR", str(tmp_path))
     module = MODULES["rope"]
@@ -161,13 +145,13 @@ def test_symbol_reader_rejects_non_elf():
 
 def test_registry_walk():
     names = [str(k) for k in all_kernels()]
-    # 4 core + 4 decode GEMVs + the decode step's end + 4 projections of up to 16 rows + 9 MoE (7 decode, 2 prefill) + 7 GDN (decode and
+    # 4 core + 4 decode GEMVs + the decode step's end + 4 projections of up to 16 rows + 8 MoE (6 decode, 2 prefill) + 7 GDN (decode and
     # batch 1's decode; the prefill's conv, inputs, chunk prep, walk and gated norm) + 2 WHT + 3 + 13
     # writes + 16 fused rope_and_cache + (16 tensor-core decodes + the bf16 / fp8 one-launch decodes) at
     # head_dim 64 / 128 and at 256 + 3 batch-1 pair entries (64 / 128) + 16 dtypes x (a prefill and a
     # (decode, combine) pair per decode module)
     decode_modules = sum(len(row.decode) for row in KV_DTYPES.values())
-    assert len(names) == len(set(names)) == 4 + 5 + 1 + 4 + 9 + 7 + 2 + 16 + 16 + 2 * (16 + 4) + 3 + 16 + 2 * decode_modules == 173
+    assert len(names) == len(set(names)) == 4 + 5 + 1 + 4 + 8 + 7 + 2 + 16 + 16 + 2 * (16 + 4) + 3 + 16 + 2 * decode_modules == 172
     assert set(every_kernel()) == set(all_kernels())  # every registered kernel is launched by some dtype
     for spec in all_kernels():
         assert module_for(spec).path.is_file()

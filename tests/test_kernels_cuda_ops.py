@@ -5,7 +5,6 @@ A recording loader stands in for CuPy, so kernel choice, grids, split counts and
 """
 
 import re
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -634,46 +633,6 @@ def test_batch_one_gate_up_keeps_more_loads_in_flight_where_its_grid_is_one_wave
     name, grid, block, *_ = ops.loader.calls[0]
     assert (name, grid, block) == (f"moe::{kernel}", (inter // 16, experts), (128,))
     assert ops.loader.calls[1][0] == ("moe::moe_down_one_bf16" if rows == 1 else "moe::moe_down_bf16")
-
-
-@pytest.mark.parametrize("capability, slots, inter, offset, fits", [
-    ((9, 0), 8, 768, 0, True),  # Qwen3-30B-A3B's 8 slots: 198,656 bytes beside 10,496 static
-    ((9, 0), 11, 512, 0, True),  # Qwen3-Next's 10 routed and one shared chunk: 183,040
-    ((9, 0), 8, 1408, 0, False),  # Qwen1.5-MoE's 4 routed and 4 shared chunks: 362,496, more than a block has
-    ((9, 0), 9, 768, 0, False),  # 223,488 + 10,496 is 1,536 bytes past 232,448
-    ((8, 9), 8, 768, 0, False),  # no bulk copies below sm_90
-    ((9, 0), 8, 768, 8, False),  # a weight 8 bytes off a 16-byte boundary
-])
-def test_batch_one_down_runs_from_shared_memory_where_its_rows_fit(monkeypatch, capability, slots, inter, offset,
-                                                                    fits):
-    """moe_down_smem_bf16 is chosen on an sm_90 GPU where the row's slots' 16 weight rows each fit
-    a block's opt-in shared memory (232,448 bytes on an H100 / H200) beside its static part, and
-    the weights are 16-byte aligned for its bulk copies; else moe_down_one_bf16."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: SimpleNamespace(shared_memory_per_block_optin=232448))
-    weight = torch.zeros(64, dtype=torch.bfloat16)[offset // 2:]
-    assert weight.data_ptr() % 16 == offset
-    assert cuda_moe.down_smem_fits(torch.device("cuda", 0), slots, inter, weight, None) is fits
-    monkeypatch.setattr(cuda_moe, "DOWN_SMEM", False)
-    assert not cuda_moe.down_smem_fits(torch.device("cuda", 0), slots, inter, weight, None)
-
-
-def test_batch_one_down_from_shared_memory_is_launched_with_its_rows_bytes(ops, monkeypatch):
-    """Where it fits, batch 1's down is moe_down_smem_bf16: a CTA of 512 threads per 16 hidden
-    columns, programmatic, with each slot's 16 rows at a pitch of 2 * inter + 16 bytes."""
-    monkeypatch.setattr(cuda_moe, "_ready", lambda t: t.contiguous())
-    monkeypatch.setattr(cuda_moe, "down_smem_fits", lambda device, slots, inter, *weights: True)
-    experts, hidden, inter, top_k = 8, 96, 72, 3
-    plan = torch.zeros(2 + 2 * experts + top_k, dtype=torch.int32)
-    route = cuda_moe.MoeRoute(torch.zeros(1, top_k, dtype=torch.int32), torch.zeros(1, top_k), plan)
-    ops.moe_routed(torch.zeros(1, hidden, dtype=torch.bfloat16), route,
-                   torch.zeros(experts, 2 * inter, hidden, dtype=torch.bfloat16),
-                   torch.zeros(experts, hidden, inter, dtype=torch.bfloat16), None)
-    name, grid, block, args, _ = ops.loader.calls[1]
-    assert (name, grid, block) == ("moe_down_smem::moe_down_smem_bf16", (6,), (512,))
-    assert ops.loader.shared_mem[name] == top_k * 16 * (2 * inter + 16)
-    assert name in ops.loader.programmatic and args["top_k"] == top_k and args["inter"] == inter
 
 
 @pytest.mark.parametrize("m, n, k, want", [

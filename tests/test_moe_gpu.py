@@ -207,37 +207,3 @@ def test_batch_one_router_equals_norm_gemv_and_route(ops, monkeypatch, experts, 
     torch.cuda.synchronize()
     check(*captured)
     assert not ops._moe_counters(h.device, 1, "router").any()
-
-
-@pytest.mark.parametrize("shape", [(128, 8, 2048, 768, 0), (512, 10, 2048, 512, 512), (16, 4, 200, 72, 0),
-                                   (8, 2, 136, 264, 520), (60, 4, 72, 16, 64)],
-                         ids=["qwen3-30b-a3b", "qwen3-next", "short-tile", "wide-shared", "qwen1.5-chunks"])
-def test_batch_one_down_from_shared_memory_equals_the_register_stream(ops, monkeypatch, shape):
-    """moe_down_smem_bf16 (batch 1's down, every weight row copied into shared memory before its
-    wait) against moe_down_one_bf16 on the same inputs, bit for bit: at Qwen3-30B-A3B's and
-    Qwen3-Next's shapes (the latter with its shared expert as an 11th slot), a short last column
-    tile, a shared expert wider than the experts (two chunks, the last short) and four chunks of
-    16; then replayed from a CUDA graph on new inputs."""
-    experts, top_k, hidden, inter, width = shape
-    case = (1, experts, top_k, hidden, inter, "random") + ((width,) if width else ())
-    t, shared = _case(case, seed=3)
-    assert cuda_moe.down_smem_fits(t["x"].device, top_k + shared, inter, t["down"],
-                                   t["shared"].down if width else None)
-    args = (t["x"], t["logits"], t["gate_up"], t["down"], top_k, True, t["residual"], None, t.get("shared"))
-    got = ops.moe(*args)
-    monkeypatch.setattr(cuda_moe, "DOWN_SMEM", False)
-    want = ops.moe(*args)
-    assert torch.equal(got, want)
-    close(got.float(), _reference(t, top_k, True, t["residual"]), "moe")
-    monkeypatch.setattr(cuda_moe, "DOWN_SMEM", True)
-    x, logits = t["x"].clone(), t["logits"].clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ops.moe(x, logits, *args[2:])
-    other, _ = _case(case, seed=4)
-    x.copy_(other["x"])
-    logits.copy_(other["logits"])
-    graph.replay()
-    torch.cuda.synchronize()
-    monkeypatch.setattr(cuda_moe, "DOWN_SMEM", False)
-    assert torch.equal(out, ops.moe(other["x"], other["logits"], *args[2:]))

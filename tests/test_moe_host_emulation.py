@@ -31,7 +31,7 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
         handle = build_host_library("moe_host.cpp", tmp_path_factory.mktemp("moe"))
         handle.host_moe_route.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6
         handle.host_moe_experts.argtypes = [ctypes.c_void_p] * 12 + [ctypes.c_int] * 6
-        handle.host_moe_experts_one.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 6
+        handle.host_moe_experts_one.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5
         handle.host_moe_route_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6
         handle.host_moe_combine.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
         handle.host_moe_router.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5 + [ctypes.c_float]
@@ -180,16 +180,13 @@ ONE_ROW = [c for c in CASES + SHARED_CASES if c[0] == 1] + [(1, 64, 32, 72, 16, 
                                                              (1, 16, 4, 72, 328, "random"), (1, 8, 2, 136, 264, "random", 520)]
 
 
-@pytest.mark.parametrize("entry", ["one", "smem"])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("case", ONE_ROW, ids=case_id)
-def test_batch_one_down_in_one_cta_equals_moe_down(lib, case, with_residual, entry):
-    """moe_down_one_bf16 (batch 1: a CTA takes every slot of its column tile) and moe_down_smem_bf16
-    (the same with the tile's weight rows copied into shared memory) give moe_down_bf16's out bit
-    for bit: K split in the same parts, summed in the same order, the slots in slot order. 32 slots
-    (the most they take) need four rounds of moe_down_one's warps and eight items a warp of
-    moe_down_smem's; 200 columns a short last tile; K of five to nine blocks gives each of an
-    expert's four parts blocks of its own to sum."""
+def test_batch_one_down_in_one_cta_equals_moe_down(lib, case, with_residual):
+    """moe_down_one_bf16 (batch 1: a CTA takes every slot of its column tile) gives moe_down_bf16's
+    out bit for bit: K split in the same warps, summed in the same order, the slots in slot order.
+    32 slots (the most it takes) need four rounds of its warps; 200 columns a short last tile; K of
+    five to nine blocks gives each of an expert's four warps blocks of its own to sum."""
     t, shared = _case(case, seed=5)
     top_k, slots = case[2], case[2] + shared
     ids, weights, plan, _ = route(lib, t["logits"], top_k, True, shared=shared)
@@ -201,7 +198,7 @@ def test_batch_one_down_in_one_cta_equals_moe_down(lib, case, with_residual, ent
     out = torch.full((1, hidden), float("nan"), dtype=torch.bfloat16)
     lib.host_moe_experts_one(_p(t["x"]), _p(t["gate_up"]), _p(t["down"]), _p(sh and sh.gate_up), _p(sh and sh.down),
                              _p(plan), _p(weights), _p(residual), _p(act), _p(out), hidden, inter2 // 2,
-                             sh.width if sh else 0, experts_ + shared, slots, int(entry == "smem"))
+                             sh.width if sh else 0, experts_ + shared, slots)
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
 

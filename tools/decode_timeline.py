@@ -39,7 +39,7 @@ from metrale_cli.kernels.cuda_ops import CudaOps
 from metrale_cli.kernels.loader import device_arch
 from tools import moe_layer_launches
 
-TIMED = ("gemv", "moe", "moe_down_smem", "paged_decode_tc", "paged_decode_tc_wide", "gdn")
+TIMED = ("gemv", "moe", "paged_decode_tc", "paged_decode_tc_wide", "gdn")
 KINDS, LAUNCHES, CTAS, MARKS = 4, 64, 2048, 6
 ROW_MARKS = 9  # the build with the attention's row marks (--row-marks)
 # The layer's launches in order: (module, kind in timeline.cuh's numbering, name)
@@ -49,18 +49,16 @@ CHAIN = (("gemv", 0, "q/k/v gemv_norm"), ("paged_decode_tc", 0, "attention"), ("
 
 # A Gated DeltaNet layer's (--gdn) in place of CHAIN's first three: gdn_decode_one_bf16 is gdn's kind 1
 GDN_MIXER = (("gemv", 0, "in-proj gemv_norm"), ("gdn", 1, "gdn decode"), ("gemv", 1, "out-proj gemv_add"))
-# Batch 1's down where its weight rows run from shared memory (cuda_moe.down_smem_fits), in place of CHAIN's last
-DOWN_SMEM = ("moe_down_smem", 0, "moe_down_smem")
 
 
-def chain_for(head_dim: int, gdn: bool = False, down_smem: bool = False) -> tuple:
+def chain_for(head_dim: int, gdn: bool = False) -> tuple:
     """CHAIN with the attention launch of ``head_dim``'s module (head_dim 256: paged_decode_tc_wide),
-    or with a Gated DeltaNet's launches in place of the attention's; with ``down_smem``,
-    moe_down_smem_bf16 in place of moe_down_one_bf16."""
-    chain = GDN_MIXER + CHAIN[3:] if gdn else tuple(
-        (registry.tc_module(head_dim), kind, name) if module == "paged_decode_tc" else (module, kind, name)
-        for module, kind, name in CHAIN)
-    return chain[:-1] + (DOWN_SMEM,) if down_smem else chain
+    or with a Gated DeltaNet's launches in place of the attention's."""
+    if gdn:
+        return GDN_MIXER + CHAIN[3:]
+    attention = registry.tc_module(head_dim)
+    return tuple((attention, kind, name) if module == "paged_decode_tc" else (module, kind, name)
+                 for module, kind, name in CHAIN)
 
 
 def _timed_modules(marks: int = MARKS) -> None:
@@ -168,8 +166,7 @@ def main() -> None:
     print(f"batch-1 MoE layer, hidden {a.hidden}, {moe_layer_launches.mixer_name(a)}, "
           f"{a.experts} experts of {a.inter} (top {a.top_k}), context {a.context}, {a.layers} layers"
           f"{moe_layer_launches.forced(a)}: {us_layer:.2f} µs a layer in this replay (the timeline build)")
-    smem = "moe_down_smem" in stamps and _launch(stamps["moe_down_smem"][0, 1]) is not None
-    full = chain_for(a.head_dim, a.gdn, down_smem=smem)
+    full = chain_for(a.head_dim, a.gdn)
     chain = [key for key in full if key[0] in stamps and _launch(stamps[key[0]][key[1], 1]) is not None]
     rows, hops = _per_layer(stamps, chain, a.layers)
     _report(chain, rows, hops, [key[2] for key in full if key not in chain])

@@ -1,9 +1,8 @@
-// moe.cu's kernels (and moe_down_smem.cu's) as a host library, each over the grid CudaOps launches, so the tests can hold
+// moe.cu's kernels as a host library, each over the grid CudaOps launches, so the tests can hold
 // the routing, the plan, the expert CTAs and the weighted sums to the torch reference on a CPU:
 //   g++ -std=c++20 -O1 -ffp-contract=off -shared -fPIC -I../include moe_host.cpp -o moe.so
 #include "emulate.h"
 #include "../moe.cu"
-#include "../moe_down_smem.cu"
 
 extern "C" void host_moe_route(const bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read,
                                int rows, int num_experts, int top_k, int shared, int normalize, int threads) {
@@ -68,17 +67,15 @@ extern "C" void host_moe_experts(const bf16_t* x, const bf16_t* gate_up, const b
 }
 
 // Batch 1's experts as CudaOps launches them: moe_gate_up_one_bf16, then moe_down_one_bf16 (a CTA of
-// MOE_DOWN_ONE_WARPS warps per column tile) in place of moe_down_bf16; with `smem`,
-// moe_down_smem_bf16 (its weight rows copied into shared memory) in place of moe_down_one_bf16.
+// MOE_DOWN_ONE_WARPS warps per column tile) in place of moe_down_bf16.
 extern "C" void host_moe_experts_one(const bf16_t* x, const bf16_t* gate_up, const bf16_t* down,
                                      const bf16_t* shared_gate_up, const bf16_t* shared_down, const int* plan,
                                      const float* weights, const bf16_t* residual, bf16_t* act, bf16_t* out, int hidden,
-                                     int inter, int shared_width, int num_experts, int top_k, int smem) {
+                                     int inter, int shared_width, int num_experts, int top_k) {
     gate_up_grid(x, gate_up, shared_gate_up, plan, act, (unsigned)min(num_experts, top_k), hidden, inter,
                  shared_width, num_experts, top_k, true);
-    run_grid((hidden + MOE_TC_ROWS - 1) / MOE_TC_ROWS, 1, smem ? MOE_DOWN_SMEM_WARPS * 32 : MOE_DOWN_ONE_WARPS * 32,
-             [&] {
-                 (smem ? moe_down_smem_bf16 : moe_down_one_bf16)(act, down, shared_down, plan, weights, residual, out,
-                                                                 hidden, inter, shared_width, num_experts, top_k);
-             });
+    run_grid((hidden + MOE_TC_ROWS - 1) / MOE_TC_ROWS, 1, MOE_DOWN_ONE_WARPS * 32, [&] {
+        moe_down_one_bf16(act, down, shared_down, plan, weights, residual, out, hidden, inter, shared_width,
+                          num_experts, top_k);
+    });
 }

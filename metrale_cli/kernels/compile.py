@@ -92,18 +92,6 @@ def function_symbols(elf: bytes) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def section_sizes(elf: bytes) -> dict[str, int]:
-    """Each section's size by name, of an ELF64 little-endian image (a cubin's ``.nv.shared.<kernel>``
-    is that kernel's static shared memory)."""
-    if elf[:4] != b"\x7fELF" or elf[4] != 2:
-        raise ValueError("not an ELF64 image")
-    shoff, = struct.unpack_from("<Q", elf, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
-    names = sections[shstrndx][4]
-    return {elf[names + s[0] : elf.index(b"\0", names + s[0])].decode(): s[5] for s in sections}
-
-
 def _wheel_include_dirs() -> list[str]:
     """CUDA headers shipped by the nvidia-cuda-runtime wheel, for sources that include them."""
     spec = importlib.util.find_spec("nvidia")

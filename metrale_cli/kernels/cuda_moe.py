@@ -4,10 +4,8 @@ Up to ``MOE_DECODE_ROWS`` rows (decode steps, short chunks): moe.cu's three laun
 each chosen expert's weights once per call (their dot products on tensor cores) and keep the
 expert ids on the device; at batch 1 (:meth:`CudaMoe.moe_norm_route`) the FFN's norm, the router's
 GEMV and the routing are one more launch, moe_router_bf16, in place of three, and the down
-projection takes every slot of a column tile in one CTA (moe_down_one_bf16; on an sm_90 GPU, where
-the tile's weight rows fit a block's shared memory, moe_down_smem_bf16 copies them all in before its
-wait), and gate/up keeps more of a warp's weight loads in flight where its grid is one wave
-(moe_gate_up_one_bf16). More rows
+projection takes every slot of a column tile in one CTA (moe_down_one_bf16), and gate/up keeps more
+of a warp's weight loads in flight where its grid is one wave (moe_gate_up_one_bf16). More rows
 (prefill): moe.cu routes the rows, the tokens are sorted by expert, both expert projections run as
 grouped GEMMs on tensor cores (``torch._grouped_mm``, CUTLASS on sm_90), and moe.cu gathers each
 token's weighted sum back in slot order. Neither syncs with the host, so both can be captured in a CUDA graph.
@@ -31,9 +29,8 @@ from metrale_cli.kernels.loader import clusters_available
 from metrale_cli.kernels.ops import MoeRoute, SharedExpert
 from metrale_cli.kernels.table import (
     GEMV_THREADS, MOE_COMBINE, MOE_DECODE_ROWS, MOE_DOWN, MOE_DOWN_ONE, MOE_DOWN_ONE_SLOTS, MOE_DOWN_ONE_THREADS,
-    MOE_DOWN_SMEM, MOE_DOWN_SMEM_STATIC, MOE_DOWN_SMEM_THREADS, MOE_GATE_UP, MOE_GATE_UP_ONE, MOE_GATE_UP_ONE_PER_SM,
-    MOE_MAX_EXPERTS, MOE_MAX_PAIRS, MOE_MAX_TOP_K, MOE_ROUTE, MOE_ROUTE_ROWS, MOE_ROUTER, MOE_ROUTER_CLUSTER,
-    MOE_TC_ROWS, MOE_TC_THREADS, MOE_THREADS, MOE_WARPS, moe_down_smem_bytes,
+    MOE_GATE_UP, MOE_GATE_UP_ONE, MOE_GATE_UP_ONE_PER_SM, MOE_MAX_EXPERTS, MOE_MAX_PAIRS, MOE_MAX_TOP_K,
+    MOE_ROUTE, MOE_ROUTE_ROWS, MOE_ROUTER, MOE_ROUTER_CLUSTER, MOE_TC_ROWS, MOE_TC_THREADS, MOE_THREADS, MOE_WARPS,
 )
 
 GEMV_WARPS = GEMV_THREADS // 32  # moe_router_bf16: a warp per expert
@@ -160,13 +157,7 @@ class CudaMoe:
                      route.plan, act, hidden, inter, width, experts, top_k, pdl=True)
         residual = None if residual is None else _ready(residual)
         if rows == 1 and top_k <= MOE_DOWN_ONE_SLOTS:  # every slot's expert of a column tile in one CTA
-            down = _ready(down)
-            if down_smem_fits(x.device, top_k, inter, down, shared_down):  # its weight rows asked for at once
-                self._launch(MOE_DOWN_SMEM, (down_ctas,), (MOE_DOWN_SMEM_THREADS,), act, down, shared_down,
-                             route.plan, route.weights, residual, out, hidden, inter, width, experts, top_k,
-                             shared_mem=moe_down_smem_bytes(top_k, inter), pdl=True)
-                return out
-            self._launch(MOE_DOWN_ONE, (down_ctas,), (MOE_DOWN_ONE_THREADS,), act, down, shared_down,
+            self._launch(MOE_DOWN_ONE, (down_ctas,), (MOE_DOWN_ONE_THREADS,), act, _ready(down), shared_down,
                          route.plan, route.weights, residual, out, hidden, inter, width, experts, top_k, pdl=True)
             return out
         y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
@@ -184,22 +175,6 @@ class CudaMoe:
         if have is None or have.numel() < count:
             have = counters[device.index, user] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
         return have
-
-
-# Batch 1's down from shared memory (moe_down_smem_bf16) where it fits; False runs moe_down_one_bf16
-# everywhere (A/B runs: tools/moe_layer_launches.py --down).
-DOWN_SMEM = True
-
-
-def down_smem_fits(device: torch.device, slots: int, inter: int, *weights: torch.Tensor | None) -> bool:
-    """Whether moe_down_smem_bf16 serves batch 1's down: an sm_90 GPU (bulk copies), the row's
-    ``slots`` experts' 16 weight rows each within a block's shared memory beside its static part,
-    and the down weights (routed, shared) 16-byte aligned for the copies."""
-    if not (DOWN_SMEM and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)):
-        return False
-    optin = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-    return (moe_down_smem_bytes(slots, inter) + MOE_DOWN_SMEM_STATIC <= optin
-            and all(w is None or w.data_ptr() % 16 == 0 for w in weights))
 
 
 def _decode_rows(rows: int, slots: int) -> bool:

@@ -135,8 +135,6 @@ MODULES: dict[str, KernelModule] = {
         KernelModule("moe", "moe.cu", (), ("moe_route_bf16", "moe_router_bf16", "moe_gate_up_bf16",
                                            "moe_gate_up_one_bf16", "moe_down_bf16",
                                            "moe_down_one_bf16", "moe_route_rows_bf16", "moe_combine_bf16")),
-        # Batch 1's down from its weight rows copied into shared memory (sm_90 bulk copies).
-        KernelModule("moe_down_smem", "moe_down_smem.cu", (), ("moe_down_smem_bf16",)),
         # A Gated DeltaNet mixer's decode step: conv, the gated delta rule and the gated norm.
         KernelModule("gdn", "gdn.cu", (), ("gdn_decode_bf16", "gdn_decode_one_bf16"), head_dims=GDN_HEAD_K_DIMS),
         # A Gated DeltaNet prefill: the conv, the rule's inputs, every chunk's own part, the walk over

@@ -87,6 +87,9 @@ GEMM_ROWS = {(t, s): K(f"gemm_rows::gemm_rows_bf16_t{t}_s{s}") for t, s in ((1, 
 # A dense FFN's gate/up and SwiGLU (w = [gate | up], y = silu(gate) * up), launched as the 2/4 variant.
 GEMM_ROWS_SWIGLU = K("gemm_rows::gemm_rows_swiglu_bf16")
 GEMM_ROWS_SWIGLU_VARIANT = (2, 4)
+# Kernels built on sm_90 instructions (tensor-map copies, transaction barriers); on an older GPU the
+# projections they serve run in cuBLAS (CudaOps.linear), so they are neither loaded nor required.
+SM90_KERNELS = frozenset((*GEMM_ROWS.values(), GEMM_ROWS_SWIGLU))
 
 
 def for_arch(specs, arch: str) -> list:
@@ -165,9 +168,6 @@ MOE_DOWN_ONE = K("moe::moe_down_one_bf16"), Signature.parse(
     "act: bf16*, down: bf16*, shared_down: bf16*?, plan: i32*, weights: f32*, residual: bf16*?, out: bf16*, "
     "hidden: i32, inter: i32, shared_width: i32, num_experts: i32, top_k: i32"
 )
-# Batch 1's down with its column tile's weight rows copied into shared memory before its PDL wait
-# (sm_90 bulk copies), MOE_DOWN_ONE's out bit for bit, where they fit (moe_down_smem_bytes).
-MOE_DOWN_SMEM = K("moe_down_smem::moe_down_smem_bf16"), MOE_DOWN_ONE[1]
 MOE_ROUTE_ROWS = K("moe::moe_route_rows_bf16"), Signature.parse(
     "logits: bf16*, ids: i32*, weights: f32*, counts: i32*, rows: i32, num_experts: i32, top_k: i32, shared: i32, "
     "normalize: i32"
@@ -176,18 +176,11 @@ MOE_COMBINE = K("moe::moe_combine_bf16"), Signature.parse(
     "ys: bf16*, where: i32*, weights: f32*, residual: bf16*?, out: bf16*, hidden: i32, top_k: i32"
 )
 MOE_KERNELS = tuple(k[0] for k in (MOE_ROUTE, MOE_ROUTER, MOE_GATE_UP, MOE_GATE_UP_ONE, MOE_DOWN, MOE_DOWN_ONE,
-                                    MOE_DOWN_SMEM, MOE_ROUTE_ROWS, MOE_COMBINE))
-# Kernels built on sm_90 instructions (tensor-map and bulk copies, transaction barriers); on an older
-# GPU the projections they serve run in cuBLAS (CudaOps.linear) or moe.cu (batch 1's down), so they
-# are neither loaded nor required.
-SM90_KERNELS = frozenset((*GEMM_ROWS.values(), GEMM_ROWS_SWIGLU, MOE_DOWN_SMEM[0]))
+                                    MOE_ROUTE_ROWS, MOE_COMBINE))
 MOE_TC_THREADS = 128  # moe.cu's expert CTA: 4 warps splitting K
 MOE_TC_ROWS = 16  # the weight rows (output columns) of one expert CTA
 MOE_DOWN_ONE_THREADS = 1024  # moe_down_one_bf16's CTA: every slot's experts of a column tile (batch 1)
-MOE_DOWN_ONE_SLOTS = 32  # the row's slots it serves (moe_down_smem_bf16's too)
-MOE_DOWN_SMEM_THREADS = 512  # moe_down_smem_bf16's CTA: 16 warps taking (slot's expert, K part) items
-MOE_DOWN_SMEM_STATIC = 10496  # its static shared memory (ptxas, sm_90): 32 slots' barriers, parts and sums
-MOE_DOWN_SMEM_PAD = 16  # bytes after each weight row it holds (lanes g and g + 4 on other banks)
+MOE_DOWN_ONE_SLOTS = 32  # the row's slots it serves
 MOE_ROUTER_CLUSTER = 16  # moe_router_bf16's grid up to this many CTAs runs as one cluster
 MOE_THREADS = 256  # moe.cu's prefill routing (a warp per row) and combine CTAs
 MOE_WARPS = MOE_THREADS // 32
@@ -195,14 +188,6 @@ MOE_MAX_EXPERTS = 1024  # its routing CTA's
 MOE_MAX_PAIRS = 1024  # rows x top_k of one routing launch
 MOE_MAX_TOP_K = 32  # a lane per slot
 MOE_DECODE_ROWS = 64
-
-
-def moe_down_smem_bytes(slots: int, inter: int) -> int:
-    """moe_down_smem_bf16's dynamic shared memory: each slot's 16 weight rows of ``inter``
-    elements at a pitch of 2 * inter + MOE_DOWN_SMEM_PAD bytes."""
-    return slots * MOE_TC_ROWS * (2 * inter + MOE_DOWN_SMEM_PAD)
-
-
 # A Gated DeltaNet mixer's decode step, one launch (gdn.cu): a CTA per (value head, row), 4 threads
 # per state column; its key head dims are the gdn module's head_dims.
 GDN_DECODE = K("gdn::gdn_decode_bf16"), Signature.parse(
