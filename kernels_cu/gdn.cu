@@ -358,13 +358,9 @@ __device__ void gdn_head_split(const GdnArgs& g) {
     for (int r = 0; r < ROWS; ++r) s[r] += ks[r * GDN_SPLIT + quarter] * delta;
     const float o = round_bf16(column_dot<DK>(s, qs, quarter));
     TL_MARK(3);
-    {
-        const long long stride = opaque((long long)GDN_SPLIT * dv);
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) state[r * stride] = s[r];
-    }
     // block_sum(lead ? o * o : 0) of the one-CTA block: its warps' sums (this CTA's are its warps
-    // rank * DK / 32 ..), added by one warp_sum in warp order; every warp takes it.
+    // rank * DK / 32 ..), added by one warp_sum in warp order; every warp takes it. The state is
+    // stored after the barrier's release half, which would otherwise wait for those stores.
     const float mine = warp_sum(lead ? o * o : 0.0f);
     if (lane == 0) norm_part[tid >> 5] = mine;
     cluster_sync();  // every CTA's sums in its shared memory
@@ -374,6 +370,9 @@ __device__ void gdn_head_split(const GdnArgs& g) {
     cluster_arrive();  // done reading the others' shared memory
     TL_MARK(4);
     if (lead) g.out[(long long)h * dv + j] = f32_to_bf16(round_bf16(rms_scaled(o, w_norm, r)) * silu(z));
+    const long long stride = opaque((long long)GDN_SPLIT * dv);
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) state[i * stride] = s[i];
     cluster_wait();  // no CTA leaves while another may read its sums
     TL_MARK(5);
 }
