@@ -30,11 +30,7 @@
 // traffic. Loading the state before the conv was slower here (9.3 us: 36 bytes of spills at Dk 128).
 // Batch 1 has an entry of its own (gdn_decode_one_bf16, gdn_head's ONE): a block of up to 512
 // threads, so 92 registers, which holds the pool reads in registers from before the PDL wait (the
-// 80B hybrid preset 6% faster on an H200, docs/performance.md). Where a head's columns split into a
-// cluster of CTAs with a thread per q / k channel each (gdn_decode_split_bf16, gdn_head_split:
-// Qwen3-Next's and Qwen3.5's Dk = Dv = 128 over 4 CTAs of 128 threads), batch 1 takes that entry:
-// the delta rule's and the state stores' work spread over 4x the SMs, the same bits.
-#include "cluster.cuh"
+// 80B hybrid preset 6% faster on an H200, docs/performance.md).
 #include "numeric.cuh"
 #include "pdl.cuh"
 #include "reduce.cuh"
@@ -266,117 +262,6 @@ __device__ void gdn_head(const GdnArgs& g) {
     TL_MARK(5);
 }
 
-// SPLIT: batch 1's head over a cluster of C CTAs (cluster_ctas(); grid Hv * C, one cluster a
-// head), CTA rank c taking columns [c Dv / C, (c + 1) Dv / C) with gdn_head ONE's thread mapping
-// (thread t: column c Dv / C + t / 4, quarter t % 4), so its warps are the one-CTA block's warps
-// c Dv / (8 C) .. and a block of Dk = 4 Dv / C threads: thread t also takes q channel t and k
-// channel t (the one-CTA block's threads t and Dk + t). Each CTA convolves every q / k channel
-// of the head (the writer head's rank 0 stores their inputs), normalises q and k over its own
-// copy, and runs the rule for its columns. The gated norm's sum gathers every CTA's warp sums
-// (distributed shared memory) in the one-CTA block's warp order. Every sum is the one-CTA
-// block's in its order: block_sum over Dk / 32 warps (a power of two) gives the q sum's bits and
-// the k sum's (those warps' sums sat at lanes Dk / 32 .. of block_sum's second warp_sum, the rest
-// zeros), and the column dots are per column. So the output and pools are gdn_head ONE's, bit for
-// bit (tests/test_gdn_gpu.py). Dv % (8 C) == 0, Dk in 32 / 64 / 128, taps <= GDN_ONE_MAX_TAPS.
-template <int DK>
-__device__ void gdn_head_split(const GdnArgs& g) {
-    constexpr int ROWS = DK / GDN_SPLIT, T = GDN_ONE_MAX_TAPS - 1;
-    __shared__ float qs[DK], ks[DK];
-    __shared__ float norm_part[DK / 32];  // this CTA's warps' sums of o^2 (its lead threads)
-    TL_BEGIN(2);  // marks: 2 q / k normalised, 3 the state updated, 4 the gated norm's sum
-    const int ctas = (int)cluster_ctas(), rank = (int)cluster_rank();
-    const int h = blockIdx.x / ctas, tid = threadIdx.x, lane = tid & 31;
-    const int hk = g.num_k_heads, hv = g.num_v_heads, dv = g.head_v_dim, group = hv / hk, kh = h / group;
-    const int channels = 2 * hk * DK + hv * dv, taps = g.taps;
-    const int j = rank * (dv / ctas) + tid / GDN_SPLIT, quarter = tid % GDN_SPLIT;
-    const bool lead = quarter == 0;
-    const float w_norm = lead ? bf16_to_f32(g.norm[j]) : 0.0f;
-    const float a_log = g.a_log[h], dt_bias = g.dt_bias[h];
-    const int slot = __ldcg(g.slots), p = __ldcg(g.positions);
-    float* window = g.conv_pool + (long long)slot * taps * channels;
-    float* state = g.state_pool + ((long long)slot * hv + h) * DK * dv + (long long)quarter * dv + j;
-    const int cq = kh * DK + tid, ck = (hk + kh) * DK + tid, cv = 2 * hk * DK + h * dv + j;
-    float xq[T], xk[T], xv[T], wq[T], wk[T], wv[T];  // entries of positions p-K+1 .. p-1 and their taps
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-        const bool tap = t < taps - 1;
-        const float* e = window + (long long)((p + 1 + t) % taps) * channels;
-        xq[t] = tap ? __ldcg(e + cq) : 0.0f;
-        xk[t] = tap ? __ldcg(e + ck) : 0.0f;
-        xv[t] = tap ? __ldcg(e + cv) : 0.0f;
-        wq[t] = tap ? bf16_to_f32(g.conv[(long long)cq * taps + t]) : 0.0f;
-        wk[t] = tap ? bf16_to_f32(g.conv[(long long)ck * taps + t]) : 0.0f;
-        wv[t] = tap ? bf16_to_f32(g.conv[(long long)cv * taps + t]) : 0.0f;
-    }
-    const float wq_new = bf16_to_f32(g.conv[(long long)cq * taps + taps - 1]);
-    const float wk_new = bf16_to_f32(g.conv[(long long)ck * taps + taps - 1]);
-    const float wv_new = bf16_to_f32(g.conv[(long long)cv * taps + taps - 1]);
-    float s[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) s[r] = __ldcg(state + (long long)r * GDN_SPLIT * dv);
-    pdl_wait();
-    pdl_launch_dependents();
-    TL_MARK(1);
-    const float iq = bf16_to_f32(g.mixed[cq]), ik = bf16_to_f32(g.mixed[ck]), iv = bf16_to_f32(g.mixed[cv]);
-    const float z = lead ? bf16_to_f32(g.z[h * dv + j]) : 0.0f;
-    const float b_in = bf16_to_f32(g.b[h]), a_in = bf16_to_f32(g.a[h]);
-    float aq = 0.0f, ak = 0.0f, av = 0.0f;  // conv_channel's sums: the taps oldest first, the new input last
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-        if (t < taps - 1) {
-            aq += xq[t] * wq[t];
-            ak += xk[t] * wk[t];
-            av += xv[t] * wv[t];
-        }
-    }
-    aq += iq * wq_new;
-    ak += ik * wk_new;
-    av += iv * wv_new;
-    const int entry = p % taps;
-    const float q_in = round_bf16(silu(aq)), k_in = round_bf16(silu(ak));
-    qs[tid] = q_in;
-    ks[tid] = k_in;
-    if (h % group == 0 && rank == 0) {
-        window[(long long)entry * channels + cq] = iq;
-        window[(long long)entry * channels + ck] = ik;
-    }
-    const float v = round_bf16(silu(av));
-    if (lead) window[(long long)entry * channels + cv] = iv;
-    const float rq = 1.0f / sqrtf(block_sum(q_in * q_in) + 1e-6f), rk = 1.0f / sqrtf(block_sum(k_in * k_in) + 1e-6f);
-    TL_MARK(2);
-    const float root_dk = sqrtf((float)DK);
-    qs[tid] = qs[tid] * rq / root_dk, ks[tid] *= rk;
-    const float beta = round_bf16(1.0f / (1.0f + expf(-b_in)));
-    const float x = a_in + dt_bias;
-    const float decay = expf(-expf(a_log) * (x > 20.0f ? x : log1pf(expf(x))));
-    __syncthreads();
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) s[r] *= decay;
-    const float delta = (v - column_dot<DK>(s, ks, quarter)) * beta;
-    __syncthreads();  // as gdn_head's: no k values kept for the second pass
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) s[r] += ks[r * GDN_SPLIT + quarter] * delta;
-    const float o = round_bf16(column_dot<DK>(s, qs, quarter));
-    TL_MARK(3);
-    // block_sum(lead ? o * o : 0) of the one-CTA block: its warps' sums (this CTA's are its warps
-    // rank * DK / 32 ..), added by one warp_sum in warp order; every warp takes it. The state is
-    // stored after the barrier's release half, which would otherwise wait for those stores.
-    const float mine = warp_sum(lead ? o * o : 0.0f);
-    if (lane == 0) norm_part[tid >> 5] = mine;
-    cluster_sync();  // every CTA's sums in its shared memory
-    const int all = dv / 8;  // the one-CTA block's warps
-    const float part = lane < all ? cluster_load(&norm_part[lane % (DK / 32)], lane / (DK / 32)) : 0.0f;
-    const float r = inv_rms(warp_sum(part), dv, g.eps);
-    cluster_arrive();  // done reading the others' shared memory
-    TL_MARK(4);
-    if (lead) g.out[(long long)h * dv + j] = f32_to_bf16(round_bf16(rms_scaled(o, w_norm, r)) * silu(z));
-    const long long stride = opaque((long long)GDN_SPLIT * dv);
-#pragma unroll
-    for (int i = 0; i < ROWS; ++i) state[i * stride] = s[i];
-    cluster_wait();  // no CTA leaves while another may read its sums
-    TL_MARK(5);
-}
-
 // grid = (Hv, B), block = GDN_SPLIT * Dv rounded up to a multiple of 32 (Dv <= GDN_MAX_DV). head_k_dim:
 // 16, 32, 64 or 128; Hv a multiple of Hk. mixed / z / b / a: row r at r * its stride. Pools are
 // updated in place at the rows' slots (padding rows may share one scratch slot, whose contents
@@ -404,21 +289,3 @@ __device__ void gdn_head_split(const GdnArgs& g) {
 METRALE_GDN_ENTRY(gdn_decode_bf16, GDN_MAX_THREADS, false)
 METRALE_GDN_ENTRY(gdn_decode_one_bf16, GDN_ONE_THREADS, true)
 #undef METRALE_GDN_ENTRY
-
-// gdn_decode_split_bf16: one row (grid = (Hv * C, 1), clusters of C CTAs, block = head_k_dim
-// threads = 4 Dv / C; Dv % (8 C) == 0), gdn_head_split: gdn_decode_one_bf16's outputs and pools.
-extern "C" __global__ void __launch_bounds__(128)
-    gdn_decode_split_bf16(const bf16_t* mixed, const bf16_t* z, const bf16_t* b, const bf16_t* a, const bf16_t* conv,
-                          const float* a_log, const float* dt_bias, const bf16_t* norm, float* conv_pool,
-                          float* state_pool, const int* slots, const int* positions, bf16_t* out, int mixed_stride,
-                          int z_stride, int b_stride, int a_stride, int num_k_heads, int num_v_heads, int head_k_dim,
-                          int head_v_dim, int taps, float eps) {
-    const GdnArgs g{mixed,      z,          b,     a,         conv,        a_log,        dt_bias,  norm,
-                    conv_pool,  state_pool, slots, positions, out,         mixed_stride, z_stride, b_stride,
-                    a_stride,   num_k_heads, num_v_heads, head_v_dim, taps, eps};
-    switch (head_k_dim) {
-        case 32: gdn_head_split<32>(g); break;
-        case 64: gdn_head_split<64>(g); break;
-        case 128: gdn_head_split<128>(g); break;
-    }
-}

@@ -75,10 +75,3 @@ def test_a_gated_deltanet_layer_times_its_mixer_s_three_launches():
     assert "gdn" in tl.TIMED
     assert [k[:2] for k in tl.chain_for(128, gdn=True)] == [("gemv", 0), ("gdn", 1), ("gemv", 1), ("moe", 0),
                                                             ("moe", 1), ("moe", 3)]
-
-
-def test_a_gated_deltanet_layer_in_clusters_times_the_cluster_entry():
-    """Where batch 1's GDN decode runs as gdn_decode_split_bf16 (gdn's kind 2) the chain times it
-    in place of gdn_decode_one_bf16's launch."""
-    assert [k[:2] for k in tl.chain_for(128, gdn=True, gdn_cluster=True)] == [
-        ("gemv", 0), ("gdn", 2), ("gemv", 1), ("moe", 0), ("moe", 1), ("moe", 3)]

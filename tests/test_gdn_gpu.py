@@ -73,28 +73,6 @@ def test_the_one_row_entry_equals_the_general_one_bit_for_bit(ops, case, monkeyp
         assert torch.equal(one.conv_pool, general.conv_pool) and torch.equal(one.recurrent_pool, general.recurrent_pool)
 
 
-@pytest.mark.parametrize("case", [REAL[0], (1, 16, 3, 128, 128, 4), (1, 4, 2, 64, 64, 4), (1, 2, 2, 32, 64, 2)],
-                         ids=case_id)
-def test_the_cluster_entry_equals_the_one_row_entry_bit_for_bit(ops, case, monkeypatch):
-    """Batch 1's cluster entry (a head's columns over C = 4 Dv / Dk CTAs: Qwen3-Next's and
-    Qwen3.5-27B's 4, 4 at Dk = Dv = 64, 8 at Dk 32 and Dv 64) against gdn_decode_one_bf16, three
-    steps from the same pools: the same output and pools, bit for bit."""
-    _, _, _, dk, dv, taps = case
-    assert cuda_gdn.gdn_split_ctas(1, dk, dv, taps, torch.device("cuda")) == 4 * dv // dk
-    split = gdn_layer(case, device="cuda")
-    one = copy_layer(split)
-    slots = row_slots(1, split.conv_pool.shape[0] - 1, "cuda")
-    for step in range(3):
-        positions = torch.tensor([1 + step], dtype=torch.int32, device="cuda")
-        inputs = step_inputs(split, 1, 10 + step, True, "cuda")
-        got = ops.gdn_decode(*inputs, split, slots, positions)
-        monkeypatch.setattr(cuda_gdn, "GDN_CLUSTER", False)
-        want = ops.gdn_decode(*inputs, one, slots, positions)
-        monkeypatch.setattr(cuda_gdn, "GDN_CLUSTER", True)
-        assert torch.equal(got, want)
-        assert torch.equal(split.conv_pool, one.conv_pool) and torch.equal(split.recurrent_pool, one.recurrent_pool)
-
-
 @pytest.mark.parametrize("case", [REAL[1], REAL[0], CASES[2]], ids=case_id)
 def test_a_cuda_graph_replays_as_the_eager_launch(ops, case):
     rows = case[0]

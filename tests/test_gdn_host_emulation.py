@@ -30,8 +30,7 @@ from metrale_cli.kernels.loader import pointer_dtypes
 from metrale_cli.kernels.registry import GDN_HEAD_K_DIMS, KERNELS_DIR
 from metrale_cli.kernels import cuda_gdn
 from metrale_cli.kernels.table import (
-    GDN_DECODE, GDN_DECODE_ONE, GDN_DECODE_SPLIT, GDN_MAX_DV, GDN_ONE_MAX_TAPS, GDN_ONE_THREADS, GDN_SPLIT,
-    gdn_threads,
+    GDN_DECODE, GDN_DECODE_ONE, GDN_MAX_DV, GDN_ONE_MAX_TAPS, GDN_ONE_THREADS, GDN_SPLIT, gdn_threads,
 )
 
 EQUAL_SHARE = 0.99
@@ -47,7 +46,7 @@ class EmulatingLoader:
         self.launched: list = []  # the entries launched, in order
 
     def launch(self, spec, sig, grid, block, *args, shared_mem=0, pdl=False):
-        assert (spec, sig) in (GDN_DECODE, GDN_DECODE_ONE, GDN_DECODE_SPLIT) and shared_mem == 0 and pdl
+        assert (spec, sig) in (GDN_DECODE, GDN_DECODE_ONE) and shared_mem == 0 and pdl
         typed = []
         for (name, kind), arg in zip(sig.params, args, strict=True):
             if kind.endswith("*"):
@@ -59,8 +58,7 @@ class EmulatingLoader:
         named = dict(zip((n for n, _ in sig.params), args))
         assert grid[0] == named["num_v_heads"] and len(grid) == 2 and len(block) == 1
         self.launched.append(spec)
-        run = {GDN_DECODE_ONE[0]: self.lib.host_gdn_decode_one,
-               GDN_DECODE_SPLIT[0]: self.lib.host_gdn_decode_split}.get(spec, self.lib.host_gdn_decode)
+        run = self.lib.host_gdn_decode_one if spec == GDN_DECODE_ONE[0] else self.lib.host_gdn_decode
         run(*typed, grid[1], block[0])
 
 
@@ -68,7 +66,7 @@ class EmulatingLoader:
 def ops(tmp_path_factory) -> CudaOps:
     if not _LIB:
         handle = build_host_library("gdn_host.cpp", tmp_path_factory.mktemp("gdn"))
-        for run in (handle.host_gdn_decode, handle.host_gdn_decode_one, handle.host_gdn_decode_split):
+        for run in (handle.host_gdn_decode, handle.host_gdn_decode_one):
             run.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int] * 9 + [ctypes.c_float] + [ctypes.c_int] * 2
         _LIB.append(handle)
     return CudaOps(EmulatingLoader(_LIB[0]))
@@ -108,35 +106,6 @@ def test_the_one_row_entry_equals_the_general_one_bit_for_bit(ops, case, monkeyp
         assert torch.equal(got, want)
         assert torch.equal(one.conv_pool, general.conv_pool) and torch.equal(one.recurrent_pool, general.recurrent_pool)
     assert live_rows(rows).all()
-
-
-# One CTA of Dk = 4 Dv threads holds a whole head: the cluster entry's shapes the emulation can run
-# (a cluster of one), its thread taking a q and a k channel, the gated norm's sum gathered as on
-# the GPU from the CTA's warp sums; K of 4 and 2, one to three value heads a key head.
-SPLIT_ONE_CTA = [(1, 1, 2, 64, 16, 4), (1, 2, 1, 128, 32, 4), (1, 1, 3, 32, 8, 2), (1, 2, 2, 128, 32, 2)]
-
-
-@pytest.mark.parametrize("case", SPLIT_ONE_CTA, ids=case_id)
-def test_the_cluster_entry_equals_the_general_one_bit_for_bit(ops, case, monkeypatch):
-    """gdn_decode_split_bf16 (launched as a cluster of one CTA a head) against the general entry,
-    three steps from the same pools: the same output and pools, bit for bit. On a GPU the same
-    kernel splits Qwen3-Next's heads over 4 CTAs (tests/test_gdn_gpu.py)."""
-    rows, _, _, dk, dv, taps = case
-    split = gdn_layer(case)
-    general = copy_layer(split)
-    slots = row_slots(rows, split.conv_pool.shape[0] - 1)
-    for step in range(3):
-        positions = torch.tensor([START_POSITIONS[1] + step], dtype=torch.int32)
-        inputs = step_inputs(split, rows, 10 + step, True)
-        ops.loader.launched.clear()
-        monkeypatch.setattr(cuda_gdn, "gdn_split_ctas", lambda *shape: 1)
-        got = ops.gdn_decode(*inputs, split, slots, positions)
-        monkeypatch.undo()
-        want = ops.gdn_decode(*inputs, general, slots, positions)
-        assert ops.loader.launched == [GDN_DECODE_SPLIT[0], GDN_DECODE[0]]
-        assert torch.equal(got, want)
-        assert torch.equal(split.conv_pool, general.conv_pool)
-        assert torch.equal(split.recurrent_pool, general.recurrent_pool)
 
 
 def test_inputs_of_their_own_equal_views_of_one_projection(ops):

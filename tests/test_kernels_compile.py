@@ -145,13 +145,13 @@ def test_symbol_reader_rejects_non_elf():
 
 def test_registry_walk():
     names = [str(k) for k in all_kernels()]
-    # 4 core + 4 decode GEMVs + the decode step's end + 4 projections of up to 16 rows + 8 MoE (6 decode, 2 prefill) + 8 GDN (decode,
-    # batch 1's two decodes; the prefill's conv, inputs, chunk prep, walk and gated norm) + 2 WHT + 3 + 13
+    # 4 core + 4 decode GEMVs + the decode step's end + 4 projections of up to 16 rows + 8 MoE (6 decode, 2 prefill) + 7 GDN (decode and
+    # batch 1's decode; the prefill's conv, inputs, chunk prep, walk and gated norm) + 2 WHT + 3 + 13
     # writes + 16 fused rope_and_cache + (16 tensor-core decodes + the bf16 / fp8 one-launch decodes) at
     # head_dim 64 / 128 and at 256 + 3 batch-1 pair entries (64 / 128) + 16 dtypes x (a prefill and a
     # (decode, combine) pair per decode module)
     decode_modules = sum(len(row.decode) for row in KV_DTYPES.values())
-    assert len(names) == len(set(names)) == 4 + 5 + 1 + 4 + 8 + 8 + 2 + 16 + 16 + 2 * (16 + 4) + 3 + 16 + 2 * decode_modules == 173
+    assert len(names) == len(set(names)) == 4 + 5 + 1 + 4 + 8 + 7 + 2 + 16 + 16 + 2 * (16 + 4) + 3 + 16 + 2 * decode_modules == 172
     assert set(every_kernel()) == set(all_kernels())  # every registered kernel is launched by some dtype
     for spec in all_kernels():
         assert module_for(spec).path.is_file()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from metrale_cli.errors import MetraleError
-from metrale_cli.kernels import cuda_attention, cuda_gdn, cuda_launch, cuda_moe, cuda_ops
+from metrale_cli.kernels import cuda_attention, cuda_launch, cuda_moe, cuda_ops
 from metrale_cli.kernels.cuda_attention import decode_splits
 from metrale_cli.kernels.table import TC_LONG_KEYS_PER_SPLIT, TC_MIN_KEYS_PER_SPLIT
 from metrale_cli.kernels.kv_kernels import layer_kernels, required_kernels
@@ -700,45 +700,3 @@ def test_a_tensor_map_goes_by_value():
     loader._launch_ex(Driver(), fn, (1,), (160,), 0, 0, [tmap, np.int32(7)], True)
     assert seen == [(tmap.getPtr(), 7)]
     assert [kind for _, kind in sig.params][:2] == ["tmap", "tmap"]
-
-
-@pytest.mark.parametrize("rows, dk, dv, taps, ctas", [
-    (1, 128, 128, 4, 4),  # Qwen3-Next's and Qwen3.5's heads: 4 CTAs of 128 threads
-    (1, 64, 64, 4, 4),
-    (1, 32, 64, 2, 8),
-    (1, 128, 64, 4, 2),
-    (2, 128, 128, 4, 0),  # two rows: the general entry
-    (1, 16, 16, 4, 0),  # a block of 16 threads is not a warp
-    (1, 32, 128, 4, 0),  # 16 CTAs: past a portable cluster
-    (1, 128, 128, 5, 0),  # more taps than the one-row entry holds
-    (1, 128, 32, 4, 0),  # one CTA a head: the one-row entry
-    (1, 128, 256, 4, 0),  # the one-row entry's block would pass 512 threads
-])
-def test_batch_one_gdn_decode_splits_a_head_over_a_cluster_where_its_warps_allow(monkeypatch, rows, dk, dv, taps,
-                                                                                 ctas):
-    """gdn_decode_split_bf16 takes batch 1 where gdn_decode_one_bf16 would, with 4 Dv / Dk CTAs
-    a head (2 to 8) of Dk threads in whole warps of the one-CTA block, on a GPU with clusters."""
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(cuda_gdn, "clusters_available", lambda index: True)
-    assert cuda_gdn.gdn_split_ctas(rows, dk, dv, taps, cuda) == ctas
-    assert cuda_gdn.gdn_split_ctas(rows, dk, dv, taps, CPU) == 0
-    monkeypatch.setattr(cuda_gdn, "GDN_CLUSTER", False)
-    assert cuda_gdn.gdn_split_ctas(rows, dk, dv, taps, cuda) == 0
-    monkeypatch.setattr(cuda_gdn, "GDN_CLUSTER", True)
-    monkeypatch.setattr(cuda_gdn, "clusters_available", lambda index: False)
-    assert cuda_gdn.gdn_split_ctas(rows, dk, dv, taps, cuda) == 0
-
-
-def test_the_cluster_gdn_decode_is_launched_a_cluster_a_head(ops, monkeypatch):
-    """Qwen3-Next's 32 value heads of 128 at batch 1: 128 CTAs of 128 threads in clusters of 4,
-    programmatic; the arguments are the other entries'."""
-    from gdn_cases import gdn_layer, step_inputs
-
-    monkeypatch.setattr(cuda_gdn, "gdn_split_ctas", lambda rows, dk, dv, taps, device: 4)
-    layer = gdn_layer((1, 16, 2, 128, 128, 4))
-    slots, positions = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-    ops.gdn_decode(*step_inputs(layer, 1, 0, True), layer, slots, positions)
-    name, grid, block, args, _ = ops.loader.calls[-1]
-    assert (name, grid, block) == ("gdn::gdn_decode_split_bf16", (128, 1), (128,))
-    assert ops.loader.clusters[name] == (4, 1, 1) and name in ops.loader.programmatic
-    assert (args["num_v_heads"], args["head_k_dim"], args["head_v_dim"]) == (32, 128, 128)

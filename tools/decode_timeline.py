@@ -49,15 +49,13 @@ CHAIN = (("gemv", 0, "q/k/v gemv_norm"), ("paged_decode_tc", 0, "attention"), ("
 
 # A Gated DeltaNet layer's (--gdn) in place of CHAIN's first three: gdn_decode_one_bf16 is gdn's kind 1
 GDN_MIXER = (("gemv", 0, "in-proj gemv_norm"), ("gdn", 1, "gdn decode"), ("gemv", 1, "out-proj gemv_add"))
-GDN_CLUSTER = ("gdn", 2, "gdn decode (cluster)")  # gdn_decode_split_bf16, where batch 1 runs it
 
 
-def chain_for(head_dim: int, gdn: bool = False, gdn_cluster: bool = False) -> tuple:
+def chain_for(head_dim: int, gdn: bool = False) -> tuple:
     """CHAIN with the attention launch of ``head_dim``'s module (head_dim 256: paged_decode_tc_wide),
-    or with a Gated DeltaNet's launches in place of the attention's (``gdn_cluster``: its decode
-    in gdn_decode_split_bf16's clusters)."""
+    or with a Gated DeltaNet's launches in place of the attention's."""
     if gdn:
-        return (GDN_MIXER[0], GDN_CLUSTER if gdn_cluster else GDN_MIXER[1], GDN_MIXER[2]) + CHAIN[3:]
+        return GDN_MIXER + CHAIN[3:]
     attention = registry.tc_module(head_dim)
     return tuple((attention, kind, name) if module == "paged_decode_tc" else (module, kind, name)
                  for module, kind, name in CHAIN)
@@ -168,8 +166,7 @@ def main() -> None:
     print(f"batch-1 MoE layer, hidden {a.hidden}, {moe_layer_launches.mixer_name(a)}, "
           f"{a.experts} experts of {a.inter} (top {a.top_k}), context {a.context}, {a.layers} layers"
           f"{moe_layer_launches.forced(a)}: {us_layer:.2f} µs a layer in this replay (the timeline build)")
-    cluster = "gdn" in stamps and _launch(stamps["gdn"][GDN_CLUSTER[1], 1]) is not None
-    full = chain_for(a.head_dim, a.gdn, cluster)
+    full = chain_for(a.head_dim, a.gdn)
     chain = [key for key in full if key[0] in stamps and _launch(stamps[key[0]][key[1], 1]) is not None]
     rows, hops = _per_layer(stamps, chain, a.layers)
     _report(chain, rows, hops, [key[2] for key in full if key not in chain])

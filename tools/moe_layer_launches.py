@@ -10,7 +10,6 @@ no asserts). Qwen3-30B-A3B's shapes by default:
         --context 32768 --kv-cache-dtype turbo4  # its layer over a 32k turbo4 cache
     python -m tools.moe_layer_launches --attention-splits 6  # the decode split 6 ways, not by the rule
     python -m tools.moe_layer_launches --carveout 50  # every kernel asks for half an SM's most shared memory
-    python -m tools.moe_layer_launches --gdn --gdn-one-cta  # the GDN decode in one CTA a head (A/B)
 
 Every launch runs ``--layers`` times on distinct random weights (so a launch does not find its
 weights in L2 from the one before), replayed from one CUDA graph; the figure is µs per launch.
@@ -32,7 +31,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from metrale_cli.kernels import cuda_attention, cuda_gdn
+from metrale_cli.kernels import cuda_attention
 from metrale_cli.kernels.cases import kv_to, rope_decode_args, rope_decode_case
 from metrale_cli.kernels.cuda_ops import CudaOps
 from metrale_cli.kernels.ops import GdnTensors
@@ -78,8 +77,6 @@ def parser() -> argparse.ArgumentParser:
                    help=f"the one-launch decode's context splits, 1 to {TC_MAX_SPLITS} (0: the split rule's)")
     p.add_argument("--carveout", type=carveout, default=None,
                    help="every kernel asks for this shared-memory carveout, 0-100 percent (default: the driver's)")
-    p.add_argument("--gdn-one-cta", action="store_true",
-                   help="batch 1's GDN decode in one CTA a head where it would run in clusters (A/B)")
     return p
 
 
@@ -102,8 +99,7 @@ def force_attention_splits(splits: int) -> None:
 def forced(a: argparse.Namespace) -> str:
     """What the run forces beside the shape, for the tools' headers ('' when nothing)."""
     return ((f", the attention split {a.attention_splits} ways" if a.attention_splits else "")
-            + (f", every kernel at a {a.carveout}% carveout" if a.carveout is not None else "")
-            + (", the GDN decode in one CTA a head" if a.gdn_one_cta else ""))
+            + (f", every kernel at a {a.carveout}% carveout" if a.carveout is not None else ""))
 
 
 def mixer_name(a: argparse.Namespace) -> str:
@@ -175,8 +171,6 @@ def build(a: argparse.Namespace, ops: CudaOps, dev: str = "cuda") -> dict:
         force_attention_splits(a.attention_splits)
     if a.carveout is not None:
         ops.loader.carveout = a.carveout
-    if a.gdn_one_cta:
-        cuda_gdn.GDN_CLUSTER = False
     torch.manual_seed(0)
 
     def rand(*shape):

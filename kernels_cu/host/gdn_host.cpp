@@ -31,18 +31,3 @@ extern "C" void host_gdn_decode_one(const bf16_t* mixed, const bf16_t* z, const 
                             head_v_dim, taps, eps);
     });
 }
-
-// gdn_decode_split_bf16 over Hv CTAs of `threads` (= head_k_dim): the emulation runs no cluster, so
-// each head is one CTA of its rank 0, which takes all Dv columns where 4 Dv == head_k_dim.
-extern "C" void host_gdn_decode_split(const bf16_t* mixed, const bf16_t* z, const bf16_t* b, const bf16_t* a,
-                                      const bf16_t* conv, const float* a_log, const float* dt_bias, const bf16_t* norm,
-                                      float* conv_pool, float* state_pool, const int* slots, const int* positions,
-                                      bf16_t* out, int mixed_stride, int z_stride, int b_stride, int a_stride,
-                                      int num_k_heads, int num_v_heads, int head_k_dim, int head_v_dim, int taps,
-                                      float eps, int rows, int threads) {
-    run_grid(num_v_heads, rows, threads, [&] {
-        gdn_decode_split_bf16(mixed, z, b, a, conv, a_log, dt_bias, norm, conv_pool, state_pool, slots, positions,
-                              out, mixed_stride, z_stride, b_stride, a_stride, num_k_heads, num_v_heads, head_k_dim,
-                              head_v_dim, taps, eps);
-    });
-}

@@ -1,8 +1,7 @@
 """The cuda backend's Gated DeltaNet mixer (:meth:`~metrale_cli.kernels.ops.Ops.gdn_decode`).
 
 A decode step is one launch of gdn.cu: a CTA per (value head, row) runs the conv over the slot's
-window, the gated delta rule over the slot's state and the gated norm (batch 1, where the shape
-allows: a cluster of CTAs a head, each taking some of its columns), reading each row's slot and
+window, the gated delta rule over the slot's state and the gated norm, reading each row's slot and
 position on the device, so it neither syncs with the host nor allocates anything but its output,
 and a CUDA graph captures it. The four inputs are read in place when they are rows of one
 projection (the layer's split), copied only when misaligned. Prefill is the chunked form of
@@ -18,22 +17,17 @@ import torch
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels import gdn_chunked
 from metrale_cli.kernels.cuda_launch import CudaLauncher, _head_rows, _ready
-from metrale_cli.kernels.loader import PORTABLE_CLUSTER, clusters_available
 from metrale_cli.kernels.ops import GdnTensors
 from metrale_cli.kernels.registry import GDN_HEAD_K_DIMS
 from metrale_cli.kernels.table import (
     GDN_CHUNK_INPUTS, GDN_CHUNK_PREP, GDN_CHUNK_WALK, GDN_CONV, GDN_CONV_THREADS, GDN_CONV_TOKENS, GDN_DECODE,
-    GDN_DECODE_ONE, GDN_DECODE_SPLIT, GDN_GATED_NORM, GDN_MAX_DV, GDN_MAX_TAPS, GDN_ONE_MAX_TAPS, GDN_ONE_THREADS,
-    GDN_PREP_MAX_DV, GDN_PREP_THREADS, GDN_SPLIT, GDN_SPLIT_K_DIMS, GDN_WALK_COLS, GDN_WALK_MAX_DK, GDN_WALK_THREADS,
-    gdn_prep_shared_bytes, gdn_threads,
+    GDN_DECODE_ONE, GDN_GATED_NORM, GDN_MAX_DV, GDN_MAX_TAPS, GDN_ONE_MAX_TAPS, GDN_ONE_THREADS, GDN_PREP_MAX_DV,
+    GDN_PREP_THREADS, GDN_WALK_COLS, GDN_WALK_MAX_DK, GDN_WALK_THREADS, gdn_prep_shared_bytes, gdn_threads,
 )
 
 # Whether a one-row launch takes gdn_decode_one_bf16 where it serves the shape (False: never; an
 # A/B switch for the benches and the tests).
 GDN_ONE = True
-# Whether it takes gdn_decode_split_bf16 (a cluster of CTAs a head) where that serves the shape
-# (False: gdn_decode_one_bf16 there; an A/B switch).
-GDN_CLUSTER = True
 
 
 def gdn_decode_kernel(rows: int, dk: int, dv: int, taps: int):
@@ -42,19 +36,6 @@ def gdn_decode_kernel(rows: int, dk: int, dv: int, taps: int):
     threads = gdn_threads(dv)
     one = GDN_ONE and rows == 1 and 2 * dk <= threads <= GDN_ONE_THREADS and taps <= GDN_ONE_MAX_TAPS
     return GDN_DECODE_ONE if one else GDN_DECODE
-
-
-def gdn_split_ctas(rows: int, dk: int, dv: int, taps: int, device: torch.device) -> int:
-    """The CTAs a head of gdn_decode_split_bf16's clusters, where batch 1 takes it (0: it does
-    not): where gdn_decode_one_bf16 serves the shape and its 4 Dv threads split into 2 to 8 CTAs
-    of Dk threads (Dk of GDN_SPLIT_K_DIMS), each of whole warps of the one-CTA block (Dv / C a
-    multiple of 8), on a GPU that runs clusters."""
-    if not GDN_CLUSTER or gdn_decode_kernel(rows, dk, dv, taps) is not GDN_DECODE_ONE or dk not in GDN_SPLIT_K_DIMS:
-        return 0
-    ctas, rest = divmod(GDN_SPLIT * dv, dk)
-    if rest or not 2 <= ctas <= PORTABLE_CLUSTER or dv % (8 * ctas):
-        return 0
-    return ctas if device.type == "cuda" and clusters_available(device.index) else 0
 
 
 def check_gdn_shapes(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
@@ -96,15 +77,11 @@ class CudaGdn:
         out = torch.empty(rows, hv * dv, dtype=mixed.dtype, device=mixed.device)
         if rows:
             (m, m_stride), (zs, z_stride), (bs, b_stride), (as_, a_stride) = (_rows(t) for t in (mixed, z, b, a))
-            taps = layer.conv.shape[1]
-            args = (m, zs, bs, as_, _ready(layer.conv), _ready(layer.a_log), _ready(layer.dt_bias),
-                    _ready(layer.norm), layer.conv_pool, layer.recurrent_pool, _ready(slots), _ready(positions), out,
-                    m_stride, z_stride, b_stride, a_stride, layer.num_k_heads, hv, dk, dv, taps, layer.eps)
-            ctas = gdn_split_ctas(rows, dk, dv, taps, mixed.device)
-            if ctas:  # a head's columns over a cluster of CTAs of Dk threads
-                self._launch(GDN_DECODE_SPLIT, (hv * ctas, 1), (dk,), *args, pdl=True, cluster=(ctas, 1, 1))
-            else:
-                self._launch(gdn_decode_kernel(rows, dk, dv, taps), (hv, rows), (gdn_threads(dv),), *args, pdl=True)
+            kernel = gdn_decode_kernel(rows, dk, dv, layer.conv.shape[1])
+            self._launch(kernel, (hv, rows), (gdn_threads(dv),), m, zs, bs, as_, _ready(layer.conv),
+                         _ready(layer.a_log), _ready(layer.dt_bias), _ready(layer.norm), layer.conv_pool,
+                         layer.recurrent_pool, _ready(slots), _ready(positions), out, m_stride, z_stride, b_stride,
+                         a_stride, layer.num_k_heads, hv, dk, dv, layer.conv.shape[1], layer.eps, pdl=True)
         return out
 
     def gdn_prefill(self, mixed, z, b, a, layer: GdnTensors, slot: int, start_pos: int):

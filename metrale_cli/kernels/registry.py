@@ -136,8 +136,7 @@ MODULES: dict[str, KernelModule] = {
                                            "moe_gate_up_one_bf16", "moe_down_bf16",
                                            "moe_down_one_bf16", "moe_route_rows_bf16", "moe_combine_bf16")),
         # A Gated DeltaNet mixer's decode step: conv, the gated delta rule and the gated norm.
-        KernelModule("gdn", "gdn.cu", (), ("gdn_decode_bf16", "gdn_decode_one_bf16", "gdn_decode_split_bf16"),
-                     head_dims=GDN_HEAD_K_DIMS),
+        KernelModule("gdn", "gdn.cu", (), ("gdn_decode_bf16", "gdn_decode_one_bf16"), head_dims=GDN_HEAD_K_DIMS),
         # A Gated DeltaNet prefill: the conv, the rule's inputs, every chunk's own part, the walk over
         # the chunks (the outputs are two batched GEMMs) and the gated norm.
         KernelModule("gdn_prefill", "gdn_prefill.cu", (), ("gdn_chunk_walk_f32", "gdn_chunk_prep_f32",

@@ -201,10 +201,6 @@ GDN_DECODE = K("gdn::gdn_decode_bf16"), Signature.parse(
 GDN_DECODE_ONE = K("gdn::gdn_decode_one_bf16"), GDN_DECODE[1]
 GDN_ONE_THREADS = 512  # GDN_ONE_THREADS in gdn.cu (Dv <= 128)
 GDN_ONE_MAX_TAPS = 4  # GDN_ONE_MAX_TAPS in gdn.cu
-# Batch 1's over a cluster of CTAs a head, each taking Dv / C columns with a thread per q / k
-# channel (C = 4 Dv / Dk: Qwen3-Next's and Qwen3.5's 4): gdn_decode_one_bf16's outputs and pools.
-GDN_DECODE_SPLIT = K("gdn::gdn_decode_split_bf16"), GDN_DECODE[1]
-GDN_SPLIT_K_DIMS = (32, 64, 128)  # its instantiations (a block of Dk threads: whole warps)
 # The walk over a prefill's chunks of the chunked gated delta rule (gdn_prefill.cu): a CTA per
 # (sequence x head, GDN_WALK_COLS state columns).
 GDN_CHUNK_WALK = K("gdn_prefill::gdn_chunk_walk_f32"), Signature.parse(
@@ -257,8 +253,8 @@ def gdn_prep_shared_bytes(dk: int, dv: int, chunk: int = 64) -> int:
                 + 3 * GDN_PREP_BLOCK * GDN_PREP_BLOCK)
 
 
-GDN_KERNELS = (GDN_DECODE[0], GDN_DECODE_ONE[0], GDN_DECODE_SPLIT[0], GDN_CHUNK_WALK[0], GDN_CHUNK_PREP[0],
-               GDN_CHUNK_INPUTS[0], GDN_CONV[0], GDN_GATED_NORM[0])
+GDN_KERNELS = (GDN_DECODE[0], GDN_DECODE_ONE[0], GDN_CHUNK_WALK[0], GDN_CHUNK_PREP[0], GDN_CHUNK_INPUTS[0],
+               GDN_CONV[0], GDN_GATED_NORM[0])
 GDN_MAX_DV = 256  # GDN_MAX_DV in gdn.cu
 GDN_SPLIT = 4  # gdn.cu's threads per state column (GDN_SPLIT)
 
