@@ -107,7 +107,7 @@ __device__ __forceinline__ void sort_descending(unsigned (&key)[V]) {
 // E + shared - 1, each weighted sigmoid(gate). Returns the lane's expert id (lanes below top_k).
 template <int V>
 __device__ int route_row(const bf16_t* logits, int* ids, float* weights, int* chosen, unsigned* count, int r,
-                         int num_experts, int top_k, int shared, int normalize) {
+                         int num_experts, int top_k, int shared, int normalize TL_ROW_PARAM) {
     const int lane = threadIdx.x & 31;
     const int slots = top_k + shared;
     const bf16_t* row = logits + (long long)r * (num_experts + (shared > 0));
@@ -128,7 +128,17 @@ __device__ int route_row(const bf16_t* logits, int* ids, float* weights, int* ch
         for (int v = 0; v < V; ++v) z += key[v] != 0u ? expf(key_logit(key[v]) - m) : 0.0f;
         z = warp_sum(z);
     }
+#ifdef METRALE_TIMELINE
+    if (tl_row != nullptr) {  // the measuring build's mark 6 waits for every key (tools/decode_timeline.py)
+        unsigned all = 0u;
+#pragma unroll
+        for (int v = 0; v < V; ++v) all ^= key[v];
+        asm volatile("" ::"r"(all));
+        TL_ROW_MARK(6);
+    }
+#endif
     sort_descending(key);
+    TL_ROW_MARK(7);
     unsigned mine = 0u, first = 0u;
     for (int s = 0; s < top_k; ++s) {
         const unsigned best = __reduce_max_sync(0xffffffffu, key[0]);
@@ -140,6 +150,7 @@ __device__ int route_row(const bf16_t* logits, int* ids, float* weights, int* ch
         if (s == 0) first = best;
         if (lane == s) mine = best;
     }
+    TL_ROW_MARK(8);
     const int mine_id = key_expert(mine);
     const float e = lane < top_k ? expf(key_logit(mine) - key_logit(first)) : 0.0f;
     const float total = normalize ? warp_sum(e) : z;
@@ -162,12 +173,15 @@ __device__ int route_row(const bf16_t* logits, int* ids, float* weights, int* ch
 
 // route_row with V sized to the experts a lane holds.
 __device__ int route_row_any(const bf16_t* logits, int* ids, float* weights, int* chosen, unsigned* count, int r,
-                             int num_experts, int top_k, int shared, int normalize) {
+                             int num_experts, int top_k, int shared, int normalize TL_ROW_PARAM) {
     const int per_lane = (num_experts + 31) / 32;
-    if (per_lane <= 4) return route_row<4>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
-    if (per_lane <= 8) return route_row<8>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
-    if (per_lane <= 16) return route_row<16>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
-    return route_row<32>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
+    if (per_lane <= 4)
+        return route_row<4>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize TL_ROW_ARG);
+    if (per_lane <= 8)
+        return route_row<8>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize TL_ROW_ARG);
+    if (per_lane <= 16)
+        return route_row<16>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize TL_ROW_ARG);
+    return route_row<32>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize TL_ROW_ARG);
 }
 
 // The routing CTA's shared scratch: each pair's expert, each expert's pair count and fill.
@@ -182,7 +196,8 @@ struct RouteScratch {
 // plan over the E + shared experts and experts_read (rows >= 1). One row (batch 1) has a pair an
 // expert, so warp 0 ranks its slots by id instead of counting and scanning every expert.
 __device__ void route_plan(const bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read,
-                           int rows, int num_experts, int top_k, int shared, int normalize, RouteScratch& sh) {
+                           int rows, int num_experts, int top_k, int shared, int normalize,
+                           RouteScratch& sh TL_ROW_PARAM) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int total = num_experts + shared, per_lane = (total + 31) / 32, slots = top_k + shared;
     int* chosen = sh.chosen;
@@ -190,7 +205,7 @@ __device__ void route_plan(const bf16_t* logits, int* ids, float* weights, int* 
     if (rows == 1 && slots <= 32) {  // one pair an expert: the plan is the row's slots in id order
         if (warp != 0) return;
         const int routed = route_row_any(logits, ids, weights, chosen, count, 0, num_experts, top_k, shared,
-                                         normalize);  // count unread
+                                         normalize TL_ROW_ARG);  // count unread
         const int e = lane < top_k ? routed : num_experts + lane - top_k;  // slot `lane`'s expert
         int rank = 0;  // the ids are distinct
 #pragma unroll
@@ -326,7 +341,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
         cluster_arrive();  // CTA 0 has every logit: the others may leave
         TL_MARK(4);
         if (first) route_plan(gathered, ids, weights, plan, experts_read, 1, num_experts, top_k, shared, normalize,
-                              *reinterpret_cast<RouteScratch*>(xs));
+                              *reinterpret_cast<RouteScratch*>(xs) TL_ROW_HERE);
         cluster_wait();
         TL_MARK(5);
         return;
@@ -342,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     TL_MARK(4);
     if (is_last) {
         route_plan(logits, ids, weights, plan, experts_read, 1, num_experts, top_k, shared, normalize,
-                   *reinterpret_cast<RouteScratch*>(xs));
+                   *reinterpret_cast<RouteScratch*>(xs) TL_ROW_HERE);
     }
     TL_MARK(5);
 }

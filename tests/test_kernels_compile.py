@@ -45,11 +45,13 @@ def test_the_timeline_builds_compile():
         assert set(module.functions) <= set(result.symbols)
 
 
-def test_the_row_marks_build_compiles():
-    """tools/decode_timeline.py --row-marks: the one-launch decode's module with nine marks a CTA."""
+@pytest.mark.parametrize("name", ["paged_decode_tc", "moe"])
+def test_the_row_marks_build_compiles(name):
+    """tools/decode_timeline.py --row-marks: the one-launch decode's module (its staged rows) and
+    moe.cu (the router's routing warp) with nine marks a CTA."""
     from tools.decode_timeline import ROW_MARKS
 
-    module = MODULES["paged_decode_tc"]
+    module = MODULES[name]
     module = dataclasses.replace(module, defines=module.defines + (("METRALE_TIMELINE", "1"),
                                                                    ("TL_MARKS", str(ROW_MARKS))))
     cubin, log = kc.compile_cubin(module)

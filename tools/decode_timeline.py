@@ -24,7 +24,9 @@ taken (none where the splits combine in a cluster); router 2 = the row staged, 3
 plan read; down (batch 1's one CTA a column tile) 2 = every slot's y in shared memory; gdn decode
 2 = q and k normalised, 3 = the state updated, 4 = the gated norm's sum. With
 --row-marks the build keeps three more (TL_MARKS 9): the attention's 6, 7, 8 = warp 0's first,
-second and third staged row done (query heads 0 and 4, then the new key in the writing CTA).
+second and third staged row done (query heads 0 and 4, then the new key in the writing CTA); the
+router's routing warp (its one CTA) 6 = every logit loaded, 7 = its lanes' keys sorted, 8 = the top
+k rounds done.
 """
 
 from __future__ import annotations
@@ -158,7 +160,8 @@ def _report(chain: list, rows: dict, hops: list, missing: list) -> None:
 def main() -> None:
     p = moe_layer_launches.parser()
     p.add_argument("--row-marks", action="store_true",
-                   help="also stamp the attention's staged rows (marks 6-8; a build with TL_MARKS 9)")
+                   help="also stamp the attention's staged rows and the router's routing steps (marks 6-8; "
+                        "a build with TL_MARKS 9)")
     a = p.parse_args()
     if a.dense:
         raise SystemExit("decode_timeline follows a MoE layer's launches: --dense is not served")

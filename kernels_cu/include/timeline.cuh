@@ -39,7 +39,23 @@ struct Timeline {
 };
 #define TL_BEGIN(kind) const Timeline timeline_(kind)
 #define TL_MARK(m) timeline_.mark(m)
+// A device function's marks: it takes the CTA's row as a last parameter (null where its caller
+// has no timeline), passed on by TL_ROW_ARG and handed in by TL_ROW_HERE; a mark past the build's
+// TL_MARKS is not taken (moe.cu's routing warp: marks 6-8 in the TL_MARKS 9 build).
+#define TL_ROW_PARAM , unsigned long long* tl_row = nullptr
+#define TL_ROW_ARG , tl_row
+#define TL_ROW_HERE , timeline_.row
+#define TL_ROW_MARK(m)                                            \
+    do {                                                          \
+        if ((m) < TL_MARKS && tl_row != nullptr) tl_row[m] = tl_now(); \
+    } while (0)
 #else
 #define TL_BEGIN(kind)
 #define TL_MARK(m)
+#define TL_ROW_PARAM
+#define TL_ROW_ARG
+#define TL_ROW_HERE
+#define TL_ROW_MARK(m) \
+    do {               \
+    } while (0)
 #endif
