@@ -347,11 +347,8 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
         return;
     }
     if (threadIdx.x == 0) {
-        __threadfence();
-        const bool last = atomicAdd(counter, 1u) == gridDim.x - 1;
-        if (last) atomicExch(counter, 0u);  // zero again for the next launch
-        __threadfence();
-        is_last = last;
+        const unsigned last = gridDim.x - 1;  // the last CTA's count sets the word back to zero
+        is_last = atomic_inc_acq_rel(counter, last) == last;
     }
     __syncthreads();
     TL_MARK(4);

@@ -128,22 +128,6 @@ __device__ void combine_rows(const SplitCombine& c, CombineShared& sh, long long
     for (int idx = threadIdx.x; idx < rows * D; idx += TC_THREADS) c.out[head0 * D + idx] = f32_to_bf16(stage[idx]);
 }
 
-// *p += v at GPU scope, releasing what the CTA wrote before its barrier (the release is cumulative
-// over the writes bar.sync ordered before it) and acquiring what the adds before it released: one
-// trip to L2, where two fences and a relaxed add took three.
-__device__ __forceinline__ unsigned atomic_add_acq_rel(unsigned* p, unsigned v) {
-#if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__)
-    unsigned old;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-    return old;
-#else
-    __threadfence();
-    const unsigned old = atomicAdd(p, v);
-    __threadfence();
-    return old;
-#endif
-}
-
 // Whether this CTA is the last of its item's `active` splits to finish (its partials written).
 __device__ bool last_split(const SplitCombine& c, CombineShared& sh, int item, int active) {
     __syncthreads();  // every thread's partials are written
