@@ -276,7 +276,8 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
 // finish (counter: a zeroed word, left zero) routes the row as moe_route_bf16 does, its scratch
 // in the staged row's shared memory. Launched as one cluster (grid <= MOE_ROUTER_CLUSTER), CTA 0
 // routes instead, after a cluster barrier, from the logits it gathers from the CTAs' shared
-// memory: no counter, no logits read back through L2. The router rows are loaded before the PDL wait (a constant).
+// memory: no counter, and no logits in global memory (logits is left unwritten). The router rows
+// are loaded before the PDL wait (a constant).
 // router (E [+ 1 with shared slots: the shared expert's gate], hidden) bf16; hidden % 8 == 0,
 // hidden <= GEMV_MAX_K, every pointer 16-byte aligned; E + shared <= MOE_MAX_EXPERTS, k <= min(E,
 // 32). grid ceil(router rows / GEMV_WARPS), block GEMV_THREADS.
@@ -294,6 +295,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     TL_BEGIN(0);
     const int lane = threadIdx.x & 31, e = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int chunks = hidden / 8, num_logits = num_experts + (shared > 0);
+    const bool clustered = cluster_ctas() > 1;
     const bf16_t* row = router + (long long)e * hidden;
     Chunk first[ROUTER_U];
 #pragma unroll
@@ -326,11 +328,14 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
             }
         }
         acc = warp_sum(acc);
-        if (lane == 0) logits[e] = f32_to_bf16(acc), mine[threadIdx.x >> 5] = round_bf16(acc);
+        if (lane == 0) {  // a cluster's logits stay in shared memory: no global store for its barrier to wait on
+            if (!clustered) logits[e] = f32_to_bf16(acc);
+            mine[threadIdx.x >> 5] = round_bf16(acc);
+        }
     }
     __syncthreads();  // every logit of the CTA stored, xs no longer read
     TL_MARK(3);
-    if (cluster_ctas() > 1) {  // the grid is one cluster
+    if (clustered) {  // the grid is one cluster
         const bool first = cluster_rank() == 0;
         cluster_sync();  // every CTA's logits in its shared memory
         if (first) {
@@ -338,7 +343,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
                 gathered[i] = f32_to_bf16(cluster_load(&mine[i % GEMV_WARPS], i / GEMV_WARPS));
             __syncthreads();
         }
-        cluster_arrive();  // CTA 0 has every logit: the others may leave
+        cluster_arrive_relaxed();  // CTA 0 has read every logit: the others may leave
         TL_MARK(4);
         if (first) route_plan(gathered, ids, weights, plan, experts_read, 1, num_experts, top_k, shared, normalize,
                               *reinterpret_cast<RouteScratch*>(xs) TL_ROW_HERE);

@@ -368,7 +368,8 @@ __device__ void patch_new_key(TcTile<D, F, F>& t, int key, const bf16_t* k, cons
 // holding its partial in shared memory: CTA `rank` reduces heads rank, rank + cluster, .. of the
 // chunk from the `active` splits' partials, read across the cluster, with combine_rows' arithmetic
 // in its order (the output is the counter path's bit for bit). One cluster barrier before (the
-// partials written), one after (no CTA leaves while another reads its shared memory).
+// partials written), one after (no CTA leaves while another reads its shared memory; relaxed, so
+// that it does not wait for the out stores).
 template <int D>
 __device__ void cluster_combine(const RopeDecodeArgs& a, RopeDecodeShared& sh, long long head0, int rows,
                                 int active) {
@@ -401,7 +402,8 @@ __device__ void cluster_combine(const RopeDecodeArgs& a, RopeDecodeShared& sh, l
         const float t = sh.combine.total[i];
         a.out[(head0 + r) * D + d] = f32_to_bf16(t > 0.0f ? val / t : 0.0f);
     }
-    cluster_sync();
+    cluster_arrive_relaxed();  // the out stores need no release: the launch's end publishes them
+    cluster_wait();
 }
 
 // PRE (the _preload entries, which the host takes where a KV head has few query heads: the

@@ -33,6 +33,16 @@ __device__ __forceinline__ void cluster_arrive() {
 #endif
 }
 
+// cluster_arrive without its release: for a barrier that only keeps a CTA's shared memory alive
+// until the others are done reading it. Their reads have returned by then (each value is used
+// before the arrive), and the arrive does not wait for the global stores before it, as a release
+// does.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#ifdef METRALE_CLUSTERS
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void cluster_wait() {
 #ifdef METRALE_CLUSTERS
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
