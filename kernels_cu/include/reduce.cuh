@@ -34,33 +34,32 @@ __device__ __forceinline__ float block_sum(float v) {
 
 // Counters across the CTAs of a grid (the last CTA to finish a piece of work does what follows it).
 
-// *p += v at GPU scope, releasing what the CTA wrote before its barrier (the release is cumulative
-// over the writes bar.sync ordered before it) and acquiring what the adds before it released: one
-// trip to L2, where two fences and a relaxed add took three.
-__device__ __forceinline__ unsigned atomic_add_acq_rel(unsigned* p, unsigned v) {
+// *p += v at GPU scope (WRAP: *p = *p >= v ? 0 : *p + 1), returning the old value, releasing what
+// the CTA wrote before its barrier (the release is cumulative over the writes bar.sync ordered
+// before it) and acquiring what the adds before it released: one trip to L2, where two fences and
+// a relaxed add took three.
+template <bool WRAP>
+__device__ __forceinline__ unsigned atomic_acq_rel(unsigned* p, unsigned v) {
 #if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__)
     unsigned old;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    if constexpr (WRAP)
+        asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    else
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
     return old;
 #else
     __threadfence();
-    const unsigned old = atomicAdd(p, v);
+    const unsigned old = *p;
+    *p = WRAP ? (old >= v ? 0u : old + 1u) : old + v;
     __threadfence();
     return old;
 #endif
 }
 
-// *p = *p >= last ? 0 : *p + 1 at GPU scope, returning the old value, with atomic_add_acq_rel's
-// ordering: a last-CTA counter whose last count sets it back to zero for the next launch in the
-// same trip to L2 (no exchange after it).
+__device__ __forceinline__ unsigned atomic_add_acq_rel(unsigned* p, unsigned v) { return atomic_acq_rel<false>(p, v); }
+
+// A last-CTA counter whose last count (`last`) sets it back to zero for the next launch in the same
+// trip to L2 (no exchange after it).
 __device__ __forceinline__ unsigned atomic_inc_acq_rel(unsigned* p, unsigned last) {
-#if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__)
-    unsigned old;
-    asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(last) : "memory");
-    return old;
-#else
-    const unsigned old = *p;
-    *p = old >= last ? 0u : old + 1u;
-    return old;
-#endif
+    return atomic_acq_rel<true>(p, last);
 }
