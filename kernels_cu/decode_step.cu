@@ -8,6 +8,7 @@
 // a fence on either side of its atomic, as in paged_decode_tc.cu) reduces the keys and advances
 // the row.
 #include "numeric.cuh"
+#include "reduce.cuh"
 
 #define STEP_THREADS 256
 #define STEP_MAX_SLICES 128
@@ -69,11 +70,8 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
     if (t == 0) {
         for (int w = 1; w < STEP_THREADS / 32; ++w) best = max_key(best, warp_best[w]);
         keys[(long long)r * STEP_MAX_SLICES + blockIdx.x] = best;
-        __threadfence();
-        const bool last = atomicAdd(counters + r, 1u) == (unsigned)slices - 1;
-        if (last) atomicExch(counters + r, 0u);  // zero again for the next launch
-        __threadfence();
-        is_last = last;
+        const unsigned final_count = (unsigned)slices - 1;  // the last CTA's count sets the word back to zero
+        is_last = atomic_inc_acq_rel(counters + r, final_count) == final_count;
     }
     __syncthreads();
     if (!is_last || t >= 32) return;

@@ -786,8 +786,8 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
     __syncthreads();  // this CTA's y is written
     TL_MARK(3);
     if (threadIdx.x == 0) {
-        __threadfence();
-        last = atomicAdd(counters + blockIdx.x, 1u) == (unsigned)plan[0] - 1;
+        const unsigned final_count = (unsigned)plan[0] - 1;  // the last CTA's count sets the word back to zero
+        last = atomic_inc_acq_rel(counters + blockIdx.x, final_count) == final_count;
     }
     __syncthreads();
     TL_MARK(4);
@@ -795,7 +795,6 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
         TL_MARK(5);
         return;
     }
-    __threadfence();
     for (int i = threadIdx.x; i < rows * MOE_TC_ROWS; i += blockDim.x) {
         const int r = i / MOE_TC_ROWS, col = j0 + i % MOE_TC_ROWS;
         if (col >= hidden) continue;
@@ -805,6 +804,5 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
         if (residual != nullptr) s = bf16_to_f32(residual[(long long)r * hidden + col]) + s;
         out[(long long)r * hidden + col] = f32_to_bf16(s);
     }
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0;
     TL_MARK(5);
 }
