@@ -4,8 +4,8 @@
 //   moe_route_bf16     one CTA: each row's top-k of the router's logits (the softmax's top k;
 //                      ties to the lower expert id, as torch.topk), weighted by the softmax,
 //                      renormalized when asked; then the
-//                      plan: the experts some row chose, ascending, and each one's (row, slot)
-//                      pairs; and the count of experts read.
+//                      plan: the experts some row chose, ascending (one row: in slot order), and
+//                      each one's (row, slot) pairs; and the count of experts read.
 //   moe_router_bf16    batch 1: the FFN's RMSNorm, the router's GEMV and moe_route_bf16's work
 //                      in one launch (the last CTA routes).
 //   moe_gate_up_bf16   per chosen expert and 16 columns of its width: silu(gate·x) * (up·x) for
@@ -35,8 +35,9 @@
 // so the shared expert costs no launch of its own. Below, k counts a row's slots (top_k + shared)
 // and E the experts (routed + shared) where the plan and the expert kernels are concerned.
 //
-// The plan (int32): plan[0] = chosen experts n; plan[1 .. 1+E) their ids, ascending; plan[1+E ..
-// 2+2E) offsets (n + 1 entries) into the pairs plan[2+2E ..), each the index row * k + slot.
+// The plan (int32): plan[0] = chosen experts n; plan[1 .. 1+E) their ids, ascending (one row: in
+// slot order, so entry s is slot s's); plan[1+E .. 2+2E) offsets (n + 1 entries) into the pairs
+// plan[2+2E ..), each the index row * k + slot. No expert kernel's value depends on the order.
 #include "cluster.cuh"
 #include "gemv.cuh"
 #include "mma.cuh"
