@@ -4,8 +4,8 @@
 //   moe_route_bf16     one CTA: each row's top-k of the router's logits (the softmax's top k;
 //                      ties to the lower expert id, as torch.topk), weighted by the softmax,
 //                      renormalized when asked; then the
-//                      plan: the experts some row chose, ascending, and each one's (row, slot)
-//                      pairs; and the count of experts read.
+//                      plan: the experts some row chose, ascending (one row: in slot order), and
+//                      each one's (row, slot) pairs; and the count of experts read.
 //   moe_router_bf16    batch 1: the FFN's RMSNorm, the router's GEMV and moe_route_bf16's work
 //                      in one launch (the last CTA routes).
 //   moe_gate_up_bf16   per chosen expert and 16 columns of its width: silu(gate·x) * (up·x) for
@@ -35,8 +35,9 @@
 // so the shared expert costs no launch of its own. Below, k counts a row's slots (top_k + shared)
 // and E the experts (routed + shared) where the plan and the expert kernels are concerned.
 //
-// The plan (int32): plan[0] = chosen experts n; plan[1 .. 1+E) their ids, ascending; plan[1+E ..
-// 2+2E) offsets (n + 1 entries) into the pairs plan[2+2E ..), each the index row * k + slot.
+// The plan (int32): plan[0] = chosen experts n; plan[1 .. 1+E) their ids, ascending (one row: in
+// slot order, so entry s is slot s's); plan[1+E .. 2+2E) offsets (n + 1 entries) into the pairs
+// plan[2+2E ..), each the index row * k + slot. No expert kernel's value depends on the order.
 #include "cluster.cuh"
 #include "gemv.cuh"
 #include "mma.cuh"
@@ -101,7 +102,8 @@ __device__ __forceinline__ void sort_descending(unsigned (&key)[V]) {
 // slot s. Its weight is exp(l_s - m) (m the largest logit) over the k slots' sum when normalized,
 // which is HF's p_s / sum of the k p's with the softmax's denominator cancelled, else over the sum
 // of every expert's exp(l - m): the row's exponentials are taken only there, and a lane divides
-// once. The chosen ids go to `chosen` and are counted per expert after the rounds. With `shared`
+// once. Where `count` is given, the chosen ids also go to `chosen` and are counted per expert after
+// the rounds. With `shared`
 // slots the row's logits hold one more, the shared expert's gate, after the E routed ones (loaded
 // with the others); the row's slots top_k .. top_k + shared - 1 are the shared expert's chunks E ..
 // E + shared - 1, each weighted sigmoid(gate). Returns the lane's expert id (lanes below top_k).
@@ -155,17 +157,23 @@ __device__ int route_row(const bf16_t* logits, int* ids, float* weights, int* ch
     const float e = lane < top_k ? expf(key_logit(mine) - key_logit(first)) : 0.0f;
     const float total = normalize ? warp_sum(e) : z;
     if (lane < top_k) {
-        chosen[r * slots + lane] = ids[r * slots + lane] = mine_id;
-        atomicAdd(&count[mine_id], 1u);
+        ids[r * slots + lane] = mine_id;
         weights[r * slots + lane] = e / total;
+        if (count != nullptr) {
+            chosen[r * slots + lane] = mine_id;
+            atomicAdd(&count[mine_id], 1u);
+        }
     }
     if (shared > 0) {
         const float gate = 1.0f / (1.0f + expf(-bf16_to_f32(gate_logit)));
         for (int j = lane; j < shared; j += 32) {
             const int q = r * slots + top_k + j;
-            chosen[q] = ids[q] = num_experts + j;
+            ids[q] = num_experts + j;
             weights[q] = gate;
-            atomicAdd(&count[num_experts + j], 1u);
+            if (count != nullptr) {
+                chosen[q] = num_experts + j;
+                atomicAdd(&count[num_experts + j], 1u);
+            }
         }
     }
     return mine_id;
@@ -194,7 +202,9 @@ struct RouteScratch {
 
 // moe_route_bf16's work, by the whole CTA (a warp per row at a time): every row routed, then the
 // plan over the E + shared experts and experts_read (rows >= 1). One row (batch 1) has a pair an
-// expert, so warp 0 ranks its slots by id instead of counting and scanning every expert.
+// expert, so warp 0 writes the plan in slot order (plan entry s: slot s's expert and pair) instead
+// of counting and scanning every expert: the expert kernels' values do not depend on the plan's
+// order (each pair's act row and y are its own; the down sums a row's slots in slot order).
 __device__ void route_plan(const bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read,
                            int rows, int num_experts, int top_k, int shared, int normalize,
                            RouteScratch& sh TL_ROW_PARAM) {
@@ -202,21 +212,14 @@ __device__ void route_plan(const bf16_t* logits, int* ids, float* weights, int* 
     const int total = num_experts + shared, per_lane = (total + 31) / 32, slots = top_k + shared;
     int* chosen = sh.chosen;
     unsigned *count = sh.count, *fill = sh.fill;
-    if (rows == 1 && slots <= 32) {  // one pair an expert: the plan is the row's slots in id order
+    if (rows == 1 && slots <= 32) {  // one pair an expert: the plan is the row's slots in slot order
         if (warp != 0) return;
-        const int routed = route_row_any(logits, ids, weights, chosen, count, 0, num_experts, top_k, shared,
-                                         normalize TL_ROW_ARG);  // count unread
-        const int e = lane < top_k ? routed : num_experts + lane - top_k;  // slot `lane`'s expert
-        int rank = 0;  // the ids are distinct
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-            const int other = __shfl_sync(0xffffffffu, e, j);
-            rank += j < slots && other < e;
-        }
+        const int routed = route_row_any(logits, ids, weights, nullptr, nullptr, 0, num_experts, top_k, shared,
+                                         normalize TL_ROW_ARG);
         if (lane < slots) {
-            plan[1 + rank] = e;
-            plan[1 + total + rank] = rank;
-            plan[2 + 2 * total + rank] = lane;
+            plan[1 + lane] = lane < top_k ? routed : num_experts + lane - top_k;  // slot `lane`'s expert
+            plan[1 + total + lane] = lane;
+            plan[2 + 2 * total + lane] = lane;
         }
         if (lane == 0) {
             plan[0] = slots;
@@ -596,6 +599,27 @@ __device__ __forceinline__ ExpertRows down_rows(const bf16_t* down, const bf16_t
     return {shared + (long long)c * inter, 0, shared_width, min(inter, shared_width - c * inter)};
 }
 
+// The plan's entry `slot` (its expert e and pairs [lo, hi)), if the plan has that many experts. The
+// four words load together, so a launch takes one trip to L2 for them, not the count's and then the
+// entry's: every word read is inside the plan (slot < E), and a slot past the count uses none.
+// (Volatile loads: plain ones the compiler moves after the count's branch, one trip behind it.)
+__device__ __forceinline__ int load_plan_word(const int* p) {
+#ifdef METRALE_HOST_EMULATION
+    return *p;
+#else
+    int v;
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+#endif
+}
+__device__ __forceinline__ bool plan_entry(const int* plan, int slot, int num_experts, int& e, int& lo, int& hi) {
+    const int n = load_plan_word(plan);
+    e = load_plan_word(plan + 1 + slot);
+    lo = load_plan_word(plan + 1 + num_experts + slot);
+    hi = load_plan_word(plan + 2 + num_experts + slot);
+    return slot < n;
+}
+
 // act (rows * top_k, inter) = silu(gate_e · x) * (up_e · x) for each pair's expert e. gate_up (E -
 // chunks, 2 * inter, hidden); shared_gate_up (2 * shared_width, hidden) or null (shared_width 0);
 // hidden % 8 == 0. grid (ceil(inter / 16), min(E, rows * top_k)), block MOE_TC_THREADS.
@@ -608,11 +632,11 @@ __device__ void gate_up_tiles(const bf16_t* x, const bf16_t* gate_up, const bf16
     pdl_launch_dependents();
     TL_MARK(1);
     const int slot = blockIdx.y;
-    if (slot >= plan[0]) {
+    int e, lo, hi;
+    if (!plan_entry(plan, slot, num_experts, e, lo, hi)) {
         TL_MARK(5);
         return;
     }
-    const int e = plan[1 + slot], lo = plan[1 + num_experts + slot], hi = plan[2 + num_experts + slot];
     TL_MARK(2);
     const int j0 = blockIdx.x * MOE_TC_ROWS;
     const ExpertRows er = gate_up_rows(gate_up, shared_gate_up, e, num_experts, hidden, inter, shared_width);
@@ -757,11 +781,11 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
     pdl_launch_dependents();
     TL_MARK(1);
     const int slot = blockIdx.y;
-    if (slot >= plan[0]) {
+    int e, lo, hi;
+    if (!plan_entry(plan, slot, num_experts, e, lo, hi)) {
         TL_MARK(5);
         return;
     }
-    const int e = plan[1 + slot], lo = plan[1 + num_experts + slot], hi = plan[2 + num_experts + slot];
     TL_MARK(2);
     const int j0 = blockIdx.x * MOE_TC_ROWS;
     const ExpertRows er = down_rows(down, shared_down, e, num_experts, hidden, inter, shared_width);
