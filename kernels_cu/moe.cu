@@ -102,11 +102,11 @@ __device__ __forceinline__ void sort_descending(unsigned (&key)[V]) {
 // slot s. Its weight is exp(l_s - m) (m the largest logit) over the k slots' sum when normalized,
 // which is HF's p_s / sum of the k p's with the softmax's denominator cancelled, else over the sum
 // of every expert's exp(l - m): the row's exponentials are taken only there, and a lane divides
-// once. Where `count` is given, the chosen ids also go to `chosen` and are counted per expert after
-// the rounds. With `shared`
-// slots the row's logits hold one more, the shared expert's gate, after the E routed ones (loaded
-// with the others); the row's slots top_k .. top_k + shared - 1 are the shared expert's chunks E ..
-// E + shared - 1, each weighted sigmoid(gate). Returns the lane's expert id (lanes below top_k).
+// once. Where `count` is given (null: one row's plan, which needs neither), the chosen ids also go
+// to `chosen` and are counted per expert after the rounds. With `shared` slots the row's logits
+// hold one more, the shared expert's gate, after the E routed ones (loaded with the others); the
+// row's slots top_k .. top_k + shared - 1 are the shared expert's chunks E .. E + shared - 1, each
+// weighted sigmoid(gate). Returns the lane's expert id (lanes below top_k).
 template <int V>
 __device__ int route_row(const bf16_t* logits, int* ids, float* weights, int* chosen, unsigned* count, int r,
                          int num_experts, int top_k, int shared, int normalize TL_ROW_PARAM) {
@@ -602,7 +602,7 @@ __device__ __forceinline__ ExpertRows down_rows(const bf16_t* down, const bf16_t
 // The plan's entry `slot` (its expert e and pairs [lo, hi)), if the plan has that many experts. The
 // four words load together, so a launch takes one trip to L2 for them, not the count's and then the
 // entry's: every word read is inside the plan (slot < E), and a slot past the count uses none.
-// (Volatile loads: plain ones the compiler moves after the count's branch, one trip behind it.)
+// (Relaxed .gpu loads: ptxas moved plain loads, in C or in asm, below the count's branch.)
 __device__ __forceinline__ int load_plan_word(const int* p) {
 #ifdef METRALE_HOST_EMULATION
     return *p;
