@@ -603,21 +603,11 @@ __device__ __forceinline__ ExpertRows down_rows(const bf16_t* down, const bf16_t
 // The plan's entry `slot` (its expert e and pairs [lo, hi)), if the plan has that many experts. The
 // four words load together, so a launch takes one trip to L2 for them, not the count's and then the
 // entry's: every word read is inside the plan (slot < E), and a slot past the count uses none.
-// (Relaxed .gpu loads: ptxas moved plain loads, in C or in asm, below the count's branch.)
-__device__ __forceinline__ int load_plan_word(const int* p) {
-#ifdef METRALE_HOST_EMULATION
-    return *p;
-#else
-    int v;
-    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-#endif
-}
 __device__ __forceinline__ bool plan_entry(const int* plan, int slot, int num_experts, int& e, int& lo, int& hi) {
-    const int n = load_plan_word(plan);
-    e = load_plan_word(plan + 1 + slot);
-    lo = load_plan_word(plan + 1 + num_experts + slot);
-    hi = load_plan_word(plan + 2 + num_experts + slot);
+    const int n = load_in_order(plan);  // (plain loads: ptxas moved the entry's below the count's branch)
+    e = load_in_order(plan + 1 + slot);
+    lo = load_in_order(plan + 1 + num_experts + slot);
+    hi = load_in_order(plan + 2 + num_experts + slot);
     return slot < n;
 }
 
