@@ -70,8 +70,7 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
     if (t == 0) {
         for (int w = 1; w < STEP_THREADS / 32; ++w) best = max_key(best, warp_best[w]);
         keys[(long long)r * STEP_MAX_SLICES + blockIdx.x] = best;
-        const unsigned final_count = (unsigned)slices - 1;  // the last CTA's count sets the word back to zero
-        is_last = atomic_inc_acq_rel(counters + r, final_count) == final_count;
+        is_last = last_arrival(counters + r, (unsigned)slices);
     }
     __syncthreads();
     if (!is_last || t >= 32) return;

@@ -355,8 +355,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
         return;
     }
     if (threadIdx.x == 0) {
-        const unsigned last = gridDim.x - 1;  // the last CTA's count sets the word back to zero
-        is_last = atomic_inc_acq_rel(counter, last) == last;
+        is_last = last_arrival(counter, gridDim.x);
     }
     __syncthreads();
     TL_MARK(4);
@@ -807,8 +806,7 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
     __syncthreads();  // this CTA's y is written
     TL_MARK(3);
     if (threadIdx.x == 0) {
-        const unsigned final_count = (unsigned)plan[0] - 1;  // the last CTA's count sets the word back to zero
-        last = atomic_inc_acq_rel(counters + blockIdx.x, final_count) == final_count;
+        last = last_arrival(counters + blockIdx.x, (unsigned)plan[0]);
     }
     __syncthreads();
     TL_MARK(4);

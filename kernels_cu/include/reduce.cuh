@@ -58,8 +58,8 @@ __device__ __forceinline__ unsigned atomic_acq_rel(unsigned* p, unsigned v) {
 
 __device__ __forceinline__ unsigned atomic_add_acq_rel(unsigned* p, unsigned v) { return atomic_acq_rel<false>(p, v); }
 
-// A last-CTA counter whose last count (`last`) sets it back to zero for the next launch in the same
-// trip to L2 (no exchange after it).
-__device__ __forceinline__ unsigned atomic_inc_acq_rel(unsigned* p, unsigned last) {
-    return atomic_acq_rel<true>(p, last);
+// Whether this is the last of `arrivals` arrivals at a zeroed counter: its increment sets the word
+// back to zero for the next launch in the same trip to L2 (no exchange after it).
+__device__ __forceinline__ bool last_arrival(unsigned* counter, unsigned arrivals) {
+    return atomic_acq_rel<true>(counter, arrivals - 1) == arrivals - 1;
 }
