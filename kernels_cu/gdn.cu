@@ -176,10 +176,16 @@ __device__ void gdn_head(const GdnArgs& g) {
         pdl_wait();
         pdl_launch_dependents();
         TL_MARK(1);
-        const float iq = qk ? bf16_to_f32(g.mixed[cq]) : 0.0f, iv = column ? bf16_to_f32(g.mixed[cv]) : 0.0f;
-        z = lead ? bf16_to_f32(g.z[h * dv + j]) : 0.0f;
-        b_in = bf16_to_f32(g.b[h]);
-        a_in = bf16_to_f32(g.a[h]);
+        // The in-projection's outputs, loaded together (load_in_order; a thread that uses one not
+        // reads element 0): one trip to L2, where plain loads under their conditions were three trips
+        // in a row (each converted inside its branch before the next load issued).
+        const bf16_t mq = load_in_order(g.mixed + (qk ? cq : 0)), mv = load_in_order(g.mixed + (column ? cv : 0));
+        const bf16_t mz = load_in_order(g.z + (lead ? h * dv + j : 0));
+        const bf16_t mb = load_in_order(g.b + h), ma = load_in_order(g.a + h);
+        const float iq = qk ? bf16_to_f32(mq) : 0.0f, iv = column ? bf16_to_f32(mv) : 0.0f;
+        z = lead ? bf16_to_f32(mz) : 0.0f;
+        b_in = bf16_to_f32(mb);
+        a_in = bf16_to_f32(ma);
         // conv_channel's sums: the taps oldest first, the new input last
         float aq = 0.0f, av = 0.0f;
 #pragma unroll

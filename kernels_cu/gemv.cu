@@ -53,6 +53,12 @@ __device__ void gemv(const bf16_t* w, const bf16_t* x, const bf16_t* residual, c
     pdl_wait();
     pdl_launch_dependents();
     TL_MARK(1);
+    // ADD: lane 0 loads its task's residual element when the task starts, not after its sum, so
+    // the trip to L2 runs under the staging and the stream instead of between the sum and the store
+    // (out may alias residual: each element is read and then written by one lane).
+    bf16_t res = 0;
+    if constexpr (EPI == ADD)
+        if (lane == 0 && t < tasks) res = residual[t];
     if constexpr (GATED)
         stage_row<false>(xs, GatedRow{x, gate}, nullptr, nullptr, nullptr, k, eps);
     else
@@ -84,7 +90,8 @@ __device__ void gemv(const bf16_t* w, const bf16_t* x, const bf16_t* residual, c
                 } else if constexpr (EPI == STORE) {
                     out[t] = f32_to_bf16(acc[0]);
                 } else if constexpr (EPI == ADD) {
-                    out[t] = f32_to_bf16(bf16_to_f32(residual[t]) + round_bf16(acc[0]));
+                    out[t] = f32_to_bf16(bf16_to_f32(res) + round_bf16(acc[0]));
+                    if (nt < tasks) res = residual[nt];
                 } else {
                     const float g = round_bf16(acc[0]), u = round_bf16(acc[1]);
                     out[t] = f32_to_bf16(round_bf16(g / (1.0f + expf(-g))) * u);

@@ -447,7 +447,8 @@ __device__ __forceinline__ Block16 load_block(const bf16_t* row, int k0, int kdi
 __device__ __forceinline__ unsigned block_word(const Block16& b, int w) { return b.c[w >> 2].w[w & 3]; }
 
 // TILES weight tiles of 16 rows share the B operand (gate/up: the gate rows and the up rows).
-template <int TILES>
+// SLOT_PAIRS: the plan is one row's, in slot order, so pair p is p and `pairs` is not read.
+template <int TILES, bool SLOT_PAIRS = false>
 struct TcWork {
     const bf16_t* w;     // the expert's weight rows: ld elements apart, the first wk of each read
     const bf16_t* in;    // input rows (kdim elements each)
@@ -494,7 +495,7 @@ struct TcWork {
 #pragma unroll
         for (int nt = 0; nt < MOE_TC_NT; ++nt) {
             const int p = base + nt * 8 + g;
-            const int q = p < hi ? pairs[p] : 0;
+            const int q = p >= hi ? 0 : SLOT_PAIRS ? p : pairs[p];
             xrow[nt] = p < hi ? in + (long long)(input_by_row ? q / top_k : q) * kdim : nullptr;
         }
         const bf16_t* wrow[TILES][2];
@@ -601,21 +602,11 @@ __device__ __forceinline__ ExpertRows down_rows(const bf16_t* down, const bf16_t
 // The plan's entry `slot` (its expert e and pairs [lo, hi)), if the plan has that many experts. The
 // four words load together, so a launch takes one trip to L2 for them, not the count's and then the
 // entry's: every word read is inside the plan (slot < E), and a slot past the count uses none.
-// (Relaxed .gpu loads: ptxas moved plain loads, in C or in asm, below the count's branch.)
-__device__ __forceinline__ int load_plan_word(const int* p) {
-#ifdef METRALE_HOST_EMULATION
-    return *p;
-#else
-    int v;
-    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-#endif
-}
 __device__ __forceinline__ bool plan_entry(const int* plan, int slot, int num_experts, int& e, int& lo, int& hi) {
-    const int n = load_plan_word(plan);
-    e = load_plan_word(plan + 1 + slot);
-    lo = load_plan_word(plan + 1 + num_experts + slot);
-    hi = load_plan_word(plan + 2 + num_experts + slot);
+    const int n = load_in_order(plan);  // (plain loads: ptxas moved the entry's below the count's branch)
+    e = load_in_order(plan + 1 + slot);
+    lo = load_in_order(plan + 1 + num_experts + slot);
+    hi = load_in_order(plan + 2 + num_experts + slot);
     return slot < n;
 }
 
@@ -683,11 +674,14 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
 // sums added in warp order; y = bf16(bf16(that) * bf16(weight)) per slot goes to shared memory, and
 // the tile's out = bf16(the slots' y summed in slot order) [then bf16(residual + that)]: the values
 // moe_down_bf16 gives. Arguments as moe_down_bf16's (top_k: the row's slots); grid ceil(hidden /
-// 16), block MOE_DOWN_ONE_WARPS * 32; top_k <= MOE_DOWN_ONE_SLOTS.
+// 16), block MOE_DOWN_ONE_WARPS * 32; top_k <= MOE_DOWN_ONE_SLOTS. The plan is a one-row plan
+// (route_plan's), in slot order: entry p is slot p, its one pair p, so neither offsets nor pairs
+// are read.
 #define MOE_DOWN_ONE_WARPS 32
 #define MOE_DOWN_ONE_SLOTS 32
 #ifndef MOE_DOWN_ONE_EARLY
-#define MOE_DOWN_ONE_EARLY 1  // round 0's first weight blocks loaded before the PDL wait (0: after it)
+#define MOE_DOWN_ONE_EARLY 1  // before the PDL wait: round 0's first weight blocks, the slots' weights and
+                              // the residual (0: all after it)
 #endif
 extern "C" __global__ void __launch_bounds__(MOE_DOWN_ONE_WARPS * 32, 1)
     moe_down_one_bf16(const bf16_t* act, const bf16_t* down, const bf16_t* shared_down, const int* plan,
@@ -695,29 +689,34 @@ extern "C" __global__ void __launch_bounds__(MOE_DOWN_ONE_WARPS * 32, 1)
                       int shared_width, int num_experts, int top_k) {
     __shared__ float part[MOE_DOWN_ONE_WARPS][MOE_TC_NT * 4][32];
     __shared__ float ys[MOE_DOWN_ONE_SLOTS][MOE_TC_ROWS];
+    __shared__ float slot_weight[MOE_DOWN_ONE_SLOTS];  // bf16(weights[s])
+    __shared__ bf16_t residual_tile[MOE_TC_ROWS];
     TL_BEGIN(3);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int j0 = blockIdx.x * MOE_TC_ROWS;
-    const int* pairs = plan + 2 + 2 * num_experts;
+    const int j0 = blockIdx.x * MOE_TC_ROWS, col = j0 + threadIdx.x;
     // The warp's work item of a round: the plan's expert p = item / MOE_TC_WARPS (its K part: item
-    // % MOE_TC_WARPS), its pair lo.
-    auto work = [&](int item, int& lo) {
+    // % MOE_TC_WARPS), its pair p.
+    auto work = [&](int item) {
         const int p = item / MOE_TC_WARPS, e = __ldcg(plan + 1 + p);
-        lo = __ldcg(plan + 1 + num_experts + p);
         const ExpertRows er = down_rows(down, shared_down, e, num_experts, hidden, inter, shared_width);
-        return TcWork<1>{er.w, act, pairs, {j0}, hidden - j0, j0, hidden, inter, er.ld, er.valid, top_k, lo, lo + 1,
-                         false};
+        return TcWork<1, true>{er.w, act, nullptr, {j0}, hidden - j0, j0, hidden, inter, er.ld, er.valid, top_k, p,
+                               p + 1, false};
     };
+    // What the router and the launches before it wrote (the slots' weights, the residual): with
+    // MOE_DOWN_ONE_EARLY loaded before the wait and stored to shared memory after it, so neither is
+    // a trip to L2 after the weights' stream. (The plan is two launches old: moe_gate_up's CTAs let
+    // this launch in only after their own wait on the router. The host makes the residual ready
+    // before moe_gate_up launches.)
+    const bool has_weight = threadIdx.x < top_k;
+    const bool has_residual = residual != nullptr && threadIdx.x < MOE_TC_ROWS && col < hidden;
+    float w_early = 0.0f;
+    bf16_t r_early = 0;
 #if MOE_DOWN_ONE_EARLY
-    // Before the PDL wait, round 0's first weight block of each warp: the plan is two launches old
-    // (moe_gate_up's CTAs let this launch in only after their own wait on the router); act,
-    // gate/up's output, is read after the wait.
     const int n = __ldcg(plan);
     Block16 first[1][2];
-    if (warp < n * MOE_TC_WARPS) {
-        int lo;
-        work(warp, lo).load_a(first, warp % MOE_TC_WARPS);
-    }
+    if (warp < n * MOE_TC_WARPS) work(warp).load_a(first, warp % MOE_TC_WARPS);
+    if (has_weight) w_early = __ldcg(weights + threadIdx.x);
+    if (has_residual) r_early = __ldcg(residual + col);
     pdl_wait();
     pdl_launch_dependents();
 #else
@@ -725,39 +724,37 @@ extern "C" __global__ void __launch_bounds__(MOE_DOWN_ONE_WARPS * 32, 1)
     pdl_launch_dependents();
     const int n = __ldcg(plan);
     Block16 first[1][2];
+    if (has_weight) w_early = __ldcg(weights + threadIdx.x);
+    if (has_residual) r_early = __ldcg(residual + col);
 #endif
+    if (has_weight) slot_weight[threadIdx.x] = round_bf16(w_early);
+    if (has_residual) residual_tile[threadIdx.x] = r_early;
     TL_MARK(1);
     for (int round = 0; round < n * MOE_TC_WARPS; round += MOE_DOWN_ONE_WARPS) {
         const int item = round + warp, p = item / MOE_TC_WARPS, kw = item % MOE_TC_WARPS;
         float acc[1][MOE_TC_NT][4] = {};
-        int lo = 0;
-        if (p < n) {
-            const TcWork<1> wk = work(item, lo);
-            wk.pass<1>(lo, acc, kw, first, MOE_DOWN_ONE_EARLY && round == 0);
-        }
+        if (p < n) work(item).pass<1>(p, acc, kw, first, MOE_DOWN_ONE_EARLY && round == 0);
 #pragma unroll
         for (int nt = 0; nt < MOE_TC_NT; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) part[warp][nt * 4 + i][lane] = acc[0][nt][i];
-        __syncthreads();
-        if (p < n && kw == 0 && c == 0) {  // lanes 4g: the pair's rows g (i = 0) and g + 8 (i = 2)
-            const int q = pairs[lo];
+        __syncthreads();  // (the first one also orders the slots' weights and the residual tile)
+        if (p < n && kw == 0 && c == 0) {  // lanes 4g: slot p's rows g (i = 0) and g + 8 (i = 2)
 #pragma unroll
             for (int i = 0; i < 4; i += 2) {
                 float v = acc[0][0][i];
                 for (int w = 1; w < MOE_TC_WARPS; ++w) v += part[warp + w][i][lane];
-                ys[q][g + (i >= 2 ? 8 : 0)] = round_bf16(round_bf16(v) * round_bf16(weights[q]));
+                ys[p][g + (i >= 2 ? 8 : 0)] = round_bf16(round_bf16(v) * slot_weight[p]);
             }
         }
         __syncthreads();
     }
     TL_MARK(2);
-    const int col = j0 + threadIdx.x;
     if (threadIdx.x < MOE_TC_ROWS && col < hidden) {
         float s = 0.0f;
         for (int q = 0; q < top_k; ++q) s += ys[q][threadIdx.x];
         s = round_bf16(s);
-        if (residual != nullptr) s = bf16_to_f32(residual[col]) + s;
+        if (residual != nullptr) s = bf16_to_f32(residual_tile[threadIdx.x]) + s;
         out[col] = f32_to_bf16(s);
     }
     TL_MARK(5);

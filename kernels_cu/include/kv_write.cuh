@@ -121,13 +121,22 @@ __device__ __forceinline__ u8_t pack_byte(const u8_t* codes, int j) {
     }
 }
 
-// An element side's store_vector (below): by one warp, no scratch.
+// An element side's store_vector (below): by one warp, no scratch. Every element of the lane is
+// loaded before any is stored: the compiler cannot tell src from the pool, so a load written after
+// a store waits for it, and from global memory each of the D / 32 loads was a trip of its own.
 template <class W, int D>
 __device__ void store_elements(const bf16_t* src, void* pool, long long slot, int head, int hk, const float* scale) {
+    constexpr int N = (D + 31) / 32;
     const int lane = threadIdx.x & 31;
     typename W::Elem* dst = static_cast<typename W::Elem*>(pool) + kv_vector(slot, head, hk) * D;
     const float sc = scale == nullptr ? 1.0f : *scale;
-    for (int i = lane; i < D; i += 32) dst[i] = W::convert(src[i], sc);
+    bf16_t x[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+        if (lane + 32 * n < D) x[n] = src[lane + 32 * n];
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+        if (lane + 32 * n < D) dst[lane + 32 * n] = W::convert(x[n], sc);
 }
 
 // KV head `head`'s D InnerQ scales in channel ((Hk, D) fp32), or null where channel is.

@@ -33,3 +33,26 @@ __device__ __forceinline__ void pdl_prefetch_l2(const void* p, unsigned bytes) {
     (void)p, (void)bytes;
 #endif
 }
+
+// Loads that ptxas keeps where they are written (relaxed .gpu loads, served from L2), for the
+// first reads after a wait that should issue together: plain loads, in C or in asm, it may move
+// below a branch or next to their first use, each one then a trip to L2 behind the one before.
+__device__ __forceinline__ int load_in_order(const int* p) {
+#if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__)
+    int v;
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+#else
+    return *p;
+#endif
+}
+
+__device__ __forceinline__ unsigned short load_in_order(const unsigned short* p) {
+#if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__)
+    unsigned short v;
+    asm volatile("ld.relaxed.gpu.global.b16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+#else
+    return *p;
+#endif
+}

@@ -150,18 +150,20 @@ class CudaMoe:
         out = torch.empty_like(x)
         gate_up_ctas, down_ctas = math.ceil(inter / MOE_TC_ROWS), math.ceil(hidden / MOE_TC_ROWS)
         shared_gate_up, shared_down = (None, None) if shared is None else (_ready(shared.gate_up), _ready(shared.down))
+        # down's own inputs made ready before gate/up launches: batch 1's down reads its weights, the
+        # plan, the weights of the slots and the residual before its wait, so no copy may run between
+        down, residual = _ready(down), None if residual is None else _ready(residual)
         # batch 1 where its grid is one wave of its CTAs: its act bit for bit, more loads in flight a warp
         one = rows == 1 and gate_up_ctas * chosen <= MOE_GATE_UP_ONE_PER_SM * cuda_launch._sm_count(x.device.index)
         gate_up_kernel = MOE_GATE_UP_ONE if one else MOE_GATE_UP
         self._launch(gate_up_kernel, (gate_up_ctas, chosen), (MOE_TC_THREADS,), x, _ready(gate_up), shared_gate_up,
                      route.plan, act, hidden, inter, width, experts, top_k, pdl=True)
-        residual = None if residual is None else _ready(residual)
         if rows == 1 and top_k <= MOE_DOWN_ONE_SLOTS:  # every slot's expert of a column tile in one CTA
-            self._launch(MOE_DOWN_ONE, (down_ctas,), (MOE_DOWN_ONE_THREADS,), act, _ready(down), shared_down,
+            self._launch(MOE_DOWN_ONE, (down_ctas,), (MOE_DOWN_ONE_THREADS,), act, down, shared_down,
                          route.plan, route.weights, residual, out, hidden, inter, width, experts, top_k, pdl=True)
             return out
         y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-        self._launch(MOE_DOWN, (down_ctas, chosen), (MOE_TC_THREADS,), act, _ready(down), shared_down, route.plan,
+        self._launch(MOE_DOWN, (down_ctas, chosen), (MOE_TC_THREADS,), act, down, shared_down, route.plan,
                      route.weights, y, residual, out, self._moe_counters(x.device, down_ctas), rows, hidden, inter,
                      width, experts, top_k, pdl=True)
         return out
