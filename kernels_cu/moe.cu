@@ -711,21 +711,22 @@ extern "C" __global__ void __launch_bounds__(MOE_DOWN_ONE_WARPS * 32, 1)
     const bool has_residual = residual != nullptr && threadIdx.x < MOE_TC_ROWS && col < hidden;
     float w_early = 0.0f;
     bf16_t r_early = 0;
+    auto load_inputs = [&] {
+        if (has_weight) w_early = __ldcg(weights + threadIdx.x);
+        if (has_residual) r_early = __ldcg(residual + col);
+    };
+    Block16 first[1][2];
 #if MOE_DOWN_ONE_EARLY
     const int n = __ldcg(plan);
-    Block16 first[1][2];
     if (warp < n * MOE_TC_WARPS) work(warp).load_a(first, warp % MOE_TC_WARPS);
-    if (has_weight) w_early = __ldcg(weights + threadIdx.x);
-    if (has_residual) r_early = __ldcg(residual + col);
+    load_inputs();
     pdl_wait();
     pdl_launch_dependents();
 #else
     pdl_wait();
     pdl_launch_dependents();
     const int n = __ldcg(plan);
-    Block16 first[1][2];
-    if (has_weight) w_early = __ldcg(weights + threadIdx.x);
-    if (has_residual) r_early = __ldcg(residual + col);
+    load_inputs();
 #endif
     if (has_weight) slot_weight[threadIdx.x] = round_bf16(w_early);
     if (has_residual) residual_tile[threadIdx.x] = r_early;
