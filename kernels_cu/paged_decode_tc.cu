@@ -369,18 +369,31 @@ __device__ void patch_new_key(TcTile<D, F, F>& t, int key, const bf16_t* k, cons
 // chunk from the `active` splits' partials, read across the cluster, with combine_rows' arithmetic
 // in its order (the output is the counter path's bit for bit). One cluster barrier before (the
 // partials written), one after (no CTA leaves while another reads its shared memory; relaxed, so
-// that it does not wait for the out stores).
+// that it does not wait for the out stores). A thread's first element's partials are read with
+// the weights' (max, sum) pairs, so that both are one trip across the cluster, not one after the
+// other.
 template <int D>
 __device__ void cluster_combine(const RopeDecodeArgs& a, RopeDecodeShared& sh, long long head0, int rows,
                                 int active) {
     const unsigned rank = cluster_rank(), size = cluster_ctas();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int mine = (int)rank < rows ? (rows - (int)rank + (int)size - 1) / (int)size : 0;  // <= TC_WARPS
+    auto load_partials = [&](int idx, float (&p)[TC_MAX_CLUSTER]) {  // element idx's partials, split by split
+        const int r = (int)rank + idx / D * (int)size, d = idx % D;
+#pragma unroll
+        for (int s = 0; s < TC_MAX_CLUSTER; ++s) p[s] = s < active ? cluster_load(&sh.part_o[r * D + d], s) : 0.0f;
+    };
     cluster_sync();
-    if (warp < mine && active > 0) {  // warp i: the weights of head rank + i * size
+    const bool weighs = warp < mine && active > 0;  // warp i: the weights of head rank + i * size
+    float m = METRALE_NEG_INF, l_in = 0.0f;
+    if (weighs && lane < active) {
         const int r = (int)rank + warp * (int)size;
-        const float m = lane < active ? cluster_load(&sh.part_ml[r * 2], lane) : METRALE_NEG_INF;
-        const float l_in = lane < active ? cluster_load(&sh.part_ml[r * 2 + 1], lane) : 0.0f;
+        m = cluster_load(&sh.part_ml[r * 2], lane);
+        l_in = cluster_load(&sh.part_ml[r * 2 + 1], lane);
+    }
+    float p[TC_MAX_CLUSTER];
+    if (active > 0 && (int)threadIdx.x < mine * D) load_partials(threadIdx.x, p);
+    if (weighs) {
         float big = m;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
@@ -392,9 +405,7 @@ __device__ void cluster_combine(const RopeDecodeArgs& a, RopeDecodeShared& sh, l
     __syncthreads();
     for (int idx = threadIdx.x; active > 0 && idx < mine * D; idx += TC_THREADS) {
         const int i = idx / D, d = idx % D, r = (int)rank + i * (int)size;
-        float p[TC_MAX_CLUSTER];
-#pragma unroll
-        for (int s = 0; s < TC_MAX_CLUSTER; ++s) p[s] = s < active ? cluster_load(&sh.part_o[r * D + d], s) : 0.0f;
+        if (idx != (int)threadIdx.x) load_partials(idx, p);
         float val = 0.0f;
 #pragma unroll
         for (int s = 0; s < TC_MAX_CLUSTER; ++s)
