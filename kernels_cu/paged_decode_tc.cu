@@ -462,13 +462,19 @@ __device__ __forceinline__ void stage_rows_grouped(const RopeDecodeArgs& a, Rope
     for (int o = LANES / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     const bf16_t* w = is_q ? q_norm : is_k ? k_norm : nullptr;
     const float inv = w == nullptr ? 0.0f : inv_rms(ss, D, a.eps);
+    // Straight-line arithmetic: every lane takes the same instructions and selects its row's
+    // result, where branches on the row kind cost each element a divergent branch and reconvergence.
+    const bool normed = w != nullptr;
     float y[CPL][8];  // the normalized row's bf16 values (the value: its own)
 #pragma unroll
     for (int k = 0; k < CPL; ++k) {
-        float g[8];
-        if (w != nullptr) load_chunk(w + 8 * (gl + LANES * k), aligned16(w), g);
+        float g[8] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+        if (normed) load_chunk(w + 8 * (gl + LANES * k), aligned16(w), g);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) y[k][j] = round_bf16(w == nullptr ? f[k][j] : rms_scaled(f[k][j], g[j], inv));
+        for (int j = 0; j < 8; ++j) {
+            const float n = rms_scaled(f[k][j], g[j], inv);
+            y[k][j] = round_bf16(normed ? n : f[k][j]);
+        }
     }
     // RoPE: chunk c pairs with c ^ pc, in this lane where pc is 8 (a whole 128-dim head), else in
     // lane l ^ pc of the group (pc < 8: only chunks below 8 turn).
@@ -487,18 +493,20 @@ __device__ __forceinline__ void stage_rows_grouped(const RopeDecodeArgs& a, Rope
 #pragma unroll
             for (int j = 0; j < 8; ++j) z[k][j] = 0.0f;  // (chunks from 8 on do not turn)
     }
+    // rope_pair's arithmetic, (x1, x2) the pair's first and second: x1 cos - x2 sin for the first,
+    // x2 cos + x1 sin for the second. round_bf16(-v) is -round_bf16(v) (the rounding is on the
+    // magnitude; a NaN stores as the same canonical NaN), so the sign is one product by +-1.
     float out[CPL][8];
 #pragma unroll
     for (int k = 0; k < CPL; ++k) {
         const int c = gl + LANES * k, base = 8 * (c & (pc - 1));
+        const bool turns = (is_q || is_k) && c < 2 * pc;
+        const float sign = c < pc ? -1.0f : 1.0f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            out[k][j] = y[k][j];
-            if ((is_q || is_k) && c < 2 * pc) {  // rope_pair's arithmetic: (x1, x2) = (first, second) of the pair
-                const float cs = round_bf16(cos_row[base + j]), sn = round_bf16(sin_row[base + j]);
-                out[k][j] = c < pc ? round_bf16(y[k][j] * cs) + round_bf16(-z[k][j] * sn)
-                                   : round_bf16(y[k][j] * cs) + round_bf16(z[k][j] * sn);
-            }
+            const float cs = round_bf16(cos_row[base + j]), sn = round_bf16(sin_row[base + j]);
+            const float r = round_bf16(y[k][j] * cs) + sign * round_bf16(z[k][j] * sn);
+            out[k][j] = turns ? r : y[k][j];
         }
     }
     typename Store::Elem* cache =
