@@ -413,7 +413,8 @@ __device__ __forceinline__ bool rope_by_chunks(int half) {
     return half % 8 == 0 && pc > 0 && (pc & (pc - 1)) == 0;
 }
 
-// The default entries' staging where a head has at most 128 dims and rope_by_chunks(half): each
+// The default entries' staging where a head has at most 128 dims, a CTA more query heads than
+// warps, and rope_by_chunks(half): each
 // row the CTA stages (its query heads; the new key and value where the split writes them: at most
 // TC_ROWS + 2) goes to a group of 8 lanes, four groups a warp, so the whole staging is one pass:
 // one trip to L2 a lane and one row's arithmetic, where a warp took its rows one after another
@@ -600,7 +601,10 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
     const bf16_t* k_norm = a.k_norm == nullptr ? nullptr : sh.k_norm;
     bool grouped = false;  // the rows staged in one pass (stage_rows_grouped)
     if constexpr (!PRE && D <= 128) {
-        grouped = rope_by_chunks(half);
+        // Only where a warp would stage two or more query heads: with at most one (four query
+        // heads a KV head, Qwen3-8B) the per-warp loop takes one trip too, with a quarter of the
+        // arithmetic a lane (on an H100 the grouped pass made that attention 1 µs longer).
+        grouped = rows > TC_WARPS && rope_by_chunks(half);
         if (grouped) {
             stage_rows_grouped<D, Store>(a, sh, b, head, rows, kvh, slot, idle, writes, cos_row, sin_row, half, q_norm,
                                          k_norm);
