@@ -516,7 +516,7 @@ __device__ __forceinline__ void stage_rows_grouped(const RopeDecodeArgs& a, Rope
         const float sign = c < pc ? -1.0f : 1.0f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            const float cs = round_bf16(cos_row[base + j]), sn = round_bf16(sin_row[base + j]);
+            const float cs = cos_row[base + j], sn = sin_row[base + j];  // rounded when staged
             const float r = round_bf16(y[k][j] * cs) + sign * round_bf16(z[k][j] * sn);
             out[k][j] = turns ? r : y[k][j];
         }
@@ -567,8 +567,11 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
     if (!idle || writes) {
         const long long pos = __ldcg(a.positions + b);
         for (int i = threadIdx.x; i < half; i += TC_THREADS) {
-            sh.cos_sin[i] = a.cos_table[pos * half + i];
-            sh.cos_sin[half + i] = a.sin_table[pos * half + i];
+            // Stored rounded to bf16, as every reader rounds them (rope_pair, stage_rows_grouped):
+            // round_bf16 of a bf16 value is that value, so norm_rope's results do not change, and
+            // the grouped staging reads them as they are, off its lanes' path after the wait.
+            sh.cos_sin[i] = round_bf16(a.cos_table[pos * half + i]);
+            sh.cos_sin[half + i] = round_bf16(a.sin_table[pos * half + i]);
         }
         for (int i = threadIdx.x; i < D; i += TC_THREADS) {
             if (a.q_norm != nullptr) sh.q_norm[i] = a.q_norm[i];
