@@ -369,18 +369,31 @@ __device__ void patch_new_key(TcTile<D, F, F>& t, int key, const bf16_t* k, cons
 // chunk from the `active` splits' partials, read across the cluster, with combine_rows' arithmetic
 // in its order (the output is the counter path's bit for bit). One cluster barrier before (the
 // partials written), one after (no CTA leaves while another reads its shared memory; relaxed, so
-// that it does not wait for the out stores).
+// that it does not wait for the out stores). A thread's first element's partials are read with
+// the weights' (max, sum) pairs, so that both are one trip across the cluster, not one after the
+// other.
 template <int D>
 __device__ void cluster_combine(const RopeDecodeArgs& a, RopeDecodeShared& sh, long long head0, int rows,
                                 int active) {
     const unsigned rank = cluster_rank(), size = cluster_ctas();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int mine = (int)rank < rows ? (rows - (int)rank + (int)size - 1) / (int)size : 0;  // <= TC_WARPS
+    auto load_partials = [&](int idx, float (&p)[TC_MAX_CLUSTER]) {  // element idx's partials, split by split
+        const int r = (int)rank + idx / D * (int)size, d = idx % D;
+#pragma unroll
+        for (int s = 0; s < TC_MAX_CLUSTER; ++s) p[s] = s < active ? cluster_load(&sh.part_o[r * D + d], s) : 0.0f;
+    };
     cluster_sync();
-    if (warp < mine && active > 0) {  // warp i: the weights of head rank + i * size
+    const bool weighs = warp < mine && active > 0;  // warp i: the weights of head rank + i * size
+    float m = METRALE_NEG_INF, l_in = 0.0f;
+    if (weighs && lane < active) {
         const int r = (int)rank + warp * (int)size;
-        const float m = lane < active ? cluster_load(&sh.part_ml[r * 2], lane) : METRALE_NEG_INF;
-        const float l_in = lane < active ? cluster_load(&sh.part_ml[r * 2 + 1], lane) : 0.0f;
+        m = cluster_load(&sh.part_ml[r * 2], lane);
+        l_in = cluster_load(&sh.part_ml[r * 2 + 1], lane);
+    }
+    float p[TC_MAX_CLUSTER];
+    if (active > 0 && (int)threadIdx.x < mine * D) load_partials(threadIdx.x, p);
+    if (weighs) {
         float big = m;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) big = fmaxf(big, __shfl_xor_sync(0xffffffffu, big, o));
@@ -392,9 +405,7 @@ __device__ void cluster_combine(const RopeDecodeArgs& a, RopeDecodeShared& sh, l
     __syncthreads();
     for (int idx = threadIdx.x; active > 0 && idx < mine * D; idx += TC_THREADS) {
         const int i = idx / D, d = idx % D, r = (int)rank + i * (int)size;
-        float p[TC_MAX_CLUSTER];
-#pragma unroll
-        for (int s = 0; s < TC_MAX_CLUSTER; ++s) p[s] = s < active ? cluster_load(&sh.part_o[r * D + d], s) : 0.0f;
+        if (idx != (int)threadIdx.x) load_partials(idx, p);
         float val = 0.0f;
 #pragma unroll
         for (int s = 0; s < TC_MAX_CLUSTER; ++s)
@@ -404,6 +415,124 @@ __device__ void cluster_combine(const RopeDecodeArgs& a, RopeDecodeShared& sh, l
     }
     cluster_arrive_relaxed();  // the out stores need no release: the launch's end publishes them
     cluster_wait();
+}
+
+// Whether the RoPE of a head row can run from registers: its pairs are half / 8 chunks apart, a
+// power of two (every rotary width here, partial ones included).
+__device__ __forceinline__ bool rope_by_chunks(int half) {
+    const int pc = half / 8;
+    return half % 8 == 0 && pc > 0 && (pc & (pc - 1)) == 0;
+}
+
+// The default entries' staging where a head has at most 128 dims, a CTA more query heads than
+// warps, and rope_by_chunks(half): each
+// row the CTA stages (its query heads; the new key and value where the split writes them: at most
+// TC_ROWS + 2) goes to a group of 8 lanes, four groups a warp, so the whole staging is one pass:
+// one trip to L2 a lane and one row's arithmetic, where a warp took its rows one after another
+// (three trips and three rows at eight query heads a KV head). Lane l of a group holds chunks l
+// and l + 8 of its row. The arithmetic is norm_rope's in its order (the sum of squares as
+// warp_sum adds the chunks' sums: chunks c and c + 8 in the lane, then the group's lanes by
+// shuffle), and the key and value go to the cache as store_elements stores them: the same bytes.
+template <int D, class Store>
+__device__ __forceinline__ void stage_rows_grouped(const RopeDecodeArgs& a, RopeDecodeShared& sh, int b, int head,
+                                                   int rows, int kvh, int slot, bool idle, bool writes,
+                                                   const float* cos_row, const float* sin_row, int half,
+                                                   const bf16_t* q_norm, const bf16_t* k_norm) {
+    constexpr int LANES = 8, CPL = D / 64;  // lanes a row, chunks a lane
+    static_assert(D == 64 || D == 128, "a row's chunks over 8 lanes, one or two a lane");
+    static_assert(TC_ROWS + 2 <= TC_THREADS / LANES, "every staged row in one pass");
+    const int lane = threadIdx.x & 31, gl = lane & (LANES - 1);
+    const int x = (int)threadIdx.x / LANES;  // this group's row: a query head, then the key, the value
+    const bool is_q = x < rows && !idle, is_k = writes && x == rows, is_v = writes && x == rows + 1;
+    const bf16_t* src = is_q   ? a.q + b * a.q_stride + (head + x) * D
+                        : is_k ? a.k + b * a.k_stride + kvh * D
+                        : is_v ? a.v + b * a.v_stride + kvh * D
+                               : nullptr;
+    const float* scale = is_k ? a.k_scale : a.v_scale;
+    const float sc = (is_k || is_v) && scale != nullptr ? *scale : 1.0f;
+    float f[CPL][8] = {};
+    if (src != nullptr && aligned16(src)) {  // a lane's chunks loaded before either is used: one trip
+        Words<4> raw[CPL];
+#pragma unroll
+        for (int k = 0; k < CPL; ++k) raw[k] = *reinterpret_cast<const Words<4>*>(src + 8 * (gl + LANES * k));
+#pragma unroll
+        for (int k = 0; k < CPL; ++k)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                f[k][2 * i] = __uint_as_float(raw[k].w[i] << 16);
+                f[k][2 * i + 1] = __uint_as_float(raw[k].w[i] & 0xffff0000u);
+            }
+    } else if (src != nullptr) {
+#pragma unroll
+        for (int k = 0; k < CPL; ++k) load_chunk(src + 8 * (gl + LANES * k), false, f[k]);
+    }
+    // head_sum_squares' value: warp_sum over the chunks' sums (chunk c at lane c) adds c and c ^ 8
+    // first (chunks past D / 8 add zeros before), then c ^ 4, c ^ 2, c ^ 1.
+    float ss = add_squares<8>(0.0f, f[0]);
+    if constexpr (CPL == 2) ss = ss + add_squares<8>(0.0f, f[1]);
+#pragma unroll
+    for (int o = LANES / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const bf16_t* w = is_q ? q_norm : is_k ? k_norm : nullptr;
+    const float inv = w == nullptr ? 0.0f : inv_rms(ss, D, a.eps);
+    // Straight-line arithmetic: every lane takes the same instructions and selects its row's
+    // result, where branches on the row kind cost each element a divergent branch and reconvergence.
+    const bool normed = w != nullptr;
+    float y[CPL][8];  // the normalized row's bf16 values (the value: its own)
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+        float g[8] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+        if (normed) load_chunk(w + 8 * (gl + LANES * k), aligned16(w), g);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float n = rms_scaled(f[k][j], g[j], inv);
+            y[k][j] = round_bf16(normed ? n : f[k][j]);
+        }
+    }
+    // RoPE: chunk c pairs with c ^ pc, in this lane where pc is 8 (a whole 128-dim head), else in
+    // lane l ^ pc of the group (pc < 8: only chunks below 8 turn).
+    const int pc = half / 8;
+    float z[CPL][8];  // the pair's other element, for each element that turns
+    if (pc >= LANES) {  // (uniform: half is the launch's)
+#pragma unroll
+        for (int k = 0; k < CPL; ++k)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) z[k][j] = y[CPL - 1 - k][j];
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) z[0][j] = __shfl_xor_sync(0xffffffffu, y[0][j], pc);
+#pragma unroll
+        for (int k = 1; k < CPL; ++k)
+#pragma unroll
+            for (int j = 0; j < 8; ++j) z[k][j] = 0.0f;  // (chunks from 8 on do not turn)
+    }
+    // rope_pair's arithmetic, (x1, x2) the pair's first and second: x1 cos - x2 sin for the first,
+    // x2 cos + x1 sin for the second. round_bf16(-v) is -round_bf16(v) (the rounding is on the
+    // magnitude; a NaN stores as the same canonical NaN), so the sign is one product by +-1.
+    float out[CPL][8];
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+        const int c = gl + LANES * k, base = 8 * (c & (pc - 1));
+        const bool turns = (is_q || is_k) && c < 2 * pc;
+        const float sign = c < pc ? -1.0f : 1.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float cs = cos_row[base + j], sn = sin_row[base + j];  // rounded when staged
+            const float r = round_bf16(y[k][j] * cs) + sign * round_bf16(z[k][j] * sn);
+            out[k][j] = turns ? r : y[k][j];
+        }
+    }
+    typename Store::Elem* cache =
+        is_k ? static_cast<typename Store::Elem*>(a.k_cache) : static_cast<typename Store::Elem*>(a.v_cache);
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+        const int c = gl + LANES * k;
+        if (is_q) store_vec<8>(sh.q + x * D + 8 * c, out[k]);
+        if (is_k || is_v) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                cache[kv_vector(slot, kvh, a.hk) * D + 8 * c + j] = Store::convert(f32_to_bf16(out[k][j]), sc);
+        }
+    }
 }
 
 // PRE (the _preload entries, which the host takes where a KV head has few query heads: the
@@ -438,8 +567,11 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
     if (!idle || writes) {
         const long long pos = __ldcg(a.positions + b);
         for (int i = threadIdx.x; i < half; i += TC_THREADS) {
-            sh.cos_sin[i] = a.cos_table[pos * half + i];
-            sh.cos_sin[half + i] = a.sin_table[pos * half + i];
+            // Stored rounded to bf16, as every reader rounds them (rope_pair, stage_rows_grouped):
+            // round_bf16 of a bf16 value is that value, so norm_rope's results do not change, and
+            // the grouped staging reads them as they are, off its lanes' path after the wait.
+            sh.cos_sin[i] = round_bf16(a.cos_table[pos * half + i]);
+            sh.cos_sin[half + i] = round_bf16(a.sin_table[pos * half + i]);
         }
         for (int i = threadIdx.x; i < D; i += TC_THREADS) {
             if (a.q_norm != nullptr) sh.q_norm[i] = a.q_norm[i];
@@ -481,7 +613,21 @@ __device__ void decode_rope_tc(const RopeDecodeArgs& a, RopeDecodeShared& sh) {
     const float *cos_row = sh.cos_sin, *sin_row = sh.cos_sin + half;
     const bf16_t* q_norm = a.q_norm == nullptr ? nullptr : sh.q_norm;
     const bf16_t* k_norm = a.k_norm == nullptr ? nullptr : sh.k_norm;
-    for (int x = warp; x < rows + 2; x += TC_WARPS) {
+    bool grouped = false;  // the rows staged in one pass (stage_rows_grouped)
+    if constexpr (!PRE && D <= 128) {
+        // Only where a warp would stage two or more query heads: with at most one (four query
+        // heads a KV head, Qwen3-8B) the per-warp loop takes one trip too, with a quarter of the
+        // arithmetic a lane (on an H100 the grouped pass made that attention 1 µs longer).
+        grouped = rows > TC_WARPS && rope_by_chunks(half);
+        if (grouped) {
+            stage_rows_grouped<D, Store>(a, sh, b, head, rows, kvh, slot, idle, writes, cos_row, sin_row, half, q_norm,
+                                         k_norm);
+#if defined(METRALE_TIMELINE) && TL_MARKS > 8
+            TL_MARK(6);  // warp 0 (thread 0 stamps): its rows staged, in one pass
+#endif
+        }
+    }
+    for (int x = warp; !grouped && x < rows + 2; x += TC_WARPS) {
         if (x < rows) {
             if (!idle) norm_rope<D>(a.q + b * a.q_stride + (head + x) * D, q_norm, a.eps, cos_row, sin_row, half,
                                     sh.q + x * D);

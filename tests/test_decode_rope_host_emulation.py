@@ -47,6 +47,7 @@ def _strides(c):
 
 def fused(lib, c, kp, vp, splits, fp8, preload=False):
     batch, hq, d = c["q"].shape
+    rot = 2 * c["cos"].shape[1]
     hk = c["k"].shape[1]
     out = torch.full((batch, hq, d), float("nan")).to(torch.bfloat16)
     part_o = torch.full((batch, hq, splits, d), float("nan"))
@@ -57,14 +58,15 @@ def fused(lib, c, kp, vp, splits, fp8, preload=False):
         *(_ptr(t) for t in (c["q"], c["k"], c["v"], kp.data, vp.data, c["slot_mapping"], c["positions"], c["cos"],
                             c["sin"], c["q_norm"], c["k_norm"], c["block_tables"], c["seq_lens"], out, part_o,
                             part_ml, counters, kp.scale, vp.scale)),
-        ctypes.c_float(d**-0.5), *_strides(c), hq, hk, d, d, c["block_tables"].shape[1], splits, ctypes.c_float(EPS),
-        batch, chunks, int(fp8), int(preload))
+        ctypes.c_float(d**-0.5), *_strides(c), hq, hk, d, rot, c["block_tables"].shape[1], splits,
+        ctypes.c_float(EPS), batch, chunks, int(fp8), int(preload))
     assert not counters.any()  # every launch leaves its counters zero
     return out
 
 
 def unfused(tc, rc, c, kp, vp, splits, fp8):
     batch, hq, d = c["q"].shape
+    rot = 2 * c["cos"].shape[1]
     hk = c["k"].shape[1]
     q = torch.zeros(batch, hq, d, dtype=torch.bfloat16)
     dtype = list(KvCacheDtype).index(KvCacheDtype.FP8 if fp8 else KvCacheDtype.BF16)  # the library's numbering
@@ -72,7 +74,7 @@ def unfused(tc, rc, c, kp, vp, splits, fp8):
         dtype, batch, *(_ptr(t) for t in (c["q"], c["k"], c["v"], q, kp.data, vp.data, c["slot_mapping"],
                                           c["positions"], c["cos"], c["sin"], c["q_norm"], c["k_norm"], kp.scale,
                                           vp.scale, None, None, None)),
-        *_strides(c), hq, hk, d, d, ctypes.c_float(EPS), 0) == 0
+        *_strides(c), hq, hk, d, rot, ctypes.c_float(EPS), 0) == 0
     out = torch.full((batch, hq, d), float("nan")).to(torch.bfloat16)
     part_o = torch.full((batch, hq, splits, d), float("nan"))
     part_ml = torch.full((batch, hq, splits, 2), float("nan"))
@@ -81,6 +83,26 @@ def unfused(tc, rc, c, kp, vp, splits, fp8):
                             ctypes.c_float(d**-0.5), hq, hk, d, c["block_tables"].shape[1], splits, batch,
                             math.ceil(hq // hk / TC_ROWS), b"_fp8" if fp8 else b"", None, None)
     return out
+
+
+@pytest.mark.parametrize("head_dim, rot_dim", [(64, 32), (64, 16), (128, 64), (128, 32), (128, 96), (256, 64)])
+@pytest.mark.parametrize("group", [4, 12])
+@pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.FP8], ids=lambda d: d.value)
+def test_one_launch_equals_the_three_at_partial_rotary(libs, dtype, head_dim, rot_dim, group):
+    """RoPE on the first rot_dim dims only: pairs a power-of-two number of chunks apart (the
+    staging's RoPE from registers) and 96 of 128 (its pairs six chunks apart: through shared
+    memory)."""
+    tc, rc = libs
+    hk = 2
+    c = rope_decode_case([1, 7, 16, 99, 300, 0], hk * group, hk, head_dim, dtype, seed=head_dim + rot_dim + group)
+    c["cos"], c["sin"] = c["cos"][:, :rot_dim // 2].contiguous(), c["sin"][:, :rot_dim // 2].contiguous()
+    fp8 = dtype == KvCacheDtype.FP8
+    mine, theirs = kv_to(c["kv"], "cpu"), kv_to(c["kv"], "cpu")
+    got = fused(tc, c, mine.k, mine.v, 3, fp8)
+    want = unfused(tc, rc, c, theirs.k, theirs.v, 3, fp8)
+    assert torch.equal(got, want), compare(got, want, 0, 0)
+    assert compare_bytes(mine.k.data, theirs.k.data) is None
+    assert compare_bytes(mine.v.data, theirs.v.data) is None
 
 
 @pytest.mark.parametrize("splits", [1, 3, 32])
