@@ -425,9 +425,9 @@ __device__ __forceinline__ bool rope_by_chunks(int half) {
 }
 
 // The default entries' staging where a head has at most 128 dims, a CTA more query heads than
-// warps, and rope_by_chunks(half): each
-// row the CTA stages (its query heads; the new key and value where the split writes them: at most
-// TC_ROWS + 2) goes to a group of 8 lanes, four groups a warp, so the whole staging is one pass:
+// warps, and rope_by_chunks(half): each row the CTA stages (its query heads; the new key and value
+// where the split writes them: at most TC_ROWS + 2) goes to a group of 8 lanes, four groups a
+// warp, so the whole staging is one pass:
 // one trip to L2 a lane and one row's arithmetic, where a warp took its rows one after another
 // (three trips and three rows at eight query heads a KV head). Lane l of a group holds chunks l
 // and l + 8 of its row. The arithmetic is norm_rope's in its order (the sum of squares as
