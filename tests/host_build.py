@@ -22,7 +22,10 @@ def build_host_library(source: str, out_dir: pathlib.Path, defines: dict[str, st
     if not src.is_file():
         pytest.skip("kernels_cu/host/ is in the source checkout only")
     lib = out_dir / f"{name or src.stem}.so"
-    cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", f"-I{KERNELS_DIR / 'include'}",
+    # -fno-gnu-unique: each library keeps its own inline variables and static locals, so that two
+    # loaded side by side (the decode's modules) do not share emulate.h's state or __shared__ memory
+    cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-gnu-unique", "-shared", "-fPIC",
+           f"-I{KERNELS_DIR / 'include'}",
            *(f"-D{k}={v}" for k, v in (defines or {}).items()), str(src), "-o", str(lib), "-lpthread"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode and "c++20" in proc.stderr:

@@ -45,7 +45,7 @@ def _strides(c):
     return [width] * 3
 
 
-def fused(lib, c, kp, vp, splits, fp8, preload=False):
+def fused(lib, c, kp, vp, splits, fp8, preload=False, cluster=False):
     batch, hq, d = c["q"].shape
     rot = 2 * c["cos"].shape[1]
     hk = c["k"].shape[1]
@@ -59,7 +59,7 @@ def fused(lib, c, kp, vp, splits, fp8, preload=False):
                             c["sin"], c["q_norm"], c["k_norm"], c["block_tables"], c["seq_lens"], out, part_o,
                             part_ml, counters, kp.scale, vp.scale)),
         ctypes.c_float(d**-0.5), *_strides(c), hq, hk, d, rot, c["block_tables"].shape[1], splits,
-        ctypes.c_float(EPS), batch, chunks, int(fp8), int(preload))
+        ctypes.c_float(EPS), batch, chunks, int(fp8), int(preload), int(cluster))
     assert not counters.any()  # every launch leaves its counters zero
     return out
 
@@ -128,13 +128,27 @@ def test_preloading_entry_equals_the_three(libs, dtype, head_dim, group, splits)
     check_one_launch(*libs, dtype, head_dim, group, splits, preload=True)
 
 
-def check_one_launch(tc, rc, dtype, head_dim, group, splits, preload=False):
+@pytest.mark.parametrize("preload", [False, True])
+@pytest.mark.parametrize("splits", [3, 16])
+@pytest.mark.parametrize("group", [1, 4, 12])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [KvCacheDtype.BF16, KvCacheDtype.FP8], ids=lambda d: d.value)
+def test_cluster_combine_equals_the_three(libs, dtype, head_dim, group, splits, preload):
+    """The splits of a (KV head, sequence, chunk) as one cluster (the launch at batch 1 where
+    rope_decode_cluster allows it): every split, an idle one too, combines its share of the rows
+    from the others' partials in their shared memory, with the counter path's arithmetic: the same
+    bytes as the three launches. 16 splits leave the short contexts' later splits idle; a group of 12
+    is two chunks, each its own cluster."""
+    check_one_launch(*libs, dtype, head_dim, group, splits, preload=preload, cluster=True)
+
+
+def check_one_launch(tc, rc, dtype, head_dim, group, splits, preload=False, cluster=False):
     hk = 2
     c = rope_decode_case([1, 7, 16, 99, 300, 0], hk * group, hk, head_dim, dtype, seed=head_dim + group)
     fp8 = dtype == KvCacheDtype.FP8
     c["slot_mapping"][2] = -1
     mine, theirs = kv_to(c["kv"], "cpu"), kv_to(c["kv"], "cpu")
-    got = fused(tc, c, mine.k, mine.v, splits, fp8, preload)
+    got = fused(tc, c, mine.k, mine.v, splits, fp8, preload, cluster)
     want = unfused(tc, rc, c, theirs.k, theirs.v, splits, fp8)
     assert torch.equal(got, want), compare(got, want, 0, 0)
     assert compare_bytes(mine.k.data, theirs.k.data) is None

@@ -1,21 +1,28 @@
 // Runs kernel code of kernels_cu/ on the CPU, for the tests that check its bytes against the
 // torch codecs (and fused kernels against the kernels they replace) where no GPU is present.
 // A block's threads are fibers (ucontext) of the calling thread, run in turn: deterministic, and
-// a switch costs far less than an OS thread's. __syncwarp / __syncthreads are barriers of the
+// a switch costs far less than an OS thread's. A cluster's CTAs (run_cluster) run on OS threads of
+// their own, one at a time, each with its own __shared__ variables (thread_local); cluster.cuh's
+// barriers and distributed shared-memory loads work across them. __syncwarp / __syncthreads are barriers of the
 // warp / block; __shfl_xor_sync and __shfl_sync exchange through the warp's slots; the __f*_rn intrinsics are
 // the host's IEEE fp32 operations (compile with -ffp-contract=off); e4m3 conversions are done in
 // software; the tensor-core MMA and movmatrix of mma.cuh exchange operands through per-warp
 // words, products exact in fp32, summed in order. Not part of any kernel module: only the host libraries of this folder include it.
 #pragma once
 #include <map>
+#include <sys/mman.h>
 #include <ucontext.h>
 
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #define METRALE_HOST_EMULATION 1
@@ -24,7 +31,7 @@
 #define __noinline__ __attribute__((noinline))
 #define __global__
 #define __constant__ static
-#define __shared__ static
+#define __shared__ static thread_local  // a CTA a thread: a cluster's CTAs each have their own
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 
@@ -46,17 +53,21 @@ struct EmulatedIndex {
 struct EmulatedBlock {
     ucontext_t scheduler;
     std::vector<ucontext_t> fibers;
-    std::vector<std::vector<char>> stacks;
+    static constexpr size_t kStack = 256 * 1024;
+    struct Unmap {
+        void operator()(char* p) const { munmap(p, kStack); }
+    };
+    std::vector<std::unique_ptr<char, Unmap>> stacks;  // mapped: zeroed, a page only where a fiber touches it
     std::vector<bool> finished;
     const std::function<void()>* fn = nullptr;
     unsigned current = 0;
     unsigned long long progress = 0;  // barrier releases and finished fibers
 };
-inline EmulatedBlock emulated;
-inline EmulatedIndex threadIdx{0, 0, 0};
-inline EmulatedIndex blockIdx{0, 0, 0};
-inline EmulatedIndex blockDim{32, 1, 1};
-inline EmulatedIndex gridDim{1, 1, 1};  // set by the host library that runs a grid
+inline thread_local EmulatedBlock emulated;
+inline thread_local EmulatedIndex threadIdx{0, 0, 0};
+inline thread_local EmulatedIndex blockIdx{0, 0, 0};
+inline thread_local EmulatedIndex blockDim{32, 1, 1};
+inline thread_local EmulatedIndex gridDim{1, 1, 1};  // set by the host library that runs a grid
 
 inline void emulated_yield() { swapcontext(&emulated.fibers[emulated.current], &emulated.scheduler); }
 
@@ -80,12 +91,12 @@ class EmulatedBarrier {
     unsigned long long phase_ = 0;
 };
 
-inline std::deque<EmulatedBarrier> emulated_warps;  // barriers do not move: no vector
-inline EmulatedBarrier* emulated_whole = nullptr;
-inline std::vector<float> emulated_slots;  // 32 shuffle slots per warp
-inline std::vector<unsigned> emulated_words;  // 8 exchange words per thread (mma.cuh)
+inline thread_local std::deque<EmulatedBarrier> emulated_warps;  // barriers do not move: no vector
+inline thread_local EmulatedBarrier* emulated_whole = nullptr;
+inline thread_local std::vector<float> emulated_slots;  // 32 shuffle slots per warp
+inline thread_local std::vector<unsigned> emulated_words;  // 8 exchange words per thread (mma.cuh)
 
-inline std::map<int, EmulatedBarrier> emulated_named;  // bar.sync id, count: made at first use in a block
+inline thread_local std::map<int, EmulatedBarrier> emulated_named;  // bar.sync id, count: made at first use in a block
 
 inline void __syncwarp() { emulated_warps[threadIdx.x / 32].arrive_and_wait(); }
 inline void emulated_named_sync(int id, unsigned threads) { emulated_named.try_emplace(id, threads).first->second.arrive_and_wait(); }
@@ -286,10 +297,10 @@ inline void emulated_fiber() {
     ++emulated.progress;
 }  // returns to uc_link: the scheduler
 
-// Run fn on the `threads` threads (a multiple of 32, at most 1024) of block `block`.
-inline void run_block(EmulatedIndex block, unsigned threads, const std::function<void()>& fn) {
-    constexpr size_t kStack = 256 * 1024;
-    EmulatedBarrier whole(threads);
+// Make block `block`'s `threads` threads (a multiple of 32, at most 1024) fibers of fn, `whole`
+// their block barrier.
+inline void emulated_start_block(EmulatedIndex block, unsigned threads, const std::function<void()>& fn,
+                                 EmulatedBarrier& whole) {
     emulated_warps.clear();
     for (unsigned w = 0; w < threads / 32; ++w) emulated_warps.emplace_back(32);
     emulated_whole = &whole;
@@ -297,22 +308,34 @@ inline void run_block(EmulatedIndex block, unsigned threads, const std::function
     emulated_slots.assign(threads, 0.0f);
     emulated_words.assign(threads * 8, 0u);
     emulated.fibers.resize(threads);
-    if (emulated.stacks.size() < threads) emulated.stacks.resize(threads, std::vector<char>(kStack));
+    while (emulated.stacks.size() < threads) {
+        void* p = mmap(nullptr, EmulatedBlock::kStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) {
+            std::fprintf(stderr, "emulated block: no memory for a thread's stack\n");
+            std::abort();
+        }
+        emulated.stacks.emplace_back(static_cast<char*>(p));
+    }
     emulated.finished.assign(threads, false);
     emulated.fn = &fn;
     for (unsigned i = 0; i < threads; ++i) {
         ucontext_t& f = emulated.fibers[i];
         getcontext(&f);
-        f.uc_stack.ss_sp = emulated.stacks[i].data();
-        f.uc_stack.ss_size = kStack;
+        f.uc_stack.ss_sp = emulated.stacks[i].get();
+        f.uc_stack.ss_size = EmulatedBlock::kStack;
         f.uc_link = &emulated.scheduler;
         makecontext(&f, emulated_fiber, 0);
     }
     blockIdx = block;
     blockDim = {threads, 1, 1};
-    for (unsigned left = threads; left > 0;) {
+}
+
+// Run the block's fibers in turn until every one has finished (true) or a whole pass moves none of
+// them (false: they wait on a barrier that no thread of this block will release).
+inline bool emulated_run_fibers(unsigned threads) {
+    for (;;) {
         const unsigned long long before = emulated.progress;
-        left = 0;
+        unsigned left = 0;
         for (unsigned i = 0; i < threads; ++i) {
             if (emulated.finished[i]) continue;
             emulated.current = i;
@@ -320,11 +343,112 @@ inline void run_block(EmulatedIndex block, unsigned threads, const std::function
             swapcontext(&emulated.scheduler, &emulated.fibers[i]);
             left += !emulated.finished[i];
         }
-        if (left > 0 && emulated.progress == before) {
-            std::fprintf(stderr, "emulated block (%u, %u): threads wait on a barrier others never reach\n",
-                         block.x, block.y);
-            std::abort();
-        }
+        if (left == 0) return true;
+        if (emulated.progress == before) return false;
+    }
+}
+
+// Run fn on the `threads` threads (a multiple of 32, at most 1024) of block `block`.
+inline void run_block(EmulatedIndex block, unsigned threads, const std::function<void()>& fn) {
+    EmulatedBarrier whole(threads);
+    emulated_start_block(block, threads, fn, whole);
+    if (!emulated_run_fibers(threads)) {
+        std::fprintf(stderr, "emulated block (%u, %u): threads wait on a barrier others never reach\n", block.x,
+                     block.y);
+        std::abort();
+    }
+}
+
+// A cluster being run (run_cluster): its barrier and each CTA's thread-local storage. Only one of
+// its OS threads runs at a time (the one whose turn it is, holding `mutex`), so its fields need no
+// atomics, and a CTA waiting for its turn has its shared memory where the others can read it.
+struct EmulatedCluster {
+    unsigned size = 1, threads = 0;
+    unsigned arrived = 0;           // arrivals at the barrier's current phase
+    unsigned long long phase = 0;   // completed barriers
+    std::vector<const char*> anchors;  // each CTA's emulated_tls_anchor
+    std::mutex mutex;
+    std::condition_variable turn_changed;
+    std::vector<bool> finished;  // each CTA's threads all done
+    unsigned turn = 0, done = 0, idle_turns = 0;
+    bool stuck = false;
+};
+inline EmulatedCluster* emulated_cluster = nullptr;  // set while a cluster runs (shared by its threads)
+inline thread_local unsigned emulated_cluster_rank = 0;
+inline thread_local char emulated_tls_anchor;  // a CTA's __shared__ variables lie at fixed offsets from it
+inline thread_local std::vector<unsigned long long> emulated_arrival;  // each thread's phase at its arrive
+
+inline unsigned emulated_cluster_ctas() { return emulated_cluster == nullptr ? 1u : emulated_cluster->size; }
+inline unsigned emulated_cluster_ctarank() { return emulated_cluster == nullptr ? 0u : emulated_cluster_rank; }
+inline void emulated_cluster_arrive() {
+    EmulatedCluster& c = *emulated_cluster;
+    emulated_arrival[threadIdx.x] = c.phase;
+    if (++c.arrived == c.size * c.threads) c.arrived = 0, ++c.phase;
+    ++emulated.progress;
+}
+inline void emulated_cluster_wait() {
+    while (emulated_cluster->phase <= emulated_arrival[threadIdx.x]) emulated_yield();
+}
+// The value at `mine`'s address in CTA `rank`'s shared memory: the same offset from its anchor.
+template <class T>
+inline T emulated_cluster_load(const T* mine, unsigned rank) {
+    const char* at = reinterpret_cast<const char*>(mine) - &emulated_tls_anchor + emulated_cluster->anchors[rank];
+    T v;
+    std::memcpy(&v, at, sizeof v);
+    return v;
+}
+
+// Run fn on the CTAs `blocks` as one cluster, rank i being blocks[i]: an OS thread a CTA, each in
+// turn until its threads have all finished or wait on a cluster barrier (or, within the CTA, on one
+// that a thread still waiting on the cluster's would release). Every thread stays until all have
+// finished, as a CTA's shared memory outlives its reads on a GPU. Aborts where a whole round of
+// turns moves no thread.
+inline void run_cluster(const std::vector<EmulatedIndex>& blocks, unsigned threads, const std::function<void()>& fn) {
+    EmulatedCluster c;
+    c.size = (unsigned)blocks.size();
+    c.threads = threads;
+    c.anchors.assign(c.size, nullptr);
+    c.finished.assign(c.size, false);
+    const EmulatedIndex grid = gridDim;
+    emulated_cluster = &c;
+    std::vector<std::thread> ctas;
+    for (unsigned r = 0; r < c.size; ++r)
+        ctas.emplace_back([&, r] {
+            gridDim = grid;
+            emulated_cluster_rank = r;
+            std::unique_lock<std::mutex> lock(c.mutex);
+            c.anchors[r] = &emulated_tls_anchor;
+            c.turn_changed.wait(lock, [&] { return c.turn == r || c.stuck; });
+            if (c.stuck) return;
+            EmulatedBarrier whole(threads);
+            emulated_arrival.assign(threads, 0);
+            emulated_start_block(blocks[r], threads, fn, whole);
+            bool finished = false;
+            while (!finished) {
+                const unsigned long long before = emulated.progress;
+                finished = emulated_run_fibers(threads);
+                c.idle_turns = emulated.progress == before ? c.idle_turns + 1 : 0;
+                c.finished[r] = finished;
+                c.done += finished;
+                if (c.idle_turns > c.size) c.stuck = true;
+                for (unsigned k = 1; k <= c.size; ++k) {  // the turn goes to the next CTA still running
+                    if (!c.finished[(r + k) % c.size]) {
+                        c.turn = (r + k) % c.size;
+                        break;
+                    }
+                }
+                c.turn_changed.notify_all();
+                if (c.stuck) return;
+                if (!finished) c.turn_changed.wait(lock, [&] { return c.turn == r || c.stuck; });
+                if (c.stuck) return;
+            }
+            c.turn_changed.wait(lock, [&] { return c.done == c.size || c.stuck; });  // shared memory stays readable
+        });
+    for (std::thread& t : ctas) t.join();
+    emulated_cluster = nullptr;
+    if (c.stuck) {
+        std::fprintf(stderr, "emulated cluster: its threads wait on a barrier others never reach\n");
+        std::abort();
     }
 }
 

@@ -2,7 +2,7 @@
 // `threads`), its parameters in the kernel's order, so the tests can run CudaOps.gdn_decode's
 // launch on a CPU and hold the conv window, the rule's state and the gated norm to
 // gdn_reference.decode step after step:
-//   g++ -std=c++20 -O1 -ffp-contract=off -shared -fPIC -I../include gdn_host.cpp -o gdn.so
+//   g++ -std=c++20 -O1 -ffp-contract=off -fno-gnu-unique -shared -fPIC -I../include gdn_host.cpp -o gdn.so
 #include "emulate.h"
 #include "../gdn.cu"
 

@@ -1,6 +1,6 @@
 // gdn_prefill.cu as a host library, over the grids CudaOps launches, so the tests can hold its
 // kernels to the torch forms (gdn_chunked.torch_walk, gdn_reference) on a CPU:
-//   g++ -std=c++20 -O1 -ffp-contract=off -shared -fPIC -I../include gdn_prefill_host.cpp -o gdn_prefill.so
+//   g++ -std=c++20 -O1 -ffp-contract=off -fno-gnu-unique -shared -fPIC -I../include gdn_prefill_host.cpp -o gdn_prefill.so
 #include "emulate.h"
 #include "../gdn_prefill.cu"
 

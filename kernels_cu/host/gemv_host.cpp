@@ -1,7 +1,7 @@
 // The decode GEMVs of gemv.cu as a host library, each run over a grid of `ctas` CTAs as CudaOps
 // launches it (CudaOps uses two per SM; a small grid makes every warp walk several rows), so tests
 // can check the row mapping, the batches of a row, the fused prologue and the epilogues on a CPU:
-//   g++ -std=c++20 -O1 -ffp-contract=off -shared -fPIC -I../include gemv_host.cpp -o gemv.so
+//   g++ -std=c++20 -O1 -ffp-contract=off -fno-gnu-unique -shared -fPIC -I../include gemv_host.cpp -o gemv.so
 #include "emulate.h"
 #include "../gemv.cu"
 #include "../rmsnorm.cu"

@@ -1,6 +1,6 @@
 // The KV side types' cache write (store_vector) and per-lane read (side::load / decode) as a
 // host library, so tests can compare their bytes and values with the torch codecs on a CPU:
-//   g++ -std=c++20 -O1 -ffp-contract=off -shared -fPIC -I../include kv_codec_host.cpp -o kv.so
+//   g++ -std=c++20 -O1 -ffp-contract=off -fno-gnu-unique -shared -fPIC -I../include kv_codec_host.cpp -o kv.so
 #include "emulate.h"
 #include "kv_write.cuh"
 

@@ -1,6 +1,6 @@
 // moe.cu's kernels as a host library, each over the grid CudaOps launches, so the tests can hold
 // the routing, the plan, the expert CTAs and the weighted sums to the torch reference on a CPU:
-//   g++ -std=c++20 -O1 -ffp-contract=off -shared -fPIC -I../include moe_host.cpp -o moe.so
+//   g++ -std=c++20 -O1 -ffp-contract=off -fno-gnu-unique -shared -fPIC -I../include moe_host.cpp -o moe.so
 #include "emulate.h"
 #include "../moe.cu"
 
@@ -12,16 +12,27 @@ extern "C" void host_moe_route(const bf16_t* logits, int* ids, float* weights, i
 }
 
 // Batch 1's norm, router and routing: a CTA of GEMV_THREADS per GEMV_WARPS router rows (E, one
-// more with shared slots), as CudaOps; counter: one zeroed word.
+// more with shared slots), as CudaOps; counter: one zeroed word. With `cluster` the grid runs as
+// one cluster (CudaOps's launch of up to MOE_ROUTER_CLUSTER CTAs): CTA 0 routes from the logits it
+// gathers from the others' shared memory.
 extern "C" void host_moe_router(const bf16_t* router, const bf16_t* h, const bf16_t* gamma, bf16_t* x_out,
                                 bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read,
                                 unsigned* counter, int num_experts, int hidden, int top_k, int shared, int normalize,
-                                float eps) {
-    const int rows = num_experts + (shared > 0);
-    run_grid((rows + GEMV_WARPS - 1) / GEMV_WARPS, 1, GEMV_THREADS, [&] {
+                                float eps, int cluster) {
+    const unsigned ctas = (num_experts + (shared > 0) + GEMV_WARPS - 1) / GEMV_WARPS;
+    auto cta = [&] {
         moe_router_bf16(router, h, gamma, x_out, logits, ids, weights, plan, experts_read, counter, num_experts,
                         hidden, top_k, shared, normalize, eps);
-    });
+    };
+    if (!cluster) {
+        run_grid(ctas, 1, GEMV_THREADS, cta);
+        return;
+    }
+    std::vector<EmulatedIndex> blocks;
+    for (unsigned x = 0; x < ctas; ++x) blocks.push_back({x, 0, 0});
+    gridDim = {ctas, 1, 1};
+    run_cluster(blocks, GEMV_THREADS, cta);
+    gridDim = {1, 1, 1};
 }
 
 // The prefill chunk's routing: a warp per row over ceil(rows / (threads / 32)) CTAs, as CudaOps.

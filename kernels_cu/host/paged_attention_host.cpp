@@ -3,7 +3,7 @@
 // attention body (key batches, the transposed reduction, splits and their combine, the online
 // softmax) against the torch references on a CPU. The sides come from -D defines, as in the
 // registry's modules:
-//   g++ -std=c++20 -O1 -ffp-contract=off -shared -fPIC -I../include -DK_SIDE=fp8 -DV_SIDE=turbo4 \
+//   g++ -std=c++20 -O1 -ffp-contract=off -fno-gnu-unique -shared -fPIC -I../include -DK_SIDE=fp8 -DV_SIDE=turbo4 \
 //       paged_attention_host.cpp -o pa.so
 #include "emulate.h"
 #include "../paged_decode.cu"

@@ -2,7 +2,7 @@
 // paged_decode_rope_tc<suffix> (the decode attention in one launch), as a host library, launched over their whole grids as CudaOps launches them, so tests can check the
 // tensor-core decode (fragment layouts, the permuted head_dim, movmatrix transposes, query chunks,
 // the online softmax and its warp merge) against the torch reference on a CPU:
-//   g++ -std=c++20 -O1 -ffp-contract=off -shared -fPIC -I../include paged_decode_tc_host.cpp -o tc.so
+//   g++ -std=c++20 -O1 -ffp-contract=off -fno-gnu-unique -shared -fPIC -I../include paged_decode_tc_host.cpp -o tc.so
 #include "emulate.h"
 #include "../paged_decode.cu"
 #include "../paged_decode_tc.cu"
@@ -59,7 +59,9 @@ extern "C" void host_paged_decode_tc(const bf16_t* q, const void* k_cache, const
 }
 
 // paged_decode_rope_tc / paged_decode_rope_tc_fp8 (or their _preload entries) over its grid (hk,
-// batch, chunks * num_splits); it combines its splits itself.
+// batch, chunks * num_splits); it combines its splits itself: by counter, or with `cluster` the
+// num_splits splits of each (KV head, sequence, chunk) as one cluster (CudaOps's launch where
+// rope_decode_cluster allows one), through their shared memory.
 extern "C" void host_paged_decode_rope_tc(const bf16_t* q, const bf16_t* k, const bf16_t* v, void* k_cache,
                                           void* v_cache, const int* slot_mapping, const int* positions,
                                           const float* cos_table, const float* sin_table, const bf16_t* q_norm,
@@ -68,15 +70,26 @@ extern "C" void host_paged_decode_rope_tc(const bf16_t* q, const bf16_t* k, cons
                                           const float* k_scale, const float* v_scale, float scale, int q_stride,
                                           int k_stride, int v_stride, int hq, int hk, int head_dim, int rot_dim,
                                           int max_blocks, int num_splits, float eps, int batch, int chunks,
-                                          int fp8, int preload) {
+                                          int fp8, int preload, int cluster) {
     auto entry = preload ? (fp8 ? paged_decode_rope_tc_preload_fp8 : paged_decode_rope_tc_preload)
                          : (fp8 ? paged_decode_rope_tc_fp8 : paged_decode_rope_tc);
-    for (int z = 0; z < chunks * num_splits; ++z)
+    auto cta = [&] {
+        entry(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_table, sin_table, q_norm, k_norm, block_tables,
+              seq_lens, out, part_o, part_ml, counters, k_scale, v_scale, scale, q_stride, k_stride, v_stride, hq, hk,
+              head_dim, rot_dim, max_blocks, num_splits, eps);
+    };
+    gridDim = {(unsigned)hk, (unsigned)batch, (unsigned)(chunks * num_splits)};
+    for (int chunk = 0; chunk < chunks; ++chunk)
         for (int y = 0; y < batch; ++y)
-            for (int x = 0; x < hk; ++x)
-                run_block({(unsigned)x, (unsigned)y, (unsigned)z}, TC_THREADS, [&] {
-                    entry(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_table, sin_table, q_norm, k_norm,
-                          block_tables, seq_lens, out, part_o, part_ml, counters, k_scale, v_scale, scale, q_stride,
-                          k_stride, v_stride, hq, hk, head_dim, rot_dim, max_blocks, num_splits, eps);
-                });
+            for (int x = 0; x < hk; ++x) {
+                std::vector<EmulatedIndex> splits;
+                for (int s = 0; s < num_splits; ++s)
+                    splits.push_back({(unsigned)x, (unsigned)y, (unsigned)(chunk * num_splits + s)});
+                if (cluster) {
+                    run_cluster(splits, TC_THREADS, cta);
+                } else {
+                    for (const EmulatedIndex& b : splits) run_block(b, TC_THREADS, cta);
+                }
+            }
+    gridDim = {1, 1, 1};
 }

@@ -1,7 +1,7 @@
 // The fused rope_and_cache_<dtype> kernels and the unfused kernels they replace (rms_norm_bf16,
 // rope_neox_bf16) as a host library, so tests can check on a CPU that the fused kernel gives the
 // bytes of the unfused sequence (whose cache write kv_codec_host.cpp checks against the codecs):
-//   g++ -std=c++20 -O1 -ffp-contract=off -shared -fPIC -I../include rope_and_cache_host.cpp -o rc.so
+//   g++ -std=c++20 -O1 -ffp-contract=off -fno-gnu-unique -shared -fPIC -I../include rope_and_cache_host.cpp -o rc.so
 #include "emulate.h"
 #include "../rmsnorm.cu"
 #include "../rope.cu"

@@ -1,7 +1,8 @@
 // Thread block clusters (sm_90+): the CTAs of a cluster run at once on one GPC, meet at a cluster
 // barrier and read each other's shared memory (distributed shared memory) without going through
-// L2. A kernel launched without a cluster is a cluster of one, as it is below sm_90 and in the
-// host emulation (which runs one CTA at a time: a cluster path is GPU-only there).
+// L2. A kernel launched without a cluster is a cluster of one, as it is below sm_90. The host
+// emulation runs a cluster's CTAs as run_cluster does (emulate.h), and any other launch as a
+// cluster of one.
 #pragma once
 
 #if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -12,6 +13,8 @@ __device__ __forceinline__ unsigned cluster_ctas() {
     unsigned n = 1;
 #ifdef METRALE_CLUSTERS
     asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#elif defined(METRALE_HOST_EMULATION)
+    n = emulated_cluster_ctas();
 #endif
     return n;
 }
@@ -20,6 +23,8 @@ __device__ __forceinline__ unsigned cluster_rank() {
     unsigned r = 0;
 #ifdef METRALE_CLUSTERS
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#elif defined(METRALE_HOST_EMULATION)
+    r = emulated_cluster_ctarank();
 #endif
     return r;
 }
@@ -30,6 +35,8 @@ __device__ __forceinline__ unsigned cluster_rank() {
 __device__ __forceinline__ void cluster_arrive() {
 #ifdef METRALE_CLUSTERS
     asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#elif defined(METRALE_HOST_EMULATION)
+    if (emulated_cluster != nullptr) emulated_cluster_arrive();
 #endif
 }
 
@@ -40,6 +47,8 @@ __device__ __forceinline__ void cluster_arrive() {
 __device__ __forceinline__ void cluster_arrive_relaxed() {
 #ifdef METRALE_CLUSTERS
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#elif defined(METRALE_HOST_EMULATION)
+    if (emulated_cluster != nullptr) emulated_cluster_arrive();
 #endif
 }
 
@@ -47,6 +56,12 @@ __device__ __forceinline__ void cluster_wait() {
 #ifdef METRALE_CLUSTERS
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 #else
+#ifdef METRALE_HOST_EMULATION
+    if (emulated_cluster != nullptr) {
+        emulated_cluster_wait();
+        return;
+    }
+#endif
     __syncthreads();
 #endif
 }
@@ -65,6 +80,8 @@ __device__ __forceinline__ float cluster_load(const float* mine, unsigned rank) 
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote));
     return v;
+#elif defined(METRALE_HOST_EMULATION)
+    return emulated_cluster == nullptr ? *mine : emulated_cluster_load(mine, rank);
 #else
     (void)rank;
     return *mine;
