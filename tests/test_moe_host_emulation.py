@@ -271,10 +271,17 @@ def gemv_lib(tmp_path_factory) -> ctypes.CDLL:
     return handle
 
 
-@pytest.mark.parametrize("experts, top_k, hidden, shared", [(128, 8, 2048, 0), (60, 4, 1000, 0), (6, 2, 8, 0),
-                                                             (512, 10, 4096, 0), (33, 1, 2056, 0), (512, 10, 2048, 1),
-                                                             (60, 4, 1000, 4), (7, 2, 8, 1)])
-@pytest.mark.parametrize("cluster", [False, True])
+ROUTER_CASES = [(128, 8, 2048, 0), (60, 4, 1000, 0), (6, 2, 8, 0), (512, 10, 4096, 0), (33, 1, 2056, 0),
+                (512, 10, 2048, 1), (60, 4, 1000, 4), (7, 2, 8, 1)]
+
+
+def _router_ctas(experts, shared):
+    return -(-(experts + (shared > 0)) // (GEMV_THREADS // 32))
+
+
+@pytest.mark.parametrize("experts, top_k, hidden, shared, cluster",
+                         [(*c, False) for c in ROUTER_CASES]
+                         + [(*c, True) for c in ROUTER_CASES if 1 < _router_ctas(c[0], c[3]) <= MOE_ROUTER_CLUSTER])
 def test_fused_router_equals_norm_gemv_and_route(lib, gemv_lib, experts, top_k, hidden, shared, cluster):
     """moe_router_bf16 (batch 1): its x is rms_norm_bf16's row, its logits gemv_norm_bf16's
     (the router as the weight: both prologue block sizes, rows of one and of two load batches, a
@@ -284,8 +291,6 @@ def test_fused_router_equals_norm_gemv_and_route(lib, gemv_lib, experts, top_k, 
     60 with or without the gate) CTA 0 routes from the logits gathered from the CTAs' shared memory,
     which are not stored."""
     rows = experts + (shared > 0)
-    if cluster and not 1 < -(-rows // (GEMV_THREADS // 32)) <= MOE_ROUTER_CLUSTER:
-        pytest.skip("CudaOps launches a router of one CTA, or of more than 16, without a cluster")
     g = torch.Generator().manual_seed(experts + hidden)
     h = (torch.randn(1, hidden, generator=g) * 3).to(torch.bfloat16)
     gamma = (1 + torch.randn(hidden, generator=g) * 0.1).to(torch.bfloat16)
