@@ -19,7 +19,8 @@ import torch
 from host_build import build_host_library
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.tolerances import bounds
-from metrale_cli.kernels.table import GEMV_THREADS, MOE_ROUTER_CLUSTER
+from metrale_cli.kernels.cuda_moe import GEMV_WARPS
+from metrale_cli.kernels.table import MOE_ROUTER_CLUSTER
 from moe_cases import (CASES, LANE_HEAVY, SHARED_CASES, case_id, lane_heavy_logits, moe_case, shared_case,
                         stable_route)
 
@@ -276,7 +277,7 @@ ROUTER_CASES = [(128, 8, 2048, 0), (60, 4, 1000, 0), (6, 2, 8, 0), (512, 10, 409
 
 
 def _router_ctas(experts, shared):
-    return -(-(experts + (shared > 0)) // (GEMV_THREADS // 32))
+    return -(-(experts + (shared > 0)) // GEMV_WARPS)  # CudaMoe.moe_norm_route's grid
 
 
 @pytest.mark.parametrize("experts, top_k, hidden, shared, cluster",

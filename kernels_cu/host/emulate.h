@@ -370,8 +370,13 @@ struct EmulatedCluster {
     std::mutex mutex;
     std::condition_variable turn_changed;
     std::vector<bool> finished;  // each CTA's threads all done
-    unsigned turn = 0, done = 0, idle_turns = 0;
+    unsigned turn = 0, idle_turns = 0;
     bool stuck = false;
+    bool all_finished() const {
+        for (bool f : finished)
+            if (!f) return false;
+        return true;
+    }
 };
 inline EmulatedCluster* emulated_cluster = nullptr;  // set while a cluster runs (shared by its threads)
 inline thread_local unsigned emulated_cluster_rank = 0;
@@ -429,7 +434,6 @@ inline void run_cluster(const std::vector<EmulatedIndex>& blocks, unsigned threa
                 finished = emulated_run_fibers(threads);
                 c.idle_turns = emulated.progress == before ? c.idle_turns + 1 : 0;
                 c.finished[r] = finished;
-                c.done += finished;
                 if (c.idle_turns > c.size) c.stuck = true;
                 for (unsigned k = 1; k <= c.size; ++k) {  // the turn goes to the next CTA still running
                     if (!c.finished[(r + k) % c.size]) {
@@ -442,7 +446,7 @@ inline void run_cluster(const std::vector<EmulatedIndex>& blocks, unsigned threa
                 if (!finished) c.turn_changed.wait(lock, [&] { return c.turn == r || c.stuck; });
                 if (c.stuck) return;
             }
-            c.turn_changed.wait(lock, [&] { return c.done == c.size || c.stuck; });  // shared memory stays readable
+            c.turn_changed.wait(lock, [&] { return c.all_finished() || c.stuck; });  // shared memory stays readable
         });
     for (std::thread& t : ctas) t.join();
     emulated_cluster = nullptr;
