@@ -19,7 +19,7 @@ import torch
 from host_build import build_host_library
 from metrale_cli.kernels import reference as ref
 from metrale_cli.kernels.tolerances import bounds
-from metrale_cli.kernels.cuda_moe import GEMV_WARPS
+from metrale_cli.kernels.cuda_moe import router_ctas
 from metrale_cli.kernels.table import MOE_ROUTER_CLUSTER
 from moe_cases import (CASES, LANE_HEAVY, SHARED_CASES, case_id, lane_heavy_logits, moe_case, shared_case,
                         stable_route)
@@ -276,13 +276,9 @@ ROUTER_CASES = [(128, 8, 2048, 0), (60, 4, 1000, 0), (6, 2, 8, 0), (512, 10, 409
                 (512, 10, 2048, 1), (60, 4, 1000, 4), (7, 2, 8, 1)]
 
 
-def _router_ctas(experts, shared):
-    return -(-(experts + (shared > 0)) // GEMV_WARPS)  # CudaMoe.moe_norm_route's grid
-
-
 @pytest.mark.parametrize("experts, top_k, hidden, shared, cluster",
                          [(*c, False) for c in ROUTER_CASES]
-                         + [(*c, True) for c in ROUTER_CASES if 1 < _router_ctas(c[0], c[3]) <= MOE_ROUTER_CLUSTER])
+                         + [(*c, True) for c in ROUTER_CASES if 1 < router_ctas(c[0] + (c[3] > 0)) <= MOE_ROUTER_CLUSTER])
 def test_fused_router_equals_norm_gemv_and_route(lib, gemv_lib, experts, top_k, hidden, shared, cluster):
     """moe_router_bf16 (batch 1): its x is rms_norm_bf16's row, its logits gemv_norm_bf16's
     (the router as the weight: both prologue block sizes, rows of one and of two load batches, a

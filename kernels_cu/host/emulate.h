@@ -423,7 +423,8 @@ inline void run_cluster(const std::vector<EmulatedIndex>& blocks, unsigned threa
             emulated_cluster_rank = r;
             std::unique_lock<std::mutex> lock(c.mutex);
             c.anchors[r] = &emulated_tls_anchor;
-            c.turn_changed.wait(lock, [&] { return c.turn == r || c.stuck; });
+            const auto my_turn = [&] { return c.turn == r || c.stuck; };
+            c.turn_changed.wait(lock, my_turn);
             if (c.stuck) return;
             EmulatedBarrier whole(threads);
             emulated_arrival.assign(threads, 0);
@@ -443,7 +444,7 @@ inline void run_cluster(const std::vector<EmulatedIndex>& blocks, unsigned threa
                 }
                 c.turn_changed.notify_all();
                 if (c.stuck) return;
-                if (!finished) c.turn_changed.wait(lock, [&] { return c.turn == r || c.stuck; });
+                if (!finished) c.turn_changed.wait(lock, my_turn);
                 if (c.stuck) return;
             }
             c.turn_changed.wait(lock, [&] { return c.all_finished() || c.stuck; });  // shared memory stays readable

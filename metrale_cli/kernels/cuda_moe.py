@@ -36,6 +36,11 @@ from metrale_cli.kernels.table import (
 GEMV_WARPS = GEMV_THREADS // 32  # moe_router_bf16: a warp per expert
 
 
+def router_ctas(router_rows: int) -> int:
+    """The CTAs of a batch-1 router launch (moe_router_bf16): a warp per router row."""
+    return math.ceil(router_rows / GEMV_WARPS)
+
+
 def router_cluster(device: torch.device, ctas: int) -> int:
     """The cluster size of a batch-1 router launch of ``ctas`` CTAs: the whole grid, so that its
     first CTA routes from the logits in the CTAs' shared memory, when it has 2 to
@@ -120,7 +125,7 @@ class CudaMoe:
         x = torch.empty_like(h)
         logits = torch.empty(1, router.shape[0], dtype=h.dtype, device=dev)
         ids, weights, plan = self._route_buffers(1, experts + shared, top_k + shared, dev)
-        grid = math.ceil(router.shape[0] / GEMV_WARPS)
+        grid = router_ctas(router.shape[0])
         self._launch(MOE_ROUTER, (grid,), (GEMV_THREADS,), _ready(router),
                      _ready(h), _ready(norm_weight), x, logits, ids, weights, plan, experts_read,
                      self._moe_counters(dev, 1, "router"), experts, hidden, top_k, shared, int(bool(normalize)), eps,
