@@ -7,7 +7,7 @@
 //                      plan: the experts some row chose, ascending (one row: in slot order), and
 //                      each one's (row, slot) pairs; and the count of experts read.
 //   moe_router_bf16    batch 1: the FFN's RMSNorm, the router's GEMV and moe_route_bf16's work
-//                      in one launch (the last CTA routes).
+//                      in one launch (the last CTA routes once every logit is stored).
 //   moe_gate_up_bf16   per chosen expert and 16 columns of its width: silu(gate·x) * (up·x) for
 //                      every pair that chose it -> act (tensor cores). moe_gate_up_one_bf16:
 //                      the same for batch 1, more of a warp's weight loads in flight.
@@ -56,6 +56,60 @@ __device__ __forceinline__ bf16_t load_logit(const bf16_t* p) {
     if (__isShared(p)) return *p;
 #endif
     return __ldcg(p);
+}
+
+// moe_router_bf16 over more CTAs than a cluster: each CTA stores its logits into words that hold
+// LOGIT_PENDING (a NaN's bits that f32_to_bf16, which stores NaN as 0x7fc0, never writes), and the
+// routing warp loads the row's logits again until none is pending, then sets them back to pending
+// for the next launch. That launch's CTAs store only after their wait, and so after this one has
+// completed: no counter, and its trip, between the last logit stored and the routing.
+#define LOGIT_PENDING 0xffffu
+#define LOGIT_POLLS (1 << 22)  // rounds of loads before the routing warp gives up (a trap, not a hang)
+
+__device__ __forceinline__ void store_logit(bf16_t* p, bf16_t v) {
+#if !defined(METRALE_HOST_EMULATION) && defined(__CUDA_ARCH__)
+    asm volatile("st.relaxed.gpu.global.b16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
+#else
+    *p = v;
+#endif
+}
+
+// A lane's logits of the row (expert lane + 32 v, below num_experts; the shared gate's after
+// them with `gate`) once every one is stored, the words set back to pending.
+template <int V>
+__device__ __forceinline__ void poll_logits(bf16_t* row, int num_experts, bool gate, bf16_t (&raw)[V],
+                                            bf16_t& gate_raw) {
+    const int lane = threadIdx.x & 31;
+    unsigned pending = 0u;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        raw[v] = (bf16_t)LOGIT_PENDING;
+        if (lane + 32 * v < num_experts) pending |= 1u << v;
+    }
+    gate_raw = (bf16_t)LOGIT_PENDING;
+    bool gate_pending = gate;
+    for (int polls = 0;; ++polls) {
+#pragma unroll
+        for (int v = 0; v < V; ++v)  // every pending word's load issued before any is compared
+            if (pending >> v & 1u) raw[v] = load_in_order(row + lane + 32 * v);
+        if (gate_pending) gate_raw = load_in_order(row + num_experts);
+#pragma unroll
+        for (int v = 0; v < V; ++v)
+            if (raw[v] != LOGIT_PENDING) pending &= ~(1u << v);
+        gate_pending = gate_pending && gate_raw == LOGIT_PENDING;
+        if (!__reduce_max_sync(0xffffffffu, (unsigned)(pending != 0u || gate_pending))) break;
+        if (polls == LOGIT_POLLS) {
+#ifdef METRALE_HOST_EMULATION
+            std::abort();
+#else
+            __trap();
+#endif
+        }
+    }
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+        if (lane + 32 * v < num_experts) store_logit(row + lane + 32 * v, (bf16_t)LOGIT_PENDING);
+    if (gate && lane == 0) store_logit(row + num_experts, (bf16_t)LOGIT_PENDING);
 }
 
 // Expert e's routing key: its bf16 logit's bits mapped to a 16-bit unsigned order (-0 taken as +0,
@@ -109,17 +163,25 @@ __device__ __forceinline__ void sort_descending(unsigned (&key)[V]) {
 // weighted sigmoid(gate). Returns the lane's expert id (lanes below top_k).
 template <int V>
 __device__ int route_row(const bf16_t* logits, int* ids, float* weights, int* chosen, unsigned* count, int r,
-                         int num_experts, int top_k, int shared, int normalize TL_ROW_PARAM) {
+                         int num_experts, int top_k, int shared, int normalize, bool poll TL_ROW_PARAM) {
     const int lane = threadIdx.x & 31;
     const int slots = top_k + shared;
     const bf16_t* row = logits + (long long)r * (num_experts + (shared > 0));
     unsigned key[V];
+    bf16_t gate_logit = 0;
+    if (poll) {
+        bf16_t raw[V];
+        poll_logits(const_cast<bf16_t*>(row), num_experts, shared > 0, raw, gate_logit);
 #pragma unroll
-    for (int v = 0; v < V; ++v) {
-        const int e = lane + 32 * v;
-        key[v] = e < num_experts ? logit_key(load_logit(row + e), e) : 0u;
+        for (int v = 0; v < V; ++v) key[v] = lane + 32 * v < num_experts ? logit_key(raw[v], lane + 32 * v) : 0u;
+    } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            const int e = lane + 32 * v;
+            key[v] = e < num_experts ? logit_key(load_logit(row + e), e) : 0u;
+        }
+        if (shared > 0) gate_logit = load_logit(row + num_experts);
     }
-    const bf16_t gate_logit = shared > 0 ? load_logit(row + num_experts) : (bf16_t)0;
     float z = 0.0f;  // the sum of every expert's exp(l - m), where not normalized
     if (!normalize) {
         unsigned top = 0u;
@@ -181,15 +243,15 @@ __device__ int route_row(const bf16_t* logits, int* ids, float* weights, int* ch
 
 // route_row with V sized to the experts a lane holds.
 __device__ int route_row_any(const bf16_t* logits, int* ids, float* weights, int* chosen, unsigned* count, int r,
-                             int num_experts, int top_k, int shared, int normalize TL_ROW_PARAM) {
+                             int num_experts, int top_k, int shared, int normalize, bool poll TL_ROW_PARAM) {
     const int per_lane = (num_experts + 31) / 32;
-    if (per_lane <= 4)
-        return route_row<4>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize TL_ROW_ARG);
-    if (per_lane <= 8)
-        return route_row<8>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize TL_ROW_ARG);
-    if (per_lane <= 16)
-        return route_row<16>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize TL_ROW_ARG);
-    return route_row<32>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize TL_ROW_ARG);
+#define ROUTE_ROW(V) \
+    route_row<V>(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize, poll TL_ROW_ARG)
+    if (per_lane <= 4) return ROUTE_ROW(4);
+    if (per_lane <= 8) return ROUTE_ROW(8);
+    if (per_lane <= 16) return ROUTE_ROW(16);
+    return ROUTE_ROW(32);
+#undef ROUTE_ROW
 }
 
 // The routing CTA's shared scratch: each pair's expert, each expert's pair count and fill.
@@ -206,7 +268,7 @@ struct RouteScratch {
 // of counting and scanning every expert: the expert kernels' values do not depend on the plan's
 // order (each pair's act row and y are its own; the down sums a row's slots in slot order).
 __device__ void route_plan(const bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read,
-                           int rows, int num_experts, int top_k, int shared, int normalize,
+                           int rows, int num_experts, int top_k, int shared, int normalize, bool poll,
                            RouteScratch& sh TL_ROW_PARAM) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int total = num_experts + shared, per_lane = (total + 31) / 32, slots = top_k + shared;
@@ -215,7 +277,7 @@ __device__ void route_plan(const bf16_t* logits, int* ids, float* weights, int* 
     if (rows == 1 && slots <= 32) {  // one pair an expert: the plan is the row's slots in slot order
         if (warp != 0) return;
         const int routed = route_row_any(logits, ids, weights, nullptr, nullptr, 0, num_experts, top_k, shared,
-                                         normalize TL_ROW_ARG);
+                                         normalize, poll TL_ROW_ARG);
         if (lane < slots) {
             plan[1 + lane] = lane < top_k ? routed : num_experts + lane - top_k;  // slot `lane`'s expert
             plan[1 + total + lane] = lane;
@@ -232,7 +294,7 @@ __device__ void route_plan(const bf16_t* logits, int* ids, float* weights, int* 
     for (int e = threadIdx.x; e < total; e += blockDim.x) count[e] = 0;
     __syncthreads();
     for (int r = warp; r < rows; r += warps)
-        route_row_any(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize);
+        route_row_any(logits, ids, weights, chosen, count, r, num_experts, top_k, shared, normalize, poll);
     __syncthreads();
     if (warp == 0) {  // the plan's experts and offsets: lane l scans experts [l * per_lane, ...)
         const int lo = lane * per_lane, hi = min(lo + per_lane, total);
@@ -269,15 +331,16 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
     __shared__ RouteScratch sh;
     pdl_wait();
     pdl_launch_dependents();
-    route_plan(logits, ids, weights, plan, experts_read, rows, num_experts, top_k, shared, normalize, sh);
+    route_plan(logits, ids, weights, plan, experts_read, rows, num_experts, top_k, shared, normalize, false, sh);
 }
 
 // Batch-1 decode's norm, router and routing in one launch (rms_norm_bf16, the router's GEMV and
 // moe_route_bf16 fused): x = RMSNorm(h), staged as gemv_norm_bf16 stages it (rms_norm_bf16's
 // arithmetic) and stored to x_out by CTA 0; logits (E,) bf16 = router · x, a warp per expert in
-// gemv_norm_bf16's order (each logit is the value that kernel stores); then the last CTA to
-// finish (counter: a zeroed word, left zero) routes the row as moe_route_bf16 does, its scratch
-// in the staged row's shared memory. Launched as one cluster (grid <= MOE_ROUTER_CLUSTER), CTA 0
+// gemv_norm_bf16's order (each logit is the value that kernel stores); then the grid's last CTA
+// routes the row as moe_route_bf16 does, its scratch in the staged row's shared memory, once it
+// has loaded every logit (poll_logits: logits holds LOGIT_PENDING words, and is left so), the
+// others leaving as soon as theirs are stored. Launched as one cluster (grid <= MOE_ROUTER_CLUSTER), CTA 0
 // routes instead, after a cluster barrier, from the logits it gathers from the CTAs' shared
 // memory: no counter, and no logits in global memory (logits is left unwritten). The router rows
 // are loaded before the PDL wait (a constant).
@@ -288,11 +351,10 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
 #define MOE_ROUTER_CLUSTER 16  // the most CTAs of a router launched as one cluster
 extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
     moe_router_bf16(const bf16_t* router, const bf16_t* h, const bf16_t* gamma, bf16_t* x_out, bf16_t* logits,
-                    int* ids, float* weights, int* plan, long long* experts_read, unsigned* counter,
-                    int num_experts, int hidden, int top_k, int shared, int normalize, float eps) {
+                    int* ids, float* weights, int* plan, long long* experts_read, int num_experts, int hidden,
+                    int top_k, int shared, int normalize, float eps) {
     static_assert(sizeof(RouteScratch) <= GEMV_MAX_K / 8 * sizeof(Chunk), "the route's scratch fits the row's");
     __shared__ Chunk xs[GEMV_MAX_K / 8];
-    __shared__ int is_last;
     __shared__ float mine[GEMV_WARPS];  // in a cluster: this CTA's logits
     __shared__ bf16_t gathered[MOE_ROUTER_CLUSTER * GEMV_WARPS];  // CTA 0 of a cluster: every logit
     TL_BEGIN(0);
@@ -332,7 +394,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
         }
         acc = warp_sum(acc);
         if (lane == 0) {  // a cluster's logits stay in shared memory: no global store for its barrier to wait on
-            if (!clustered) logits[e] = f32_to_bf16(acc);
+            if (!clustered) store_logit(logits + e, f32_to_bf16(acc));
             mine[threadIdx.x >> 5] = round_bf16(acc);
         }
     }
@@ -349,20 +411,15 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
         cluster_arrive_relaxed();  // CTA 0 has read every logit: the others may leave
         TL_MARK(4);
         if (first) route_plan(gathered, ids, weights, plan, experts_read, 1, num_experts, top_k, shared, normalize,
-                              *reinterpret_cast<RouteScratch*>(xs) TL_ROW_HERE);
+                              false, *reinterpret_cast<RouteScratch*>(xs) TL_ROW_HERE);
         cluster_wait();
         TL_MARK(5);
         return;
     }
-    if (threadIdx.x == 0) {
-        is_last = last_arrival(counter, gridDim.x);
-    }
-    __syncthreads();
+    if (blockIdx.x != gridDim.x - 1) return;  // the last CTA routes, once every logit is stored (poll_logits)
     TL_MARK(4);
-    if (is_last) {
-        route_plan(logits, ids, weights, plan, experts_read, 1, num_experts, top_k, shared, normalize,
-                   *reinterpret_cast<RouteScratch*>(xs) TL_ROW_HERE);
-    }
+    route_plan(logits, ids, weights, plan, experts_read, 1, num_experts, top_k, shared, normalize, true,
+               *reinterpret_cast<RouteScratch*>(xs) TL_ROW_HERE);
     TL_MARK(5);
 }
 
@@ -377,7 +434,7 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS)
     pdl_wait();
     pdl_launch_dependents();
     if (r >= rows) return;
-    route_row_any(logits, ids, weights, ids, counts, r, num_experts, top_k, shared, normalize);
+    route_row_any(logits, ids, weights, ids, counts, r, num_experts, top_k, shared, normalize, false);
 }
 
 // out (rows, hidden) = bf16(sum over slots s, in order, of bf16(ys[where[r * k + s]] * bf16(weights[r *

@@ -12,17 +12,18 @@ extern "C" void host_moe_route(const bf16_t* logits, int* ids, float* weights, i
 }
 
 // Batch 1's norm, router and routing: a CTA of GEMV_THREADS per GEMV_WARPS router rows (E, one
-// more with shared slots), as CudaOps; counter: one zeroed word. With `cluster` the grid runs as
-// one cluster (CudaOps's launch of up to MOE_ROUTER_CLUSTER CTAs): CTA 0 routes from the logits it
-// gathers from the others' shared memory.
+// more with shared slots), as CudaOps; logits: LOGIT_PENDING words (the CTAs run in order, so the
+// last, which routes, finds every logit stored). With `cluster` the grid runs as one cluster
+// (CudaOps's launch of up to MOE_ROUTER_CLUSTER CTAs): CTA 0 routes from the logits it gathers
+// from the others' shared memory.
 extern "C" void host_moe_router(const bf16_t* router, const bf16_t* h, const bf16_t* gamma, bf16_t* x_out,
                                 bf16_t* logits, int* ids, float* weights, int* plan, long long* experts_read,
-                                unsigned* counter, int num_experts, int hidden, int top_k, int shared, int normalize,
-                                float eps, int cluster) {
+                                int num_experts, int hidden, int top_k, int shared, int normalize, float eps,
+                                int cluster) {
     const unsigned ctas = (num_experts + (shared > 0) + GEMV_WARPS - 1) / GEMV_WARPS;
     auto cta = [&] {
-        moe_router_bf16(router, h, gamma, x_out, logits, ids, weights, plan, experts_read, counter, num_experts,
-                        hidden, top_k, shared, normalize, eps);
+        moe_router_bf16(router, h, gamma, x_out, logits, ids, weights, plan, experts_read, num_experts, hidden,
+                        top_k, shared, normalize, eps);
     };
     if (!cluster) {
         run_grid(ctas, 1, GEMV_THREADS, cta);

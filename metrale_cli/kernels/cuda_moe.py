@@ -123,12 +123,11 @@ class CudaMoe:
             return x, self._routes(F.linear(x, router), top_k, normalize, experts_read, shared)
         dev = h.device
         x = torch.empty_like(h)
-        logits = torch.empty(1, router.shape[0], dtype=h.dtype, device=dev)
         ids, weights, plan = self._route_buffers(1, experts + shared, top_k + shared, dev)
         grid = router_ctas(router.shape[0])
         self._launch(MOE_ROUTER, (grid,), (GEMV_THREADS,), _ready(router),
-                     _ready(h), _ready(norm_weight), x, logits, ids, weights, plan, experts_read,
-                     self._moe_counters(dev, 1, "router"), experts, hidden, top_k, shared, int(bool(normalize)), eps,
+                     _ready(h), _ready(norm_weight), x, self._pending_logits(dev, router.shape[0]), ids, weights, plan,
+                     experts_read, experts, hidden, top_k, shared, int(bool(normalize)), eps,
                      pdl=True, cluster=(router_cluster(dev, grid), 1, 1))
         return x, MoeRoute(ids, weights, plan)
 
@@ -173,15 +172,26 @@ class CudaMoe:
                      width, experts, top_k, pdl=True)
         return out
 
-    def _moe_counters(self: CudaLauncher, device: torch.device, count: int, user: str = "down") -> torch.Tensor:
-        """Zeroed int32 words, one per column tile of moe_down_bf16 (``user`` "down") or the one of
-        moe_router_bf16 ("router"), which leave them zero: kept per device and user and grown
-        (never shrunk) so graphs replay on the same buffer."""
-        counters = self.__dict__.setdefault("_moe_counter_words", {})
-        have = counters.get((device.index, user))
-        if have is None or have.numel() < count:
-            have = counters[device.index, user] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        return have
+    def _moe_counters(self: CudaLauncher, device: torch.device, count: int) -> torch.Tensor:
+        """Zeroed int32 words, one per column tile of moe_down_bf16, which leaves them zero."""
+        return _kept_words(self, device, "down", count, torch.int32, 0)
+
+    def _pending_logits(self: CudaLauncher, device: torch.device, count: int) -> torch.Tensor:
+        """moe_router_bf16's logit words, each LOGIT_PENDING (0xffff), which it leaves so (the
+        cluster launch does not touch them)."""
+        return _kept_words(self, device, "router logits", count, torch.int16, -1).view(torch.bfloat16)
+
+
+def _kept_words(ops: CudaLauncher, device: torch.device, user: str, count: int, dtype: torch.dtype,
+                fill: int) -> torch.Tensor:
+    """At least ``count`` words of ``fill`` that the kernels of ``user`` leave as they found them: kept
+    per device and user and grown (never shrunk) so graphs replay on the same buffer."""
+    kept = ops.__dict__.setdefault("_moe_kept_words", {})
+    have = kept.get((device.index, user))
+    if have is None or have.numel() < count:
+        have = kept[device.index, user] = torch.full((max(count, MOE_MAX_EXPERTS + 1),), fill, dtype=dtype,
+                                                     device=device)
+    return have
 
 
 def _decode_rows(rows: int, slots: int) -> bool:

@@ -151,8 +151,7 @@ MOE_ROUTE = K("moe::moe_route_bf16"), Signature.parse(
 )
 MOE_ROUTER = K("moe::moe_router_bf16"), Signature.parse(
     "router: bf16*, h: bf16*, gamma: bf16*, x_out: bf16*, logits: bf16*, ids: i32*, weights: f32*, plan: i32*, "
-    "experts_read: i64*?, counter: i32*, num_experts: i32, hidden: i32, top_k: i32, shared: i32, normalize: i32, "
-    "eps: f32"
+    "experts_read: i64*?, num_experts: i32, hidden: i32, top_k: i32, shared: i32, normalize: i32, eps: f32"
 )
 MOE_GATE_UP = K("moe::moe_gate_up_bf16"), Signature.parse(
     "x: bf16*, gate_up: bf16*, shared_gate_up: bf16*?, plan: i32*, act: bf16*, hidden: i32, inter: i32, "
