@@ -416,7 +416,10 @@ extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
         TL_MARK(5);
         return;
     }
-    if (blockIdx.x != gridDim.x - 1) return;  // the last CTA routes, once every logit is stored (poll_logits)
+    if (blockIdx.x != gridDim.x - 1) {  // the last CTA routes, once every logit is stored (poll_logits)
+        TL_MARK(5);
+        return;
+    }
     TL_MARK(4);
     route_plan(logits, ids, weights, plan, experts_read, 1, num_experts, top_k, shared, normalize, true,
                *reinterpret_cast<RouteScratch*>(xs) TL_ROW_HERE);
