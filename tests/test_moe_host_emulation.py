@@ -276,9 +276,12 @@ ROUTER_CASES = [(128, 8, 2048, 0), (60, 4, 1000, 0), (6, 2, 8, 0), (512, 10, 409
                 (512, 10, 2048, 1), (60, 4, 1000, 4), (7, 2, 8, 1)]
 
 
+# the cases whose grid CudaOps launches as one cluster (2 to MOE_ROUTER_CLUSTER CTAs)
+CLUSTER_CASES = [c for c in ROUTER_CASES if 1 < router_ctas(c[0] + (c[3] > 0)) <= MOE_ROUTER_CLUSTER]
+
+
 @pytest.mark.parametrize("experts, top_k, hidden, shared, cluster",
-                         [(*c, False) for c in ROUTER_CASES]
-                         + [(*c, True) for c in ROUTER_CASES if 1 < router_ctas(c[0] + (c[3] > 0)) <= MOE_ROUTER_CLUSTER])
+                         [(*c, False) for c in ROUTER_CASES] + [(*c, True) for c in CLUSTER_CASES])
 def test_fused_router_equals_norm_gemv_and_route(lib, gemv_lib, experts, top_k, hidden, shared, cluster):
     """moe_router_bf16 (batch 1): its x is rms_norm_bf16's row, its logits gemv_norm_bf16's
     (the router as the weight: both prologue block sizes, rows of one and of two load batches, a

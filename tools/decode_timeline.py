@@ -20,10 +20,11 @@ for the middle layers, each launch is split into:
 
 hop + span summed over the launches is the layer. The marks: gemv 2 = the row staged (norm);
 attention 2 = q staged and the new K / V written, 3 = the split's decode, 4 = the split counter
-taken (none where the splits combine in a cluster); router 2 = the row staged, 3 = logits stored, 4 = the
-cluster barrier passed, or over more CTAs the last CTA's routing begun (it then loads the logits until
-none is pending); gate/up 2 = the plan read; down (batch 1's one CTA a column tile) 2 = every slot's y in shared memory; gdn decode
-2 = q and k normalised, 3 = the state updated, 4 = the gated norm's sum. With
+taken (none where the splits combine in a cluster); router 2 = the row staged, 3 = logits stored,
+4 = the cluster barrier passed, or over more CTAs the last CTA's routing begun (it then loads the
+logits until none is pending); gate/up 2 = the plan read; down (batch 1's one CTA a column tile)
+2 = every slot's y in shared memory; gdn decode 2 = q and k normalised, 3 = the state updated,
+4 = the gated norm's sum. With
 --row-marks the build keeps three more (TL_MARKS 9): the attention's 6, 7, 8 = warp 0's first,
 second and third staged row done (query heads 0 and 4, then the new key in the writing CTA); the
 router's routing warp (its one CTA) 6 = every logit loaded, 7 = its lanes' keys sorted, 8 = the top
