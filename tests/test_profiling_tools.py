@@ -138,6 +138,30 @@ def test_a_layer_variant_names_a_registry_module_and_its_defines():
             parse_variant(bad)
 
 
+def test_a_py_variant_sets_a_host_constant_and_the_base_build_restores_it(monkeypatch):
+    import argparse
+
+    from metrale_cli.kernels import cuda_moe, registry
+    from tools.layer_variants import parse_variant, use_build
+
+    assert parse_variant("py:cuda_moe.MOE_GATE_UP_ONE_PER_SM=0") == ("py", (("cuda_moe.MOE_GATE_UP_ONE_PER_SM", "0"),))
+    for bad in ("py:cuda_moe.NO_SUCH=1", "py:nomodule.X=1", "py:cuda_moe.MOE_GATE_UP_ONE_PER_SM=x",
+                "py:cuda_moe.MOE_GATE_UP_ONE_PER_SM="):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_variant(bad)
+
+    class Ops:  # what use_build touches of CudaOps
+        loader = type("L", (), {"_functions": {"f": 1}})()
+
+    monkeypatch.setattr(cuda_moe, "MOE_GATE_UP_ONE_PER_SM", 3)
+    base = dict(registry.MODULES)
+    host_base = {"cuda_moe.MOE_GATE_UP_ONE_PER_SM": 3}
+    use_build(Ops, base, dict([parse_variant("py:cuda_moe.MOE_GATE_UP_ONE_PER_SM=2")]), host_base)
+    assert cuda_moe.MOE_GATE_UP_ONE_PER_SM == 2 and registry.MODULES == base and not Ops.loader._functions
+    use_build(Ops, base, {}, host_base)
+    assert cuda_moe.MOE_GATE_UP_ONE_PER_SM == 3
+
+
 @pytest.mark.parametrize("text, ok", [("0", True), ("50", True), ("100", True), ("-1", False), ("101", False)])
 def test_the_layer_tools_take_a_carveout_in_percent(text, ok):
     import argparse

@@ -7,7 +7,9 @@ asserts):
 
 Each variant is a module of the kernel registry rebuilt with extra defines (several in one
 variant: module:NAME=V,NAME=V), macros its source reads under #ifndef; the base is the registry
-as it is. The layer and its launches are tools.moe_layer_launches' (its options after --), built
+as it is. A variant `py:cuda_moe.NAME=V` instead sets an integer constant of a module of
+metrale_cli.kernels that the launches read on the host (cuda_moe.MOE_GATE_UP_ONE_PER_SM, say); the
+base build keeps its value. The layer and its launches are tools.moe_layer_launches' (its options after --), built
 once; the variants take turns over --rounds rounds, so that a drift of the GPU's clock shows as a
 drift of every column. Before the rounds each variant's outputs of the timed launches are compared
 with the base build's, byte for byte, and the tool says whether they are equal (where the base
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 
 import torch
 
@@ -35,19 +38,45 @@ def parse_defines(text: str, values: bool = False) -> tuple[tuple[str, str], ...
 
 
 def parse_variant(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
-    """'module:NAME=V,NAME=V' -> (module, ((NAME, V), ...))."""
+    """'module:NAME=V,NAME=V' -> (module, ((NAME, V), ...)); module "py": host constants,
+    'py:cuda_moe.NAME=V'."""
     module, _, defines = text.partition(":")
+    if module == "py" and defines:
+        pairs = parse_defines(defines, values=True)
+        for name, value in pairs:
+            owner, _, attr = name.rpartition(".")
+            if not hasattr(_host_module(owner), attr) or not value.lstrip("-").isdigit():
+                raise argparse.ArgumentTypeError(f"{text!r}: expected py:MODULE.NAME=INTEGER, a constant of "
+                                                 "a metrale_cli.kernels module")
+        return module, pairs
     if module not in registry.MODULES or not defines:
         raise argparse.ArgumentTypeError(f"{text!r}: expected module:NAME=VALUE[,NAME=VALUE] with a registry module")
     return module, parse_defines(defines)
 
 
-def use_build(ops: CudaOps, base: dict, defines: dict[str, tuple[tuple[str, str], ...]]) -> None:
+def _host_module(name: str):
+    try:
+        return importlib.import_module(f"metrale_cli.kernels.{name}")
+    except ImportError:
+        raise argparse.ArgumentTypeError(f"{name!r}: no such module in metrale_cli.kernels") from None
+
+
+def use_build(ops: CudaOps, base: dict, defines: dict[str, tuple[tuple[str, str], ...]],
+              host_base: dict[str, int] | None = None) -> None:
     """The registry as in ``base`` with each named module's extra defines (none: the base build),
-    and ``ops``' loaded functions dropped so that the next launches load from it."""
+    and ``ops``' loaded functions dropped so that the next launches load from it; the host
+    constants of ``host_base`` ('module.NAME': value) at their base values, then a "py" variant's."""
     registry.MODULES.clear()
     registry.MODULES.update(base)
+    for name, value in (host_base or {}).items():
+        owner, _, attr = name.rpartition(".")
+        setattr(_host_module(owner), attr, value)
     for module, extra in defines.items():
+        if module == "py":
+            for name, value in extra:
+                owner, _, attr = name.rpartition(".")
+                setattr(_host_module(owner), attr, int(value))
+            continue
         m = base[module]
         registry.MODULES[module] = dataclasses.replace(m, defines=m.defines + extra)
     ops.loader._functions.clear()
@@ -62,27 +91,29 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     shape = moe_layer_launches.parser().parse_args([x for x in a.layer if x != "--"])
     base = dict(registry.MODULES)
+    host_base = {name: getattr(_host_module(name.rpartition(".")[0]), name.rpartition(".")[2])
+                 for module, pairs in a.variant if module == "py" for name, _ in pairs}
     ops = CudaOps()
     launches = moe_layer_launches.build(shape, ops)
     names = a.launch or ["attention", "whole layer"]
     label = {None: "base"} | {v: f"{v[0]}:" + ",".join(f"{k}={x}" for k, x in v[1]) for v in a.variant}
     # each variant's outputs against the base build's, byte for byte, where the base build gives
     # the same bytes twice (a Gated DeltaNet layer's launches advance its state: not comparable)
-    use_build(ops, base, {})
+    use_build(ops, base, {}, host_base)
     want = [outputs(launches[n](0)) for n in names]
     if not same_outputs([outputs(launches[n](0)) for n in names], want):
         print("outputs not compared: the base build's differ between two calls (the launches keep state)")
     else:
         for variant in a.variant:
-            use_build(ops, base, dict([variant]))
+            use_build(ops, base, dict([variant]), host_base)
             same = same_outputs([outputs(launches[n](0)) for n in names], want)
             print(f"{label[variant]:40s} outputs {'equal to' if same else 'DIFFER from'} the base build's", flush=True)
     for _ in range(a.rounds):
         for variant in [None, *a.variant]:
-            use_build(ops, base, {} if variant is None else dict([variant]))
+            use_build(ops, base, {} if variant is None else dict([variant]), host_base)
             print(f"{label[variant]:40s} " + "  ".join(f"{n} {moe_layer_launches._time(launches[n], shape.layers):7.2f}"
                                                      for n in names), flush=True)
-    use_build(ops, base, {})
+    use_build(ops, base, {}, host_base)
 
 
 def same_outputs(got: list, want: list) -> bool:
