@@ -7,10 +7,10 @@ asserts):
 
 Each variant is a module of the kernel registry rebuilt with extra defines (several in one
 variant: module:NAME=V,NAME=V), macros its source reads under #ifndef; the base is the registry
-as it is. A variant `py:cuda_moe.NAME=V` instead sets an integer constant of a module of
-metrale_cli.kernels that the launches read on the host (cuda_moe.MOE_GATE_UP_ONE_PER_SM, say); the
-base build keeps its value. The layer and its launches are tools.moe_layer_launches' (its options after --), built
-once; the variants take turns over --rounds rounds, so that a drift of the GPU's clock shows as a
+as it is. A variant `py:MODULE.NAME=V` instead sets an integer constant of the module of
+metrale_cli.kernels whose host code reads it (py:cuda_moe.MOE_GATE_UP_ONE_PER_SM=2, say); the base
+build keeps its value. The layer and its launches are tools.moe_layer_launches' (its options after
+--), built once; the variants take turns over --rounds rounds, so that a drift of the GPU's clock shows as a
 drift of every column. Before the rounds each variant's outputs of the timed launches are compared
 with the base build's, byte for byte, and the tool says whether they are equal (where the base
 build gives the same bytes twice: a Gated DeltaNet layer advances its state at every call).
@@ -44,8 +44,8 @@ def parse_variant(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
     if module == "py" and defines:
         pairs = parse_defines(defines, values=True)
         for name, value in pairs:
-            owner, _, attr = name.rpartition(".")
-            if not hasattr(_host_module(owner), attr) or not value.lstrip("-").isdigit():
+            owner, attr = _constant(name)
+            if not hasattr(owner, attr) or not value.lstrip("-").isdigit():
                 raise argparse.ArgumentTypeError(f"{text!r}: expected py:MODULE.NAME=INTEGER, a constant of "
                                                  "a metrale_cli.kernels module")
         return module, pairs
@@ -54,11 +54,13 @@ def parse_variant(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
     return module, parse_defines(defines)
 
 
-def _host_module(name: str):
+def _constant(name: str):
+    """'module.NAME' -> (the module metrale_cli.kernels.module, 'NAME')."""
+    module, _, attr = name.rpartition(".")
     try:
-        return importlib.import_module(f"metrale_cli.kernels.{name}")
+        return importlib.import_module(f"metrale_cli.kernels.{module}"), attr
     except ImportError:
-        raise argparse.ArgumentTypeError(f"{name!r}: no such module in metrale_cli.kernels") from None
+        raise argparse.ArgumentTypeError(f"{module!r}: no such module in metrale_cli.kernels") from None
 
 
 def use_build(ops: CudaOps, base: dict, defines: dict[str, tuple[tuple[str, str], ...]],
@@ -69,13 +71,11 @@ def use_build(ops: CudaOps, base: dict, defines: dict[str, tuple[tuple[str, str]
     registry.MODULES.clear()
     registry.MODULES.update(base)
     for name, value in (host_base or {}).items():
-        owner, _, attr = name.rpartition(".")
-        setattr(_host_module(owner), attr, value)
+        setattr(*_constant(name), value)
     for module, extra in defines.items():
         if module == "py":
             for name, value in extra:
-                owner, _, attr = name.rpartition(".")
-                setattr(_host_module(owner), attr, int(value))
+                setattr(*_constant(name), int(value))
             continue
         m = base[module]
         registry.MODULES[module] = dataclasses.replace(m, defines=m.defines + extra)
@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     shape = moe_layer_launches.parser().parse_args([x for x in a.layer if x != "--"])
     base = dict(registry.MODULES)
-    host_base = {name: getattr(_host_module(name.rpartition(".")[0]), name.rpartition(".")[2])
-                 for module, pairs in a.variant if module == "py" for name, _ in pairs}
+    host_base = {name: getattr(*_constant(name)) for module, pairs in a.variant if module == "py" for name, _ in pairs}
     ops = CudaOps()
     launches = moe_layer_launches.build(shape, ops)
     names = a.launch or ["attention", "whole layer"]
