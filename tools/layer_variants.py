@@ -5,15 +5,15 @@ asserts):
     python -m tools.layer_variants --variant MODULE:NAME=VALUE -- --hidden 4096 --kv-heads 8 \\
         --dense 12288 --layers 36                                         # Qwen3-8B's layer (after --)
 
-Each variant is a module of the kernel registry rebuilt with extra defines (several in one
-variant: module:NAME=V,NAME=V), macros its source reads under #ifndef; the base is the registry
-as it is. A variant `py:MODULE.NAME=V` instead sets an integer constant of the module of
-metrale_cli.kernels whose host code reads it (py:cuda_moe.MOE_GATE_UP_ONE_PER_SM=2, say); the base
-build keeps its value. The layer and its launches are tools.moe_layer_launches' (its options after
---), built once; the variants take turns over --rounds rounds, so that a drift of the GPU's clock shows as a
-drift of every column. Before the rounds each variant's outputs of the timed launches are compared
-with the base build's, byte for byte, and the tool says whether they are equal (where the base
-build gives the same bytes twice: a Gated DeltaNet layer advances its state at every call).
+Each variant is a module of the kernel registry rebuilt with extra defines (several in one variant:
+module:NAME=V,NAME=V), macros its source reads under #ifndef; the base is the registry as it is. A
+variant `py:MODULE.NAME=V` instead sets an integer constant of the module of metrale_cli.kernels
+whose host code reads it (py:cuda_moe.MOE_GATE_UP_ONE_PER_SM=2, say); the base build keeps its
+value. The layer and its launches are tools.moe_layer_launches' (its options after --), built once;
+the variants take turns over --rounds rounds, so that a drift of the GPU's clock shows as a drift of
+every column. Before the rounds each variant's outputs of the timed launches are compared with the
+base build's, byte for byte, and the tool says whether they are equal (where the base build gives
+the same bytes twice: a Gated DeltaNet layer advances its state at every call).
 """
 
 from __future__ import annotations
