@@ -315,6 +315,49 @@ def test_each_layer_holds_its_attention_kernels_from_build_time():
     assert str(model.layers[1].attention.kernels.decode[0]) == "paged_decode_turbo4_128::paged_decode_attn_turbo4"
 
 
+def test_fused_rows_is_torch_cat_and_a_view_where_the_parts_lie_in_a_row():
+    """decoder.fused_rows: the values of torch.cat; no copy where the parts follow one another in
+    one storage, a copy where anything is between, out of order, strided or of another storage."""
+    from metrale_cli.models.decoder import fused_rows
+
+    flat = torch.randn(7 * 4 + 4, dtype=torch.bfloat16).view(8, 4)
+    a, b, c = flat[0:2], flat[2:5], flat[5:7]
+    got = fused_rows([a, b, c])
+    assert torch.equal(got, torch.cat([a, b, c])) and got.data_ptr() == a.data_ptr() and got.shape == (7, 4)
+    assert got.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    for parts in ([a, c], [b, a], [a, flat[2:5].clone()], [a, flat[2:6:2]], [a.clone(), b], [a, b.float()]):
+        got = fused_rows(parts)
+        assert torch.equal(got, torch.cat(parts))
+        assert all(got.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for p in parts)
+    assert torch.equal(fused_rows([flat[0, :3], flat[0, 3:], flat[1]]), flat[:2].flatten())  # 1-D: biases
+
+
+@pytest.mark.parametrize("preset", ["smollm2", "qwen1.5-moe-a2.7b"])
+def test_a_preset_build_takes_its_fused_weights_as_views_of_the_drawn_ones(preset):
+    """A bench keeps a preset's random tensors for every dtype's build (and HF's): they are drawn as
+    views of one allocation, each 256-byte aligned, in the order the build fuses them, so a build's
+    q/k/v and gate/up (a shared expert's too) are views of them and the weights are held once."""
+    from metrale_cli.commands.bench_presets import ALIGN, PRESETS, random_weights
+
+    raw = PRESETS[preset] | {"num_hidden_layers": 2, "vocab_size": 512}
+    if "num_experts" in raw:
+        raw |= {"num_experts": 4, "num_experts_per_tok": 2}
+    tensors = random_weights(raw, torch.device("cpu"), torch.bfloat16)
+    storage = {t.untyped_storage().data_ptr() for t in tensors.values()}
+    assert len(storage) == 1 and all(t.data_ptr() % ALIGN == 0 for t in tensors.values())
+    cfg = model_config(raw)
+    model = build_model(cfg, dict(tensors), TorchOps, 4, 32, 0, torch.device("cpu"))
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        qkv = layer.weights.qkv
+        assert qkv.data_ptr() == tensors[p + "self_attn.q_proj.weight"].data_ptr()
+        assert torch.equal(qkv, torch.cat([tensors[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]))
+        prefix = p + ("mlp.shared_expert." if "num_experts" in raw else "mlp.")
+        gate_up = layer.ffn.shared.gate_up if "num_experts" in raw else layer.ffn.gate_up
+        assert gate_up.data_ptr() == tensors[prefix + "gate_proj.weight"].data_ptr()
+        assert torch.equal(gate_up, torch.cat([tensors[prefix + "gate_proj.weight"], tensors[prefix + "up_proj.weight"]]))
+
+
 # --- per-sequence layer states ------------------------------------------------------------------------
 class _Counted:
     """A layer's state hooks counted: every state allocated once per admitted sequence, released once."""

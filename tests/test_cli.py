@@ -765,6 +765,29 @@ def test_on_the_host_the_kv_pool_a_run_needs_is_counted_beside_its_weights(tiny,
     assert read
 
 
+def test_on_the_host_weights_already_in_memory_leave_room_for_the_pool_or_are_refused(monkeypatch):
+    """A bench's weights are in memory before its runner opens: on the CPU the pool the run needs
+    must fit beside them (with the activations' reserve), or the run is one error line, not the
+    kernel's out-of-memory kill mid-build."""
+    from metrale_cli.commands.bench_presets import PRESETS, random_weights
+    from metrale_cli.engine import room, runner
+    from metrale_cli.engine.source import ModelSource
+    from metrale_cli.kv.paged import blocks_for
+    from metrale_cli.models import kv_layout, model_config
+
+    raw = PRESETS["smollm2"] | {"num_hidden_layers": 2}
+    source = ModelSource.loaded(raw, random_weights(raw, torch.device("cpu"), torch.float32))
+    opts = runner.RunnerOptions(backend="torch", dtype="fp32", max_seq_len=512, max_num_seqs=3)
+    pool = kv_layout(model_config(raw)).bytes_per_block() * blocks_for(512) * 3
+    monkeypatch.setattr(room, "free_bytes", lambda device: pool + room.HOST_RESERVE - 1)
+    with pytest.raises(MetraleError) as info:
+        runner.open_runner(opts, source)
+    assert info.value.message.startswith(f"the KV pool takes {pool / 1e9:.1f} GB beside the weights in memory")
+    assert "--max-seq-len" in info.value.hint
+    monkeypatch.setattr(room, "free_bytes", lambda device: pool + room.HOST_RESERVE)
+    assert runner.open_runner(opts, source).model.kv_cache.num_blocks == blocks_for(512) * 3
+
+
 @pytest.mark.parametrize("error, line", [
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 "
                             "GiB of which 1.06 GiB is free."), "error: out of GPU memory: Tried to allocate 2.00 GiB"),

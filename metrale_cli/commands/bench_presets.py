@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from metrale_cli.layers.parallel import SINGLE, TensorParallel
@@ -107,23 +109,40 @@ DESCRIPTIONS: dict[str, str] = {
 }
 
 
+ALIGN = 256  # bytes: where each random tensor starts (the kernels' loads want 16)
+
+
 def random_weights(raw: dict, device: torch.device, dtype: torch.dtype, seed: int = 0,
                    tp: TensorParallel = SINGLE) -> dict[str, torch.Tensor]:
     """HF-named tensors: N(0, 0.02) matrices, ones for norm weights, zeros for biases; a Gated
     DeltaNet's decay parameters as HF initialises them (A_log = log U(1, 16), dt_bias ones). With
-    ``tp``: the shapes of that rank's shard (each rank draws its own, never the whole model)."""
+    ``tp``: the shapes of that rank's shard (each rank draws its own, never the whole model).
+
+    They are views of one allocation, in the family's order of names, each at a multiple of
+    ALIGN bytes: the tensors a build fuses (q / k / v, gate / up) lie one after the other, so the
+    build takes them as views (decoder.fused_rows) and the bench, which keeps these tensors for
+    every dtype's build and HF's, holds the weights once."""
     gen = torch.Generator(device=device).manual_seed(seed + tp.rank)
-    tensors = {}
     cfg = shard_config(model_config(raw), tp)
-    for name, shape in family_of(cfg.family).expected_tensors(cfg).items():
+    shapes = family_of(cfg.family).expected_tensors(cfg)
+    size = torch.empty((), dtype=dtype).element_size()
+    offsets, total = {}, 0
+    for name, shape in shapes.items():
+        offsets[name] = total
+        total += -(-math.prod(shape) * size // ALIGN) * ALIGN
+    flat = torch.empty(total + ALIGN, dtype=torch.uint8, device=device)
+    start = -flat.data_ptr() % ALIGN
+    tensors = {}
+    for name, shape in shapes.items():
+        at = start + offsets[name]
+        t = flat[at:at + math.prod(shape) * size].view(dtype).view(shape)
         if name.endswith(".A_log"):
-            t = torch.empty(shape, dtype=torch.float32, device=device).uniform_(1.0, 16.0, generator=gen)
-            tensors[name] = t.log().to(dtype)
+            t.copy_(torch.empty(shape, dtype=torch.float32, device=device).uniform_(1.0, 16.0, generator=gen).log())
         elif name.endswith("norm.weight") or name.endswith(".dt_bias"):
-            tensors[name] = torch.ones(shape, dtype=dtype, device=device)
+            t.fill_(1)
         elif name.endswith(".bias"):
-            tensors[name] = torch.zeros(shape, dtype=dtype, device=device)
+            t.zero_()
         else:
-            t = torch.empty(shape, dtype=dtype, device=device)
-            tensors[name] = t.normal_(0.0, 0.02, generator=gen)
+            t.normal_(0.0, 0.02, generator=gen)
+        tensors[name] = t
     return tensors

@@ -316,23 +316,27 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     # On the host the pool is what the run needs, known before a weight is read (and counted in the
     # room check); a GPU's is what the weights leave.
     host_blocks = pool_blocks(layout, opts, max_seq_len, device) if device.type != "cuda" else None
+    pool = layout.bytes_per_block() * host_blocks if host_blocks is not None else 0
     if not source.resident:
-        pool = layout.bytes_per_block() * host_blocks if host_blocks is not None else 0
         check_room("the model", weight_bytes(shard, DTYPES[opts.dtype]), device, tp, pool=pool)
+    elif pool:  # the weights are in memory already: the pool must fit beside them
+        check_room("the model", 0, device, tp, pool=pool)
     if tp.size == 1 or source.sharded:
         weights = source.load(device, DTYPES[opts.dtype], progress)
-        tensors = dict(weights.tensors)
     else:  # each tensor sharded as it is read: a rank holds its shard and one tensor more
         weights = source.load(device, DTYPES[opts.dtype], progress, transform=Sharder(cfg, tp))
-        tensors = dict(weights.tensors)
+    # The build takes the only reference to a checkpoint's tensors: each one it fuses into a new
+    # tensor (q/k/v, gate/up) is freed once copied, not held beside the copy to the end.
+    tensors, tokenizer, name = dict(weights.tensors), weights.tokenizer, weights.name
+    weights = None
     blocks = host_blocks if host_blocks is not None else pool_blocks(layout, opts, max_seq_len, device)
     model = build_model(shard, tensors, make_ops(backend, loader), blocks, max_seq_len,
                         opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq(),
                         max_seqs=max(1, opts.max_num_seqs), tp=tp)
     capture, decode_mode = _decode_mode(model, opts)
     graphs = DecodeGraphs(model, max(1, opts.max_num_seqs), blocks_for(max_seq_len), capture)
-    runner = Runner(model, Engine(model, max_seq_len, opts.prefill_chunk, graphs), weights.tokenizer, backend,
-                    kv_dtype, weights.name)
+    runner = Runner(model, Engine(model, max_seq_len, opts.prefill_chunk, graphs), tokenizer, backend, kv_dtype,
+                    name)
     runner.messages += kv_messages(layout, blocks, max_seq_len, kv_dtype) + state_messages(model) \
         + model.calibration.describe()
     cold = [e for e in getattr(loader, "events", []) if e.cold]

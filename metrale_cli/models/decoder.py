@@ -88,13 +88,28 @@ def swiglu_tensors(prefix: str, width: int, h: int) -> dict[str, tuple[int, ...]
             prefix + "down_proj.weight": (h, width)}
 
 
+def fused_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``, taken as a view where the parts already lie one after the other in one
+    storage (contiguous, the same trailing shape: a bench preset's random weights are drawn so), so
+    that a build over weights kept for later builds holds no second copy of them."""
+    first = parts[0]
+    at = first.data_ptr()
+    for part in parts:
+        if not (part.is_contiguous() and part.dtype == first.dtype and part.device == first.device
+                and part.shape[1:] == first.shape[1:] and part.data_ptr() == at
+                and part.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()):
+            return torch.cat(parts)
+        at += part.numel() * part.element_size()
+    return first.as_strided((sum(p.shape[0] for p in parts), *first.shape[1:]), first.stride())
+
+
 def attention_weights(spec: LayerSpec, t: dict[str, torch.Tensor]) -> AttentionWeights:
     """Pops the layer's attention tensors from ``t`` (so the unfused copies can be freed)."""
     a, p = spec.attention, f"model.layers.{spec.index}.self_attn."
     return AttentionWeights(
-        qkv=torch.cat([t.pop(p + f"{x}_proj.weight") for x in "qkv"]),
+        qkv=fused_rows([t.pop(p + f"{x}_proj.weight") for x in "qkv"]),
         o=t.pop(p + "o_proj.weight"),
-        qkv_bias=torch.cat([t.pop(p + f"{x}_proj.bias") for x in "qkv"]) if a.qkv_bias else None,
+        qkv_bias=fused_rows([t.pop(p + f"{x}_proj.bias") for x in "qkv"]) if a.qkv_bias else None,
         o_bias=t.pop(p + "o_proj.bias") if a.o_bias else None,
         q_norm=t.pop(p + "q_norm.weight") if a.qk_norm else None,
         k_norm=t.pop(p + "k_norm.weight") if a.qk_norm else None,
@@ -105,7 +120,7 @@ def swiglu(prefix: str, t: dict[str, torch.Tensor], ops: Ops, tp: TensorParallel
     """The SwiGLU under ``prefix``, its tensors popped from ``t``, gate and up fused; ``tp``: the
     rank whose shard it is, its output summed over the ranks (SINGLE: left a partial sum, as a
     MoE's shared expert, which the MoE sums with its experts)."""
-    gate_up = torch.cat([t.pop(prefix + "gate_proj.weight"), t.pop(prefix + "up_proj.weight")])
+    gate_up = fused_rows([t.pop(prefix + "gate_proj.weight"), t.pop(prefix + "up_proj.weight")])
     return DenseSwiGluFfn(gate_up, t.pop(prefix + "down_proj.weight"), ops, tp)
 
 

@@ -46,7 +46,7 @@ import torch
 
 from metrale_cli.config import ConfigReader, ModelConfig
 from metrale_cli.layers.spec import FfnSpec, GdnSpec
-from metrale_cli.models import qwen3_next, qwen_moe
+from metrale_cli.models import decoder, qwen3_next, qwen_moe
 from metrale_cli.models.family import BuildParts, Family
 from metrale_cli.models.model import CausalLM
 
@@ -63,7 +63,7 @@ def _split_shapes(g: GdnSpec, a: str, h: int) -> dict[str, tuple[int, ...]]:
 
 
 def _split_rows(g: GdnSpec, a: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.pop(a + f"in_proj_{x}.weight") for x in _PROJECTIONS])
+    return decoder.fused_rows([t.pop(a + f"in_proj_{x}.weight") for x in _PROJECTIONS])
 
 
 SPLIT = qwen3_next.GdnInProj(_split_shapes, _split_rows)
