@@ -765,6 +765,32 @@ def test_on_the_host_the_kv_pool_a_run_needs_is_counted_beside_its_weights(tiny,
     assert read
 
 
+def test_a_checkpoints_tensors_are_freed_as_the_build_fuses_them(tiny, monkeypatch):
+    """The build holds the only reference to a loaded checkpoint's tensors: the q/k/v and gate/up
+    parts it has fused are gone before it fuses the next layer's, so a build's peak is the weights
+    and one layer's fused copy, not the weights twice over (on a GPU, beside a pool sized before)."""
+    import gc
+    import weakref
+
+    from metrale_cli.engine import runner
+    from metrale_cli.engine.source import ModelSource
+    from metrale_cli.models import decoder
+
+    fused, alive = decoder.fused_rows, []
+
+    def watched(parts):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in watched.refs))
+        out = fused(parts)
+        watched.refs += [weakref.ref(p) for p in parts]
+        return out
+
+    watched.refs = []
+    monkeypatch.setattr(decoder, "fused_rows", watched)
+    runner.open_runner(runner.RunnerOptions(backend="torch", dtype="fp32"), ModelSource.checkpoint(str(tiny)))
+    assert len(alive) >= 4 and not any(alive)
+
+
 def test_on_the_host_weights_already_in_memory_leave_room_for_the_pool_or_are_refused(monkeypatch):
     """A bench's weights are in memory before its runner opens: on the CPU the pool the run needs
     must fit beside them (with the activations' reserve), or the run is one error line, not the
