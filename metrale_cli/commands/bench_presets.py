@@ -112,6 +112,10 @@ DESCRIPTIONS: dict[str, str] = {
 ALIGN = 256  # bytes: where each random tensor starts (the kernels' loads want 16)
 
 
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 def random_weights(raw: dict, device: torch.device, dtype: torch.dtype, seed: int = 0,
                    tp: TensorParallel = SINGLE) -> dict[str, torch.Tensor]:
     """HF-named tensors: N(0, 0.02) matrices, ones for norm weights, zeros for biases; a Gated
@@ -125,17 +129,13 @@ def random_weights(raw: dict, device: torch.device, dtype: torch.dtype, seed: in
     gen = torch.Generator(device=device).manual_seed(seed + tp.rank)
     cfg = shard_config(model_config(raw), tp)
     shapes = family_of(cfg.family).expected_tensors(cfg)
-    size = torch.empty((), dtype=dtype).element_size()
-    offsets, total = {}, 0
-    for name, shape in shapes.items():
-        offsets[name] = total
-        total += -(-math.prod(shape) * size // ALIGN) * ALIGN
-    flat = torch.empty(total + ALIGN, dtype=torch.uint8, device=device)
-    start = -flat.data_ptr() % ALIGN
+    nbytes = {name: math.prod(shape) * dtype.itemsize for name, shape in shapes.items()}
+    flat = torch.empty(sum(map(_aligned, nbytes.values())) + ALIGN, dtype=torch.uint8, device=device)
+    at = -flat.data_ptr() % ALIGN
     tensors = {}
     for name, shape in shapes.items():
-        at = start + offsets[name]
-        t = flat[at:at + math.prod(shape) * size].view(dtype).view(shape)
+        t = flat[at:at + nbytes[name]].view(dtype).view(shape)
+        at += _aligned(nbytes[name])
         if name.endswith(".A_log"):
             t.copy_(torch.empty(shape, dtype=torch.float32, device=device).uniform_(1.0, 16.0, generator=gen).log())
         elif name.endswith("norm.weight") or name.endswith(".dt_bias"):

@@ -45,18 +45,12 @@ def check_room(what: str, need: int, device: torch.device, tp: TensorParallel = 
                pool: int = 0) -> None:
     """Refuse ``what``'s weights (``need`` bytes; one rank's shard with ``tp``) where ``device``
     cannot hold them; on the host with ``pool`` bytes of KV pool and HOST_RESERVE beside them (a
-    GPU's pool is sized after the weights, to what is left). ``need`` 0: the weights are in memory
-    already, and the pool is refused where it does not fit beside them."""
+    GPU's pool is sized after the weights, to what is left)."""
     free = free_bytes(device)
     host = device.type != "cuda"
     if free is None or need + (pool + HOST_RESERVE if host else 0) <= free:
         return
     shard = f" (a shard of {tp.size})" if tp.size > 1 else ""
-    if host and not need:  # the weights are loaded already
-        raise MetraleError(f"the KV pool takes {pool / 1e9:.1f} GB beside the weights in memory; the host has "
-                           f"{free / 1e9:.1f} GB free, of which {HOST_RESERVE / 1e9:.1f} GB is kept for activations",
-                           hint=f"shorter or fewer sequences (a bench's -p, -n and --batch; --max-seq-len), "
-                                f"or a smaller {smaller}")
     if host:
         beside = f" and its KV pool {pool / 1e9:.1f} GB" if pool else ""
         room = f"the host has {free / 1e9:.1f} GB free, of which {HOST_RESERVE / 1e9:.1f} GB is kept for activations"
@@ -66,3 +60,15 @@ def check_room(what: str, need: int, device: torch.device, tp: TensorParallel = 
         beside, room = "", f"the GPU has {free / 1e9:.1f} GB free"
         hint = f"a smaller {smaller}, or --tensor-parallel-size N to shard it over N GPUs"
     raise MetraleError(f"{what}'s weights{shard} take {need / 1e9:.1f} GB{beside}; {room}", hint=hint)
+
+
+def check_pool_room(pool: int, device: torch.device) -> None:
+    """On the host, refuse a KV pool of ``pool`` bytes that does not fit, with HOST_RESERVE, beside
+    weights already in memory (a bench's); a GPU's pool is sized to what is left."""
+    free = None if device.type == "cuda" else free_bytes(device)
+    if free is None or pool + HOST_RESERVE <= free:
+        return
+    raise MetraleError(f"the KV pool takes {pool / 1e9:.1f} GB beside the weights in memory; the host has "
+                       f"{free / 1e9:.1f} GB free, of which {HOST_RESERVE / 1e9:.1f} GB is kept for activations",
+                       hint="shorter or fewer sequences (a bench's -p, -n and --batch; --max-seq-len), "
+                            "or a smaller model")

@@ -18,7 +18,7 @@ import torch
 from metrale_cli.config import ModelConfig
 from metrale_cli.engine.cuda_graphs import DecodeGraphs
 from metrale_cli.engine.generate import Engine
-from metrale_cli.engine.room import check_room, weight_bytes
+from metrale_cli.engine.room import check_pool_room, check_room, weight_bytes
 from metrale_cli.engine.source import ModelSource
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.ops import Ops
@@ -319,8 +319,8 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     pool = layout.bytes_per_block() * host_blocks if host_blocks is not None else 0
     if not source.resident:
         check_room("the model", weight_bytes(shard, DTYPES[opts.dtype]), device, tp, pool=pool)
-    elif pool:  # the weights are in memory already: the pool must fit beside them
-        check_room("the model", 0, device, tp, pool=pool)
+    else:  # the weights are in memory already: the pool must fit beside them
+        check_pool_room(pool, device)
     if tp.size == 1 or source.sharded:
         weights = source.load(device, DTYPES[opts.dtype], progress)
     else:  # each tensor sharded as it is read: a rank holds its shard and one tensor more
