@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import math
 import pathlib
 
@@ -26,7 +27,7 @@ from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.layers.spec import UNSERVED, check_served, unserved
-from metrale_cli.models import FAMILIES, build_model, family_of, model_config
+from metrale_cli.models import FAMILIES, build_model, family_of, hold_once, model_config
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "metrale_cli"
 LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
@@ -332,19 +333,38 @@ def test_fused_rows_is_torch_cat_and_a_view_where_the_parts_lie_in_a_row():
     assert torch.equal(fused_rows([flat[0, :3], flat[0, 3:], flat[1]]), flat[:2].flatten())  # 1-D: biases
 
 
+def test_packed_views_lay_each_run_of_one_trailing_shape_out_with_no_gap():
+    """A run of tensors of one dtype and trailing shape starts at a multiple of ALIGN bytes and its
+    tensors follow one another (fused_rows takes them as one view); a part whose end is not at a
+    multiple of 16 bytes ends its run; every tensor is 16-byte aligned and has its own bytes."""
+    from metrale_cli.models.decoder import ALIGN, fused_rows, packed_views
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    layout = {"norm": ((24,), bf16), "q": ((8, 24), bf16), "k": ((4, 24), bf16), "o": ((24, 8), bf16),
+              "qb": ((8,), bf16), "kb": ((8,), bf16), "odd": ((3,), bf16), "vb": ((4,), bf16), "a": ((5, 24), f32)}
+    views = packed_views(layout, torch.device("cpu"))
+    start = {n: t.data_ptr() for n, t in views.items()}
+    assert all(v.shape == layout[n][0] and v.dtype == layout[n][1] and v.data_ptr() % 16 == 0 for n, v in views.items())
+    assert all(start[n] % ALIGN == 0 for n in ("norm", "q", "o", "qb", "vb", "a"))
+    assert start["k"] == start["q"] + 8 * 24 * 2 and start["kb"] == start["qb"] + 16 and start["odd"] == start["kb"] + 16
+    assert fused_rows([views["q"], views["k"]]).data_ptr() == start["q"]
+    ends = sorted((start[n], start[n] + v.numel() * v.element_size()) for n, v in views.items())
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))  # no two overlap
+
+
 @pytest.mark.parametrize("preset", ["smollm2", "qwen1.5-moe-a2.7b"])
 def test_a_preset_build_takes_its_fused_weights_as_views_of_the_drawn_ones(preset):
     """A bench keeps a preset's random tensors for every dtype's build (and HF's): they are drawn as
-    views of one allocation, each 256-byte aligned, in the order the build fuses them, so a build's
+    views of one allocation, each 16-byte aligned, in the order the build fuses them, so a build's
     q/k/v and gate/up (a shared expert's too) are views of them and the weights are held once."""
-    from metrale_cli.commands.bench_presets import ALIGN, PRESETS, random_weights
+    from metrale_cli.commands.bench_presets import PRESETS, random_weights
 
     raw = PRESETS[preset] | {"num_hidden_layers": 2, "vocab_size": 512}
     if "num_experts" in raw:
         raw |= {"num_experts": 4, "num_experts_per_tok": 2}
     tensors = random_weights(raw, torch.device("cpu"), torch.bfloat16)
     storage = {t.untyped_storage().data_ptr() for t in tensors.values()}
-    assert len(storage) == 1 and all(t.data_ptr() % ALIGN == 0 for t in tensors.values())
+    assert len(storage) == 1 and all(t.data_ptr() % 16 == 0 for t in tensors.values())
     cfg = model_config(raw)
     model = build_model(cfg, dict(tensors), TorchOps, 4, 32, 0, torch.device("cpu"))
     for i, layer in enumerate(model.layers):
@@ -357,6 +377,58 @@ def test_a_preset_build_takes_its_fused_weights_as_views_of_the_drawn_ones(prese
         assert gate_up.data_ptr() == tensors[prefix + "gate_proj.weight"].data_ptr()
         assert torch.equal(gate_up, torch.cat([tensors[prefix + "gate_proj.weight"], tensors[prefix + "up_proj.weight"]]))
 
+
+
+HELD_ONCE_CASES = [("qwen2", {}), ("qwen2_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}), ("qwen3_moe", {}),
+                   ("qwen3_next", {})]
+
+
+def check_held_once(folder, kept: dict, device: torch.device) -> None:
+    """``kept``: an HF folder's tensors as hold_once left them: its values (the experts stacked),
+    each layer's in one allocation, and every build over them holding views of them, no copy
+    (Qwen3-Next's attention and in-projection regroup their rows, so only its FFN is checked)."""
+    from helpers_checkpoints import hf_state_dict
+
+    raw = json.loads((folder / "config.json").read_text())
+    want, cfg = hf_state_dict(folder), model_config(raw)
+    if family_of(cfg.family).canonical is not None:
+        family_of(cfg.family).canonical(cfg, want)  # the experts stacked, as the builds take them
+    assert set(kept) == set(want) and all(torch.equal(kept[n].cpu(), want[n]) for n in want)
+    builds = [build_model(cfg, dict(kept), TorchOps, 4, 32, 0, device) for _ in range(2)]
+    for i in range(cfg.num_layers):
+        own = [t for n, t in kept.items() if n.startswith(f"model.layers.{i}.")]
+        storage = {t.untyped_storage().data_ptr() for t in own}
+        assert len(storage) == 1 and all(t.data_ptr() % 16 == 0 for t in own)
+        for model in builds:
+            layer = model.layers[i]
+            held = layer.ffn.tensors() if cfg.family == "qwen3_next" else layer.tensors()
+            assert held and {t.untyped_storage().data_ptr() for t in held} == storage
+
+
+@pytest.mark.parametrize("family, overrides", HELD_ONCE_CASES)
+def test_a_checkpoint_kept_for_several_builds_is_held_once(tmp_path, family, overrides):
+    """`bench -m` keeps a checkpoint's tensors for every dtype's build (and HF's): hold_once stacks
+    a MoE's experts once and lays each layer's tensors out in one allocation in the family's
+    order, so every build takes its fused q/k/v, gate/up and experts as views of them."""
+    from helpers_checkpoints import make_hf_checkpoint
+
+    folder = make_hf_checkpoint(tmp_path, family, **overrides)
+    source = ModelSource.checkpoint(str(folder))
+    kept = source.load(torch.device("cpu"), torch.bfloat16, None).tensors
+    hold_once(model_config(source.config), kept)
+    check_held_once(folder, kept, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family, overrides", HELD_ONCE_CASES)
+def test_bench_holds_a_checkpoint_once_on_the_gpu(tmp_path, family, overrides):
+    """`bench -m` on a GPU: bench_source's tensors are held once (check_held_once)."""
+    from metrale_cli.commands.bench import BenchOptions, bench_source
+    from helpers_checkpoints import make_hf_checkpoint
+
+    folder = make_hf_checkpoint(tmp_path, family, **overrides)
+    source, _ = bench_source(BenchOptions(model=str(folder)), torch.device("cuda"))
+    check_held_once(folder, source.load(torch.device("cuda"), torch.bfloat16, None).tensors, torch.device("cuda"))
 
 # --- per-sequence layer states ------------------------------------------------------------------------
 class _Counted:

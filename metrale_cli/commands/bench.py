@@ -31,7 +31,7 @@ from metrale_cli.kv.dtypes import AUTO, KvCacheDtype, parse_kv_cache_dtype
 from metrale_cli.layers.gdn import GDN_RANGE
 from metrale_cli.output import Output, SilentOutput
 from metrale_cli.layers.parallel import SINGLE, TensorParallel
-from metrale_cli.models import model_config
+from metrale_cli.models import hold_once, model_config
 from metrale_cli.models.sharding import Sharder, shard_config
 
 
@@ -307,11 +307,11 @@ def bench_source(opts: BenchOptions, device: torch.device, tp: TensorParallel = 
     cfg = model_config(checkpoint.config)
     _check_context(cfg, cases)
     check_room("the model", weight_bytes(shard_config(cfg, tp), DTYPES[dtype]), device, tp)
-    if tp.size == 1:
-        weights = checkpoint.load(device, DTYPES[dtype], None)
-        return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name), dtype
-    weights = checkpoint.load(device, DTYPES[dtype], None, transform=Sharder(cfg, tp))
-    return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name, sharded=True), dtype
+    weights = checkpoint.load(device, DTYPES[dtype], None, transform=Sharder(cfg, tp) if tp.size > 1 else None)
+    if device.type == "cuda":  # (on the CPU they are maps of the file, which a copy would only add to)
+        hold_once(shard_config(cfg, tp), weights.tensors)  # every dtype's build (and HF's) takes views of them
+    return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name,
+                              sharded=tp.size > 1), dtype
 
 
 def run_bench(opts: BenchOptions, out: Output | None = None,

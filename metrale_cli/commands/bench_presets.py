@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from metrale_cli.layers.parallel import SINGLE, TensorParallel
 from metrale_cli.models import family_of, model_config
+from metrale_cli.models.decoder import packed_views
 from metrale_cli.models.sharding import shard_config
 
 
@@ -109,40 +108,27 @@ DESCRIPTIONS: dict[str, str] = {
 }
 
 
-ALIGN = 256  # bytes: where each random tensor starts (the kernels' loads want 16)
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def random_weights(raw: dict, device: torch.device, dtype: torch.dtype, seed: int = 0,
                    tp: TensorParallel = SINGLE) -> dict[str, torch.Tensor]:
     """HF-named tensors: N(0, 0.02) matrices, ones for norm weights, zeros for biases; a Gated
     DeltaNet's decay parameters as HF initialises them (A_log = log U(1, 16), dt_bias ones). With
     ``tp``: the shapes of that rank's shard (each rank draws its own, never the whole model).
 
-    They are views of one allocation, in the family's order of names, each at a multiple of
-    ALIGN bytes: the tensors a build fuses (q / k / v, gate / up) lie one after the other, so the
-    build takes them as views (decoder.fused_rows) and the bench, which keeps these tensors for
-    every dtype's build and HF's, holds the weights once."""
+    They are views of one allocation, in the family's order of names (decoder.packed_views): the
+    tensors a build fuses (q / k / v, gate / up) lie one after the other, so the build takes them
+    as views (decoder.fused_rows) and the bench, which keeps these tensors for every dtype's build
+    and HF's, holds the weights once."""
     gen = torch.Generator(device=device).manual_seed(seed + tp.rank)
     cfg = shard_config(model_config(raw), tp)
     shapes = family_of(cfg.family).expected_tensors(cfg)
-    nbytes = {name: math.prod(shape) * dtype.itemsize for name, shape in shapes.items()}
-    flat = torch.empty(sum(map(_aligned, nbytes.values())) + ALIGN, dtype=torch.uint8, device=device)
-    at = -flat.data_ptr() % ALIGN
-    tensors = {}
-    for name, shape in shapes.items():
-        t = flat[at:at + nbytes[name]].view(dtype).view(shape)
-        at += _aligned(nbytes[name])
+    tensors = packed_views({name: (shape, dtype) for name, shape in shapes.items()}, device)
+    for name, t in tensors.items():
         if name.endswith(".A_log"):
-            t.copy_(torch.empty(shape, dtype=torch.float32, device=device).uniform_(1.0, 16.0, generator=gen).log())
+            t.copy_(torch.empty(t.shape, dtype=torch.float32, device=device).uniform_(1.0, 16.0, generator=gen).log())
         elif name.endswith("norm.weight") or name.endswith(".dt_bias"):
             t.fill_(1)
         elif name.endswith(".bias"):
             t.zero_()
         else:
             t.normal_(0.0, 0.02, generator=gen)
-        tensors[name] = t
     return tensors

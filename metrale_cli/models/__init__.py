@@ -17,6 +17,7 @@ from metrale_cli.kv.fp8 import Fp8ScalePolicy
 from metrale_cli.kv.innerq import InnerQPolicy, InnerQSettings
 from metrale_cli.kv.paged import KvLayerShape, KvLayout, PagedKvCache
 from metrale_cli.models import llama, phi3, qwen3_5, qwen3_next, qwen_moe
+from metrale_cli.models.decoder import packed_views
 from metrale_cli.models.family import BuildParts, Family
 from metrale_cli.models.model import CausalLM
 from metrale_cli.layers.parallel import SINGLE, TensorParallel
@@ -64,3 +65,24 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], ops: Ops, nu
     calibration = KvCalibration(Fp8ScalePolicy(kv, tensors, fp8_calibration_tokens), InnerQPolicy(kv, innerq))
     parts = BuildParts(ops, kv, calibration, max_seq_len, cfg.max_position_embeddings, max_seqs, tp=tp)
     return family_of(cfg.family).build(cfg, tensors, parts)
+
+
+def hold_once(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """A checkpoint's tensors, kept for several builds (a bench's dtypes, HF's model), laid out in
+    place so that each build takes the tensors it fuses as views, not copies: under the family's
+    canonical names first (a MoE's experts stacked once, not by every build), then each layer's
+    tensors copied into one allocation in the family's order of names (decoder.packed_views), a
+    layer at a time, so the peak is the weights and one layer. ``cfg``: the config the tensors
+    are of (a tensor-parallel rank's shard config for its shard). For tensors in device memory: a
+    CPU checkpoint's are maps of its file, whose pages a copy would add to, not replace."""
+    family = family_of(cfg.family)
+    if family.canonical is not None:
+        family.canonical(cfg, tensors)
+    layers: dict[str, list[str]] = {}
+    for name in family.expected_tensors(cfg):
+        if name.startswith("model.layers.") and name in tensors:
+            layers.setdefault(name[:name.index(".", len("model.layers.")) + 1], []).append(name)
+    for names in layers.values():
+        views = packed_views({n: (tensors[n].shape, tensors[n].dtype) for n in names}, tensors[names[0]].device)
+        for name, view in views.items():
+            tensors[name] = view.copy_(tensors[name])

@@ -10,6 +10,7 @@ FFNs and in which attention options their configs set.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -88,10 +89,36 @@ def swiglu_tensors(prefix: str, width: int, h: int) -> dict[str, tuple[int, ...]
             prefix + "down_proj.weight": (h, width)}
 
 
+ALIGN = 256  # bytes: where packed_views starts each run of tensors (the kernels' loads want 16)
+
+
+def _aligned(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def packed_views(layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 device: torch.device) -> dict[str, torch.Tensor]:
+    """Uninitialised tensors of ``layout``'s (shape, dtype) by name, as views of one allocation in
+    its order: a run of tensors of one dtype and trailing shape (q / k / v, their biases, gate /
+    up) starts at a multiple of ALIGN bytes and its tensors follow one another with no gap (at a
+    multiple of 16 bytes; else the next starts aligned), so that, laid out in a family's order of
+    names, the parts a build fuses are taken by :func:`fused_rows` as views."""
+    at, starts, run = 0, {}, None
+    for name, (shape, dtype) in layout.items():
+        if (tuple(shape[1:]), dtype) != run or at % 16:
+            at, run = _aligned(at), (tuple(shape[1:]), dtype)
+        starts[name] = at
+        at += math.prod(shape) * dtype.itemsize
+    flat = torch.empty(at + ALIGN, dtype=torch.uint8, device=device)
+    base = -flat.data_ptr() % ALIGN
+    return {name: flat[base + starts[name]:base + starts[name] + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for name, (shape, dtype) in layout.items()}
+
+
 def fused_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(parts)``, taken as a view where the parts already lie one after the other in one
-    storage (contiguous, the same trailing shape: a bench preset's random weights are drawn so), so
-    that a build over weights kept for later builds holds no second copy of them."""
+    storage (contiguous, the same trailing shape: :func:`packed_views` lays them out so), so that a
+    build over weights kept for later builds holds no second copy of them."""
     first = parts[0]
     at = first.data_ptr()
     for part in parts:
