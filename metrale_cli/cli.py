@@ -350,7 +350,8 @@ def bench(
     peak_bandwidth: Annotated[Optional[float], typer.Option(
         help="roofline bandwidth in GB/s (default: measured device-to-device copy)")] = None,
     compare_hf: Annotated[bool, typer.Option("--compare-hf", help="also time HF transformers on the same weights")] = False,
-    gpu_memory_utilization: GpuMemOpt = 0.9,
+    gpu_memory_utilization: Annotated[float, typer.Option(
+        help="the KV tokens column: the pool generate would build at this fraction of GPU memory")] = 0.9,
     cuda_graph_mode: GraphOpt = "full",
     enforce_eager: EagerOpt = False,
     profile: Annotated[bool, typer.Option(

@@ -349,6 +349,29 @@ def test_bench_refuses_a_bandwidth_that_is_not_positive_and_a_model_beside_a_pre
                           "--peak-bandwidth must be a positive GB/s figure")
     assert_one_line_error(metrale("bench", "-m", str(tiny), "--preset", "qwen3-0.6b"),
                           "give -m (a checkpoint) or --preset")
+    for fraction in ("0", "1.5"):  # refused before a weight is read, as generate refuses it
+        assert_one_line_error(metrale("bench", "-m", str(tiny), "--backend", "torch", "--gpu-memory-utilization", fraction),
+                              "--gpu-memory-utilization must be in (0, 1]")
+
+
+def test_bench_gives_the_pool_generate_would_build_at_the_memory_fraction(monkeypatch):
+    """On a GPU the KV tokens column is the pool `generate` would size at --gpu-memory-utilization
+    beside the same weights: the fraction of the card less what is in use, with the run's own
+    (small) pool counted back, in whole blocks."""
+    from types import SimpleNamespace
+    from metrale_cli.commands import bench
+
+    gb = 10**9
+    layout = SimpleNamespace(bytes_per_token=lambda: 1000, bytes_per_block=lambda: 16000)
+    cache = SimpleNamespace(layout=layout, num_blocks=100, capacity_tokens=1600)
+    runner = SimpleNamespace(model=SimpleNamespace(kv_cache=cache, device=torch.device("cuda")))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * gb, 100 * gb))
+    memory = bench.kv_memory(runner, 0.9)
+    assert memory == {"kv_bytes_per_token": 1000, "pool_tokens": 1600, "gpu_memory_utilization": 0.9,
+                      "utilization_pool_tokens": (50 * gb + 1_600_000) // 16000 * 16}
+    assert bench._tokens(memory) == f"{(50 * gb + 1_600_000) // 16000 * 16:,} (at 0.9 of memory)"
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (5 * gb, 100 * gb))
+    assert bench.kv_memory(runner, 0.9)["utilization_pool_tokens"] == 0  # in use past the fraction
 
 
 def test_version():

@@ -28,6 +28,7 @@ from metrale_cli.engine.source import ModelSource
 from metrale_cli.environment import build_info
 from metrale_cli.errors import MetraleError
 from metrale_cli.kv.dtypes import AUTO, KvCacheDtype, parse_kv_cache_dtype
+from metrale_cli.kv.pool import BLOCK_SIZE
 from metrale_cli.layers.gdn import GDN_RANGE
 from metrale_cli.output import Output, SilentOutput
 from metrale_cli.layers.parallel import SINGLE, TensorParallel
@@ -261,18 +262,22 @@ def bench_metrale(runner, opts: BenchOptions, peak: float | None) -> list[dict]:
         rows[0] |= prefill_split(runner, opts.n_prompt)
     rows.append(timing_row(name, decode, [r[1] for r in runs],
                      opts.batch, step_bytes, peak) | ({"routed_bytes_per_step": routed} if routed else {}))
-    memory = kv_memory(runner)
+    memory = kv_memory(runner, opts.gpu_memory_utilization)
     return [r | memory for r in rows]
 
 
-def kv_memory(runner) -> dict:
+def kv_memory(runner, utilization: float) -> dict:
     """KV bytes per token (all layers, K and V) and how many tokens the pool holds: the pool
-    built for this run and, on a GPU, how many tokens of this dtype the free memory would hold."""
+    built for this run and, on a GPU, the pool `generate` would build at --gpu-memory-utilization
+    ``utilization`` beside these weights (this run's own pool counted as free: it would take its
+    place)."""
     cache = runner.model.kv_cache
     memory = {"kv_bytes_per_token": cache.layout.bytes_per_token(), "pool_tokens": cache.capacity_tokens}
     if runner.model.device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(runner.model.device)
-        memory["free_memory_tokens"] = int(free // cache.layout.bytes_per_token())
+        free, total = torch.cuda.mem_get_info(runner.model.device)
+        budget = utilization * total - (total - free) + cache.num_blocks * cache.layout.bytes_per_block()
+        blocks = max(int(budget // cache.layout.bytes_per_block()), 0)
+        memory |= {"gpu_memory_utilization": utilization, "utilization_pool_tokens": blocks * BLOCK_SIZE}
     return memory
 
 
@@ -325,6 +330,9 @@ def run_bench(opts: BenchOptions, out: Output | None = None,
     cases = sweep or [(opts.n_prompt, opts.n_gen, opts.batch)]
     if min(opts.repetitions, *(v for case in cases for v in case)) < 1:
         raise MetraleError("-p, -n, --batch and --repetitions must all be at least 1", hint="e.g. -p 512 -n 128 -r 3")
+    if not 0 < opts.gpu_memory_utilization <= 1:
+        raise MetraleError(f"--gpu-memory-utilization must be in (0, 1], got {opts.gpu_memory_utilization}",
+                           hint="a fraction of the GPU's memory, e.g. 0.9")
     if opts.peak_bandwidth_gbs is not None and not opts.peak_bandwidth_gbs > 0:
         raise MetraleError(f"--peak-bandwidth must be a positive GB/s figure, got {opts.peak_bandwidth_gbs:g}",
                            hint="leave it out to measure the device-to-device copy")
@@ -384,9 +392,9 @@ def _bench_case(opts: BenchOptions, source, weights, requested, backend, device,
 
 
 def _tokens(row: dict) -> str:
-    """Pool capacity: the tokens free GPU memory would hold, else the run's pool."""
-    if "free_memory_tokens" in row:
-        return f"{row['free_memory_tokens']:,} (free memory)"
+    """Pool capacity: the tokens a pool at --gpu-memory-utilization would hold, else the run's pool."""
+    if "utilization_pool_tokens" in row:
+        return f"{row['utilization_pool_tokens']:,} (at {row['gpu_memory_utilization']:g} of memory)"
     return f"{row['pool_tokens']:,}" if "pool_tokens" in row else ""
 
 
