@@ -346,7 +346,8 @@ def test_packed_views_lay_each_run_of_one_trailing_shape_out_with_no_gap():
     start = {n: t.data_ptr() for n, t in views.items()}
     assert all(v.shape == layout[n][0] and v.dtype == layout[n][1] and v.data_ptr() % 16 == 0 for n, v in views.items())
     assert all(start[n] % ALIGN == 0 for n in ("norm", "q", "o", "qb", "vb", "a"))
-    assert start["k"] == start["q"] + 8 * 24 * 2 and start["kb"] == start["qb"] + 16 and start["odd"] == start["kb"] + 16
+    assert start["k"] == start["q"] + 8 * 24 * 2
+    assert start["kb"] == start["qb"] + 16 and start["odd"] == start["kb"] + 16
     assert fused_rows([views["q"], views["k"]]).data_ptr() == start["q"]
     ends = sorted((start[n], start[n] + v.numel() * v.element_size()) for n, v in views.items())
     assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))  # no two overlap

@@ -350,8 +350,8 @@ def test_bench_refuses_a_bandwidth_that_is_not_positive_and_a_model_beside_a_pre
     assert_one_line_error(metrale("bench", "-m", str(tiny), "--preset", "qwen3-0.6b"),
                           "give -m (a checkpoint) or --preset")
     for fraction in ("0", "1.5"):  # refused before a weight is read, as generate refuses it
-        assert_one_line_error(metrale("bench", "-m", str(tiny), "--backend", "torch", "--gpu-memory-utilization", fraction),
-                              "--gpu-memory-utilization must be in (0, 1]")
+        result = metrale("bench", "-m", str(tiny), "--backend", "torch", "--gpu-memory-utilization", fraction)
+        assert_one_line_error(result, "--gpu-memory-utilization must be in (0, 1]")
 
 
 def test_bench_gives_the_pool_generate_would_build_at_the_memory_fraction(monkeypatch):

@@ -92,10 +92,6 @@ def swiglu_tensors(prefix: str, width: int, h: int) -> dict[str, tuple[int, ...]
 ALIGN = 256  # bytes: where packed_views starts each run of tensors (the kernels' loads want 16)
 
 
-def _aligned(n: int, to: int = ALIGN) -> int:
-    return -(-n // to) * to
-
-
 def packed_views(layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
                  device: torch.device) -> dict[str, torch.Tensor]:
     """Uninitialised tensors of ``layout``'s (shape, dtype) by name, as views of one allocation in
@@ -103,16 +99,16 @@ def packed_views(layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
     up) starts at a multiple of ALIGN bytes and its tensors follow one another with no gap (at a
     multiple of 16 bytes; else the next starts aligned), so that, laid out in a family's order of
     names, the parts a build fuses are taken by :func:`fused_rows` as views."""
-    at, starts, run = 0, {}, None
+    at, spans, run = 0, {}, None
     for name, (shape, dtype) in layout.items():
         if (tuple(shape[1:]), dtype) != run or at % 16:
-            at, run = _aligned(at), (tuple(shape[1:]), dtype)
-        starts[name] = at
-        at += math.prod(shape) * dtype.itemsize
+            at, run = -(-at // ALIGN) * ALIGN, (tuple(shape[1:]), dtype)
+        spans[name] = (at, at + math.prod(shape) * dtype.itemsize)
+        at = spans[name][1]
     flat = torch.empty(at + ALIGN, dtype=torch.uint8, device=device)
     base = -flat.data_ptr() % ALIGN
-    return {name: flat[base + starts[name]:base + starts[name] + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-            for name, (shape, dtype) in layout.items()}
+    return {name: flat[base + begin:base + end].view(dtype).view(shape)
+            for (name, (shape, dtype)), (begin, end) in zip(layout.items(), spans.values())}
 
 
 def fused_rows(parts: list[torch.Tensor]) -> torch.Tensor:
