@@ -27,7 +27,9 @@ from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.layers.spec import UNSERVED, check_served, unserved
+from metrale_cli.layers.parallel import SINGLE, TensorParallel
 from metrale_cli.models import FAMILIES, build_model, family_of, hold_once, model_config
+from metrale_cli.models.sharding import Sharder, shard_config
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "metrale_cli"
 LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
@@ -384,18 +386,20 @@ HELD_ONCE_CASES = [("qwen2", {}), ("qwen2_moe", {"num_hidden_layers": 3, "mlp_on
                    ("qwen3_next", {})]
 
 
-def check_held_once(folder, kept: dict, device: torch.device) -> None:
-    """``kept``: an HF folder's tensors as hold_once left them: its values (the experts stacked),
-    each layer's in one allocation, and every build over them holding views of them, no copy
-    (Qwen3-Next's attention and in-projection regroup their rows, so only its FFN is checked)."""
+def check_held_once(folder, kept: dict, device: torch.device, tp: TensorParallel = SINGLE) -> None:
+    """``kept``: an HF folder's tensors (rank ``tp``'s shard of them) as hold_once left them: its
+    values (the experts stacked), each layer's in one allocation, and every build over them holding
+    views of them, no copy (Qwen3-Next's attention and in-projection regroup their rows, so only
+    its FFN is checked)."""
     from helpers_checkpoints import hf_state_dict
 
-    raw = json.loads((folder / "config.json").read_text())
-    want, cfg = hf_state_dict(folder), model_config(raw)
+    cfg = model_config(json.loads((folder / "config.json").read_text()))
+    shard, cut = shard_config(cfg, tp), Sharder(cfg, tp)
+    want = {n: cut(n, t) if tp.size > 1 else t for n, t in hf_state_dict(folder).items()}
     if family_of(cfg.family).canonical is not None:
-        family_of(cfg.family).canonical(cfg, want)  # the experts stacked, as the builds take them
+        family_of(cfg.family).canonical(shard, want)  # the experts stacked, as the builds take them
     assert set(kept) == set(want) and all(torch.equal(kept[n].cpu(), want[n]) for n in want)
-    builds = [build_model(cfg, dict(kept), TorchOps, 4, 32, 0, device) for _ in range(2)]
+    builds = [build_model(shard, dict(kept), TorchOps, 4, 32, 0, device, tp=tp) for _ in range(2)]
     for i in range(cfg.num_layers):
         own = [t for n, t in kept.items() if n.startswith(f"model.layers.{i}.")]
         storage = {t.untyped_storage().data_ptr() for t in own}
@@ -406,18 +410,22 @@ def check_held_once(folder, kept: dict, device: torch.device) -> None:
             assert held and {t.untyped_storage().data_ptr() for t in held} == storage
 
 
+@pytest.mark.parametrize("size", [1, 2])
 @pytest.mark.parametrize("family, overrides", HELD_ONCE_CASES)
-def test_a_checkpoint_kept_for_several_builds_is_held_once(tmp_path, family, overrides):
+def test_a_checkpoint_kept_for_several_builds_is_held_once(tmp_path, family, overrides, size):
     """`bench -m` keeps a checkpoint's tensors for every dtype's build (and HF's): hold_once stacks
     a MoE's experts once and lays each layer's tensors out in one allocation in the family's
-    order, so every build takes its fused q/k/v, gate/up and experts as views of them."""
+    order, so every build takes its fused q/k/v, gate/up and experts as views of them; as a
+    tensor-parallel rank (the last of ``size``), of its shard as read."""
     from helpers_checkpoints import make_hf_checkpoint
 
     folder = make_hf_checkpoint(tmp_path, family, **overrides)
-    source = ModelSource.checkpoint(str(folder))
-    kept = source.load(torch.device("cpu"), torch.bfloat16, None).tensors
-    hold_once(model_config(source.config), kept)
-    check_held_once(folder, kept, torch.device("cpu"))
+    source, tp = ModelSource.checkpoint(str(folder)), TensorParallel(size - 1, size)
+    cfg = model_config(source.config)
+    kept = source.load(torch.device("cpu"), torch.bfloat16, None,
+                       transform=Sharder(cfg, tp) if size > 1 else None).tensors
+    hold_once(shard_config(cfg, tp), kept)
+    check_held_once(folder, kept, torch.device("cpu"), tp)
 
 
 @pytest.mark.gpu
