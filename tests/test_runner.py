@@ -50,6 +50,26 @@ def test_options_out_of_range_are_refused_before_anything_is_read(option, value,
         open_runner(RunnerOptions(backend="torch", **{option: value}), never)
 
 
+def test_a_gpu_pool_is_the_memory_fraction_less_what_is_in_use(monkeypatch):
+    """On a GPU the pool is --gpu-memory-utilization of the card less what is in use (the
+    weights), in whole blocks; a pool that cannot hold one sequence of --max-seq-len is one error."""
+    from metrale_cli.engine.runner import pool_blocks
+    from metrale_cli.kv.paged import blocks_for
+    from metrale_cli.models import kv_layout
+
+    gb, layout = 10**9, kv_layout(model_config(TINY))
+    opts = RunnerOptions(gpu_memory_utilization=0.5)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * gb, 100 * gb))
+    assert pool_blocks(layout, opts, 64, torch.device("cuda")) == 30 * gb // layout.bytes_per_block()
+    short = 50 * gb + blocks_for(64) * layout.bytes_per_block() - 1  # one byte short of a sequence
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (short, 100 * gb))
+    with pytest.raises(MetraleError, match=f"KV cache pool too small: {blocks_for(64) - 1} blocks fit"):
+        pool_blocks(layout, opts, 64, torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * gb, 100 * gb))
+    with pytest.raises(MetraleError, match="KV cache pool too small: 0 blocks fit"):
+        pool_blocks(layout, opts, 64, torch.device("cuda"))
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_decode_reads_every_weight_but_an_untied_embedding_table(tie):
     """The roofline's weight bytes: every tensor of the checkpoint once, less the input embedding

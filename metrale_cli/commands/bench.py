@@ -20,7 +20,8 @@ import torch
 
 from metrale_cli.commands.bench_presets import DESCRIPTIONS, PRESETS, random_weights
 from metrale_cli.commands.timing import Timer, measure_copy_bandwidth, timing_row
-from metrale_cli.engine.runner import DTYPES, RunnerOptions, open_runner, resolve_backend, resolve_dtype
+from metrale_cli.engine.runner import (DTYPES, RunnerOptions, check_memory_fraction, fraction_blocks, open_runner,
+                                       resolve_backend, resolve_dtype)
 from metrale_cli.engine.room import check_room, weight_bytes
 from metrale_cli.engine.sampler import Sampler, SamplingParams
 from metrale_cli.engine.sequence import Sequence
@@ -274,9 +275,8 @@ def kv_memory(runner, utilization: float) -> dict:
     cache = runner.model.kv_cache
     memory = {"kv_bytes_per_token": cache.layout.bytes_per_token(), "pool_tokens": cache.capacity_tokens}
     if runner.model.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(runner.model.device)
-        budget = utilization * total - (total - free) + cache.num_blocks * cache.layout.bytes_per_block()
-        blocks = max(int(budget // cache.layout.bytes_per_block()), 0)
+        blocks = fraction_blocks(cache.layout, utilization, runner.model.device,
+                                 freed=cache.num_blocks * cache.layout.bytes_per_block())
         memory |= {"gpu_memory_utilization": utilization, "utilization_pool_tokens": blocks * BLOCK_SIZE}
     return memory
 
@@ -311,10 +311,11 @@ def bench_source(opts: BenchOptions, device: torch.device, tp: TensorParallel = 
     dtype, _ = resolve_dtype(opts.dtype, checkpoint.config)
     cfg = model_config(checkpoint.config)
     _check_context(cfg, cases)
-    check_room("the model", weight_bytes(shard_config(cfg, tp), DTYPES[dtype]), device, tp)
+    shard = shard_config(cfg, tp)
+    check_room("the model", weight_bytes(shard, DTYPES[dtype]), device, tp)
     weights = checkpoint.load(device, DTYPES[dtype], None, transform=Sharder(cfg, tp) if tp.size > 1 else None)
     if device.type == "cuda":  # (on the CPU they are maps of the file, which a copy would only add to)
-        hold_once(shard_config(cfg, tp), weights.tensors)  # every dtype's build (and HF's) takes views of them
+        hold_once(shard, weights.tensors)  # every dtype's build (and HF's) takes views of them
     return ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name,
                               sharded=tp.size > 1), dtype
 
@@ -330,9 +331,7 @@ def run_bench(opts: BenchOptions, out: Output | None = None,
     cases = sweep or [(opts.n_prompt, opts.n_gen, opts.batch)]
     if min(opts.repetitions, *(v for case in cases for v in case)) < 1:
         raise MetraleError("-p, -n, --batch and --repetitions must all be at least 1", hint="e.g. -p 512 -n 128 -r 3")
-    if not 0 < opts.gpu_memory_utilization <= 1:
-        raise MetraleError(f"--gpu-memory-utilization must be in (0, 1], got {opts.gpu_memory_utilization}",
-                           hint="a fraction of the GPU's memory, e.g. 0.9")
+    check_memory_fraction(opts.gpu_memory_utilization)
     if opts.peak_bandwidth_gbs is not None and not opts.peak_bandwidth_gbs > 0:
         raise MetraleError(f"--peak-bandwidth must be a positive GB/s figure, got {opts.peak_bandwidth_gbs:g}",
                            hint="leave it out to measure the device-to-device copy")

@@ -98,9 +98,7 @@ class RunnerOptions:
         if self.max_num_seqs < 1:
             raise MetraleError(f"the number of sequences must be at least 1, got {self.max_num_seqs}",
                                hint="give at least one prompt")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise MetraleError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}",
-                               hint="a fraction of the GPU's memory, e.g. 0.9")
+        check_memory_fraction(self.gpu_memory_utilization)
         if self.prefill_chunk < 1:
             raise MetraleError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}",
                                hint="tokens per prefill chunk, e.g. 512")
@@ -233,17 +231,29 @@ def context_length(cfg: ModelConfig, opts: RunnerOptions) -> int:
     return opts.max_seq_len or min(cfg.max_position_embeddings, 8192)
 
 
+def check_memory_fraction(fraction: float) -> None:
+    """--gpu-memory-utilization in (0, 1], or one error line."""
+    if not 0 < fraction <= 1:
+        raise MetraleError(f"--gpu-memory-utilization must be in (0, 1], got {fraction}",
+                           hint="a fraction of the GPU's memory, e.g. 0.9")
+
+
+def fraction_blocks(layout: KvLayout, fraction: float, device: torch.device, freed: int = 0) -> int:
+    """The blocks of a GPU pool in ``fraction`` of its memory less what is in use (``freed`` bytes
+    of that counted as free: a pool the new one would replace); 0 when none fit."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(int((fraction * total - (total - free) + freed) // layout.bytes_per_block()), 0)
+
+
 def pool_blocks(layout: KvLayout, opts: RunnerOptions, max_seq_len: int, device: torch.device) -> int:
     """GPU: what --gpu-memory-utilization leaves after the weights. CPU: what the run needs."""
     needed = blocks_for(max_seq_len) * max(1, opts.max_num_seqs)
     if device.type != "cuda" or not opts.reserve_all_memory:
         return needed
-    free, total = torch.cuda.mem_get_info(device)
-    budget = opts.gpu_memory_utilization * total - (total - free)
-    blocks = int(budget // layout.bytes_per_block())
+    blocks = fraction_blocks(layout, opts.gpu_memory_utilization, device)
     if blocks < blocks_for(max_seq_len):
         raise MetraleError(
-            f"KV cache pool too small: {max(blocks, 0)} blocks fit, one {max_seq_len}-token "
+            f"KV cache pool too small: {blocks} blocks fit, one {max_seq_len}-token "
             f"sequence needs {blocks_for(max_seq_len)}",
             hint="raise --gpu-memory-utilization or lower --max-seq-len",
         )
