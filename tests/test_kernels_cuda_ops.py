@@ -316,7 +316,9 @@ def test_decode_gemvs_launch_two_ctas_per_sm_programmatically(ops):
                      torch.zeros(1, 5, dtype=torch.bfloat16), torch.ones(1, 8, dtype=torch.bfloat16))
     assert calls[1][3]["sum_out"] is not None and calls[1][3]["residual"] is x
     assert ops.loader.programmatic == [c[0] for c in calls]
-    assert not ops.gemv_fits(12) and ops.gemv_fits(20480) and not ops.gemv_fits(20488)
+    bf16 = torch.bfloat16
+    assert not ops.gemv_fits(12, bf16) and ops.gemv_fits(20480, bf16) and not ops.gemv_fits(20488, bf16)
+    assert not ops.gemv_fits(16, torch.float32) and not ops.gemv_fits(16, torch.float16)
 
 
 @pytest.mark.parametrize("dtype, max_blocks, splits", [

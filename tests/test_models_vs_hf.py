@@ -142,8 +142,8 @@ class _FusedReferences(TorchOps):
         self.calls = {"gemv_norm": 0, "gemv_norm_logits": 0, "gemv_norm_swiglu": 0, "gemv_add": 0}
 
     @staticmethod
-    def gemv_fits(k: int) -> bool:
-        return k % 8 == 0
+    def gemv_fits(k: int, dtype: torch.dtype) -> bool:
+        return k % 8 == 0 and dtype == torch.bfloat16
 
     def __getattribute__(self, name):
         calls = object.__getattribute__(self, "calls")

@@ -143,8 +143,8 @@ class _FoldingReferences(TorchOps):
         self.rows_routed = 0
 
     @staticmethod
-    def gemv_fits(k: int) -> bool:
-        return k % 8 == 0
+    def gemv_fits(k: int, dtype: torch.dtype) -> bool:
+        return k % 8 == 0 and dtype == torch.bfloat16
 
     def moe_norm_route(self, *args, **kwargs):
         self.rows_routed += 1

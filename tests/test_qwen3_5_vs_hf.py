@@ -264,8 +264,8 @@ class _FusedGemvs(TorchOps):
         self.gated = 0
 
     @staticmethod
-    def gemv_fits(k: int) -> bool:
-        return k % 8 == 0
+    def gemv_fits(k: int, dtype: torch.dtype) -> bool:
+        return k % 8 == 0 and dtype == torch.bfloat16
 
     def gemv_add(self, x, weight, residual, gate=None):
         self.gated += gate is not None

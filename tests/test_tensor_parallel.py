@@ -74,6 +74,32 @@ def test_ranks_give_one_process_greedy_tokens_and_logits(case):
     assert err <= LOGITS_TOL * max(1.0, one_logits.abs().max().item()), err
 
 
+# Batch 1's fused row path (the cuda backend's GEMVs with the norm and the residual add fused in,
+# here their torch references): the families whose attention takes it (no q/k/v bias).
+ROW_PATH_CASES = ["llama-4-ranks-2-kv-heads", "mistral-head-dim", "qwen3-head-dim", "qwen3_moe-dense-layer",
+                  "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"]
+
+
+@pytest.mark.parametrize("case", ROW_PATH_CASES)
+def test_ranks_take_the_fused_row_path_and_add_the_residual_once(case):
+    """At batch 1 every layer of every rank takes the fused row path, where rank 0 alone adds the
+    residual in the projection and the all-reduce follows it: the greedy tokens of one process
+    (fp32), and each decode step's log-probabilities (the token's and the five likeliest) within
+    LOGITS_TOL. (With the residual added on every rank the tokens part at the first decode step.)"""
+    family, ranks, overrides = CASES[case]
+    hf, raw = make_hf(family, seed=3, **overrides)
+    tensors = _perturbed(hf, seed=4)
+    prompt = random_ids(19, seed=5, vocab=raw["vocab_size"])
+    one_ids, one_lp, one_path = run_ranks(1, tp_ranks.greedy_fused, raw, tensors, prompt, 8)
+    ids, lp, path = run_ranks(ranks, tp_ranks.greedy_fused, raw, tensors, prompt, 8)
+    assert all(one_path) and all(path) and len(path) == raw["num_hidden_layers"]
+    assert ids == one_ids
+    for got, want in zip(lp[1:], one_lp[1:]):  # the decode steps' (the first token is the prefill's)
+        assert [t for t, _ in got["top"]] == [t for t, _ in want["top"]]
+        values = [(got["logprob"], want["logprob"])] + [(a, b) for (_, a), (_, b) in zip(got["top"], want["top"])]
+        assert all(abs(a - b) <= LOGITS_TOL * max(1.0, abs(b)) for a, b in values), values
+
+
 def test_a_shard_config_divides_heads_widths_and_vocabulary():
     _, raw = make_hf("qwen3_next", **(dict(num_hidden_layers=4, head_dim=32) | GDN | MOE))
     cfg = model_config(raw)

@@ -1,13 +1,17 @@
-"""What one tensor-parallel rank runs in the CPU tests (``metrale_cli.engine.ranks.run_ranks`` spawns
-the other ranks, which import this module by name)."""
+"""What one tensor-parallel rank runs in the tests (``metrale_cli.engine.ranks.run_ranks`` spawns the
+other ranks, which import this module by name; :func:`on_one_gpu` runs ranks that share a GPU)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from hf_oracle import greedy_and_logits
 from metrale_cli.engine.runner import RunnerOptions, open_runner
+from metrale_cli.engine.sampler import SamplingParams
 from metrale_cli.engine.source import ModelSource
+from metrale_cli.layers.parallel import TensorParallel
 
 
 def greedy(tp, device, output, raw: dict, tensors: dict[str, torch.Tensor], prompt: list[int], n: int,
@@ -28,3 +32,113 @@ def fails_on_rank_one(tp, device, output):
     if tp.rank == 1:
         raise MetraleError("rank one cannot start", hint="a hint for rank one")
     return float(tp.reduce(torch.ones(1)))
+
+
+def row_path(runner) -> list[bool]:
+    """Which layers take batch 1's fused row path (norm + projection, projection + residual add,
+    the FFN's own row path)."""
+    return [layer.fused_decode for layer in runner.model.layers]
+
+
+def greedy_fused(tp, device, output, raw: dict, tensors: dict[str, torch.Tensor], prompt: list[int], n: int):
+    """:func:`greedy` (fp32) with the torch backend serving batch 1's fused row path, each fused
+    launch by its reference (the cuda backend's wiring, on the CPU): the residual added by rank 0
+    alone and the sums over the ranks after the fused projections. -> (ids, each token's logprob
+    record (``Sequence.logprobs``: its log-probability, the 5 likeliest), :func:`row_path`): the
+    records of tokens 1 .. n - 1 are the decode steps' own (a teacher-forced prefill's logits are
+    not)."""
+    from metrale_cli.kernels.reference import TorchOps
+
+    serves = TorchOps.__dict__["gemv_fits"]  # the staticmethod itself, put back as it was
+    TorchOps.gemv_fits = staticmethod(lambda k, dtype: True)
+    try:
+        opts = RunnerOptions(backend="torch", dtype="fp32", max_seq_len=128, reserve_all_memory=False,
+                             prefill_chunk=7, kv_promote_minimum=False)
+        runner = open_runner(opts, ModelSource.loaded(raw, tensors, None, raw["model_type"]), tp=tp)
+        seqs, _ = runner.engine.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=5))
+        return seqs[0].output_ids, seqs[0].logprobs, row_path(runner)
+    finally:
+        TorchOps.gemv_fits = serves
+
+
+@dataclass(frozen=True)
+class HostStaged(TensorParallel):
+    """A rank whose collectives go through host memory (gloo), so that ranks may share one GPU:
+    each sum in fp32, rounded once to the tensor's dtype (NCCL's sum of two bf16 parts)."""
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            total = x.float().cpu()
+            dist.all_reduce(total, group=self.group)
+            x.copy_(total)
+        return x
+
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        part = x.contiguous().cpu()
+        parts = [torch.empty_like(part) for _ in range(self.size)]
+        dist.all_gather(parts, part, group=self.group)
+        return torch.cat(parts, dim=-1).to(x.device)
+
+
+def on_one_gpu(size: int, target, *args):
+    """``target(tp, device, None, *args)`` on ``size`` ranks in spawned processes that all use
+    cuda:0, their collectives staged through the host (:class:`HostStaged`); returns rank 0's
+    result, or raises the first rank's error."""
+    import multiprocessing
+
+    from metrale_cli.engine.ranks import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_one_gpu_rank, args=(rank, size, port, results, target, args), daemon=True)
+             for rank in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        rank, ok, value = results.get(timeout=900)
+        if not ok:
+            raise RuntimeError(f"rank {rank}: {value}")
+        return value
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+
+
+def _one_gpu_rank(rank: int, size: int, port: int, results, target, args) -> None:
+    import torch.distributed as dist
+
+    try:
+        if size > 1:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+        tp = HostStaged(rank, size, dist.group.WORLD if size > 1 else None)
+        torch.cuda.set_device(0)
+        value = target(tp, torch.device("cuda", 0), None, *args)
+        if rank == 0:
+            results.put((rank, True, value))
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+        import traceback
+
+        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def greedy_cuda(tp, device, output, raw: dict, tensors: dict[str, torch.Tensor], prompt: list[int], n: int):
+    """n greedy tokens after ``prompt`` on the cuda backend (bf16, bf16 KV, no CUDA graphs: a
+    host-staged sum cannot be captured) from the HF-named bf16 ``tensors`` (on the host), and
+    :func:`row_path`."""
+    opts = RunnerOptions(backend="cuda", dtype="bf16", max_seq_len=256, reserve_all_memory=False,
+                         prefill_chunk=37, cuda_graph_mode="disabled", kv_promote_minimum=False)
+    on_gpu = {name: t.to(device) for name, t in tensors.items()}
+    runner = open_runner(opts, ModelSource.loaded(raw, on_gpu, None, raw["model_type"]), tp=tp)
+    seqs, _ = runner.engine.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))
+    return seqs[0].output_ids, row_path(runner)

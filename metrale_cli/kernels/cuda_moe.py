@@ -116,7 +116,7 @@ class CudaMoe:
     def moe_norm_route(self: CudaLauncher, h, norm_weight, eps, router, top_k, normalize, experts_read, shared=0):
         rows, hidden = h.shape
         experts = _routed(router.shape[0], shared)
-        fused = (rows == 1 and self.gemv_fits(hidden) and h.dtype == router.dtype == torch.bfloat16
+        fused = (rows == 1 and self.gemv_fits(hidden, router.dtype) and h.dtype == router.dtype
                  and 0 < top_k <= min(experts, MOE_MAX_TOP_K) and experts + shared <= MOE_MAX_EXPERTS)
         if not fused:
             x = self.rms_norm(h, norm_weight, eps)

@@ -115,8 +115,8 @@ class CudaOps(CudaMoe, CudaGdn, CudaLauncher):
                      tensor_maps.bf16_map(x2, 16), y, rows, inter, k, shared_mem=shared, pdl=True)
         return y
 
-    def gemv_fits(self, k: int) -> bool:
-        return k % 8 == 0 and 0 < k <= GEMV_MAX_K
+    def gemv_fits(self, k: int, dtype: torch.dtype) -> bool:
+        return dtype == torch.bfloat16 and k % 8 == 0 and 0 < k <= GEMV_MAX_K
 
     def gemv_norm(self, x, residual, norm_weight, eps, weight):
         return self._gemv_norm(GEMV_NORM, weight.shape[0], x, residual, norm_weight, eps, weight)
@@ -140,6 +140,8 @@ class CudaOps(CudaMoe, CudaGdn, CudaLauncher):
 
     def gemv_add(self, x, weight, residual, gate=None):
         k = self._gemv_shape(x, weight)
+        if residual is None:  # the kernel adds a row of zeros: bf16(0 + y) is y
+            residual = self._zero_row(weight.shape[0], x.dtype, x.device)
         out = torch.empty(1, weight.shape[0], dtype=residual.dtype, device=residual.device)
         if gate is None:
             self._launch(GEMV_ADD, self._gemv_grid(x.device), (GEMV_THREADS,), weight, _ready(x), _ready(residual), out,
@@ -150,6 +152,15 @@ class CudaOps(CudaMoe, CudaGdn, CudaLauncher):
             self._launch(GEMV_GATE_ADD, self._gemv_grid(x.device), (GEMV_THREADS,), weight, _ready(x), _ready(gate),
                          _ready(residual), out, weight.shape[0], k, pdl=True)
         return out
+
+    def _zero_row(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A (1, n) row of zeros that no kernel writes, kept per device, dtype and n (never
+        replaced, so a captured graph replays on the same buffer)."""
+        kept = self.__dict__.setdefault("_zero_rows", {})
+        key = (device.index, dtype, n)
+        if key not in kept:
+            kept[key] = torch.zeros(1, n, dtype=dtype, device=device)
+        return kept[key]
 
     def decode_advance(self, logits, step: StepBuffers, rows: int) -> None:
         slices, vocab = 1, 0
@@ -167,9 +178,9 @@ class CudaOps(CudaMoe, CudaGdn, CudaLauncher):
 
     def _gemv_shape(self, x, weight) -> int:
         k = weight.shape[1]
-        if x.shape != (1, k) or not self.gemv_fits(k):
-            raise MetraleError(f"the decode GEMVs take one row of a multiple of 8 up to {GEMV_MAX_K} elements "
-                               f"matching the weight's {k} columns, not {tuple(x.shape)}")
+        if x.shape != (1, k) or not self.gemv_fits(k, weight.dtype):
+            raise MetraleError(f"the decode GEMVs take one bf16 row of a multiple of 8 up to {GEMV_MAX_K} elements "
+                               f"matching the weight's {k} columns, not {tuple(x.shape)} {weight.dtype}")
         return k
 
     @staticmethod

@@ -212,9 +212,10 @@ class Ops(Protocol):
         dense FFN's first half. The cuda backend runs up to 16 bf16 rows in one launch (the same
         bytes as its two), more as the two."""
 
-    def gemv_fits(self, k: int) -> bool:
-        """True when the fused decode GEMVs below serve an input row of ``k`` elements; the
-        layers then run batch-1 decode through them, else through the unfused sequence."""
+    def gemv_fits(self, k: int, dtype: torch.dtype) -> bool:
+        """True when the fused decode GEMVs below serve an input row of ``k`` elements and weights
+        of ``dtype``; the layers then run batch-1 decode through them, else through the unfused
+        sequence."""
 
     def gemv_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -238,12 +239,13 @@ class Ops(Protocol):
         """:meth:`gemv_norm` with ``gate_up``: (2I, H) = [gate; up], followed by
         :meth:`silu_and_mul` -> ((1, I), s)."""
 
-    def gemv_add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+    def gemv_add(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
                  gate: torch.Tensor | None = None) -> torch.Tensor:
         """One row, the residual add fused into the projection before it: x: (1, K),
         weight: (N, K), residual: (1, N) -> residual + F.linear(x, weight), rounded once more to
-        the dtype as torch's add does; a new tensor. With ``gate`` (1, K), x is first
-        ``x * torch.sigmoid(gate)`` in its dtype (a gated attention's output before o_proj)."""
+        the dtype as torch's add does; a new tensor (``F.linear(x, weight)`` alone where
+        ``residual`` is None: a tensor-parallel rank's part of the sum). With ``gate`` (1, K), x is
+        first ``x * torch.sigmoid(gate)`` in its dtype (a gated attention's output before o_proj)."""
 
     def decode_advance(self, logits: torch.Tensor | None, step: StepBuffers, rows: int) -> None:
         """The end of a decode step over the first ``rows`` rows of ``step``. With ``logits``

@@ -132,7 +132,8 @@ def gemv_norm_swiglu(x, residual, norm_weight, eps, gate_up):
 
 
 def gemv_add(x, weight, residual, gate=None):
-    return residual + F.linear(x if gate is None else x * torch.sigmoid(gate), weight)
+    y = F.linear(x if gate is None else x * torch.sigmoid(gate), weight)
+    return y if residual is None else residual + y
 
 
 def decode_advance(logits, step: StepBuffers, rows: int) -> None:
@@ -265,7 +266,7 @@ class TorchOps:
         return silu_and_mul(F.linear(x, gate_up))
 
     @staticmethod
-    def gemv_fits(k: int) -> bool:
+    def gemv_fits(k: int, dtype: torch.dtype) -> bool:
         """Never: the torch backend runs the unfused sequence the fused GEMVs are checked against."""
         return False
 

@@ -52,8 +52,8 @@ class AttnLayerState:
 class Qwen3AttentionLayer:
     """A :class:`~metrale_cli.layers.protocols.Layer`: pre-norm full attention over the paged
     cache ``kv``, then the pre-norm FFN component ``ffn``. As a tensor-parallel shard (``tp``) it
-    holds some heads (and their KV): o_proj's output is summed over the ranks, and batch 1 takes
-    the unfused path (the fused GEMVs add the residual on every rank)."""
+    holds some heads (and their KV): o_proj's output is summed over the ranks (at batch 1 with
+    the residual that rank 0 alone adds in the fused GEMV)."""
 
     def __init__(self, spec: LayerSpec, weights: AttentionWeights, input_norm: torch.Tensor,
                  ffn_norm: torch.Tensor, ffn: FfnComponent, ops: Ops, kv: LayerKv,
@@ -70,9 +70,8 @@ class Qwen3AttentionLayer:
         self.attention = ops.paged_attention(spec.kv_dtype, a.head_dim)
         w = weights
         self.fused_decode = (
-            tp.size == 1 and ffn.fuses_row and w.qkv_bias is None and w.o_bias is None
-            and all(t.dtype == torch.bfloat16 for t in (w.qkv, w.o))
-            and all(ops.gemv_fits(k) for k in (w.qkv.shape[1], a.q_size))
+            ffn.fuses_row and w.qkv_bias is None and w.o_bias is None
+            and all(ops.gemv_fits(t.shape[1], t.dtype) for t in (w.qkv, w.o))
         )
 
     # --- the layer protocol -------------------------------------------------------------
@@ -142,7 +141,7 @@ class Qwen3AttentionLayer:
         w, ops = self.weights, self.ops
         qkv, stream = ops.gemv_norm(hidden, residual, self.input_norm, self.eps, w.qkv)
         out = self._decode_attention(qkv, ctx).reshape(1, self.spec.attention.q_size)
-        stream = ops.gemv_add(out, w.o, stream, self._gate(qkv))
+        stream = self.tp.reduce(ops.gemv_add(out, w.o, self.tp.addend(stream), self._gate(qkv)))
         return self.ffn.add_row(stream, self.ffn_norm, self.eps), None
 
     def _attention(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -103,7 +103,8 @@ class SsmStatePool:
 class GatedDeltaNetLayer:
     """A :class:`~metrale_cli.layers.protocols.Layer`: pre-norm Gated DeltaNet with its state
     ``pool``, then the pre-norm FFN component ``ffn``. As a tensor-parallel shard (``tp``) it holds
-    some key heads and their value heads: out_proj's output is summed over the ranks."""
+    some key heads and their value heads: out_proj's output is summed over the ranks (at batch 1 with
+    the residual that rank 0 alone adds in the fused GEMV)."""
 
     def __init__(self, spec: LayerSpec, weights: GdnWeights, input_norm: torch.Tensor, ffn_norm: torch.Tensor,
                  ffn: FfnComponent, ops: Ops, pool: SsmStatePool, tp: TensorParallel = SINGLE):
@@ -115,8 +116,7 @@ class GatedDeltaNetLayer:
         w = weights
         # batch-1 decode through the fused GEMVs (as Qwen3AttentionLayer): norm + in_proj, out_proj
         # + the residual add, the FFN's own row path
-        self.fused_decode = (tp.size == 1 and ffn.fuses_row and all(t.dtype == torch.bfloat16 for t in (w.in_proj, w.out))
-                             and all(ops.gemv_fits(k) for k in (w.in_proj.shape[1], w.out.shape[1])))
+        self.fused_decode = ffn.fuses_row and all(ops.gemv_fits(t.shape[1], t.dtype) for t in (w.in_proj, w.out))
 
     # --- the layer protocol -------------------------------------------------------------
     def is_ssm_layer(self) -> bool:
@@ -178,7 +178,8 @@ class GatedDeltaNetLayer:
         w, ops, s = self.weights, self.ops, self.gdn
         projected, stream = ops.gemv_norm(hidden, residual, self.input_norm, self.eps, w.in_proj)
         parts = projected.split([s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads], -1)
-        stream = ops.gemv_add(ops.gdn_decode(*parts, self.mixer, slots, positions), w.out, stream)
+        out = ops.gdn_decode(*parts, self.mixer, slots, positions)
+        stream = self.tp.reduce(ops.gemv_add(out, w.out, self.tp.addend(stream)))
         return self.ffn.add_row(stream, self.ffn_norm, self.eps), None
 
     # --- the body -------------------------------------------------------------------------

@@ -39,9 +39,9 @@ class MoeFfn:
         if (shared is None) != (shared_gate is None):
             raise ValueError("a shared expert comes with its gate")
         self.spec, self.ops, self.tp = spec, ops, tp
-        # add_row: the norm, then the routed experts with the residual add fused in (one process:
-        # a tensor-parallel shard must sum its experts over the ranks before the residual add)
-        self.fuses_row = tp.size == 1
+        # add_row: the norm, then the routed experts with the residual add fused in (a
+        # tensor-parallel shard's: rank 0's alone, then the sum over the ranks)
+        self.fuses_row = True
         self.gate_up, self.down = gate_up, down
         self.shared = None if shared is None else SharedExpert(shared.gate_up, shared.down)
         self.shared_gate = shared_gate
@@ -66,7 +66,8 @@ class MoeFfn:
         s = self.spec
         x, route = self.ops.moe_norm_route(h, norm_weight, eps, self.router, s.top_k, s.norm_topk_prob,
                                            self.experts_read, self.shared_slots)
-        return self.ops.moe_routed(x, route, self.gate_up, self.down, self._apart(x, h), self.folded)
+        out = self.ops.moe_routed(x, route, self.gate_up, self.down, self._apart(x, self.tp.addend(h)), self.folded)
+        return self.tp.reduce(out)
 
     def _forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         s = self.spec

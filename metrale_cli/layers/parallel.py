@@ -16,7 +16,9 @@ What a rank holds (Megatron-style, as vLLM and SGLang shard these families):
   with zero rows), the LM head's logits gathered on every rank.
 
 Each row-parallel output is summed over the ranks by one all-reduce (:meth:`TensorParallel.reduce`)
-before the residual add. Every rank then holds the same hidden state and the same logits, so every
+before the residual add; where the residual add is fused into the projection (batch 1's GEMVs and
+MoE row path), rank 0 alone adds the residual (:meth:`TensorParallel.addend`) and the all-reduce
+follows the fused launch. Every rank then holds the same hidden state and the same logits, so every
 rank samples the same tokens and runs the same engine loop (SPMD); rank 0 alone owns the output.
 """
 
@@ -43,6 +45,11 @@ class TensorParallel:
 
             dist.all_reduce(x, group=self.group)
         return x
+
+    def addend(self, residual: torch.Tensor | None) -> torch.Tensor | None:
+        """What this rank adds to its part of a row-parallel sum that :meth:`reduce` completes:
+        ``residual`` on rank 0, None on the others, so the sum over the ranks holds it once."""
+        return residual if self.rank == 0 else None
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` side by side along the last dimension, rank 0's first."""

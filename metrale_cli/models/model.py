@@ -121,7 +121,7 @@ class CausalLM:
         """Final norm and LM head; ``residual`` None when the layers handed on the sum alone. Float32
         logits from the batch-1 GEMV, the weight's dtype otherwise (``forward`` widens them)."""
         eps = self.cfg.rms_norm_eps
-        if hidden.shape[0] == 1 and self.lm_head.dtype == torch.bfloat16 and self.ops.gemv_fits(hidden.shape[1]):
+        if hidden.shape[0] == 1 and self.ops.gemv_fits(self.lm_head.shape[1], self.lm_head.dtype):
             return self.ops.gemv_norm_logits(hidden, residual, self.final_norm, eps, self.lm_head)
         if residual is None:
             normed = self.ops.rms_norm(hidden, self.final_norm, eps)
