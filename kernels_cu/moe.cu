@@ -743,16 +743,7 @@ extern "C" __global__ void __launch_bounds__(MOE_TC_THREADS)
 #define MOE_DOWN_ONE_EARLY 1  // before the PDL wait: round 0's first weight blocks, the slots' weights and
                               // the residual (0: all after it)
 #endif
-#ifndef MOE_DOWN_ONE_MAXNREG
-#define MOE_DOWN_ONE_MAXNREG 0  // > 0: at most this many registers a thread (40: a gemv_norm_bf16 CTA fits beside
-                                // a CTA of this, so the next layer's q/k/v can start its loads early)
-#endif
-#if MOE_DOWN_ONE_MAXNREG
-#define MOE_DOWN_ONE_BOUNDS __maxnreg__(MOE_DOWN_ONE_MAXNREG)
-#else
-#define MOE_DOWN_ONE_BOUNDS __launch_bounds__(MOE_DOWN_ONE_WARPS * 32, 1)
-#endif
-extern "C" __global__ void MOE_DOWN_ONE_BOUNDS
+extern "C" __global__ void __launch_bounds__(MOE_DOWN_ONE_WARPS * 32, 1)
     moe_down_one_bf16(const bf16_t* act, const bf16_t* down, const bf16_t* shared_down, const int* plan,
                       const float* weights, const bf16_t* residual, bf16_t* out, int hidden, int inter,
                       int shared_width, int num_experts, int top_k) {

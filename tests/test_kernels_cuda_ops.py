@@ -321,6 +321,23 @@ def test_decode_gemvs_launch_two_ctas_per_sm_programmatically(ops):
     assert not ops.gemv_fits(16, torch.float32) and not ops.gemv_fits(16, torch.float16)
 
 
+def test_a_gemv_add_with_no_residual_adds_a_kept_row_of_zeros(ops):
+    """A tensor-parallel rank other than 0 (``residual`` None): gemv_add adds a (1, N) row of
+    zeros that it keeps, the same buffer at every call (a captured graph replays on it); fp32
+    weights are refused."""
+    w, x = torch.zeros(5, 16, dtype=torch.bfloat16), torch.zeros(1, 16, dtype=torch.bfloat16)
+    ops.gemv_add(x, w, None)
+    ops.gemv_add(x, w, None, torch.ones(1, 16, dtype=torch.bfloat16))
+    (_, _, _, plain, _), (_, _, _, gated, _) = ops.loader.calls
+    zeros = plain["residual"]
+    assert zeros.shape == (1, 5) and zeros.dtype == torch.bfloat16 and not zeros.any()
+    assert gated["residual"] is zeros
+    with pytest.raises(MetraleError, match="bf16 columns"):
+        ops.gemv_add(x.float(), w.float(), None)
+    with pytest.raises(MetraleError, match="one row"):  # the words test_gemv_gpu.py asks for
+        ops.gemv_add(torch.zeros(2, 16, dtype=torch.bfloat16), w, None)
+
+
 @pytest.mark.parametrize("dtype, max_blocks, splits", [
     ("bf16", 41, 10),  # a 640-key table: 10 splits of 64 keys (a cluster's combine)
     ("bf16", 260, 16),  # 4k: 16 splits, not 64 of 65 keys: past 16 a split holds 256 keys

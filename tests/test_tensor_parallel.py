@@ -90,8 +90,8 @@ def test_ranks_take_the_fused_row_path_and_add_the_residual_once(case):
     hf, raw = make_hf(family, seed=3, **overrides)
     tensors = _perturbed(hf, seed=4)
     prompt = random_ids(19, seed=5, vocab=raw["vocab_size"])
-    one_ids, one_lp, one_path = run_ranks(1, tp_ranks.greedy_fused, raw, tensors, prompt, 8)
-    ids, lp, path = run_ranks(ranks, tp_ranks.greedy_fused, raw, tensors, prompt, 8)
+    one_ids, one_lp, one_path = run_ranks(1, tp_ranks.greedy_row_path, raw, tensors, prompt, 8)
+    ids, lp, path = run_ranks(ranks, tp_ranks.greedy_row_path, raw, tensors, prompt, 8)
     assert all(one_path) and all(path) and len(path) == raw["num_hidden_layers"]
     assert ids == one_ids
     for got, want in zip(lp[1:], one_lp[1:]):  # the decode steps' (the first token is the prefill's)

@@ -1,16 +1,18 @@
 """Tensor-parallel ranks on the cuda backend, on one GPU: two ranks in spawned processes share
 cuda:0, their all-reduces and the LM head's gather staged through the host (gloo), so each rank
 runs the cuda kernels at its shard's shapes (half the heads, one KV head, half of every expert's
-width and of the shared expert's, one of two GDN key heads, half the vocabulary) with batch 1's
+width and of the shared expert's, one of two GDN key heads, half the vocabulary) on batch 1's
 fused row path: rank 0 alone adds the residual in the fused projections, then the sum over the
 ranks. No CUDA graph: a host-staged sum cannot be captured (with NCCL on two GPUs the step is one
 graph a rank; no machine with two GPUs has run that yet).
 
-Two bf16 paths (the ranks' parts are rounded before they are summed): each greedy token of the
-two ranks is held to the torch backend's logits on the same context in one process (as
-test_qwen3_next_model_gpu.py holds the cuda decode), all within 1.5 of the best and all but one
-within 0.25. With the residual added on every rank, or no sum after a fused projection, the ranks'
-tokens fall several logits down (the same checks in fp32 on the CPU: test_tensor_parallel.py).
+The oracle is the same two ranks on the torch backend with its references of the fused launches
+(the cuda backend's wiring, in bf16): the same shards, and the same roundings of the ranks' parts
+before they are summed. Two bf16 paths, compared as the one-process GPU tests compare the cuda
+and torch backends (check_logprobs_close). One process is not the oracle: the ranks round their
+parts before the sum, and on the Qwen3-Next-shaped model, whose next-token logits are flat, the
+references' own tokens at two ranks fall up to 0.75 below one process's best logit on five of 24
+steps, where the cuda ranks' tokens were the same tokens (an H100, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ import pytest
 import torch
 
 import tp_ranks
-from hf_oracle import loaded_runner, teacher_forced
+from hf_oracle import check_logprobs_close
 from metrale_cli.commands.bench_presets import random_weights
-from metrale_cli.kv.dtypes import KvCacheDtype
 from test_moe_model_gpu import MODELS
 from test_qwen3_next_model_gpu import RAW as NEXT
 
@@ -42,18 +43,26 @@ def _weights(raw: dict) -> dict[str, torch.Tensor]:
     return weights
 
 
+def _top(records: list[dict]) -> torch.Tensor:
+    """Logprob records -> (steps, vocab) with each step's five likeliest tokens at their
+    log-probabilities and -inf elsewhere (enough for check_logprobs_close's top-5)."""
+    out = torch.full((len(records), max(t for r in records for t, _ in r["top"]) + 1), float("-inf"))
+    for i, r in enumerate(records):
+        for t, v in r["top"]:
+            out[i, t] = v
+    return out
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_ranks_on_the_fused_row_path_decode_as_one_process(case):
+def test_two_ranks_decode_on_the_cuda_kernels_as_on_their_references(case):
     raw = CASES[case]
     weights = _weights(raw)
     prompt = torch.randint(0, raw["vocab_size"], (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
-    ids, path = tp_ranks.on_one_gpu(2, tp_ranks.greedy_cuda, raw, weights, prompt, NEW)
-    assert all(path) and len(path) == raw["num_hidden_layers"] and len(ids) == NEW
-    cuda_weights = {name: t.cuda() for name, t in weights.items()}
-    logits = teacher_forced(loaded_runner(raw, cuda_weights, "torch", KvCacheDtype.BF16).engine,
-                            prompt + ids)[PROMPT_LEN - 1 : -1]
-    chosen = logits.gather(1, torch.tensor(ids)[:, None])[:, 0]
-    deficit = logits.max(-1).values - chosen
-    assert deficit.max().item() <= 1.5, f"step {int(deficit.argmax())}: {deficit.max().item():.3f} below"
-    over = [(i, round(d, 3)) for i, d in enumerate(deficit.tolist()) if d > 0.25]
-    assert len(over) <= 1, f"steps more than 0.25 below: {over}"
+    ids, lp, path = tp_ranks.on_one_gpu(2, tp_ranks.greedy_row_path, raw, weights, prompt, NEW, "cuda", "bf16")
+    ref_ids, ref_lp, ref_path = tp_ranks.on_one_gpu(2, tp_ranks.greedy_row_path, raw, weights, prompt, NEW,
+                                                    "torch", "bf16")
+    assert all(path) and all(ref_path) and len(path) == raw["num_hidden_layers"] and len(ids) == NEW
+    top, ref_top = _top(lp), _top(ref_lp)
+    width = max(top.shape[1], ref_top.shape[1])
+    pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]), value=float("-inf"))  # noqa: E731
+    check_logprobs_close(ids, pad(top), ref_ids, pad(ref_top))

@@ -40,20 +40,24 @@ def row_path(runner) -> list[bool]:
     return [layer.fused_decode for layer in runner.model.layers]
 
 
-def greedy_fused(tp, device, output, raw: dict, tensors: dict[str, torch.Tensor], prompt: list[int], n: int):
-    """:func:`greedy` (fp32) with the torch backend serving batch 1's fused row path, each fused
-    launch by its reference (the cuda backend's wiring, on the CPU): the residual added by rank 0
-    alone and the sums over the ranks after the fused projections. -> (ids, each token's logprob
-    record (``Sequence.logprobs``: its log-probability, the 5 likeliest), :func:`row_path`): the
-    records of tokens 1 .. n - 1 are the decode steps' own (a teacher-forced prefill's logits are
-    not)."""
+def greedy_row_path(tp, device, output, raw: dict, tensors: dict[str, torch.Tensor], prompt: list[int], n: int,
+                    backend: str = "torch", dtype: str = "fp32"):
+    """n greedy tokens after ``prompt`` through batch 1's fused row path: on the cuda backend its
+    kernels, on the torch backend (switched on) each fused launch's reference, the cuda backend's
+    wiring (the residual added by rank 0 alone, the sums over the ranks after the fused
+    projections). No CUDA graph (a host-staged sum cannot be captured). -> (ids, each token's
+    logprob record (``Sequence.logprobs``: its log-probability, the 5 likeliest), :func:`row_path`):
+    the records of tokens 1 .. n - 1 are the decode steps' own (a teacher-forced prefill's logits
+    are not)."""
     from metrale_cli.kernels.reference import TorchOps
 
     serves = TorchOps.__dict__["gemv_fits"]  # the staticmethod itself, put back as it was
     TorchOps.gemv_fits = staticmethod(lambda k, dtype: True)
     try:
-        opts = RunnerOptions(backend="torch", dtype="fp32", max_seq_len=128, reserve_all_memory=False,
-                             prefill_chunk=7, kv_promote_minimum=False)
+        opts = RunnerOptions(backend=backend, dtype=dtype, max_seq_len=256, reserve_all_memory=False,
+                             prefill_chunk=37, cuda_graph_mode="disabled", kv_promote_minimum=False)
+        if device is not None:
+            tensors = {name: t.to(device) for name, t in tensors.items()}
         runner = open_runner(opts, ModelSource.loaded(raw, tensors, None, raw["model_type"]), tp=tp)
         seqs, _ = runner.engine.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=5))
         return seqs[0].output_ids, seqs[0].logprobs, row_path(runner)
@@ -130,15 +134,3 @@ def _one_gpu_rank(rank: int, size: int, port: int, results, target, args) -> Non
     finally:
         if size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def greedy_cuda(tp, device, output, raw: dict, tensors: dict[str, torch.Tensor], prompt: list[int], n: int):
-    """n greedy tokens after ``prompt`` on the cuda backend (bf16, bf16 KV, no CUDA graphs: a
-    host-staged sum cannot be captured) from the HF-named bf16 ``tensors`` (on the host), and
-    :func:`row_path`."""
-    opts = RunnerOptions(backend="cuda", dtype="bf16", max_seq_len=256, reserve_all_memory=False,
-                         prefill_chunk=37, cuda_graph_mode="disabled", kv_promote_minimum=False)
-    on_gpu = {name: t.to(device) for name, t in tensors.items()}
-    runner = open_runner(opts, ModelSource.loaded(raw, on_gpu, None, raw["model_type"]), tp=tp)
-    seqs, _ = runner.engine.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))
-    return seqs[0].output_ids, row_path(runner)

@@ -179,8 +179,8 @@ class CudaOps(CudaMoe, CudaGdn, CudaLauncher):
     def _gemv_shape(self, x, weight) -> int:
         k = weight.shape[1]
         if x.shape != (1, k) or not self.gemv_fits(k, weight.dtype):
-            raise MetraleError(f"the decode GEMVs take one bf16 row of a multiple of 8 up to {GEMV_MAX_K} elements "
-                               f"matching the weight's {k} columns, not {tuple(x.shape)} {weight.dtype}")
+            raise MetraleError(f"the decode GEMVs take one row of a multiple of 8 up to {GEMV_MAX_K} elements "
+                               f"matching the weight's {k} bf16 columns, not {tuple(x.shape)} of {weight.dtype}")
         return k
 
     @staticmethod
