@@ -90,6 +90,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output")
 DebugOpt = Annotated[bool, typer.Option("--debug", help="show tracebacks")]
 TpOpt = Annotated[int, typer.Option("--tensor-parallel-size", "-tp", help="shard the model over this many GPUs "
                                     "(processes; gloo on the CPU), rank 0 writing the output")]
+AllReduceOpt = Annotated[str, typer.Option(
+    "--all-reduce", help="how tensor-parallel ranks sum a decode step's parts: nccl, or one-shot (one kernel "
+    "that reads every rank's part over CUDA IPC; NCCL for what does not fit its buffers)")]
 
 
 def _run(out: Output, debug: bool, fn, *args, **kwargs):
@@ -181,6 +184,7 @@ def generate(
         "--file", "-f", help="read the prompt from this UTF-8 text file")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="print KV and load details")] = False,
     tensor_parallel_size: TpOpt = 1,
+    all_reduce: AllReduceOpt = "nccl",
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ):
@@ -230,7 +234,7 @@ def generate(
                          fp8_kv_calibration_tokens=fp8_kv_calibration_tokens, prefill_chunk=prefill_chunk,
                          cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode,
                          kv_high_precision_layers=kv_high_precision_layers,
-                         innerq_calibration_tokens=innerq_calibration_tokens)
+                         innerq_calibration_tokens=innerq_calibration_tokens, all_reduce=all_reduce)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos, min_p=min_p,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
@@ -369,6 +373,7 @@ def bench(
                                                   "shipped English corpus)")] = None,
     window: Annotated[int, typer.Option(help="--kv-quality: tokens per scored window")] = 512,
     tensor_parallel_size: TpOpt = 1,
+    all_reduce: AllReduceOpt = "nccl",
     json_out: JsonOpt = False,
     debug: DebugOpt = False,
 ):
@@ -406,7 +411,8 @@ def bench(
                         repetitions=repetitions, kv_cache_dtypes=tuple(kv_cache_dtype or ("auto",)),
                         backend=backend, dtype=dtype, peak_bandwidth_gbs=peak_bandwidth,
                         compare_hf=compare_hf, gpu_memory_utilization=gpu_memory_utilization,
-                        cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode, profile=profile, synthetic_context=synthetic_context,
+                        cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode, all_reduce=all_reduce,
+                        profile=profile, synthetic_context=synthetic_context,
                         kv_high_precision_layers=kv_high_precision_layers,
                         innerq_calibration_tokens=innerq_calibration_tokens)
     _run(out, debug, run_ranks, tensor_parallel_size, bench_rank, opts, sweep, output.strip().lower(),

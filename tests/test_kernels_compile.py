@@ -151,9 +151,9 @@ def test_registry_walk():
     # batch 1's decode; the prefill's conv, inputs, chunk prep, walk and gated norm) + 2 WHT + 3 + 13
     # writes + 16 fused rope_and_cache + (16 tensor-core decodes + the bf16 / fp8 one-launch decodes) at
     # head_dim 64 / 128 and at 256 + 3 batch-1 pair entries (64 / 128) + 16 dtypes x (a prefill and a
-    # (decode, combine) pair per decode module)
+    # (decode, combine) pair per decode module) + 2 one-shot collectives
     decode_modules = sum(len(row.decode) for row in KV_DTYPES.values())
-    assert len(names) == len(set(names)) == 4 + 5 + 1 + 4 + 8 + 7 + 2 + 16 + 16 + 2 * (16 + 4) + 3 + 16 + 2 * decode_modules == 172
+    assert len(names) == len(set(names)) == 4 + 5 + 1 + 4 + 8 + 7 + 2 + 16 + 16 + 2 * (16 + 4) + 3 + 16 + 2 * decode_modules + 2 == 174
     assert set(every_kernel()) == set(all_kernels())  # every registered kernel is launched by some dtype
     for spec in all_kernels():
         assert module_for(spec).path.is_file()

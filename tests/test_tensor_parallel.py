@@ -190,6 +190,20 @@ def test_a_bad_size_is_one_error_line(checkpoint, size, message):
     assert len(errors) == 1 and message in errors[0], got.output
 
 
+@pytest.mark.parametrize("command, args, message", [
+    ("generate", ["--all-reduce", "ring"], "unknown --all-reduce 'ring'"),
+    ("generate", ["--all-reduce", "one-shot"], "this run has one"),
+    ("generate", ["--all-reduce", "one-shot", "-tp", "2"], "runs on the cuda backend"),
+    ("bench", ["--all-reduce", "one-shot", "-tp", "2"], "runs on the cuda backend"),
+])
+def test_an_all_reduce_that_cannot_run_is_one_error_line(checkpoint, command, args, message):
+    prompt = ["hi"] if command == "generate" else ["-p", "8", "-n", "2", "-r", "1"]
+    got = _cli(command, "-m", checkpoint, "--backend", "torch", "-n", "2", *args, *prompt)
+    assert got.exit_code == 1
+    errors = [line for line in got.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], got.output
+
+
 def test_bench_profile_reports_the_all_reduces_of_a_decode_step(checkpoint):
     """Two layers: each sums its attention and its FFN over the ranks, and the embedding is summed
     once: five all-reduces a decode step (the LM head's logits are gathered, not summed)."""

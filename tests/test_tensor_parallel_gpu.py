@@ -3,8 +3,11 @@ cuda:0, their all-reduces and the LM head's gather staged through the host (gloo
 runs the cuda kernels at its shard's shapes (half the heads, one KV head, half of every expert's
 width and of the shared expert's, one of two GDN key heads, half the vocabulary) on batch 1's
 fused row path: rank 0 alone adds the residual in the fused projections, then the sum over the
-ranks. No CUDA graph: a host-staged sum cannot be captured (with NCCL on two GPUs the step is one
-graph a rank; no machine with two GPUs has run that yet).
+ranks. No CUDA graph there: a host-staged sum cannot be captured (with NCCL on two GPUs the step is
+one graph a rank; no machine with two GPUs has run that yet). With ``--all-reduce one-shot`` the
+sums and the LM head's gather are kernels over buffers the two processes map from each other
+(kernels_cu/all_reduce.cu), so there each rank's decode step is one captured graph, held to the
+same ranks run eagerly.
 
 The oracle is the same two ranks on the torch backend with its references of the fused launches
 (the cuda backend's wiring, in bf16): the same shards, and the same roundings of the ranks' parts
@@ -62,6 +65,24 @@ def test_two_ranks_decode_on_the_cuda_kernels_as_on_their_references(case):
     ref_ids, ref_lp, ref_path = tp_ranks.on_one_gpu(2, tp_ranks.greedy_row_path, raw, weights, prompt, NEW,
                                                     "torch", "bf16")
     assert all(path) and all(ref_path) and len(path) == raw["num_hidden_layers"] and len(ids) == NEW
+    top, ref_top = _top(lp), _top(ref_lp)
+    width = max(top.shape[1], ref_top.shape[1])
+    pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]), value=float("-inf"))  # noqa: E731
+    check_logprobs_close(ids, pad(top), ref_ids, pad(ref_top))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_replay_their_decode_steps_as_graphs_with_one_shot_sums_inside(case):
+    """Each rank's decode steps replay one captured graph whose sums and logits gather are the
+    one-shot kernels; the tokens and log-probabilities are those of the same ranks run eagerly
+    with host-staged sums (both sum the two bf16 parts in fp32 and round once)."""
+    raw = CASES[case]
+    weights = _weights(raw)
+    prompt = torch.randint(0, raw["vocab_size"], (PROMPT_LEN,), generator=torch.Generator().manual_seed(2)).tolist()
+    ids, lp, buckets = tp_ranks.on_one_gpu(2, tp_ranks.greedy_graphed, raw, weights, prompt, NEW)
+    ref_ids, ref_lp, path = tp_ranks.on_one_gpu(2, tp_ranks.greedy_row_path, raw, weights, prompt, NEW, "cuda",
+                                                "bf16")
+    assert buckets == [1] and all(path) and len(ids) == NEW
     top, ref_top = _top(lp), _top(ref_lp)
     width = max(top.shape[1], ref_top.shape[1])
     pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]), value=float("-inf"))  # noqa: E731

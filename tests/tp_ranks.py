@@ -65,23 +65,33 @@ def greedy_row_path(tp, device, output, raw: dict, tensors: dict[str, torch.Tens
         TorchOps.gemv_fits = serves
 
 
+def greedy_graphed(tp, device, output, raw: dict, tensors: dict[str, torch.Tensor], prompt: list[int], n: int,
+                   all_reduce: str = "one-shot"):
+    """n greedy tokens after ``prompt`` on the cuda backend in bf16, each decode step replayed as a
+    CUDA graph with the ranks' sums and the LM head's gather captured in it (``all_reduce``
+    one-shot: the one-shot kernels over the buffers the ranks' processes map from each other).
+    -> (ids, each token's logprob record, the batch sizes whose graphs were captured)."""
+    opts = RunnerOptions(backend="cuda", dtype="bf16", max_seq_len=256, reserve_all_memory=False,
+                         prefill_chunk=37, cuda_graph_mode="full", all_reduce=all_reduce, kv_promote_minimum=False)
+    tensors = {name: t.to(device) for name, t in tensors.items()}
+    runner = open_runner(opts, ModelSource.loaded(raw, tensors, None, raw["model_type"]), tp=tp)
+    seqs, _ = runner.engine.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=5))
+    return seqs[0].output_ids, seqs[0].logprobs, sorted(runner.engine.graphs.graphs)
+
+
 @dataclass(frozen=True)
 class HostStaged(TensorParallel):
     """A rank whose collectives go through host memory (gloo), so that ranks may share one GPU:
     each sum in fp32, rounded once to the tensor's dtype (NCCL's sum of two bf16 parts)."""
 
-    def reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            import torch.distributed as dist
+    def _group_sum(self, x: torch.Tensor) -> None:
+        import torch.distributed as dist
 
-            total = x.float().cpu()
-            dist.all_reduce(total, group=self.group)
-            x.copy_(total)
-        return x
+        total = x.float().cpu()
+        dist.all_reduce(total, group=self.group)
+        x.copy_(total)
 
-    def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size == 1:
-            return x
+    def _group_gather(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         part = x.contiguous().cpu()

@@ -52,6 +52,7 @@ class BenchOptions:
     compare_hf: bool = False
     gpu_memory_utilization: float = 0.9
     cuda_graph_mode: str = "full"
+    all_reduce: str = "nccl"  # tensor-parallel ranks' sums: nccl | one-shot (engine/runner.py)
     profile: bool = False
     kv_high_precision_layers: str = "0"
     innerq_calibration_tokens: int | None = None
@@ -172,7 +173,7 @@ def critical_path_table(kernels: list[tuple[str, float, float]], steps: int, row
 
 def all_reduce_time(events, cuda: bool) -> tuple[int, float]:
     """(calls, seconds) of the all-reduces of the profiler's decode range: on a GPU the NCCL
-    kernels launched under it (device time), on the CPU the gloo calls that ran while it did
+    all-reduce kernels or the one-shot sums (``--all-reduce one-shot``) launched under it (device time), on the CPU the gloo calls that ran while it did
     (host time: gloo runs them on threads of its own)."""
     events = list(events)
     ranges = [e.time_range for e in events if e.name == DECODE_RANGE]
@@ -183,7 +184,8 @@ def all_reduce_time(events, cuda: bool) -> tuple[int, float]:
             while parent is not None and not inside:
                 inside, parent = parent.name == DECODE_RANGE, parent.cpu_parent
             for kernel in event.kernels if inside else ():
-                if "nccl" in kernel.name.lower() and "allreduce" in kernel.name.lower().replace("_", ""):
+                name = kernel.name.lower()
+                if ("nccl" in name and "allreduce" in name.replace("_", "")) or "one_shot_sum" in name:
                     calls, seconds = calls + 1, seconds + kernel.duration / 1e6
         elif event.name == "gloo:all_reduce" and any(r.start <= event.time_range.start <= r.end for r in ranges):
             calls, seconds = calls + 1, seconds + (event.time_range.end - event.time_range.start) / 1e6
@@ -370,7 +372,7 @@ def _bench_case(opts: BenchOptions, source, weights, requested, backend, device,
         ropts = RunnerOptions(backend=backend, kv_cache_dtype=kv, dtype=dtype, max_num_seqs=opts.batch,
                               max_seq_len=opts.n_prompt + opts.n_gen + 1, reserve_all_memory=False,
                               prefill_chunk=max(opts.n_prompt, 1), fp8_kv_calibration_tokens=256,
-                              cuda_graph_mode=opts.cuda_graph_mode,
+                              cuda_graph_mode=opts.cuda_graph_mode, all_reduce=opts.all_reduce,
                               kv_high_precision_layers=opts.kv_high_precision_layers,
                               innerq_calibration_tokens=opts.innerq_calibration_tokens)
         runner = open_runner(ropts, source, tp=tp)

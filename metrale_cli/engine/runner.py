@@ -35,6 +35,7 @@ from metrale_cli.models.sharding import Sharder, shard_config
 
 BACKENDS = ("auto", "cuda", "torch")
 GRAPH_MODES = ("disabled", "full")
+ALL_REDUCES = ("nccl", "one-shot")  # --all-reduce: how tensor-parallel ranks sum a decode step's parts
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # --dtype as vLLM and torch spell it, besides metrale's own names; "auto" is resolved by resolve_dtype.
 DTYPE_SPELLINGS = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
@@ -76,6 +77,7 @@ class RunnerOptions:
     kv_promote_minimum: bool = True  # False only to measure a dtype on every layer (kv-quality)
     innerq_calibration_tokens: int | None = None  # None: TURBO_INNERQ, else off
     innerq_strength: float | None = None  # None: TURBO_INNERQ_STRENGTH, else 0.5
+    all_reduce: str = "nccl"  # one-shot: the ranks' small sums and gathers by kernels_cu/all_reduce.cu
 
     def innerq(self) -> InnerQSettings:
         from metrale_cli.environment import innerq_env
@@ -88,7 +90,8 @@ class RunnerOptions:
     def check(self) -> None:
         """Every option in range, before anything is read."""
         choose = {"--backend": (self.backend, BACKENDS), "--dtype": (self.dtype, tuple(DTYPES)),
-                  "--cuda-graph-mode": (self.cuda_graph_mode, GRAPH_MODES)}
+                  "--cuda-graph-mode": (self.cuda_graph_mode, GRAPH_MODES),
+                  "--all-reduce": (self.all_reduce, ALL_REDUCES)}
         for flag, (value, allowed) in choose.items():
             if value not in allowed:
                 raise MetraleError(f"unknown {flag} '{value}'", hint="choose one of: " + ", ".join(allowed))
@@ -300,6 +303,33 @@ def _decode_mode(model: CausalLM, opts: RunnerOptions) -> tuple[bool, str]:
     return True, "decode: CUDA graphs (one per batch-size bucket)"
 
 
+def check_all_reduce(opts: RunnerOptions, tp: TensorParallel, backend: str) -> None:
+    """``--all-reduce one-shot`` where it can run: tensor-parallel ranks on the cuda backend."""
+    if opts.all_reduce != "one-shot":
+        return
+    if tp.size < 2:
+        raise MetraleError("--all-reduce one-shot sums the parts of tensor-parallel ranks, and this run has one",
+                           hint="add --tensor-parallel-size 2 (or more), or drop --all-reduce")
+    if backend != "cuda":
+        raise MetraleError("--all-reduce one-shot runs on the cuda backend", hint="drop --all-reduce, or use --backend cuda")
+
+
+def one_shot_ranks(tp: TensorParallel, opts: RunnerOptions, backend: str, device: torch.device, cfg: ModelConfig,
+                   loader) -> TensorParallel:
+    """``tp`` with the one-shot collectives where ``--all-reduce one-shot`` asks for them (every
+    rank allocates and maps its buffers together), sized for a decode step of ``max_num_seqs``
+    rows: its hidden rows in bf16 and its logits in fp32, whichever is larger."""
+    if opts.all_reduce != "one-shot":
+        return tp
+    from metrale_cli.kernels.cuda_collectives import one_shot_for_group
+    from metrale_cli.kernels.cuda_launch import CudaLauncher
+
+    rows = max(1, opts.max_num_seqs)
+    capacity = -(-max(rows * cfg.hidden_size * 2, rows * tp.vocab_rows(cfg.vocab_size) * 4) // 16) * 16
+    one_shot = one_shot_for_group(tp.rank, tp.size, tp.group, device, capacity, CudaLauncher(loader))
+    return dataclasses.replace(tp, one_shot=one_shot)
+
+
 def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[int, int], None] | None = None,
                 before_weights: Callable[[object, int], None] | None = None, tp: TensorParallel = SINGLE) -> Runner:
     """Check everything, then load and build (the module docstring's order). Errors are MetraleError.
@@ -313,6 +343,7 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     opts = dataclasses.replace(opts, dtype=dtype)
     opts.check()
     backend, device = resolve_backend(opts.backend)
+    check_all_reduce(opts, tp, backend)
     cfg = model_config(source.config)
     kv_dtype = cfg.resolve_kv_dtype(opts.kv_cache_dtype)
     cfg = plan(cfg, kv_dtype, opts)
@@ -340,6 +371,7 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     tensors, tokenizer, name = dict(weights.tensors), weights.tokenizer, weights.name
     weights = None
     blocks = host_blocks if host_blocks is not None else pool_blocks(layout, opts, max_seq_len, device)
+    tp = one_shot_ranks(tp, opts, backend, device, shard, loader)
     model = build_model(shard, tensors, make_ops(backend, loader), blocks, max_seq_len,
                         opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq(),
                         max_seqs=max(1, opts.max_num_seqs), tp=tp)
@@ -355,7 +387,10 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
                                f"{sum(e.seconds for e in cold):.1f} s (cached for the next start)")
     runner.messages.append(decode_mode)
     if tp.size > 1:
-        runner.messages.append(f"tensor parallel: {tp.size} ranks ({'NCCL' if device.type == 'cuda' else 'gloo'}), "
+        group = "NCCL" if device.type == "cuda" else "gloo"
+        if tp.one_shot is not None:
+            group += f"; one-shot sums and gathers of up to {tp.one_shot.capacity / 2**10:.0f} KiB"
+        runner.messages.append(f"tensor parallel: {tp.size} ranks ({group}), "
                                f"this rank holds {model.weight_bytes() / 2**20:.1f} MiB of weights")
     if dtype_line:
         runner.messages.append(dtype_line)

@@ -12,7 +12,9 @@ import functools
 from dataclasses import dataclass
 
 from metrale_cli.kernels.registry import KernelSpec, module_for, tc_module
-from metrale_cli.kernels.table import COMMON_KERNELS, GDN_KERNELS, MOE_KERNELS, WHT_SIG, Kernel, Signature
+from metrale_cli.kernels.table import (
+    COLLECTIVE_KERNELS, COMMON_KERNELS, GDN_KERNELS, MOE_KERNELS, WHT_SIG, Kernel, Signature,
+)
 from metrale_cli.kv.dtypes import KvCacheDtype, SideType, kv_pair
 
 WHT_KERNELS = (KernelSpec("wht_bf16", "wht_bf16_inplace"), KernelSpec("wht_bf16", "wht_bf16_inplace_inv"))
@@ -162,11 +164,11 @@ def kernels_to_validate(d: KvCacheDtype, head_dim: int) -> list[KernelSpec]:
 
 
 def every_kernel() -> list[KernelSpec]:
-    """Every kernel any dtype launches at any head_dim it is built for, the MoE FFN's and the
-    Gated DeltaNet mixer's (what CI compiles)."""
+    """Every kernel any dtype launches at any head_dim it is built for, the MoE FFN's, the
+    Gated DeltaNet mixer's and the tensor-parallel ranks' one-shot collectives (what CI compiles)."""
     from metrale_cli.kv.dtypes import HEAD_DIMS
 
-    specs = [*COMMON_KERNELS, *MOE_KERNELS, *GDN_KERNELS]
+    specs = [*COMMON_KERNELS, *MOE_KERNELS, *GDN_KERNELS, *COLLECTIVE_KERNELS]
     for d in KvCacheDtype:
         for head_dim in HEAD_DIMS:
             kernels = kv_kernels(d, head_dim)

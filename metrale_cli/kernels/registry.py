@@ -128,6 +128,8 @@ MODULES: dict[str, KernelModule] = {
         # Projections of 2-16 rows (decode steps of a batch) from a ring of tensor-map copies.
         KernelModule("gemm_rows", "gemm_rows.cu", (), ("gemm_rows_bf16_t1_s4", "gemm_rows_bf16_t2_s4",
                                                        "gemm_rows_bf16_t2_s6", "gemm_rows_swiglu_bf16")),
+        # Tensor-parallel ranks' one-shot sums and gathers over each other's mapped buffers.
+        KernelModule("all_reduce", "all_reduce.cu", (), ("one_shot_sum_bf16", "one_shot_gather_f32")),
         # The end of a decode step: greedy tokens and the next step's inputs, on the device.
         KernelModule("decode_step", "decode_step.cu", (), ("decode_advance",)),
         # The routed experts of a MoE FFN for a few rows: routing, gate/up, down + the weighted sum;

@@ -54,6 +54,16 @@ ROPE = K("rope::rope_neox_bf16"), Signature.parse(
     "q: bf16*, k: bf16*, positions: i32*, cos: f32*, sin: f32*, hq: i32, hk: i32, head_dim: i32, rot_dim: i32"
 )
 SILU_AND_MUL = K("activation::silu_and_mul_bf16"), Signature.parse("gate_up: bf16*, out: bf16*, inter: i32")
+# kernels_cu/all_reduce.cu: tensor-parallel ranks' one-shot collectives (kernels/cuda_collectives.py)
+ONE_SHOT_SUM = K("all_reduce::one_shot_sum_bf16"), Signature.parse(
+    "x: bf16*, out: bf16*, data: i64*, signals: i64*, n: i32, rank: i32, ranks: i32, capacity: i32"
+)
+ONE_SHOT_GATHER = K("all_reduce::one_shot_gather_f32"), Signature.parse(
+    "x: f32*, out: f32*, data: i64*, signals: i64*, rows: i32, cols: i32, rank: i32, ranks: i32, capacity: i32"
+)
+ONE_SHOT_BLOCKS, ONE_SHOT_THREADS, ONE_SHOT_MAX_RANKS = 32, 512, 8  # all_reduce.cu's AR_BLOCKS, AR_THREADS, AR_MAX_RANKS
+ONE_SHOT_SIGNAL_BYTES = 4 * ONE_SHOT_BLOCKS * (ONE_SHOT_MAX_RANKS + 1)  # flags, then counters
+COLLECTIVE_KERNELS = (ONE_SHOT_SUM[0], ONE_SHOT_GATHER[0])  # loaded by --all-reduce one-shot
 _GEMV_NORM = (
     "w: bf16*, x: bf16*, residual: bf16*?, gamma: bf16*, sum_out: bf16*?, out: bf16*, n: i32, k: i32, eps: f32"
 )

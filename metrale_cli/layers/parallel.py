@@ -15,8 +15,9 @@ What a rank holds (Megatron-style, as vLLM and SGLang shard these families):
 - embedding and LM head: vocab-parallel, ``ceil(vocab / N)`` rows each (the last rank's padded
   with zero rows), the LM head's logits gathered on every rank.
 
-Each row-parallel output is summed over the ranks by one all-reduce (:meth:`TensorParallel.reduce`)
-before the residual add; where the residual add is fused into the projection (batch 1's GEMVs and
+Each row-parallel output is summed over the ranks by one all-reduce (:meth:`TensorParallel.reduce`:
+the group's, NCCL on GPUs, or with ``--all-reduce one-shot`` a one-shot kernel for what fits its
+buffers, ``kernels/cuda_collectives.py``) before the residual add; where the residual add is fused into the projection (batch 1's GEMVs and
 MoE row path), rank 0 alone adds the residual (:meth:`TensorParallel.addend`) and the all-reduce
 follows the fused launch. Every rank then holds the same hidden state and the same logits, so every
 rank samples the same tokens and runs the same engine loop (SPMD); rank 0 alone owns the output.
@@ -37,14 +38,20 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: object = None
+    one_shot: object = None  # kernels.cuda_collectives.OneShot: the small sums and gathers, else the group's
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (an all-reduce, in place); ``x`` itself for one process."""
         if self.size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(x, group=self.group)
+            if self.one_shot is not None and self.one_shot.sums(x):
+                return self.one_shot.sum_(x)
+            self._group_sum(x)
         return x
+
+    def _group_sum(self, x: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
 
     def addend(self, residual: torch.Tensor | None) -> torch.Tensor | None:
         """What this rank adds to its part of a row-parallel sum that :meth:`reduce` completes:
@@ -55,6 +62,11 @@ class TensorParallel:
         """Every rank's ``x`` side by side along the last dimension, rank 0's first."""
         if self.size == 1:
             return x
+        if self.one_shot is not None and self.one_shot.gathers(x):
+            return self.one_shot.gather_columns(x)
+        return self._group_gather(x)
+
+    def _group_gather(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         x = x.contiguous()
