@@ -51,7 +51,7 @@ def _together(ranks: list[OneShot], work) -> list:
     return out
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])  # at most 4 streams: no two ranks share a hardware queue
+@pytest.mark.parametrize("n", [2, 3, 4])  # streams in turn from torch's pool: each on its own of the 8 hardware queues
 @pytest.mark.parametrize("numel", [8, 512, 4096, 8 * 1001, 40960 * 3, CAPACITY // 2])
 def test_the_sum_is_every_rank_s_part_in_rank_order_on_every_rank(n, numel):
     ranks, _keep = _ranks(n)
