@@ -29,6 +29,7 @@ class OneShot:
                                hint="use --all-reduce nccl")
         from metrale_cli.kernels.cuda_launch import CudaLauncher
 
+        device = _indexed(device)
         self.rank, self.ranks, self.capacity, self.device = rank, ranks, capacity, device
         self.data = torch.tensor(data, dtype=torch.int64, device=device)
         self.signals = torch.tensor(signals, dtype=torch.int64, device=device)
@@ -45,6 +46,7 @@ class OneShot:
         import torch.distributed as dist
 
         rt = cupy.cuda.runtime
+        device = _indexed(device)
         with cupy.cuda.Device(device.index):
             data = rt.malloc(2 * capacity)
             signal = rt.malloc(ONE_SHOT_SIGNAL_BYTES)
@@ -107,6 +109,11 @@ class OneShot:
             rt.free(data), rt.free(signal)
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index (``cuda`` alone is the current device), as a tensor's device reads."""
+    return device if device.index is not None else torch.device(device.type, torch.cuda.current_device())
+
+
 _KEPT: dict[tuple[int, int], OneShot] = {}  # by (id(group), device index)
 
 
@@ -115,6 +122,7 @@ def one_shot_for_group(rank: int, ranks: int, group, device: torch.device, capac
     ones an earlier runner of this process mapped (a bench builds a runner per KV dtype and case),
     else new ones (a collective: every rank asks for the same capacity, as every rank runs the same
     cases). A smaller earlier pair stays mapped: it is not freed while a peer may still map it."""
+    device = _indexed(device)
     key = (id(group), device.index)
     kept = _KEPT.get(key)
     if kept is None or kept.capacity < capacity:
