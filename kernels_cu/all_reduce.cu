@@ -96,7 +96,8 @@ extern "C" __global__ void __launch_bounds__(AR_THREADS)
     for (long long v = lo + threadIdx.x; v < hi; v += AR_THREADS) {
         float sum[8] = {};
         for (int r = 0; r < ranks; ++r) {
-            const uint4 part = __ldcg(reinterpret_cast<const uint4*>(reinterpret_cast<const bf16_t*>(data[r]) + offset) + v);
+            const bf16_t* half = reinterpret_cast<const bf16_t*>(data[r]) + offset;
+            const uint4 part = __ldcg(reinterpret_cast<const uint4*>(half) + v);
             const unsigned words[4] = {part.x, part.y, part.z, part.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -129,7 +130,8 @@ extern "C" __global__ void __launch_bounds__(AR_THREADS)
     for (long long v = lo + threadIdx.x; v < hi; v += AR_THREADS) {
         const long long row = v / row_vectors, col = v % row_vectors;
         for (int r = 0; r < ranks; ++r) {
-            const float4 part = __ldcg(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(data[r]) + offset) + v);
+            const float* half = reinterpret_cast<const float*>(data[r]) + offset;
+            const float4 part = __ldcg(reinterpret_cast<const float4*>(half) + v);
             reinterpret_cast<float4*>(out)[(row * ranks + r) * row_vectors + col] = part;
         }
     }

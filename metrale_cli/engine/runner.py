@@ -311,7 +311,8 @@ def check_all_reduce(opts: RunnerOptions, tp: TensorParallel, backend: str) -> N
         raise MetraleError("--all-reduce one-shot sums the parts of tensor-parallel ranks, and this run has one",
                            hint="add --tensor-parallel-size 2 (or more), or drop --all-reduce")
     if backend != "cuda":
-        raise MetraleError("--all-reduce one-shot runs on the cuda backend", hint="drop --all-reduce, or use --backend cuda")
+        raise MetraleError("--all-reduce one-shot runs on the cuda backend",
+                           hint="drop --all-reduce, or use --backend cuda")
 
 
 def one_shot_ranks(tp: TensorParallel, opts: RunnerOptions, backend: str, device: torch.device, cfg: ModelConfig,

@@ -61,7 +61,11 @@ class OneShot:
                 if r == rank:
                     datas.append(data), signals.append(signal)
                     continue
-                mapped = (rt.ipcOpenMemHandle(data_handle), rt.ipcOpenMemHandle(signal_handle))
+                try:
+                    mapped = (rt.ipcOpenMemHandle(data_handle), rt.ipcOpenMemHandle(signal_handle))
+                except Exception as e:  # noqa: BLE001 - CuPy's CUDARuntimeError: no peer access
+                    raise MetraleError(f"--all-reduce one-shot: rank {rank} cannot map rank {r}'s buffers ({e})",
+                                       hint="GPUs without peer access to each other need --all-reduce nccl") from None
                 opened += mapped
                 datas.append(mapped[0]), signals.append(mapped[1])
         dist.barrier(group=group)  # every rank mapped every buffer before any launch
