@@ -23,7 +23,7 @@ class OneShot:
     their epochs on the device)."""
 
     def __init__(self, rank: int, ranks: int, data: list[int], signals: list[int], capacity: int,
-                 device: torch.device, launcher=None, owned: tuple = ()):
+                 device: torch.device, launcher=None):
         if not 2 <= ranks <= ONE_SHOT_MAX_RANKS:
             raise MetraleError(f"one-shot collectives serve 2 to {ONE_SHOT_MAX_RANKS} ranks, not {ranks}",
                                hint="use --all-reduce nccl")
@@ -34,14 +34,14 @@ class OneShot:
         self.data = torch.tensor(data, dtype=torch.int64, device=device)
         self.signals = torch.tensor(signals, dtype=torch.int64, device=device)
         self.launcher = launcher or CudaLauncher()
-        self._owned = owned  # (this process's allocations, the peers' opened mappings), freed by close()
         for kernel, _ in (ONE_SHOT_SUM, ONE_SHOT_GATHER):  # both load now: a missing one fails at start-up
             self.launcher.loader.function(kernel, device)
 
     @classmethod
     def over_group(cls, rank: int, ranks: int, group, device: torch.device, capacity: int, launcher=None) -> OneShot:
         """Each rank allocates its buffers, and the group exchanges their IPC handles (a collective
-        of ``group``: every rank calls this together)."""
+        of ``group``: every rank calls this together). The buffers and mappings last as long as the
+        process: freeing memory that a peer still maps is undefined in CUDA IPC."""
         import cupy
         import torch.distributed as dist
 
@@ -55,7 +55,7 @@ class OneShot:
             handles = (rt.ipcGetMemHandle(data), rt.ipcGetMemHandle(signal))
         everyone: list = [None] * ranks
         dist.all_gather_object(everyone, handles, group=group)
-        datas, signals, opened = [], [], []
+        datas, signals = [], []
         with cupy.cuda.Device(device.index):
             for r, (data_handle, signal_handle) in enumerate(everyone):
                 if r == rank:
@@ -66,10 +66,9 @@ class OneShot:
                 except Exception as e:  # noqa: BLE001 - CuPy's CUDARuntimeError: no peer access
                     raise MetraleError(f"--all-reduce one-shot: rank {rank} cannot map rank {r}'s buffers ({e})",
                                        hint="GPUs without peer access to each other need --all-reduce nccl") from None
-                opened += mapped
                 datas.append(mapped[0]), signals.append(mapped[1])
         dist.barrier(group=group)  # every rank mapped every buffer before any launch
-        return cls(rank, ranks, datas, signals, capacity, device, launcher, owned=((data, signal), tuple(opened)))
+        return cls(rank, ranks, datas, signals, capacity, device, launcher)
 
     def sums(self, x: torch.Tensor) -> bool:
         """Whether :meth:`sum_` serves ``x``: bf16 on this device, a multiple of 8 elements that
@@ -96,21 +95,6 @@ class OneShot:
         self.launcher._launch(ONE_SHOT_GATHER, (ONE_SHOT_BLOCKS,), (ONE_SHOT_THREADS,), x, out, self.data,
                               self.signals, rows, cols, self.rank, self.ranks, self.capacity // 4)
         return out
-
-    def close(self) -> None:
-        """Unmap the peers' buffers and free this rank's (after the device is done with them)."""
-        if not self._owned:
-            return
-        import cupy
-
-        rt = cupy.cuda.runtime
-        (data, signal), opened = self._owned
-        self._owned = ()
-        with cupy.cuda.Device(self.device.index):
-            rt.deviceSynchronize()
-            for ptr in opened:
-                rt.ipcCloseMemHandle(ptr)
-            rt.free(data), rt.free(signal)
 
 
 def _indexed(device: torch.device) -> torch.device:
