@@ -56,6 +56,14 @@ def _top(records: list[dict]) -> torch.Tensor:
     return out
 
 
+def _check_close(ids, records, ref_ids, ref_records) -> None:
+    """check_logprobs_close over two runs' logprob records (their top-5 tables padded alike)."""
+    top, ref_top = _top(records), _top(ref_records)
+    width = max(top.shape[1], ref_top.shape[1])
+    pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]), value=float("-inf"))  # noqa: E731
+    check_logprobs_close(ids, pad(top), ref_ids, pad(ref_top))
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_decode_on_the_cuda_kernels_as_on_their_references(case):
     raw = CASES[case]
@@ -65,10 +73,7 @@ def test_two_ranks_decode_on_the_cuda_kernels_as_on_their_references(case):
     ref_ids, ref_lp, ref_path = tp_ranks.on_one_gpu(2, tp_ranks.greedy_row_path, raw, weights, prompt, NEW,
                                                     "torch", "bf16")
     assert all(path) and all(ref_path) and len(path) == raw["num_hidden_layers"] and len(ids) == NEW
-    top, ref_top = _top(lp), _top(ref_lp)
-    width = max(top.shape[1], ref_top.shape[1])
-    pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]), value=float("-inf"))  # noqa: E731
-    check_logprobs_close(ids, pad(top), ref_ids, pad(ref_top))
+    _check_close(ids, lp, ref_ids, ref_lp)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -83,7 +88,4 @@ def test_two_ranks_replay_their_decode_steps_as_graphs_with_one_shot_sums_inside
     ref_ids, ref_lp, path = tp_ranks.on_one_gpu(2, tp_ranks.greedy_row_path, raw, weights, prompt, NEW, "cuda",
                                                 "bf16")
     assert buckets == [1] and all(path) and len(ids) == NEW
-    top, ref_top = _top(lp), _top(ref_lp)
-    width = max(top.shape[1], ref_top.shape[1])
-    pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]), value=float("-inf"))  # noqa: E731
-    check_logprobs_close(ids, pad(top), ref_ids, pad(ref_top))
+    _check_close(ids, lp, ref_ids, ref_lp)

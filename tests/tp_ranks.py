@@ -56,11 +56,8 @@ def greedy_row_path(tp, device, output, raw: dict, tensors: dict[str, torch.Tens
     try:
         opts = RunnerOptions(backend=backend, dtype=dtype, max_seq_len=256, reserve_all_memory=False,
                              prefill_chunk=37, cuda_graph_mode="disabled", kv_promote_minimum=False)
-        if device is not None:
-            tensors = {name: t.to(device) for name, t in tensors.items()}
-        runner = open_runner(opts, ModelSource.loaded(raw, tensors, None, raw["model_type"]), tp=tp)
-        seqs, _ = runner.engine.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=5))
-        return seqs[0].output_ids, seqs[0].logprobs, row_path(runner)
+        runner, seq = _greedy_logprobs(opts, tp, device, raw, tensors, prompt, n)
+        return seq.output_ids, seq.logprobs, row_path(runner)
     finally:
         TorchOps.gemv_fits = serves
 
@@ -73,10 +70,19 @@ def greedy_graphed(tp, device, output, raw: dict, tensors: dict[str, torch.Tenso
     -> (ids, each token's logprob record, the batch sizes whose graphs were captured)."""
     opts = RunnerOptions(backend="cuda", dtype="bf16", max_seq_len=256, reserve_all_memory=False,
                          prefill_chunk=37, cuda_graph_mode="full", all_reduce=all_reduce, kv_promote_minimum=False)
-    tensors = {name: t.to(device) for name, t in tensors.items()}
+    runner, seq = _greedy_logprobs(opts, tp, device, raw, tensors, prompt, n)
+    return seq.output_ids, seq.logprobs, sorted(runner.engine.graphs.graphs)
+
+
+def _greedy_logprobs(opts: RunnerOptions, tp, device, raw: dict, tensors: dict[str, torch.Tensor],
+                     prompt: list[int], n: int):
+    """(the runner, the sequence of n greedy tokens after ``prompt`` with each token's logprob
+    record), the tensors moved to ``device`` first where there is one."""
+    if device is not None:
+        tensors = {name: t.to(device) for name, t in tensors.items()}
     runner = open_runner(opts, ModelSource.loaded(raw, tensors, None, raw["model_type"]), tp=tp)
     seqs, _ = runner.engine.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=5))
-    return seqs[0].output_ids, seqs[0].logprobs, sorted(runner.engine.graphs.graphs)
+    return runner, seqs[0]
 
 
 @dataclass(frozen=True)

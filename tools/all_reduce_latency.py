@@ -21,6 +21,7 @@ def rank_main(rank: int, ranks: int, port: int, kib: list[float], calls: int, re
     import torch
     import torch.distributed as dist
 
+    from metrale_cli.commands.timing import Timer
     from metrale_cli.kernels.cuda_collectives import OneShot
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -55,12 +56,9 @@ def rank_main(rank: int, ranks: int, port: int, kib: list[float], calls: int, re
                     x.copy_(base)
                 dist.barrier()
                 torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / calls)
+                with Timer(device) as timer:
+                    graph.replay()
+                times.append(timer.seconds * 1e6 / calls)
             figures.append(statistics.median(times))
             results.append(xs[0].clone())
         if rank == 0:

@@ -173,8 +173,9 @@ def critical_path_table(kernels: list[tuple[str, float, float]], steps: int, row
 
 def all_reduce_time(events, cuda: bool) -> tuple[int, float]:
     """(calls, seconds) of the all-reduces of the profiler's decode range: on a GPU the NCCL
-    all-reduce kernels or the one-shot sums (``--all-reduce one-shot``) launched under it (device time), on the CPU the gloo calls that ran while it did
-    (host time: gloo runs them on threads of its own)."""
+    all-reduce kernels or the one-shot sums (``--all-reduce one-shot``) launched under it (device
+    time), on the CPU the gloo calls that ran while it did (host time: gloo runs them on threads of
+    its own)."""
     events = list(events)
     ranges = [e.time_range for e in events if e.name == DECODE_RANGE]
     calls, seconds = 0, 0.0
