@@ -697,6 +697,16 @@ def test_every_bad_option_is_one_error_line_with_a_hint(args):
     assert len([line for line in result.stderr.splitlines() if line.startswith("hint: ")]) == 1, result.stderr
 
 
+@pytest.mark.parametrize("args, line", [
+    (["-t", "nan"], "error: --temperature must be a finite number >= 0, got nan"),
+    (["-t", "inf"], "error: --temperature must be a finite number >= 0, got inf"),
+    (["--repetition-penalty", "inf"], "error: --repetition-penalty must be a finite number > 0, got inf"),
+])
+def test_a_sampling_value_that_is_not_a_finite_number_is_refused(args, line):
+    result = metrale("generate", *args, "hi")
+    assert_one_line_error(result, line)
+
+
 def test_the_critical_path_counts_an_overlap_once():
     """bench --profile's critical path: a programmatic launch that starts while the kernel before it
     runs is charged only past that kernel's end, a kernel inside another's span adds nothing, the
