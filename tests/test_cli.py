@@ -573,6 +573,13 @@ def test_chat_turns_that_fail_are_one_line_and_the_session_goes_on(tiny):
     assert turn["user"] == "hi" and turn["completion_tokens"] == 2
 
 
+def test_chat_system_without_text_says_what_it_needs(tiny):
+    result = metrale("chat", "-m", str(tiny), "-n", "2", stdin="/system\n/system   \nhi\n")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: /system needs the message's text"] * 2, result.stderr
+
+
 def test_chat_needs_a_chat_template(tiny, tmp_path):
     bare = tmp_path / "no-template"
     bare.mkdir()
