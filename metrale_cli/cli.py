@@ -271,6 +271,9 @@ def chat(
     gpu_memory_utilization: GpuMemOpt = 0.9,
     cuda_graph_mode: GraphOpt = "full",
     enforce_eager: EagerOpt = False,
+    tensor_parallel_size: Annotated[int, typer.Option(
+        "--tensor-parallel-size", "-tp", help="1 only: a chat runs in one process (generate and bench "
+        "take -tp N)")] = 1,
     json_out: Annotated[bool, typer.Option("--json", help="one JSON object a turn (JSON Lines)")] = False,
     debug: DebugOpt = False,
 ):
@@ -290,6 +293,10 @@ def chat(
     from metrale_cli.engine.sampler import SamplingParams
 
     out = Output(json_mode=json_out)
+    if tensor_parallel_size != 1:  # declared so that -tp is not read as -t p
+        out.error(f"metrale chat runs in one process, not --tensor-parallel-size {tensor_parallel_size}",
+                  "drop -tp, or use metrale generate -tp N for one prompt")
+        raise typer.Exit(1)
     opts = RunnerOptions(backend=backend, kv_cache_dtype=kv_cache_dtype, dtype=dtype, max_seq_len=max_seq_len,
                          gpu_memory_utilization=gpu_memory_utilization,
                          cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode)

@@ -580,6 +580,13 @@ def test_chat_system_without_text_says_what_it_needs(tiny):
     assert errors == ["error: /system needs the message's text"] * 2, result.stderr
 
 
+@pytest.mark.parametrize("args", [["-tp", "2"], ["--tensor-parallel-size", "2"]])
+def test_chat_refuses_tensor_parallelism_by_name(args):
+    """-tp is not read as -t with the value "p" (a temperature that is not a number)."""
+    assert_one_line_error(metrale("chat", *args, stdin="hi\n"), "error: metrale chat runs in one process, "
+                          "not --tensor-parallel-size 2", "hint: ")
+
+
 def test_chat_needs_a_chat_template(tiny, tmp_path):
     bare = tmp_path / "no-template"
     bare.mkdir()
