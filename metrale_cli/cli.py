@@ -340,6 +340,7 @@ def validate_kernels(
 
 @app.command()
 def bench(
+    ctx: typer.Context,
     model: ModelOpt = None,
     revision: RevisionOpt = None,
     preset: Annotated[Optional[str], typer.Option(help="random weights at a real model's shapes "
@@ -402,6 +403,13 @@ def bench(
     out = Output(json_mode=json_out)
     model = _run(out, debug, _with_revision, model, revision)
     if kv_quality:
+        _refuse_unread(out, ctx, _TIMING_ONLY, "--kv-quality measures quality, not time",
+                       "--kv-quality reads -m, --corpus, --window, --kv-cache-dtype, --backend, --dtype, "
+                       "--kv-high-precision-layers, --innerq-calibration-tokens and --json")
+    else:
+        _refuse_unread(out, ctx, ("corpus", "window"), "bench times the model without --kv-quality",
+                       "add --kv-quality to measure KV quality on a corpus")
+    if kv_quality:
         from metrale_cli.commands.kv_quality import QualityOptions, run_quality_cmd
 
         qopts = QualityOptions(model=model, corpus=corpus, window=window,
@@ -424,6 +432,21 @@ def bench(
                         innerq_calibration_tokens=innerq_calibration_tokens)
     _run(out, debug, run_ranks, tensor_parallel_size, bench_rank, opts, sweep, output.strip().lower(),
          main_output=out, on_worker_error=out.error)
+
+
+# bench's options that only its timing reads, not --kv-quality
+_TIMING_ONLY = ("preset", "n_prompt", "n_gen", "batch", "output", "repetitions", "peak_bandwidth", "compare_hf",
+                "gpu_memory_utilization", "cuda_graph_mode", "enforce_eager", "profile", "synthetic_context",
+                "tensor_parallel_size", "all_reduce")
+
+
+def _refuse_unread(out: Output, ctx: typer.Context, names: tuple[str, ...], why: str, hint: str) -> None:
+    """Options given that this run would not read are one error line, never silently ignored."""
+    given = [p.opts[0] for p in ctx.command.params
+             if p.name in names and ctx.get_parameter_source(p.name).name != "DEFAULT"]
+    if given:
+        out.error(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply here: {why}", hint)
+        raise typer.Exit(1)
 
 
 _COUNT_EXAMPLES = {"-p": "128,512", "-n": "32,128", "--batch": "1,16"}

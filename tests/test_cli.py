@@ -121,6 +121,18 @@ def test_bench_kv_quality_json(tiny, tmp_path):
     assert report["windows"] >= 2 and report["corpus"] == str(corpus)
 
 
+@pytest.mark.parametrize("args, line", [
+    (["--kv-quality", "--preset", "qwen3-30b-a3b"], "error: --preset does not apply here: --kv-quality measures"),
+    (["--kv-quality", "-tp", "2", "-p", "8"], "error: --n-prompt, --tensor-parallel-size do not apply here"),
+    (["--preset", "smollm2", "--window", "64"], "error: --window does not apply here: bench times the model"),
+    (["--kv-quality", "--window", "1"], "error: --window must be at least 2 tokens, got 1"),
+    (["--kv-quality", "--corpus", "/no/such/corpus.txt"], "error: cannot read --corpus /no/such/corpus.txt"),
+])
+def test_bench_refuses_an_option_its_mode_would_not_read(args, line):
+    """Checked before a weight is read: the timing's options under --kv-quality, its own without."""
+    assert_one_line_error(metrale("bench", *args), line, "hint: ")
+
+
 def _hf_greedy_ids(folder, prompt: str, n: int) -> list[int]:
     tok = T.AutoTokenizer.from_pretrained(folder)
     model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
