@@ -544,6 +544,8 @@ def test_bench_refuses_a_bad_sweep_or_format(tiny):
     assert_one_line_error(metrale("bench", "-m", str(tiny), "--batch", "0"), "--batch counts must all be at least 1",
                           "e.g. --batch 1,16")
     assert_one_line_error(metrale("bench", "-m", str(tiny), "-o", "xml"), "unknown -o 'xml'")
+    assert_one_line_error(metrale("bench", "-m", str(tiny), "-r", "0"), "error: --repetitions must be at least 1, "
+                          "got 0", "e.g. -r 3")
 
 
 # --- metrale chat ---------------------------------------------------------------------------------
