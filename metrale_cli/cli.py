@@ -142,6 +142,13 @@ def _read_text(out: Output, path: str | None, what: str) -> str | None:
     raise typer.Exit(1)
 
 
+def _check_system(out: Output, system: str | None) -> None:
+    """An empty --system would fall back to the chat template's default system message, unsaid."""
+    if system is not None and not system.strip():
+        out.error("--system is empty", "give the system message's text, or leave --system out")
+        raise typer.Exit(1)
+
+
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     "--chat-template", help="a Jinja chat template file, in place of the model's")]
 
@@ -224,6 +231,7 @@ def generate(
     if template is not None and no_chat_template:
         out.error("--chat-template and --no-chat-template contradict each other", "drop one of the two")
         raise typer.Exit(1)
+    _check_system(out, system)
     if system is not None and no_chat_template:
         out.error("--system needs the chat template, and --no-chat-template sends the raw prompt",
                   "drop one of the two (or write the system text into the prompt)")
@@ -297,6 +305,7 @@ def chat(
         out.error(f"metrale chat runs in one process, not --tensor-parallel-size {tensor_parallel_size}",
                   "drop -tp, or use metrale generate -tp N for one prompt")
         raise typer.Exit(1)
+    _check_system(out, system)
     opts = RunnerOptions(backend=backend, kv_cache_dtype=kv_cache_dtype, dtype=dtype, max_seq_len=max_seq_len,
                          gpu_memory_utilization=gpu_memory_utilization,
                          cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode)

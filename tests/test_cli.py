@@ -345,6 +345,13 @@ def test_a_system_message_without_the_chat_template_is_refused(tiny):
     assert_one_line_error(result, "--system needs the chat template")
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_an_empty_system_message_is_refused(command):
+    """Not dropped for the chat template's default system message."""
+    assert_one_line_error(metrale(command, "--system", " ", *(["hi"] if command == "generate" else []), stdin="hi\n"),
+                          "error: --system is empty", "hint: ")
+
+
 def test_a_context_past_the_models_is_refused(tiny):
     result = metrale("generate", "-m", str(tiny), "--max-seq-len", "100000", "hi")
     assert_one_line_error(result, "--max-seq-len 100000 is past the model's context of 256 tokens",
