@@ -126,6 +126,7 @@ def test_bench_kv_quality_json(tiny, tmp_path):
     (["--kv-quality", "-tp", "2", "-p", "8"], "error: --n-prompt, --tensor-parallel-size do not apply here"),
     (["--preset", "smollm2", "--window", "64"], "error: --window does not apply here: bench times the model"),
     (["--kv-quality", "--window", "1"], "error: --window must be at least 2 tokens, got 1"),
+    (["--kv-quality", "--window", "100000"], "error: --window 100000 is past the model's context of 8192 tokens"),
     (["--kv-quality", "--corpus", "/no/such/corpus.txt"], "error: cannot read --corpus /no/such/corpus.txt"),
 ])
 def test_bench_refuses_an_option_its_mode_would_not_read(args, line):

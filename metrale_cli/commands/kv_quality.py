@@ -22,6 +22,7 @@ from metrale_cli.engine.runner import DTYPES, RunnerOptions, open_runner, resolv
 from metrale_cli.engine.source import ModelSource
 from metrale_cli.errors import MetraleError
 from metrale_cli.kv.dtypes import KvCacheDtype, concrete
+from metrale_cli.models import model_config
 from metrale_cli.output import Output
 
 CHUNK = 128  # prefill chunk: later chunks read earlier ones back from the quantized cache
@@ -90,6 +91,10 @@ def run_quality(opts: QualityOptions, out: Output | None = None) -> dict:
     backend, device = resolve_backend(opts.backend)
     text, corpus_name = corpus_text(opts.corpus)  # before the weights: fail fast
     checkpoint = ModelSource.checkpoint(opts.model)
+    context = model_config(checkpoint.config).max_position_embeddings
+    if opts.window > context:
+        raise MetraleError(f"--window {opts.window} is past the model's context of {context} tokens",
+                           hint=f"use --window {context} or less")
     dtype, _ = resolve_dtype(opts.dtype, checkpoint.config)
     weights = checkpoint.load(device, DTYPES[dtype], None)
     if weights.tokenizer is None:
