@@ -365,8 +365,9 @@ def test_a_negative_innerq_calibration_count_is_refused(tiny):
 
 
 def test_bench_refuses_a_bandwidth_that_is_not_positive_and_a_model_beside_a_preset(tiny):
-    assert_one_line_error(metrale("bench", "-m", str(tiny), "--peak-bandwidth", "-1"),
-                          "--peak-bandwidth must be a positive GB/s figure")
+    for bandwidth in ("-1", "inf"):  # inf made every % of the roofline 0.0%
+        assert_one_line_error(metrale("bench", "-m", str(tiny), "--peak-bandwidth", bandwidth),
+                              f"--peak-bandwidth must be a finite positive GB/s figure, got {bandwidth}")
     assert_one_line_error(metrale("bench", "-m", str(tiny), "--preset", "qwen3-0.6b"),
                           "give -m (a checkpoint) or --preset")
     for fraction in ("0", "1.5"):  # refused before a weight is read, as generate refuses it
