@@ -142,6 +142,13 @@ def _read_text(out: Output, path: str | None, what: str) -> str | None:
     raise typer.Exit(1)
 
 
+def _check_system(out: Output, system: str | None) -> None:
+    """An empty --system would fall back to the chat template's default system message, unsaid."""
+    if system is not None and not system.strip():
+        out.error("--system is empty", "give the system message's text, or leave --system out")
+        raise typer.Exit(1)
+
+
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     "--chat-template", help="a Jinja chat template file, in place of the model's")]
 
@@ -224,6 +231,7 @@ def generate(
     if template is not None and no_chat_template:
         out.error("--chat-template and --no-chat-template contradict each other", "drop one of the two")
         raise typer.Exit(1)
+    _check_system(out, system)
     if system is not None and no_chat_template:
         out.error("--system needs the chat template, and --no-chat-template sends the raw prompt",
                   "drop one of the two (or write the system text into the prompt)")
@@ -271,6 +279,9 @@ def chat(
     gpu_memory_utilization: GpuMemOpt = 0.9,
     cuda_graph_mode: GraphOpt = "full",
     enforce_eager: EagerOpt = False,
+    tensor_parallel_size: Annotated[int, typer.Option(
+        "--tensor-parallel-size", "-tp", help="1 only: a chat runs in one process (generate and bench "
+        "take -tp N)")] = 1,
     json_out: Annotated[bool, typer.Option("--json", help="one JSON object a turn (JSON Lines)")] = False,
     debug: DebugOpt = False,
 ):
@@ -290,6 +301,11 @@ def chat(
     from metrale_cli.engine.sampler import SamplingParams
 
     out = Output(json_mode=json_out)
+    if tensor_parallel_size != 1:  # declared so that -tp is not read as -t p
+        out.error(f"metrale chat runs in one process, not --tensor-parallel-size {tensor_parallel_size}",
+                  "drop -tp, or use metrale generate -tp N for one prompt")
+        raise typer.Exit(1)
+    _check_system(out, system)
     opts = RunnerOptions(backend=backend, kv_cache_dtype=kv_cache_dtype, dtype=dtype, max_seq_len=max_seq_len,
                          gpu_memory_utilization=gpu_memory_utilization,
                          cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode)
@@ -333,6 +349,7 @@ def validate_kernels(
 
 @app.command()
 def bench(
+    ctx: typer.Context,
     model: ModelOpt = None,
     revision: RevisionOpt = None,
     preset: Annotated[Optional[str], typer.Option(help="random weights at a real model's shapes "
@@ -395,6 +412,13 @@ def bench(
     out = Output(json_mode=json_out)
     model = _run(out, debug, _with_revision, model, revision)
     if kv_quality:
+        _refuse_unread(out, ctx, _TIMING_ONLY, "--kv-quality measures quality, not time",
+                       "--kv-quality reads -m, --corpus, --window, --kv-cache-dtype, --backend, --dtype, "
+                       "--kv-high-precision-layers, --innerq-calibration-tokens and --json")
+    else:
+        _refuse_unread(out, ctx, ("corpus", "window"), "bench times the model without --kv-quality",
+                       "add --kv-quality to measure KV quality on a corpus")
+    if kv_quality:
         from metrale_cli.commands.kv_quality import QualityOptions, run_quality_cmd
 
         qopts = QualityOptions(model=model, corpus=corpus, window=window,
@@ -417,6 +441,21 @@ def bench(
                         innerq_calibration_tokens=innerq_calibration_tokens)
     _run(out, debug, run_ranks, tensor_parallel_size, bench_rank, opts, sweep, output.strip().lower(),
          main_output=out, on_worker_error=out.error)
+
+
+# bench's options that only its timing reads, not --kv-quality
+_TIMING_ONLY = ("preset", "n_prompt", "n_gen", "batch", "output", "repetitions", "peak_bandwidth", "compare_hf",
+                "gpu_memory_utilization", "cuda_graph_mode", "enforce_eager", "profile", "synthetic_context",
+                "tensor_parallel_size", "all_reduce")
+
+
+def _refuse_unread(out: Output, ctx: typer.Context, names: tuple[str, ...], why: str, hint: str) -> None:
+    """Options given that this run would not read are one error line, never silently ignored."""
+    given = [p.opts[0] for p in ctx.command.params
+             if p.name in names and ctx.get_parameter_source(p.name).name != "DEFAULT"]
+    if given:
+        out.error(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply here: {why}", hint)
+        raise typer.Exit(1)
 
 
 _COUNT_EXAMPLES = {"-p": "128,512", "-n": "32,128", "--batch": "1,16"}

@@ -121,6 +121,19 @@ def test_bench_kv_quality_json(tiny, tmp_path):
     assert report["windows"] >= 2 and report["corpus"] == str(corpus)
 
 
+@pytest.mark.parametrize("args, line", [
+    (["--kv-quality", "--preset", "qwen3-30b-a3b"], "error: --preset does not apply here: --kv-quality measures"),
+    (["--kv-quality", "-tp", "2", "-p", "8"], "error: --n-prompt, --tensor-parallel-size do not apply here"),
+    (["--preset", "smollm2", "--window", "64"], "error: --window does not apply here: bench times the model"),
+    (["--kv-quality", "--window", "1"], "error: --window must be at least 2 tokens, got 1"),
+    (["--kv-quality", "--window", "100000"], "error: --window 100000 is past the model's context of 8192 tokens"),
+    (["--kv-quality", "--corpus", "/no/such/corpus.txt"], "error: cannot read --corpus /no/such/corpus.txt"),
+])
+def test_bench_refuses_an_option_its_mode_would_not_read(args, line):
+    """Checked before a weight is read: the timing's options under --kv-quality, its own without."""
+    assert_one_line_error(metrale("bench", *args), line, "hint: ")
+
+
 def _hf_greedy_ids(folder, prompt: str, n: int) -> list[int]:
     tok = T.AutoTokenizer.from_pretrained(folder)
     model = T.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -333,6 +346,13 @@ def test_a_system_message_without_the_chat_template_is_refused(tiny):
     assert_one_line_error(result, "--system needs the chat template")
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_an_empty_system_message_is_refused(command):
+    """Not dropped for the chat template's default system message."""
+    assert_one_line_error(metrale(command, "--system", " ", *(["hi"] if command == "generate" else []), stdin="hi\n"),
+                          "error: --system is empty", "hint: ")
+
+
 def test_a_context_past_the_models_is_refused(tiny):
     result = metrale("generate", "-m", str(tiny), "--max-seq-len", "100000", "hi")
     assert_one_line_error(result, "--max-seq-len 100000 is past the model's context of 256 tokens",
@@ -345,8 +365,9 @@ def test_a_negative_innerq_calibration_count_is_refused(tiny):
 
 
 def test_bench_refuses_a_bandwidth_that_is_not_positive_and_a_model_beside_a_preset(tiny):
-    assert_one_line_error(metrale("bench", "-m", str(tiny), "--peak-bandwidth", "-1"),
-                          "--peak-bandwidth must be a positive GB/s figure")
+    for bandwidth in ("-1", "inf"):  # inf made every % of the roofline 0.0%
+        assert_one_line_error(metrale("bench", "-m", str(tiny), "--peak-bandwidth", bandwidth),
+                              f"--peak-bandwidth must be a finite positive GB/s figure, got {bandwidth}")
     assert_one_line_error(metrale("bench", "-m", str(tiny), "--preset", "qwen3-0.6b"),
                           "give -m (a checkpoint) or --preset")
     for fraction in ("0", "1.5"):  # refused before a weight is read, as generate refuses it
@@ -532,6 +553,8 @@ def test_bench_refuses_a_bad_sweep_or_format(tiny):
     assert_one_line_error(metrale("bench", "-m", str(tiny), "--batch", "0"), "--batch counts must all be at least 1",
                           "e.g. --batch 1,16")
     assert_one_line_error(metrale("bench", "-m", str(tiny), "-o", "xml"), "unknown -o 'xml'")
+    assert_one_line_error(metrale("bench", "-m", str(tiny), "-r", "0"), "error: --repetitions must be at least 1, "
+                          "got 0", "e.g. -r 3")
 
 
 # --- metrale chat ---------------------------------------------------------------------------------
@@ -571,6 +594,20 @@ def test_chat_turns_that_fail_are_one_line_and_the_session_goes_on(tiny):
     assert len(errors) == 2 and "the context is 24 tokens" in errors[0] and errors[1] == "unknown command /nope"
     (turn,) = [json.loads(line) for line in result.stdout.splitlines()]
     assert turn["user"] == "hi" and turn["completion_tokens"] == 2
+
+
+def test_chat_system_without_text_says_what_it_needs(tiny):
+    result = metrale("chat", "-m", str(tiny), "-n", "2", stdin="/system\n/system   \nhi\n")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: /system needs the message's text"] * 2, result.stderr
+
+
+@pytest.mark.parametrize("args", [["-tp", "2"], ["--tensor-parallel-size", "2"]])
+def test_chat_refuses_tensor_parallelism_by_name(args):
+    """-tp is not read as -t with the value "p" (a temperature that is not a number)."""
+    assert_one_line_error(metrale("chat", *args, stdin="hi\n"), "error: metrale chat runs in one process, "
+                          "not --tensor-parallel-size 2", "hint: ")
 
 
 def test_chat_needs_a_chat_template(tiny, tmp_path):
@@ -695,6 +732,16 @@ def test_every_bad_option_is_one_error_line_with_a_hint(args):
     result = metrale(*args)
     assert_one_line_error(result)
     assert len([line for line in result.stderr.splitlines() if line.startswith("hint: ")]) == 1, result.stderr
+
+
+@pytest.mark.parametrize("args, line", [
+    (["-t", "nan"], "error: --temperature must be a finite number >= 0, got nan"),
+    (["-t", "inf"], "error: --temperature must be a finite number >= 0, got inf"),
+    (["--repetition-penalty", "inf"], "error: --repetition-penalty must be a finite number > 0, got inf"),
+])
+def test_a_sampling_value_that_is_not_a_finite_number_is_refused(args, line):
+    result = metrale("generate", *args, "hi")
+    assert_one_line_error(result, line)
 
 
 def test_the_critical_path_counts_an_overlap_once():

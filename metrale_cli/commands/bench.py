@@ -13,6 +13,7 @@ unless given).
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -332,11 +333,13 @@ def run_bench(opts: BenchOptions, out: Output | None = None,
     (a dict) holds under "result" the result with the rows measured so far, for a caller whose run
     a later case's error stops."""
     cases = sweep or [(opts.n_prompt, opts.n_gen, opts.batch)]
-    if min(opts.repetitions, *(v for case in cases for v in case)) < 1:
-        raise MetraleError("-p, -n, --batch and --repetitions must all be at least 1", hint="e.g. -p 512 -n 128 -r 3")
+    if opts.repetitions < 1:
+        raise MetraleError(f"--repetitions must be at least 1, got {opts.repetitions}", hint="e.g. -r 3")
+    if min(v for case in cases for v in case) < 1:
+        raise MetraleError("-p, -n and --batch must all be at least 1", hint="e.g. -p 512 -n 128 --batch 1")
     check_memory_fraction(opts.gpu_memory_utilization)
-    if opts.peak_bandwidth_gbs is not None and not opts.peak_bandwidth_gbs > 0:
-        raise MetraleError(f"--peak-bandwidth must be a positive GB/s figure, got {opts.peak_bandwidth_gbs:g}",
+    if opts.peak_bandwidth_gbs is not None and not 0 < opts.peak_bandwidth_gbs < math.inf:
+        raise MetraleError(f"--peak-bandwidth must be a finite positive GB/s figure, got {opts.peak_bandwidth_gbs:g}",
                            hint="leave it out to measure the device-to-device copy")
     if opts.preset and opts.model:
         raise MetraleError("give -m (a checkpoint) or --preset (random weights at a model's shapes), not both",

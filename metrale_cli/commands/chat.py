@@ -119,6 +119,9 @@ def run_chat(out: Output, model: str | None, opts: RunnerOptions, params: Sampli
             elif name == "/system" and rest.strip():
                 session.reset(rest.strip())
                 out.info("system message set; the conversation starts over")
+            elif name == "/system":
+                out.error("/system needs the message's text", "e.g. /system Answer in one sentence.")
+                failed = True
             elif name == "/help":
                 for command, what in COMMANDS.items():
                     out.info(f"{command:14s} {what}")

@@ -22,6 +22,7 @@ from metrale_cli.engine.runner import DTYPES, RunnerOptions, open_runner, resolv
 from metrale_cli.engine.source import ModelSource
 from metrale_cli.errors import MetraleError
 from metrale_cli.kv.dtypes import KvCacheDtype, concrete
+from metrale_cli.models import model_config
 from metrale_cli.output import Output
 
 CHUNK = 128  # prefill chunk: later chunks read earlier ones back from the quantized cache
@@ -38,6 +39,10 @@ class QualityOptions:
     kv_high_precision_layers: str = "0"
     innerq_calibration_tokens: int | None = None
 
+    def __post_init__(self):
+        if self.window < 2:
+            raise MetraleError(f"--window must be at least 2 tokens, got {self.window}", hint="e.g. --window 512")
+
 
 def corpus_text(path: str | None) -> tuple[str, str]:
     """(text, name): the given UTF-8 file, else the corpus shipped in the package."""
@@ -48,12 +53,10 @@ def corpus_text(path: str | None) -> tuple[str, str]:
         with open(path, encoding="utf-8") as f:
             return f.read(), path
     except (OSError, UnicodeDecodeError) as e:
-        raise MetraleError(f"cannot read --corpus {path}: {e}") from None
+        raise MetraleError(f"cannot read --corpus {path}: {e}", hint="give a UTF-8 text file") from None
 
 
 def windows(ids: list[int], window: int) -> list[list[int]]:
-    if window < 2:
-        raise MetraleError("--window must be at least 2 tokens", hint="e.g. --window 512")
     cut = [ids[i : i + window] for i in range(0, len(ids), window)]
     cut = [w for w in cut if len(w) >= 2]
     if not cut:
@@ -86,13 +89,17 @@ def _dtypes(names: tuple[KvCacheDtype | str, ...]) -> list[KvCacheDtype]:
 def run_quality(opts: QualityOptions, out: Output | None = None) -> dict:
     dtypes = _dtypes(opts.kv_cache_dtypes)
     backend, device = resolve_backend(opts.backend)
+    text, corpus_name = corpus_text(opts.corpus)  # before the weights: fail fast
     checkpoint = ModelSource.checkpoint(opts.model)
+    context = model_config(checkpoint.config).max_position_embeddings
+    if opts.window > context:
+        raise MetraleError(f"--window {opts.window} is past the model's context of {context} tokens",
+                           hint=f"use --window {context} or less")
     dtype, _ = resolve_dtype(opts.dtype, checkpoint.config)
     weights = checkpoint.load(device, DTYPES[dtype], None)
     if weights.tokenizer is None:
         raise MetraleError("--kv-quality needs a model with a tokenizer", hint="pass a checkpoint with tokenizer.json or a .gguf")
     source = ModelSource.loaded(checkpoint.config, weights.tensors, weights.tokenizer, weights.name)
-    text, corpus_name = corpus_text(opts.corpus)
     cuts = windows(weights.tokenizer.encode(text, add_special_tokens=False), opts.window)
     base = RunnerOptions(backend=backend, dtype=dtype, max_seq_len=opts.window, reserve_all_memory=False,
                          prefill_chunk=CHUNK, cuda_graph_mode="disabled",

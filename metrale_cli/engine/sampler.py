@@ -3,6 +3,7 @@ generator, after the repetition, presence and frequency penalties."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +30,9 @@ class SamplingParams:
     logprobs: int = 0  # per generated token: its log-probability and the N likeliest tokens'; 0 = off
 
     def __post_init__(self):
-        if not self.repetition_penalty > 0:
-            raise MetraleError(f"--repetition-penalty must be > 0, got {self.repetition_penalty}", hint="1 is off")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise MetraleError(f"--repetition-penalty must be a finite number > 0, got {self.repetition_penalty}",
+                               hint="1 is off")
         for flag, value in (("--presence-penalty", self.presence_penalty),
                             ("--frequency-penalty", self.frequency_penalty)):
             if not -2 <= value <= 2:
@@ -41,8 +43,9 @@ class SamplingParams:
             raise MetraleError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", hint="0 is off")
         if self.max_new_tokens < 1:
             raise MetraleError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}", hint="e.g. -n 256")
-        if self.temperature < 0:
-            raise MetraleError(f"--temperature must be >= 0, got {self.temperature}", hint="0 is greedy")
+        if not 0 <= self.temperature < math.inf:  # nan would reach the sampler, inf flattens it to noise
+            raise MetraleError(f"--temperature must be a finite number >= 0, got {self.temperature}",
+                               hint="0 is greedy")
         if not 0 < self.top_p <= 1:
             raise MetraleError(f"--top-p must be in (0, 1], got {self.top_p}", hint="1 is off")
         if self.top_k < 0:
