@@ -206,7 +206,10 @@ def test_validate_kernels_cli():
     assert report["ok"] and report["missing"] == []
     assert "paged_decode_fp8::paged_decode_attn_fp8" in [k["kernel"] for k in report["kernels"]]
     bad = metrale("validate-kernels", "--kv-cache-dtype", "turbo2", "--head-dim", "96")
-    assert_one_line_error(bad, "head_dim")
+    assert_one_line_error(bad, "head_dim", "hint: pass the head_dim of the model's attention")
+    assert "--backend" not in bad.stderr  # validate-kernels has no --backend to point to
+    auto = metrale("validate-kernels", "--kv-cache-dtype", "auto")
+    assert_one_line_error(auto, "not 'auto'", "hint: e.g. --kv-cache-dtype fp8")
 
 
 def test_the_prefill_split_counts_every_kernel_of_the_trace():
@@ -591,7 +594,8 @@ def test_chat_turns_that_fail_are_one_line_and_the_session_goes_on(tiny):
                      stdin="word " * 40 + "\n/nope\nhi\n")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     errors = [json.loads(line)["error"] for line in result.stderr.splitlines() if line.startswith('{"error"')]
-    assert len(errors) == 2 and "the context is 24 tokens" in errors[0] and errors[1] == "unknown command /nope"
+    assert len(errors) == 2 and errors[1] == "unknown command /nope"
+    assert errors[0].startswith("the conversation with this message has ") and "the context is 24 tokens" in errors[0]
     (turn,) = [json.loads(line) for line in result.stdout.splitlines()]
     assert turn["user"] == "hi" and turn["completion_tokens"] == 2
 

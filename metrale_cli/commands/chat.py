@@ -12,7 +12,6 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from metrale_cli.engine.generate import check_prompt_lengths
 from metrale_cli.engine.llm import LLM
 from metrale_cli.engine.runner import RunnerOptions, open_runner
 from metrale_cli.engine.sampler import SamplingParams
@@ -52,7 +51,11 @@ class ChatSession:
         """Stream the answer to ``user`` through ``on_text``; the turn goes into the history, an
         answer cut by Ctrl-C with what was written of it. -> the turn's record."""
         ids = self.encode(user)
-        check_prompt_lengths([ids], self.llm.runner.engine.max_seq_len)
+        context = self.llm.runner.engine.max_seq_len
+        if len(ids) >= context:
+            raise MetraleError(f"the conversation with this message has {len(ids)} tokens; the context is "
+                               f"{context} tokens (--max-seq-len)",
+                               hint="/reset starts the conversation over; or raise --max-seq-len")
         run = self.llm.stream_ids(ids, self.params)
         pieces, seq = [], None
         try:

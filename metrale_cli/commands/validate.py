@@ -22,7 +22,8 @@ def _dtypes(dtype: KvCacheDtype | str) -> list[KvCacheDtype]:
     if dtype == ALL:
         return list(KvCacheDtype)
     if dtype == AUTO:
-        raise MetraleError("validate-kernels needs a concrete --kv-cache-dtype (or 'all'), not 'auto'")
+        raise MetraleError("validate-kernels needs a concrete --kv-cache-dtype (or 'all'), not 'auto'",
+                           hint="e.g. --kv-cache-dtype fp8, or --kv-cache-dtype all for every dtype")
     return [dtype]
 
 

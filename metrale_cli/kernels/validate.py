@@ -64,7 +64,7 @@ def check_head_dim(head_dim: int) -> int:
     if head_dim not in HEAD_DIMS:
         raise MetraleError(f"the attention kernels are built for head_dim {', '.join(map(str, HEAD_DIMS))}, "
                            f"not {head_dim}",
-                           hint="use --backend torch for such a model")
+                           hint="pass the head_dim of the model's attention, e.g. --head-dim 128")
     return head_dim
 
 
