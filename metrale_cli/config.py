@@ -48,8 +48,8 @@ class ConfigReader:
             raise MetraleError(f"config.json key '{key}' must be a positive integer, got {value!r}")
         return value
 
-    def flag(self, key: str) -> bool:
-        return bool(self.get(key, False))
+    def flag(self, key: str, default: bool = False) -> bool:
+        return bool(self.get(key, default))
 
     def refuse(self, key: str, allowed, why: str) -> None:
         """Fail when ``key`` is set to a value outside ``allowed`` (None counts as unset)."""

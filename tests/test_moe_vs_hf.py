@@ -382,6 +382,8 @@ BASE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96, "
     ({"hidden_act": "gelu"}, "config.json hidden_act='gelu' is not supported"),
     ({"mlp_only_layers": "1"}, "config.json mlp_only_layers must be a list of layer indices, got '1'"),
     ({"mlp_only_layers": [1], "intermediate_size": None}, "config.json has no 'intermediate_size'"),
+    ({"mlp_only_layers": [0, 2, -1]},
+     "config.json mlp_only_layers lists layer(s) [2, -1] outside num_hidden_layers (2)"),
     ({"model_type": "qwen2_moe"}, "config.json has no 'shared_expert_intermediate_size'"),
 ])
 def test_a_bad_moe_config_is_one_error_naming_the_key(change, message):

@@ -94,7 +94,7 @@ def hybrid_config(r: ConfigReader, family: str,
 def _ffn_specs(r: ConfigReader, layers: int) -> list[FfnSpec]:
     if r.get("num_experts") == 0:  # Qwen3NextDecoderLayer: no experts, a dense MLP everywhere
         return [FfnSpec("swiglu", r.positive_int("intermediate_size"))] * layers
-    return qwen_moe.ffn_specs(r, layers, shared_expert=True)
+    return qwen_moe.ffn_specs(r, layers, shared_expert=True, norm_topk_default=True)  # Qwen3NextConfig's
 
 
 def _config(r: ConfigReader) -> ModelConfig:

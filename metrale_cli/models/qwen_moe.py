@@ -31,7 +31,7 @@ from metrale_cli.models.model import CausalLM
 _PER_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight")
 
 
-def _moe_spec(r: ConfigReader, shared_expert: bool) -> MoeSpec:
+def _moe_spec(r: ConfigReader, shared_expert: bool, norm_topk_default: bool) -> MoeSpec:
     # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts (its attribute_map)
     local = r.get("num_experts") is None and r.get("num_local_experts") is not None
     key = "num_local_experts" if local else "num_experts"
@@ -39,17 +39,28 @@ def _moe_spec(r: ConfigReader, shared_expert: bool) -> MoeSpec:
     if top_k > experts:
         raise MetraleError(f"config.json num_experts_per_tok ({top_k}) exceeds {key} ({experts})")
     shared = r.positive_int("shared_expert_intermediate_size") if shared_expert else 0
-    return MoeSpec(experts, top_k, r.positive_int("moe_intermediate_size"), r.flag("norm_topk_prob"), shared)
+    norm = r.flag("norm_topk_prob", norm_topk_default)
+    return MoeSpec(experts, top_k, r.positive_int("moe_intermediate_size"), norm, shared)
 
 
-def ffn_specs(r: ConfigReader, layers: int, shared_expert: bool) -> list[FfnSpec]:
-    """Each layer's FFN as transformers picks it (Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer /
-    Qwen3NextDecoderLayer); ``shared_expert``: the MoE has one (Qwen2-MoE, Qwen3-Next)."""
-    dense_layers, step = r.get("mlp_only_layers", []), r.positive_int("decoder_sparse_step", 1)
+def _dense_layers(r: ConfigReader, layers: int) -> list[int]:
+    dense_layers = r.get("mlp_only_layers", [])
     if not isinstance(dense_layers, list) or not all(isinstance(i, int) for i in dense_layers):
         raise MetraleError(f"config.json mlp_only_layers must be a list of layer indices, got {dense_layers!r}")
+    outside = [i for i in dense_layers if not 0 <= i < layers]
+    if outside:
+        raise MetraleError(f"config.json mlp_only_layers lists layer(s) {outside} outside num_hidden_layers ({layers})",
+                           hint=f"layer indices run from 0 to {layers - 1}")
+    return dense_layers
+
+
+def ffn_specs(r: ConfigReader, layers: int, shared_expert: bool, norm_topk_default: bool = False) -> list[FfnSpec]:
+    """Each layer's FFN as transformers picks it (Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer /
+    Qwen3NextDecoderLayer); ``shared_expert``: the MoE has one (Qwen2-MoE, Qwen3-Next);
+    ``norm_topk_default``: the family's config class's ``norm_topk_prob`` when the config has none."""
+    dense_layers, step = _dense_layers(r, layers), r.positive_int("decoder_sparse_step", 1)
     sparse = [i not in dense_layers and (i + 1) % step == 0 for i in range(layers)]
-    moe = FfnSpec("moe", 0, _moe_spec(r, shared_expert))
+    moe = FfnSpec("moe", 0, _moe_spec(r, shared_expert, norm_topk_default))
     dense = FfnSpec("swiglu", r.positive_int("intermediate_size")) if not all(sparse) else None
     return [moe if s else dense for s in sparse]
 
