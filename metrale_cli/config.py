@@ -77,6 +77,8 @@ class ConfigReader:
                 "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
         extra = {k: params[k] for k in keys if params.get(k) is not None}
         partial = params.get("partial_rotary_factor", self.get("partial_rotary_factor", 1.0))
+        if isinstance(partial, bool) or not isinstance(partial, (int, float)):
+            raise MetraleError(f"config.json partial_rotary_factor must be a number, got {partial!r}")
         if params.get("freq_factors") is not None:
             extra["freq_factors"] = tuple(float(f) for f in params["freq_factors"])
         return RopeConfig(theta=float(theta), rope_type=rope_type, partial_rotary_factor=partial, **extra)
