@@ -346,7 +346,10 @@ def _rewrite(folder, edit) -> None:
      "checkpoint has 1 unexpected tensor(s): model.layers.0.mlp.experts.6.gate_proj.weight"),
     (lambda t: t.update({"model.layers.1.mlp.shared_expert_gate.weight": torch.zeros(64, dtype=torch.bfloat16)}),
      "tensor model.layers.1.mlp.shared_expert_gate.weight has shape (64,), config.json implies (1, 64)"),
-], ids=["missing-expert", "expert-shape", "extra-expert", "shared-gate-shape"])
+    (lambda t: t.update({"model.layers.1.mlp.experts.down_proj": torch.zeros(6, 64, 32, dtype=torch.bfloat16)}),
+     "checkpoint holds model.layers.1.mlp.experts.* both stacked (model.layers.1.mlp.experts.down_proj) and one "
+     "tensor per expert (model.layers.1.mlp.experts.0.down_proj.weight)"),
+], ids=["missing-expert", "expert-shape", "extra-expert", "shared-gate-shape", "stacked-and-per-expert"])
 def test_a_broken_expert_tensor_is_one_error_line(tmp_path, edit, message):
     folder = make_hf_checkpoint(tmp_path, "qwen2_moe")
     _rewrite(folder, edit)

@@ -115,6 +115,7 @@ def fuse_experts(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
         present = {n: t for n, t in tensors.items() if n.startswith(prefix) and _PER_EXPERT.fullmatch(n)}
         if m is None or not present:
             continue
+        _refuse_both_layouts(prefix, present, tensors)
         i = m.expert_size
         want = {f"{prefix}{e}.{k}_proj.weight": shape for e in range(m.num_experts)
                 for k, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i)))}
@@ -128,6 +129,14 @@ def fuse_experts(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
             down[e] = tensors.pop(f"{prefix}{e}.down_proj.weight")
         del present, first
         tensors[prefix + "gate_up_proj"], tensors[prefix + "down_proj"] = gate_up, down
+
+
+def _refuse_both_layouts(prefix: str, present: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """A layer's experts come stacked or one tensor per expert, never both (one set would be dropped)."""
+    stacked = [prefix + n for n in ("gate_up_proj", "down_proj") if prefix + n in tensors]
+    if stacked:
+        raise MetraleError(f"checkpoint holds {prefix}* both stacked ({stacked[0]}) and one tensor per expert "
+                           f"({min(present)})", hint="the checkpoint mixes two layouts of the same experts")
 
 
 def ffn(spec: LayerSpec, t: dict[str, torch.Tensor], parts: BuildParts):
