@@ -83,14 +83,18 @@ class ConfigReader:
             extra["freq_factors"] = tuple(float(f) for f in params["freq_factors"])
         return RopeConfig(theta=float(theta), rope_type=rope_type, partial_rotary_factor=partial, **extra)
 
-    def text_config(self, tie_default: bool) -> ConfigReader:
+    def text_config(self, tie_default: bool, model_type: str) -> ConfigReader:
         """A composite (vision-language) config's text model: the keys of ``text_config`` over the
         top level's, but the composite's own ``tie_word_embeddings`` (``tie_default``, its config
         class's default, when absent): transformers' ``*ForConditionalGeneration`` ties its LM
-        head by the top level's key, whatever ``text_config`` says."""
+        head by the top level's key, whatever ``text_config`` says. ``model_type``: the text
+        model's; a ``text_config`` naming another is refused."""
         text = self.require("text_config")
         if not isinstance(text, dict):
             raise MetraleError(f"config.json text_config must be an object, got {text!r}")
+        if text.get("model_type", model_type) != model_type:
+            raise MetraleError(f"config.json text_config has model_type {text['model_type']!r}, not {model_type!r}",
+                               hint=f"a {self.raw.get('model_type')} checkpoint's text model is {model_type}")
         outer = {k: v for k, v in self.raw.items() if k not in ("text_config", "vision_config")}
         return ConfigReader(outer | text | {"tie_word_embeddings": bool(outer.get("tie_word_embeddings", tie_default))})
 
