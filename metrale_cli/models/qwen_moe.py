@@ -164,6 +164,9 @@ def _family(model_type: str, hf_class: str, gguf: GgufArch) -> Family:
 
 # llama.cpp's qwen3moe graph always renormalizes the top-k weights (Qwen3-MoE checkpoints set
 # norm_topk_prob); its qwen2moe graph never does (Qwen2-MoE's default).
+_EXPERT_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 QWEN2_MOE = _family("qwen2_moe", "Qwen2MoeForCausalLM",
-                    GgufArch("qwen2moe", attention_bias=True, fixed=(("norm_topk_prob", False),)))
-QWEN3_MOE = _family("qwen3_moe", "Qwen3MoeForCausalLM", GgufArch("qwen3moe", fixed=(("norm_topk_prob", True),)))
+                    GgufArch("qwen2moe", attention_bias=True, fixed=(("norm_topk_prob", False),),
+                             required=_EXPERT_KEYS + ("shared_expert_intermediate_size",)))
+QWEN3_MOE = _family("qwen3_moe", "Qwen3MoeForCausalLM",
+                    GgufArch("qwen3moe", fixed=(("norm_topk_prob", True),), required=_EXPERT_KEYS))
