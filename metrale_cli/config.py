@@ -49,7 +49,10 @@ class ConfigReader:
         return value
 
     def flag(self, key: str, default: bool = False) -> bool:
-        return bool(self.get(key, default))
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise MetraleError(f"config.json key '{key}' must be true or false, got {value!r}")
+        return value
 
     def refuse(self, key: str, allowed, why: str) -> None:
         """Fail when ``key`` is set to a value outside ``allowed`` (None counts as unset)."""

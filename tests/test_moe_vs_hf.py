@@ -388,6 +388,7 @@ BASE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96, "
     ({"mlp_only_layers": [0, 2, -1]},
      "config.json mlp_only_layers lists layer(s) [2, -1] outside num_hidden_layers (2)"),
     ({"model_type": "qwen2_moe"}, "config.json has no 'shared_expert_intermediate_size'"),
+    ({"norm_topk_prob": "false"}, "config.json key 'norm_topk_prob' must be true or false, got 'false'"),
 ])
 def test_a_bad_moe_config_is_one_error_naming_the_key(change, message):
     with pytest.raises(MetraleError) as info:
