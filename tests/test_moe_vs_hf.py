@@ -389,6 +389,11 @@ BASE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96, "
      "config.json mlp_only_layers lists layer(s) [2, -1] outside num_hidden_layers (2)"),
     ({"model_type": "qwen2_moe"}, "config.json has no 'shared_expert_intermediate_size'"),
     ({"norm_topk_prob": "false"}, "config.json key 'norm_topk_prob' must be true or false, got 'false'"),
+    ({"model_type": "qwen2_moe", "shared_expert_intermediate_size": 40, "qkv_bias": "no"},
+     "config.json key 'qkv_bias' must be true or false, got 'no'"),
+    ({"rms_norm_eps": "1e-6"}, "config.json key 'rms_norm_eps' must be a number, got '1e-6'"),
+    ({"rope_parameters": {"rope_theta": "1e6"}}, "config.json key 'rope_theta' must be a number, got '1e6'"),
+    ({"rope_parameters": [1e6]}, "config.json rope_parameters must be an object, got [1000000.0]"),
 ])
 def test_a_bad_moe_config_is_one_error_naming_the_key(change, message):
     with pytest.raises(MetraleError) as info:

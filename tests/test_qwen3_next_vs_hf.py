@@ -309,8 +309,10 @@ BASE = {"model_type": "qwen3_next", "hidden_size": 64, "intermediate_size": 96, 
     ({"shared_expert_intermediate_size": None}, "config.json has no 'shared_expert_intermediate_size'"),
     ({"hidden_act": "gelu"}, "config.json hidden_act='gelu' is not supported"),
     ({"mlp_only_layers": [4]}, "config.json mlp_only_layers lists layer(s) [4] outside num_hidden_layers (4)"),
-    ({"partial_rotary_factor": "half"}, "config.json partial_rotary_factor must be a number, got 'half'"),
-    ({"rope_parameters": {"partial_rotary_factor": True}}, "config.json partial_rotary_factor must be a number, got True"),
+    ({"partial_rotary_factor": "half"}, "config.json key 'partial_rotary_factor' must be a number, got 'half'"),
+    ({"rope_parameters": {"partial_rotary_factor": True}},
+     "config.json key 'partial_rotary_factor' must be a number, got True"),
+    ({"rms_norm_eps": [1e-6]}, "config.json key 'rms_norm_eps' must be a number, got [1e-06]"),
 ])
 def test_a_bad_config_is_one_error_naming_the_key(change, message):
     with pytest.raises(MetraleError) as info:

@@ -82,7 +82,7 @@ def hybrid_config(r: ConfigReader, family: str,
     r.refuse("hidden_act", ("silu",), "only SiLU (SwiGLU) FFNs and SiLU convs are built")
     r.refuse("attention_bias", (False,), "the hybrids' gated attention is built without q/k/v/o biases")
     layers = r.positive_int("num_hidden_layers")
-    mixers, eps = _mixers(r, layers), float(r.get("rms_norm_eps", 1e-6))
+    mixers, eps = _mixers(r, layers), r.number("rms_norm_eps", 1e-6)
     attention = _attention(r) if "attention" in mixers else None
     gdn = _gdn(r) if "gdn" in mixers else None
     ffns = ffn_specs(r, layers)

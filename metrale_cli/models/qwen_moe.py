@@ -74,8 +74,8 @@ def _config(r: ConfigReader, family: str) -> ModelConfig:
         attention = decoder.attention_specs(r, windows, qk_norm=True, qkv_bias=bias, o_bias=bias)
     else:  # Qwen2MoeConfig's default layer_types: the even layers below max_window_layers
         windows = decoder.windows(r, layers, lambda i, max_window: i % 2 == 0 and i < max_window)
-        attention = decoder.attention_specs(r, windows, qkv_bias=bool(r.get("qkv_bias", True)))
-    eps = float(r.get("rms_norm_eps", 1e-6))
+        attention = decoder.attention_specs(r, windows, qkv_bias=r.flag("qkv_bias", True))
+    eps = r.number("rms_norm_eps", 1e-6)
     ffns = ffn_specs(r, layers, shared_expert=family == "qwen2_moe")
     return ModelConfig.read(r, family, tuple(LayerSpec(i, a, f, eps) for i, (a, f) in enumerate(zip(attention, ffns))))
 
