@@ -332,6 +332,14 @@ def test_a_vision_language_config_is_read_from_its_text_config():
     assert info.value.message == "config.json norm_topk_prob=False is not supported"
 
 
+def test_a_tensor_under_both_names_is_one_error():
+    cfg = model_config({"model_type": "qwen3_5_moe", "text_config": BASE})
+    norm = torch.ones(64)
+    with pytest.raises(MetraleError) as info:
+        family_of("qwen3_5_moe").canonical(cfg, {"model.language_model.norm.weight": norm, "model.norm.weight": norm})
+    assert info.value.message == "checkpoint holds both model.language_model.norm.weight and model.norm.weight"
+
+
 # --- bench presets at the published shapes ----------------------------------------------------------
 def _gigabytes(raw: dict) -> float:
     cfg = model_config(raw)

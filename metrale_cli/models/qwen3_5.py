@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from metrale_cli.config import ConfigReader, ModelConfig
+from metrale_cli.errors import MetraleError
 from metrale_cli.layers.spec import FfnSpec, GdnSpec
 from metrale_cli.models import decoder, qwen3_next, qwen_moe
 from metrale_cli.models.family import BuildParts, Family
@@ -100,7 +101,11 @@ def canonical(cfg: ModelConfig, tensors: dict) -> None:
     for name in [n for n in tensors if n.startswith(UNUSED[0][0])]:
         del tensors[name]
     for name in [n for n in tensors if n.startswith(LANGUAGE_MODEL)]:
-        tensors["model." + name.removeprefix(LANGUAGE_MODEL)] = tensors.pop(name)
+        text_name = "model." + name.removeprefix(LANGUAGE_MODEL)
+        if text_name in tensors:
+            raise MetraleError(f"checkpoint holds both {name} and {text_name}",
+                               hint="it mixes the vision-language and the text-only names of one tensor")
+        tensors[text_name] = tensors.pop(name)
     qwen3_next.canonical(cfg, tensors)
 
 
