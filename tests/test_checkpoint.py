@@ -166,6 +166,14 @@ def _index_not_json(folder):
     (folder / "model.safetensors.index.json").write_text('{"weight_map": {')
 
 
+def _tensor_in_two_shards(folder):
+    from safetensors.torch import load_file, save_file
+
+    first, second = sorted(folder.glob("model-*.safetensors"))[:2]
+    name, tensor = next(iter(load_file(str(first)).items()))
+    save_file(load_file(str(second)) | {name: torch.zeros_like(tensor)}, str(second), metadata={"format": "pt"})
+
+
 def _config_not_object(folder):
     (folder / "config.json").write_text("[1]")
 
@@ -187,6 +195,7 @@ CORRUPTIONS = {
     _edit_index(_shard_name_null): "model.safetensors.index.json maps model.norm.weight to None, not a shard file name",
     _index_not_json: "model.safetensors.index.json is not valid JSON: ",
     _config_not_object: "config.json is not a JSON object of config keys",
+    _tensor_in_two_shards: " is in both model-00001-of-",
 }
 
 

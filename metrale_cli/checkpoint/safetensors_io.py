@@ -111,16 +111,28 @@ def _check_entries(path: pathlib.Path, header: dict, data_size: int) -> ShardHea
 
 
 def weight_headers(folder: pathlib.Path) -> list[ShardHeader]:
-    """Headers of every weight file of an HF folder, checked against its index when sharded."""
+    """Headers of every weight file of an HF folder, checked against its index when sharded and
+    against each other (no tensor in two files: which one to load would be a guess)."""
     if (folder / INDEX_FILE).is_file():
-        return _indexed_headers(folder)
+        return _once_each(_indexed_headers(folder))
     if (folder / SINGLE_FILE).is_file():
         return [read_shard_header(folder / SINGLE_FILE)]
     loose = sorted(folder.glob("model*.safetensors"))
     if loose:
-        return [read_shard_header(p) for p in loose]
+        return _once_each([read_shard_header(p) for p in loose])
     raise MetraleError(f"{folder} has no weights ({SINGLE_FILE} or {INDEX_FILE})",
                        "only safetensors checkpoints are supported")
+
+
+def _once_each(headers: list[ShardHeader]) -> list[ShardHeader]:
+    seen: dict[str, pathlib.Path] = {}
+    for header in headers:
+        for name in header.entries:
+            if name in seen:
+                raise MetraleError(f"tensor {name} is in both {seen[name].name} and {header.path.name}",
+                                   "re-download the checkpoint")
+            seen[name] = header.path
+    return headers
 
 
 def _indexed_headers(folder: pathlib.Path) -> list[ShardHeader]:
