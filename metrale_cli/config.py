@@ -27,6 +27,12 @@ class AttentionShape:
     head_dim: int
 
 
+def _real(key: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MetraleError(f"config.json key '{key}' must be a number, got {value!r}")
+    return float(value)
+
+
 class ConfigReader:
     """Typed reads of an HF ``config.json`` dict; every failure is one MetraleError naming its key."""
 
@@ -48,8 +54,14 @@ class ConfigReader:
             raise MetraleError(f"config.json key '{key}' must be a positive integer, got {value!r}")
         return value
 
-    def flag(self, key: str) -> bool:
-        return bool(self.get(key, False))
+    def number(self, key: str, default: float) -> float:
+        return _real(key, self.get(key, default))
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise MetraleError(f"config.json key '{key}' must be true or false, got {value!r}")
+        return value
 
     def refuse(self, key: str, allowed, why: str) -> None:
         """Fail when ``key`` is set to a value outside ``allowed`` (None counts as unset)."""
@@ -66,9 +78,13 @@ class ConfigReader:
         return AttentionShape(heads, kv_heads, self.positive_int("head_dim", hidden // heads))
 
     def rope(self) -> RopeConfig:
-        params = dict(self.raw.get("rope_scaling") or {})
-        params.update(self.raw.get("rope_parameters") or {})
-        theta = params.get("rope_theta", self.get("rope_theta", 10000.0))
+        params = {}
+        for key in ("rope_scaling", "rope_parameters"):
+            given = self.raw.get(key) or {}
+            if not isinstance(given, dict):
+                raise MetraleError(f"config.json {key} must be an object, got {given!r}")
+            params.update(given)
+        theta = _real("rope_theta", params.get("rope_theta", self.get("rope_theta", 10000.0)))
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise MetraleError(f"config.json rope_type '{rope_type}' is not supported",
@@ -76,19 +92,24 @@ class ConfigReader:
         keys = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
                 "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
         extra = {k: params[k] for k in keys if params.get(k) is not None}
-        partial = params.get("partial_rotary_factor", self.get("partial_rotary_factor", 1.0))
+        partial = _real("partial_rotary_factor", params.get("partial_rotary_factor",
+                                                            self.get("partial_rotary_factor", 1.0)))
         if params.get("freq_factors") is not None:
             extra["freq_factors"] = tuple(float(f) for f in params["freq_factors"])
-        return RopeConfig(theta=float(theta), rope_type=rope_type, partial_rotary_factor=partial, **extra)
+        return RopeConfig(theta=theta, rope_type=rope_type, partial_rotary_factor=partial, **extra)
 
-    def text_config(self, tie_default: bool) -> ConfigReader:
+    def text_config(self, tie_default: bool, model_type: str) -> ConfigReader:
         """A composite (vision-language) config's text model: the keys of ``text_config`` over the
         top level's, but the composite's own ``tie_word_embeddings`` (``tie_default``, its config
         class's default, when absent): transformers' ``*ForConditionalGeneration`` ties its LM
-        head by the top level's key, whatever ``text_config`` says."""
+        head by the top level's key, whatever ``text_config`` says. ``model_type``: the text
+        model's; a ``text_config`` naming another is refused."""
         text = self.require("text_config")
         if not isinstance(text, dict):
             raise MetraleError(f"config.json text_config must be an object, got {text!r}")
+        if text.get("model_type", model_type) != model_type:
+            raise MetraleError(f"config.json text_config has model_type {text['model_type']!r}, not {model_type!r}",
+                               hint=f"a {self.raw.get('model_type')} checkpoint's text model is {model_type}")
         outer = {k: v for k, v in self.raw.items() if k not in ("text_config", "vision_config")}
         return ConfigReader(outer | text | {"tie_word_embeddings": bool(outer.get("tie_word_embeddings", tie_default))})
 
@@ -122,7 +143,7 @@ class ModelConfig:
     def read(cls, r: ConfigReader, family: str, layers: tuple[LayerSpec, ...]) -> ModelConfig:
         """The model-wide keys of ``r``, with the family's layers."""
         return cls(family=family, vocab_size=r.positive_int("vocab_size"), hidden_size=r.positive_int("hidden_size"),
-                   rms_norm_eps=float(r.get("rms_norm_eps", 1e-6)),
+                   rms_norm_eps=r.number("rms_norm_eps", 1e-6),
                    max_position_embeddings=r.positive_int("max_position_embeddings", 2048),
                    tie_word_embeddings=r.flag("tie_word_embeddings"), layers=layers,
                    bos_token_id=r.get("bos_token_id"), eos_token_ids=r.eos_ids(),

@@ -116,6 +116,68 @@ def _index_names_extra_tensor(folder):
     index_path.write_text(json.dumps(index))
 
 
+def _edit_header(edit):
+    def corrupt(folder):
+        shard = _first_shard(folder)
+        data = shard.read_bytes()
+        (length,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + length])
+        edit(header, next(n for n in header if n != "__metadata__"))
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        shard.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+
+    corrupt.__name__ = edit.__name__
+    return corrupt
+
+
+def _unknown_dtype(header, name):
+    header[name]["dtype"] = "Q4"
+
+
+def _shape_not_its_bytes(header, name):
+    header[name]["shape"] = [d + 1 for d in header[name]["shape"]]
+
+
+def _metadata_not_object(header, name):
+    header["__metadata__"] = ["pt"]
+
+
+def _edit_index(edit):
+    def corrupt(folder):
+        index_path = folder / "model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        edit(index)
+        index_path.write_text(json.dumps(index))
+
+    corrupt.__name__ = edit.__name__
+    return corrupt
+
+
+def _weight_map_a_list(index):
+    index["weight_map"] = list(index["weight_map"])
+
+
+def _shard_name_null(index):
+    index["weight_map"]["model.norm.weight"] = None
+
+
+def _index_not_json(folder):
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": {')
+
+
+def _tensor_in_two_shards(folder):
+    from safetensors.torch import load_file, save_file
+
+    first, second = sorted(folder.glob("model-*.safetensors"))[:2]
+    name, tensor = next(iter(load_file(str(first)).items()))
+    save_file(load_file(str(second)) | {name: torch.zeros_like(tensor)}, str(second), metadata={"format": "pt"})
+
+
+def _config_not_object(folder):
+    (folder / "config.json").write_text("[1]")
+
+
 CORRUPTIONS = {
     _remove_config: "has no config.json",
     _remove_weights: "has no weights",
@@ -124,6 +186,16 @@ CORRUPTIONS = {
     _header_bad_length: "corrupt safetensors header (bad length",
     _truncate: "is truncated",
     _index_names_extra_tensor: "not in their shard, e.g. model.layers.9.mlp.up_proj.weight",
+    _edit_header(_unknown_dtype): "corrupt safetensors header (Error while deserializing header: invalid JSON in "
+                                  "header: unknown variant `Q4`",
+    _edit_header(_shape_not_its_bytes): "corrupt safetensors header (Error while deserializing header: invalid "
+                                        "shape, data type, or offset for tensor",
+    _edit_header(_metadata_not_object): "corrupt safetensors header (entry '__metadata__')",
+    _edit_index(_weight_map_a_list): "model.safetensors.index.json is not a valid index (no weight_map object)",
+    _edit_index(_shard_name_null): "model.safetensors.index.json maps model.norm.weight to None, not a shard file name",
+    _index_not_json: "model.safetensors.index.json is not valid JSON: ",
+    _config_not_object: "config.json is not a JSON object of config keys",
+    _tensor_in_two_shards: " is in both model-00001-of-",
 }
 
 

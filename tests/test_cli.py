@@ -62,6 +62,31 @@ def test_corrupt_safetensors(truncated):
     assert_one_line_error(metrale("generate", "-m", str(truncated), "hi"), "truncated")
 
 
+def _stacked_beside_per_expert(folder):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.1.mlp.experts.down_proj"] = torch.zeros(6, 64, 32, dtype=torch.bfloat16)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _dense_layer_past_the_last(folder):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"mlp_only_layers": [2]}))
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+@pytest.mark.parametrize("edit, needle", [
+    (_stacked_beside_per_expert, "error: checkpoint holds model.layers.1.mlp.experts.* both stacked"),
+    (_dense_layer_past_the_last, "error: config.json mlp_only_layers lists layer(s) [2] outside num_hidden_layers (2)"),
+])
+def test_a_broken_moe_checkpoint_is_one_error_line(tmp_path, command, edit, needle):
+    folder = make_hf_checkpoint(tmp_path, "qwen3_moe")
+    edit(folder)
+    args = ["-n", "4", "hi"] if command == "generate" else ["-p", "8", "-n", "4"]
+    assert_one_line_error(metrale(command, "-m", str(folder), *args), needle)
+
+
 def test_prompt_longer_than_context(tiny):
     result = metrale("generate", "-m", str(tiny), "--no-chat-template", "--max-seq-len", "16",
                      "word " * 40)

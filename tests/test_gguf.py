@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import weakref
 from dataclasses import replace
@@ -136,6 +137,19 @@ def test_a_moe_gguf_reads_as_its_hf_config(tmp_path, family):
     assert [(s.attention, s.ffn) for s in ours.layers] == [(s.attention, s.ffn) for s in hf.layers]
     shared = 48 if family == "qwen2_moe" else 0
     assert ours.layers[2].ffn == FfnSpec("moe", 0, MoeSpec(6, 2, 32, family == "qwen3_moe", shared))
+
+
+@pytest.mark.parametrize("family, key, lacking", [
+    ("qwen3_moe", "moe_intermediate_size", "qwen3moe.expert_count"),  # the helper then writes no expert key
+    ("qwen2_moe", "shared_expert_intermediate_size", "qwen2moe.expert_shared_feed_forward_length"),
+])
+def test_a_moe_gguf_without_its_expert_metadata_is_one_clear_error(tmp_path, family, key, lacking):
+    folder = make_hf_checkpoint(tmp_path, family)
+    config_path = folder / "config.json"
+    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {key: None}))
+    with pytest.raises(MetraleError) as info:
+        read_config(str(write_gguf(folder, tmp_path / "m.gguf")))
+    assert info.value.message == f"GGUF metadata lacks {lacking}"
 
 
 def test_a_squeezed_shared_expert_gate_is_restored(tmp_path):

@@ -346,7 +346,10 @@ def _rewrite(folder, edit) -> None:
      "checkpoint has 1 unexpected tensor(s): model.layers.0.mlp.experts.6.gate_proj.weight"),
     (lambda t: t.update({"model.layers.1.mlp.shared_expert_gate.weight": torch.zeros(64, dtype=torch.bfloat16)}),
      "tensor model.layers.1.mlp.shared_expert_gate.weight has shape (64,), config.json implies (1, 64)"),
-], ids=["missing-expert", "expert-shape", "extra-expert", "shared-gate-shape"])
+    (lambda t: t.update({"model.layers.1.mlp.experts.down_proj": torch.zeros(6, 64, 32, dtype=torch.bfloat16)}),
+     "checkpoint holds model.layers.1.mlp.experts.* both stacked (model.layers.1.mlp.experts.down_proj) and one "
+     "tensor per expert (model.layers.1.mlp.experts.0.down_proj.weight)"),
+], ids=["missing-expert", "expert-shape", "extra-expert", "shared-gate-shape", "stacked-and-per-expert"])
 def test_a_broken_expert_tensor_is_one_error_line(tmp_path, edit, message):
     folder = make_hf_checkpoint(tmp_path, "qwen2_moe")
     _rewrite(folder, edit)
@@ -382,7 +385,15 @@ BASE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96, "
     ({"hidden_act": "gelu"}, "config.json hidden_act='gelu' is not supported"),
     ({"mlp_only_layers": "1"}, "config.json mlp_only_layers must be a list of layer indices, got '1'"),
     ({"mlp_only_layers": [1], "intermediate_size": None}, "config.json has no 'intermediate_size'"),
+    ({"mlp_only_layers": [0, 2, -1]},
+     "config.json mlp_only_layers lists layer(s) [2, -1] outside num_hidden_layers (2)"),
     ({"model_type": "qwen2_moe"}, "config.json has no 'shared_expert_intermediate_size'"),
+    ({"norm_topk_prob": "false"}, "config.json key 'norm_topk_prob' must be true or false, got 'false'"),
+    ({"model_type": "qwen2_moe", "shared_expert_intermediate_size": 40, "qkv_bias": "no"},
+     "config.json key 'qkv_bias' must be true or false, got 'no'"),
+    ({"rms_norm_eps": "1e-6"}, "config.json key 'rms_norm_eps' must be a number, got '1e-6'"),
+    ({"rope_parameters": {"rope_theta": "1e6"}}, "config.json key 'rope_theta' must be a number, got '1e6'"),
+    ({"rope_parameters": [1e6]}, "config.json rope_parameters must be an object, got [1000000.0]"),
 ])
 def test_a_bad_moe_config_is_one_error_naming_the_key(change, message):
     with pytest.raises(MetraleError) as info:

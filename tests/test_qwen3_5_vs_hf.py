@@ -310,6 +310,11 @@ WHY = " (transformers ignores it): every layer is a MoE whose router renormalize
                                       "rotate an even number of them"), None),
     ({"model_type": "qwen3_5"}, "config.json has no 'text_config'", "is this a complete HF checkpoint?"),
     ({"model_type": "qwen3_5_moe", "text_config": [1]}, "config.json text_config must be an object, got [1]", None),
+    ({"model_type": "qwen3_5", "text_config": BASE}, "config.json text_config has model_type 'qwen3_5_moe_text', "
+     "not 'qwen3_5_text'", "a qwen3_5 checkpoint's text model is qwen3_5_text"),
+    ({"model_type": "qwen3_5_moe", "text_config": BASE | {"model_type": "llama"}},
+     "config.json text_config has model_type 'llama', not 'qwen3_5_moe_text'",
+     "a qwen3_5_moe checkpoint's text model is qwen3_5_moe_text"),
 ])
 def test_a_bad_config_is_one_error_naming_the_key(change, message, hint):
     with pytest.raises(MetraleError) as info:
@@ -321,9 +326,18 @@ def test_a_vision_language_config_is_read_from_its_text_config():
     text = {k: v for k, v in BASE.items() if k != "model_type"}
     nested = model_config({"model_type": "qwen3_5_moe", "vision_config": {"depth": 27}, "text_config": text})
     assert nested.layers == model_config(BASE).layers and nested.family == "qwen3_5_moe"
+    assert model_config({"model_type": "qwen3_5_moe", "text_config": BASE}).layers == nested.layers  # its own type
     with pytest.raises(MetraleError) as info:
         model_config({"model_type": "qwen3_5_moe", "text_config": text | {"norm_topk_prob": False}})
     assert info.value.message == "config.json norm_topk_prob=False is not supported"
+
+
+def test_a_tensor_under_both_names_is_one_error():
+    cfg = model_config({"model_type": "qwen3_5_moe", "text_config": BASE})
+    norm = torch.ones(64)
+    with pytest.raises(MetraleError) as info:
+        family_of("qwen3_5_moe").canonical(cfg, {"model.language_model.norm.weight": norm, "model.norm.weight": norm})
+    assert info.value.message == "checkpoint holds both model.language_model.norm.weight and model.norm.weight"
 
 
 # --- bench presets at the published shapes ----------------------------------------------------------

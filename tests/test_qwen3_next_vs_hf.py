@@ -308,6 +308,11 @@ BASE = {"model_type": "qwen3_next", "hidden_size": 64, "intermediate_size": 96, 
     ({"attention_bias": True}, "config.json attention_bias=True is not supported"),
     ({"shared_expert_intermediate_size": None}, "config.json has no 'shared_expert_intermediate_size'"),
     ({"hidden_act": "gelu"}, "config.json hidden_act='gelu' is not supported"),
+    ({"mlp_only_layers": [4]}, "config.json mlp_only_layers lists layer(s) [4] outside num_hidden_layers (4)"),
+    ({"partial_rotary_factor": "half"}, "config.json key 'partial_rotary_factor' must be a number, got 'half'"),
+    ({"rope_parameters": {"partial_rotary_factor": True}},
+     "config.json key 'partial_rotary_factor' must be a number, got True"),
+    ({"rms_norm_eps": [1e-6]}, "config.json key 'rms_norm_eps' must be a number, got [1e-06]"),
 ])
 def test_a_bad_config_is_one_error_naming_the_key(change, message):
     with pytest.raises(MetraleError) as info:
@@ -317,7 +322,8 @@ def test_a_bad_config_is_one_error_naming_the_key(change, message):
 
 def test_defaults_follow_qwen3_next_config():
     """Without layer_types, every 4th layer is full attention; without partial_rotary_factor, a
-    quarter of the head rotates; with no experts, every FFN is dense."""
+    quarter of the head rotates; without norm_topk_prob, the top-k weights are renormalized; with
+    no experts, every FFN is dense."""
     cfg = model_config(BASE | {"num_hidden_layers": 8})
     assert [s.mixer for s in cfg.layers] == ["gdn", "gdn", "gdn", "attention"] * 2
     assert cfg.layers[3].attention.rope.partial_rotary_factor == 0.25
@@ -325,6 +331,7 @@ def test_defaults_follow_qwen3_next_config():
     assert [{"gdn": "linear_attention", "attention": "full_attention"}[s.mixer] for s in cfg.layers] == hf_cfg.layer_types
     dense = model_config(BASE | {"num_experts": 0})
     assert {s.ffn.kind for s in dense.layers} == {"swiglu"}
+    assert {s.ffn.moe.norm_topk_prob for s in cfg.layers} == {hf_cfg.norm_topk_prob} == {True}
 
 
 def test_a_decode_steps_roofline_counts_the_recurrent_state_it_reads():

@@ -138,7 +138,7 @@ def synthesize_config(meta: dict, shapes: dict[str, tuple[int, ...]],
     family = arch_of(architecture)
     config = {hf_key: meta[f"{architecture}.{key}"] for hf_key, key in ARCH_KEYS.items()
               if f"{architecture}.{key}" in meta}
-    missing = [k for k in REQUIRED_KEYS if k not in config]
+    missing = [k for k in REQUIRED_KEYS + family.gguf.required if k not in config]
     if missing:
         raise MetraleError(f"GGUF metadata lacks {architecture}.{ARCH_KEYS[missing[0]]}",
                            "the file is incomplete or not a model GGUF")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from metrale_cli.errors import MetraleError
 
@@ -47,9 +47,12 @@ def read_hf_config(folder: pathlib.Path) -> dict:
     if not path.is_file():
         raise MetraleError(f"{folder} has no config.json", "is this a Hugging Face model folder?")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise MetraleError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise MetraleError(f"{path} is not a JSON object of config keys", "is this a Hugging Face model folder?")
+    return config
 
 
 def read_shard_header(path: pathlib.Path) -> ShardHeader:
@@ -69,7 +72,21 @@ def read_shard_header(path: pathlib.Path) -> ShardHeader:
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise MetraleError(f"{path} has a corrupt safetensors header (not JSON)",
                            "re-download the file") from None
-    return _check_entries(path, header, data_size=size - 8 - length)
+    if not isinstance(header, dict):
+        raise MetraleError(f"{path} has a corrupt safetensors header (not a JSON object)", "re-download the file")
+    shard = _check_entries(path, header, data_size=size - 8 - length)
+    _check_layout(path)
+    return shard
+
+
+def _check_layout(path: pathlib.Path) -> None:
+    """What safetensors checks when it opens the file (dtypes, each tensor's bytes against its
+    shape, offsets covering the data): mapped, no tensor data read."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu"):
+            pass
+    except SafetensorError as exc:
+        raise MetraleError(f"{path} has a corrupt safetensors header ({exc})", "re-download the file") from None
 
 
 def _check_entries(path: pathlib.Path, header: dict, data_size: int) -> ShardHeader:
@@ -87,28 +104,40 @@ def _check_entries(path: pathlib.Path, header: dict, data_size: int) -> ShardHea
     if end > data_size:
         raise MetraleError(f"{path} is truncated: {data_size} data bytes, header needs {end}",
                            "re-download the file")
-    return ShardHeader(path, entries, dict(header.get("__metadata__") or {}))
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise MetraleError(f"{path} has a corrupt safetensors header (entry '__metadata__')", "re-download the file")
+    return ShardHeader(path, entries, metadata)
 
 
 def weight_headers(folder: pathlib.Path) -> list[ShardHeader]:
-    """Headers of every weight file of an HF folder, checked against its index when sharded."""
+    """Headers of every weight file of an HF folder, checked against its index when sharded and
+    against each other (no tensor in two files: which one to load would be a guess)."""
     if (folder / INDEX_FILE).is_file():
-        return _indexed_headers(folder)
+        return _once_each(_indexed_headers(folder))
     if (folder / SINGLE_FILE).is_file():
         return [read_shard_header(folder / SINGLE_FILE)]
     loose = sorted(folder.glob("model*.safetensors"))
     if loose:
-        return [read_shard_header(p) for p in loose]
+        return _once_each([read_shard_header(p) for p in loose])
     raise MetraleError(f"{folder} has no weights ({SINGLE_FILE} or {INDEX_FILE})",
                        "only safetensors checkpoints are supported")
 
 
+def _once_each(headers: list[ShardHeader]) -> list[ShardHeader]:
+    seen: dict[str, pathlib.Path] = {}
+    for header in headers:
+        for name in header.entries:
+            if name in seen:
+                raise MetraleError(f"tensor {name} is in both {seen[name].name} and {header.path.name}",
+                                   "re-download the checkpoint")
+            seen[name] = header.path
+    return headers
+
+
 def _indexed_headers(folder: pathlib.Path) -> list[ShardHeader]:
     index_path = folder / INDEX_FILE
-    try:
-        weight_map: dict[str, str] = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-        raise MetraleError(f"{index_path} is not a valid index (no weight_map)") from None
+    weight_map = _weight_map(index_path)
     headers = {}
     for shard in sorted(set(weight_map.values())):
         if not (folder / shard).is_file():
@@ -120,6 +149,22 @@ def _indexed_headers(folder: pathlib.Path) -> list[ShardHeader]:
         raise MetraleError(f"{len(missing)} tensor(s) in {index_path.name} are not in their shard, "
                            f"e.g. {missing[0]}", "re-download the checkpoint")
     return list(headers.values())
+
+
+def _weight_map(index_path: pathlib.Path) -> dict[str, str]:
+    """The index's tensor name -> shard file name map."""
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MetraleError(f"{index_path} is not valid JSON: {exc}", "re-download the checkpoint") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise MetraleError(f"{index_path} is not a valid index (no weight_map object)", "re-download the checkpoint")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise MetraleError(f"{index_path.name} maps {name} to {shard!r}, not a shard file name",
+                               "re-download the checkpoint")
+    return weight_map
 
 
 def target_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:

@@ -26,14 +26,16 @@ from metrale_cli.layers.parallel import SINGLE, TensorParallel
 @dataclass(frozen=True)
 class GgufArch:
     """How llama.cpp names and stores the family: ``general.architecture``, the q/k row
-    permutation of its converter (for rotate-half RoPE), q/k/v biases the family always has, and
+    permutation of its converter (for rotate-half RoPE), q/k/v biases the family always has,
     ``fixed``: HF config values llama.cpp's graph of the architecture fixes rather than reads
-    from the file's metadata."""
+    from the file's metadata, and ``required``: the HF config keys, beyond every family's, whose
+    metadata the file must hold (a MoE's expert counts)."""
 
     name: str
     permuted_qk: bool = False
     attention_bias: bool = False
     fixed: tuple[tuple[str, object], ...] = ()
+    required: tuple[str, ...] = ()
 
 
 @dataclass

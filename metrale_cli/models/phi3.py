@@ -23,7 +23,7 @@ def _config(r: ConfigReader) -> ModelConfig:
     attention = decoder.attention_specs(r, [r.get("sliding_window")] * layers, qk_norm=False, qkv_bias=False,
                                         o_bias=False)
     ffn = FfnSpec("swiglu", r.positive_int("intermediate_size"))
-    eps = float(r.get("rms_norm_eps", 1e-5))
+    eps = r.number("rms_norm_eps", 1e-5)
     return ModelConfig.read(r, "phi3", tuple(LayerSpec(i, a, ffn, eps) for i, a in enumerate(attention)))
 
 

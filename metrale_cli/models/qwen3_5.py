@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from metrale_cli.config import ConfigReader, ModelConfig
+from metrale_cli.errors import MetraleError
 from metrale_cli.layers.spec import FfnSpec, GdnSpec
 from metrale_cli.models import decoder, qwen3_next, qwen_moe
 from metrale_cli.models.family import BuildParts, Family
@@ -80,9 +81,10 @@ def _moe_ffns(r: ConfigReader, layers: int) -> list[FfnSpec]:
     return qwen_moe.ffn_specs(ConfigReader(r.raw | MOE_FIXED), layers, shared_expert=True)
 
 
-def _config(model_type: str, ffn_specs, nested: bool):
+def _config(model_type: str, ffn_specs, text_type: str | None):
     def read(r: ConfigReader) -> ModelConfig:
-        return qwen3_next.hybrid_config(r.text_config(tie_default=False) if nested else r, model_type, ffn_specs)
+        text = r.text_config(tie_default=False, model_type=text_type) if text_type else r
+        return qwen3_next.hybrid_config(text, model_type, ffn_specs)
 
     return read
 
@@ -99,7 +101,11 @@ def canonical(cfg: ModelConfig, tensors: dict) -> None:
     for name in [n for n in tensors if n.startswith(UNUSED[0][0])]:
         del tensors[name]
     for name in [n for n in tensors if n.startswith(LANGUAGE_MODEL)]:
-        tensors["model." + name.removeprefix(LANGUAGE_MODEL)] = tensors.pop(name)
+        text_name = "model." + name.removeprefix(LANGUAGE_MODEL)
+        if text_name in tensors:
+            raise MetraleError(f"checkpoint holds both {name} and {text_name}",
+                               hint="it mixes the vision-language and the text-only names of one tensor")
+        tensors[text_name] = tensors.pop(name)
     qwen3_next.canonical(cfg, tensors)
 
 
@@ -109,12 +115,13 @@ def build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], parts: BuildParts)
     return qwen3_next.build_layers(cfg, tensors, parts, SPLIT)
 
 
-def _family(model_type: str, hf_class: str, ffn_specs, nested: bool) -> Family:
-    return Family(model_type, hf_class, _config(model_type, ffn_specs, nested), expected_tensors, build, None,
+def _family(model_type: str, hf_class: str, ffn_specs, text_type: str | None = None) -> Family:
+    """``text_type``: a vision-language family's text model type (its config nested under ``text_config``)."""
+    return Family(model_type, hf_class, _config(model_type, ffn_specs, text_type), expected_tensors, build, None,
                   canonical, UNUSED)
 
 
-QWEN3_5_TEXT = _family("qwen3_5_text", "Qwen3_5ForCausalLM", _dense_ffns, nested=False)
-QWEN3_5_MOE_TEXT = _family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", _moe_ffns, nested=False)
-QWEN3_5 = _family("qwen3_5", "Qwen3_5ForConditionalGeneration", _dense_ffns, nested=True)
-QWEN3_5_MOE = _family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", _moe_ffns, nested=True)
+QWEN3_5_TEXT = _family("qwen3_5_text", "Qwen3_5ForCausalLM", _dense_ffns)
+QWEN3_5_MOE_TEXT = _family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", _moe_ffns)
+QWEN3_5 = _family("qwen3_5", "Qwen3_5ForConditionalGeneration", _dense_ffns, text_type="qwen3_5_text")
+QWEN3_5_MOE = _family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", _moe_ffns, text_type="qwen3_5_moe_text")

@@ -82,7 +82,7 @@ def hybrid_config(r: ConfigReader, family: str,
     r.refuse("hidden_act", ("silu",), "only SiLU (SwiGLU) FFNs and SiLU convs are built")
     r.refuse("attention_bias", (False,), "the hybrids' gated attention is built without q/k/v/o biases")
     layers = r.positive_int("num_hidden_layers")
-    mixers, eps = _mixers(r, layers), float(r.get("rms_norm_eps", 1e-6))
+    mixers, eps = _mixers(r, layers), r.number("rms_norm_eps", 1e-6)
     attention = _attention(r) if "attention" in mixers else None
     gdn = _gdn(r) if "gdn" in mixers else None
     ffns = ffn_specs(r, layers)
@@ -94,7 +94,7 @@ def hybrid_config(r: ConfigReader, family: str,
 def _ffn_specs(r: ConfigReader, layers: int) -> list[FfnSpec]:
     if r.get("num_experts") == 0:  # Qwen3NextDecoderLayer: no experts, a dense MLP everywhere
         return [FfnSpec("swiglu", r.positive_int("intermediate_size"))] * layers
-    return qwen_moe.ffn_specs(r, layers, shared_expert=True)
+    return qwen_moe.ffn_specs(r, layers, shared_expert=True, norm_topk_default=True)  # Qwen3NextConfig's
 
 
 def _config(r: ConfigReader) -> ModelConfig:

@@ -31,7 +31,7 @@ from metrale_cli.models.model import CausalLM
 _PER_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight")
 
 
-def _moe_spec(r: ConfigReader, shared_expert: bool) -> MoeSpec:
+def _moe_spec(r: ConfigReader, shared_expert: bool, norm_topk_default: bool) -> MoeSpec:
     # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts (its attribute_map)
     local = r.get("num_experts") is None and r.get("num_local_experts") is not None
     key = "num_local_experts" if local else "num_experts"
@@ -39,17 +39,28 @@ def _moe_spec(r: ConfigReader, shared_expert: bool) -> MoeSpec:
     if top_k > experts:
         raise MetraleError(f"config.json num_experts_per_tok ({top_k}) exceeds {key} ({experts})")
     shared = r.positive_int("shared_expert_intermediate_size") if shared_expert else 0
-    return MoeSpec(experts, top_k, r.positive_int("moe_intermediate_size"), r.flag("norm_topk_prob"), shared)
+    norm = r.flag("norm_topk_prob", norm_topk_default)
+    return MoeSpec(experts, top_k, r.positive_int("moe_intermediate_size"), norm, shared)
 
 
-def ffn_specs(r: ConfigReader, layers: int, shared_expert: bool) -> list[FfnSpec]:
-    """Each layer's FFN as transformers picks it (Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer /
-    Qwen3NextDecoderLayer); ``shared_expert``: the MoE has one (Qwen2-MoE, Qwen3-Next)."""
-    dense_layers, step = r.get("mlp_only_layers", []), r.positive_int("decoder_sparse_step", 1)
+def _dense_layers(r: ConfigReader, layers: int) -> list[int]:
+    dense_layers = r.get("mlp_only_layers", [])
     if not isinstance(dense_layers, list) or not all(isinstance(i, int) for i in dense_layers):
         raise MetraleError(f"config.json mlp_only_layers must be a list of layer indices, got {dense_layers!r}")
+    outside = [i for i in dense_layers if not 0 <= i < layers]
+    if outside:
+        raise MetraleError(f"config.json mlp_only_layers lists layer(s) {outside} outside num_hidden_layers ({layers})",
+                           hint=f"layer indices run from 0 to {layers - 1}")
+    return dense_layers
+
+
+def ffn_specs(r: ConfigReader, layers: int, shared_expert: bool, norm_topk_default: bool = False) -> list[FfnSpec]:
+    """Each layer's FFN as transformers picks it (Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer /
+    Qwen3NextDecoderLayer); ``shared_expert``: the MoE has one (Qwen2-MoE, Qwen3-Next);
+    ``norm_topk_default``: the family's config class's ``norm_topk_prob`` when the config has none."""
+    dense_layers, step = _dense_layers(r, layers), r.positive_int("decoder_sparse_step", 1)
     sparse = [i not in dense_layers and (i + 1) % step == 0 for i in range(layers)]
-    moe = FfnSpec("moe", 0, _moe_spec(r, shared_expert))
+    moe = FfnSpec("moe", 0, _moe_spec(r, shared_expert, norm_topk_default))
     dense = FfnSpec("swiglu", r.positive_int("intermediate_size")) if not all(sparse) else None
     return [moe if s else dense for s in sparse]
 
@@ -63,8 +74,8 @@ def _config(r: ConfigReader, family: str) -> ModelConfig:
         attention = decoder.attention_specs(r, windows, qk_norm=True, qkv_bias=bias, o_bias=bias)
     else:  # Qwen2MoeConfig's default layer_types: the even layers below max_window_layers
         windows = decoder.windows(r, layers, lambda i, max_window: i % 2 == 0 and i < max_window)
-        attention = decoder.attention_specs(r, windows, qkv_bias=bool(r.get("qkv_bias", True)))
-    eps = float(r.get("rms_norm_eps", 1e-6))
+        attention = decoder.attention_specs(r, windows, qkv_bias=r.flag("qkv_bias", True))
+    eps = r.number("rms_norm_eps", 1e-6)
     ffns = ffn_specs(r, layers, shared_expert=family == "qwen2_moe")
     return ModelConfig.read(r, family, tuple(LayerSpec(i, a, f, eps) for i, (a, f) in enumerate(zip(attention, ffns))))
 
@@ -104,6 +115,7 @@ def fuse_experts(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
         present = {n: t for n, t in tensors.items() if n.startswith(prefix) and _PER_EXPERT.fullmatch(n)}
         if m is None or not present:
             continue
+        _refuse_both_layouts(prefix, present, tensors)
         i = m.expert_size
         want = {f"{prefix}{e}.{k}_proj.weight": shape for e in range(m.num_experts)
                 for k, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i)))}
@@ -117,6 +129,14 @@ def fuse_experts(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
             down[e] = tensors.pop(f"{prefix}{e}.down_proj.weight")
         del present, first
         tensors[prefix + "gate_up_proj"], tensors[prefix + "down_proj"] = gate_up, down
+
+
+def _refuse_both_layouts(prefix: str, present: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """A layer's experts come stacked or one tensor per expert, never both (one set would be dropped)."""
+    stacked = [prefix + n for n in ("gate_up_proj", "down_proj") if prefix + n in tensors]
+    if stacked:
+        raise MetraleError(f"checkpoint holds {prefix}* both stacked ({stacked[0]}) and one tensor per expert "
+                           f"({min(present)})", hint="the checkpoint mixes two layouts of the same experts")
 
 
 def ffn(spec: LayerSpec, t: dict[str, torch.Tensor], parts: BuildParts):
@@ -144,6 +164,9 @@ def _family(model_type: str, hf_class: str, gguf: GgufArch) -> Family:
 
 # llama.cpp's qwen3moe graph always renormalizes the top-k weights (Qwen3-MoE checkpoints set
 # norm_topk_prob); its qwen2moe graph never does (Qwen2-MoE's default).
+_EXPERT_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 QWEN2_MOE = _family("qwen2_moe", "Qwen2MoeForCausalLM",
-                    GgufArch("qwen2moe", attention_bias=True, fixed=(("norm_topk_prob", False),)))
-QWEN3_MOE = _family("qwen3_moe", "Qwen3MoeForCausalLM", GgufArch("qwen3moe", fixed=(("norm_topk_prob", True),)))
+                    GgufArch("qwen2moe", attention_bias=True, fixed=(("norm_topk_prob", False),),
+                             required=_EXPERT_KEYS + ("shared_expert_intermediate_size",)))
+QWEN3_MOE = _family("qwen3_moe", "Qwen3MoeForCausalLM",
+                    GgufArch("qwen3moe", fixed=(("norm_topk_prob", True),), required=_EXPERT_KEYS))
