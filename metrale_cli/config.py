@@ -9,6 +9,7 @@ module (``models/``) for its own. Accepts both the transformers-4 spelling (``ro
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 
 from metrale_cli.errors import MetraleError
@@ -31,6 +32,26 @@ def _real(key: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise MetraleError(f"config.json key '{key}' must be a number, got {value!r}")
     return float(value)
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
+def token_ids(where: str, value) -> list[int]:
+    """A key that holds no token id, one, or a list of them (eos_token_id)."""
+    ids = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+    if not all(_is_id(i) for i in ids):
+        raise MetraleError(f"{where} must be a token id or a list of token ids, got {value!r}",
+                           hint="fix the file, or re-download the checkpoint")
+    return [int(i) for i in ids]
+
+
+def token_id(where: str, value) -> int | None:
+    """A key that holds one token id, or none (bos_token_id)."""
+    if value is not None and not _is_id(value):
+        raise MetraleError(f"{where} must be a token id, got {value!r}", hint="fix the file, or re-download the checkpoint")
+    return None if value is None else int(value)
 
 
 class ConfigReader:
@@ -114,10 +135,7 @@ class ConfigReader:
         return ConfigReader(outer | text | {"tie_word_embeddings": bool(outer.get("tie_word_embeddings", tie_default))})
 
     def eos_ids(self) -> tuple[int, ...]:
-        eos = self.raw.get("eos_token_id")
-        if eos is None:
-            return ()
-        return tuple(eos) if isinstance(eos, list) else (eos,)
+        return tuple(token_ids("config.json eos_token_id", self.raw.get("eos_token_id")))
 
 
 @dataclass(frozen=True)
@@ -146,7 +164,7 @@ class ModelConfig:
                    rms_norm_eps=r.number("rms_norm_eps", 1e-6),
                    max_position_embeddings=r.positive_int("max_position_embeddings", 2048),
                    tie_word_embeddings=r.flag("tie_word_embeddings"), layers=layers,
-                   bos_token_id=r.get("bos_token_id"), eos_token_ids=r.eos_ids(),
+                   bos_token_id=token_id("config.json bos_token_id", r.raw.get("bos_token_id")), eos_token_ids=r.eos_ids(),
                    kv_cache_dtype=r.get("kv_cache_dtype"))
 
     @property

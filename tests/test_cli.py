@@ -87,6 +87,20 @@ def test_a_broken_moe_checkpoint_is_one_error_line(tmp_path, command, edit, need
     assert_one_line_error(metrale(command, "-m", str(folder), *args), needle)
 
 
+@pytest.mark.parametrize("file, key, value, needle", [
+    ("config.json", "eos_token_id", "x", "error: config.json eos_token_id must be a token id or a list of token ids, got 'x'"),
+    ("config.json", "eos_token_id", [1, None], "error: config.json eos_token_id must be a token id or a list of token ids"),
+    ("generation_config.json", "eos_token_id", -1, "error: generation_config.json eos_token_id must be a token id or a list"),
+    ("config.json", "bos_token_id", "y", "error: config.json bos_token_id must be a token id, got 'y'"),
+])
+def test_a_token_id_that_is_not_one_is_one_error_line(tmp_path, file, key, value, needle):
+    folder = make_hf_checkpoint(tmp_path, "qwen3")
+    path = folder / file
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps(config | {key: value}))
+    assert_one_line_error(metrale("generate", "-m", str(folder), "-n", "2", "hi"), needle)
+
+
 def test_prompt_longer_than_context(tiny):
     result = metrale("generate", "-m", str(tiny), "--no-chat-template", "--max-seq-len", "16",
                      "word " * 40)

@@ -16,6 +16,7 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from metrale_cli.config import token_id, token_ids
 from metrale_cli.errors import MetraleError
 
 # Special tokens that end an assistant turn in the chat formats metrale knows; any of them that
@@ -159,9 +160,10 @@ class Tokenizer:
                                "re-download the checkpoint's tokenizer.json") from None
         tok_config = _read_json(folder / "tokenizer_config.json")
         special = {k: _token_text(tok_config[k]) for k in SPECIAL_TOKEN_KEYS if tok_config.get(k)}
-        eos_ids = _id_list(_read_json(folder / "config.json").get("eos_token_id"))
-        eos_ids += _id_list(_read_json(folder / "generation_config.json").get("eos_token_id"))
-        bos = _read_json(folder / "config.json").get("bos_token_id")
+        eos_ids = token_ids("config.json eos_token_id", _read_json(folder / "config.json").get("eos_token_id"))
+        eos_ids += token_ids("generation_config.json eos_token_id",
+                             _read_json(folder / "generation_config.json").get("eos_token_id"))
+        bos = token_id("config.json bos_token_id", _read_json(folder / "config.json").get("bos_token_id"))
         if bos is None and "bos_token" in special:
             bos = backend.token_to_id(special["bos_token"])
         return cls._build(backend, bos, eos_ids, _chat_template(folder, tok_config), special)
@@ -179,7 +181,7 @@ class Tokenizer:
         ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
         special = {key: tokens[ids[name]] for key, name in
                    zip(SPECIAL_TOKEN_KEYS, ("bos", "eos", "unknown", "padding")) if ids[name] is not None}
-        return cls._build(backend, ids["bos"], _id_list(ids["eos"]),
+        return cls._build(backend, ids["bos"], token_ids("GGUF tokenizer.ggml.eos_token_id", ids["eos"]),
                           meta.get("tokenizer.chat_template"), special)
 
     @classmethod
@@ -207,12 +209,6 @@ def _read_json(path: pathlib.Path) -> dict:
 
 def _token_text(value) -> str:
     return value["content"] if isinstance(value, dict) else str(value)
-
-
-def _id_list(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
 def _chat_template(folder: pathlib.Path, tok_config: dict) -> str | None:
