@@ -314,6 +314,25 @@ def test_bench_counts_the_experts_a_moe_decode_step_reads(tmp_path):
     assert all(r["roofline_pct"] > 0 for r in tg)
 
 
+def test_the_hf_roofline_counts_its_kv_cache_in_the_models_dtype(tiny, monkeypatch):
+    """HF caches K and V in the model's dtype: under --dtype float32, 4 bytes an element. A step
+    of 0.5 s makes the row's GB/s the step's bytes: every weight but the untied input embedding,
+    and the KV of the middle of the run, derived here from the config."""
+    from metrale_cli.commands import bench_hf
+    from metrale_cli.commands.bench import BenchOptions, bench_source
+
+    opts = BenchOptions(model=str(tiny), n_prompt=8, n_gen=4, repetitions=1, backend="torch", dtype="float32")
+    source, dtype = bench_source(opts, torch.device("cpu"))
+    tensors = source.load(torch.device("cpu"), torch.float32, None).tensors
+    monkeypatch.setattr(bench_hf, "_time_hf", lambda *args: (1.0, 0.5, 0.0))
+    tg = bench_hf.bench_hf(source.config, tensors, opts, torch.device("cpu"), None)[1]
+    cfg = json.loads((tiny / "config.json").read_text())
+    weights = 4 * (sum(t.numel() for t in tensors.values()) - tensors["model.embed_tokens.weight"].numel())
+    kv = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4  # K and V in fp32
+    assert dtype == "fp32" and not cfg["tie_word_embeddings"]
+    assert tg["achieved_gbs"] * 0.5 * 1e9 == pytest.approx(weights + (8 + 4 // 2) * kv)
+
+
 # --- bad input: one line each, before any weight is read -------------------------------------
 def _json_error(result) -> dict:
     assert result.returncode == 1, result.stderr
