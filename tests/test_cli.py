@@ -568,6 +568,32 @@ def test_bench_prints_a_small_bandwidth_in_significant_digits():
     assert bench._cells(result, row)[6] == ""
 
 
+@pytest.mark.parametrize("fmt", ["md", "csv", "jsonl"])
+def test_a_tensor_parallel_bench_says_its_rows_are_one_ranks(fmt, capsys):
+    """With -tp 2 the size, parameters, KV bytes and GB/s of a row are one rank's shard (half the
+    model's): md says so under the rows, csv and jsonl give the ranks in every row; with one
+    process none of it."""
+    import csv
+    import io
+
+    from metrale_cli.commands import bench
+    from metrale_cli.output import Output
+
+    row = {"engine": "e", "test": "tg8 b1 @8", "tokens_per_s": 1.2, "std": 0.0, "achieved_gbs": 0.5,
+           "kv_bytes_per_token": 128}
+    for size in (2, 1):
+        result = {"model": "m", "weight_bytes": 2**30, "params": 10**9, "device": "cpu",
+                  "build": {"version": "0", "commit": None}, "tensor_parallel_size": size, "rows": [row]}
+        bench._render(Output(), result, fmt)
+        shown = capsys.readouterr().out
+        if fmt == "md":
+            per_rank = "cpu; size, params, GB/s and KV B/token per rank of 2 (tensor parallel); build:" in shown
+            assert per_rank == (size == 2) and ("per rank" in shown) == (size == 2)
+        else:
+            (got,) = list(csv.DictReader(io.StringIO(shown))) if fmt == "csv" else [json.loads(shown)]
+            assert int(got["tensor_parallel_size"]) == size
+
+
 def test_bench_refuses_a_bad_sweep_or_format(tiny):
     assert_one_line_error(metrale("bench", "-m", str(tiny), "-p", "8,x"), "-p takes a count or a comma list")
     assert_one_line_error(metrale("bench", "-m", str(tiny), "-n", "4,0"), "-n counts must all be at least 1",

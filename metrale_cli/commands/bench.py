@@ -431,6 +431,12 @@ def _build_line(result: dict) -> str:
     return f"build: metrale {build['version']} ({build['commit'] or 'commit unknown'})"
 
 
+def _per_rank(result: dict) -> str:
+    """What a tensor-parallel run's rows say of one rank's shard, not of the model."""
+    size = result["tensor_parallel_size"]
+    return f"; size, params, GB/s and KV B/token per rank of {size} (tensor parallel)" if size > 1 else ""
+
+
 def _render(out: Output, result: dict, fmt: str) -> None:
     """md / csv / jsonl: llama-bench's outputs, a row per test, the model's size and parameters
     in every row and the build (version and commit) with them."""
@@ -441,21 +447,23 @@ def _render(out: Output, result: dict, fmt: str) -> None:
 
         for r in result["rows"]:
             out.stream(json.dumps({"model": result["model"], "weight_bytes": result["weight_bytes"],
-                                   "params": result["params"], "device": result["device"], **result["build"], **r})
+                                   "params": result["params"], "device": result["device"],
+                                   "tensor_parallel_size": result["tensor_parallel_size"], **result["build"], **r})
                        + "\n")
     elif fmt == "csv":
         import csv
         import sys
 
         writer = csv.writer(sys.stdout, lineterminator="\n")
-        writer.writerow([*COLUMNS, "device", "build"])
+        writer.writerow([*COLUMNS, "device", "build", "tensor_parallel_size"])
         for r in result["rows"]:
-            writer.writerow([*_cells(result, r), result["device"], _build_line(result).removeprefix("build: ")])
+            writer.writerow([*_cells(result, r), result["device"], _build_line(result).removeprefix("build: "),
+                             result["tensor_parallel_size"]])
     else:  # md
         out.stream("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
         for r in result["rows"]:
             out.stream("| " + " | ".join(c.replace("|", "\\|") for c in _cells(result, r)) + " |\n")
-        out.stream(f"\n{result['device']}; {_build_line(result)}\n")
+        out.stream(f"\n{result['device']}{_per_rank(result)}; {_build_line(result)}\n")
         for line in split_lines(result):
             out.stream(f"\n{line}\n")
 
