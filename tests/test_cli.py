@@ -568,6 +568,23 @@ def test_bench_prints_a_small_bandwidth_in_significant_digits():
     assert bench._cells(result, row)[6] == ""
 
 
+def test_bench_counts_a_tied_models_parameters_once(tmp_path):
+    """A tied model's checkpoint may hold its embedding a second time as lm_head.weight (the build
+    leaves it unread): the model's parameters and size are HF's count of the tied model, in bf16."""
+    from safetensors.torch import load_file, save_file
+
+    folder = make_hf_checkpoint(tmp_path, "qwen3", tie_word_embeddings=True)
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+    result = metrale("bench", "-m", str(folder), "-p", "4", "-n", "1", "-r", "1", "--backend", "torch", "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    params = T.AutoModelForCausalLM.from_pretrained(folder).num_parameters()
+    assert (payload["params"], payload["weight_bytes"]) == (params, 2 * params)
+
+
 @pytest.mark.parametrize("fmt", ["md", "csv", "jsonl"])
 def test_a_tensor_parallel_bench_says_its_rows_are_one_ranks(fmt, capsys):
     """With -tp 2 the size, parameters, KV bytes and GB/s of a row are one rank's shard (half the

@@ -35,6 +35,7 @@ from metrale_cli.layers.gdn import GDN_RANGE
 from metrale_cli.output import Output, SilentOutput
 from metrale_cli.layers.parallel import SINGLE, TensorParallel
 from metrale_cli.models import hold_once, model_config
+from metrale_cli.models.family import weight_names
 from metrale_cli.models.sharding import Sharder, shard_config
 
 
@@ -352,9 +353,10 @@ def run_bench(opts: BenchOptions, out: Output | None = None,
     source, dtype = bench_source(opts, device, tp, cases)
     peak = opts.peak_bandwidth_gbs or measure_copy_bandwidth(device)
     weights = source.load(device, DTYPES[dtype], None)
-    params = sum(t.numel() for t in weights.tensors.values())
+    names = weight_names(model_config(source.config), weights.tensors)  # not a tied model's stored lm_head copy
+    model = [t for name, t in weights.tensors.items() if name in names]
     result = {"model": weights.name, "device": _device_name(device), "peak_bandwidth_gbs": peak, "profiles": {},
-              "weight_bytes": sum(t.numel() * t.element_size() for t in weights.tensors.values()), "params": params,
+              "weight_bytes": sum(t.numel() * t.element_size() for t in model), "params": sum(t.numel() for t in model),
               "build": build_info(), "tensor_parallel_size": tp.size, "rows": []}
     if progress is not None:
         progress["result"] = result
