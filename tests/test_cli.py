@@ -443,6 +443,16 @@ def test_the_speed_line_counts_the_tokens_json_counts(tiny):
     assert "completion: 7 tokens (1 from the prefill, 6 decoded at " in text.stderr
 
 
+def test_no_decode_speed_is_given_where_no_decode_step_ran(tiny):
+    """-n 1: the one token comes from the prefill and no decode step runs, so there is no decode
+    speed to give (it said 0.0 tok/s)."""
+    args = ["generate", "-m", str(tiny), "--no-chat-template", "--ignore-eos", "-n", "1", "hello"]
+    text, payload = metrale(*args), json.loads(metrale(*args, "--json").stdout)
+    assert text.returncode == 0, text.stderr
+    assert (payload["decode_tokens"], payload["decode_tokens_per_s"]) == (0, None)
+    assert "completion: 1 tokens (1 from the prefill, 0 decoded) · finish: length" in text.stderr
+
+
 def test_an_unwritable_cache_folder_only_costs_the_next_check_a_compile(monkeypatch):
     """compile.check_module with METRALE_CACHE_DIR under /proc: the compile's outcome, nothing
     cached, no error (the verdict store does the same)."""
