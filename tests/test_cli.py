@@ -353,6 +353,25 @@ def test_bench_counts_the_experts_a_moe_decode_step_reads(tmp_path):
     assert all(r["roofline_pct"] > 0 for r in tg)
 
 
+def test_the_hf_roofline_counts_its_kv_cache_in_the_models_dtype(tiny, monkeypatch):
+    """HF caches K and V in the model's dtype: under --dtype float32, 4 bytes an element. A step
+    of 0.5 s makes the row's GB/s the step's bytes: every weight but the untied input embedding,
+    and the KV of the middle of the run, derived here from the config."""
+    from metrale_cli.commands import bench_hf
+    from metrale_cli.commands.bench import BenchOptions, bench_source
+
+    opts = BenchOptions(model=str(tiny), n_prompt=8, n_gen=4, repetitions=1, backend="torch", dtype="float32")
+    source, dtype = bench_source(opts, torch.device("cpu"))
+    tensors = source.load(torch.device("cpu"), torch.float32, None).tensors
+    monkeypatch.setattr(bench_hf, "_time_hf", lambda *args: (1.0, 0.5, 0.0))
+    tg = bench_hf.bench_hf(source.config, tensors, opts, torch.device("cpu"), None)[1]
+    cfg = json.loads((tiny / "config.json").read_text())
+    weights = 4 * (sum(t.numel() for t in tensors.values()) - tensors["model.embed_tokens.weight"].numel())
+    kv = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4  # K and V in fp32
+    assert dtype == "fp32" and not cfg["tie_word_embeddings"]
+    assert tg["achieved_gbs"] * 0.5 * 1e9 == pytest.approx(weights + (8 + 4 // 2) * kv)
+
+
 # --- bad input: one line each, before any weight is read -------------------------------------
 def _json_error(result) -> dict:
     assert result.returncode == 1, result.stderr
@@ -461,6 +480,16 @@ def test_the_speed_line_counts_the_tokens_json_counts(tiny):
     (result,) = payload["results"]
     assert result["completion_tokens"] == 7 and payload["decode_tokens"] == 6
     assert "completion: 7 tokens (1 from the prefill, 6 decoded at " in text.stderr
+
+
+def test_no_decode_speed_is_given_where_no_decode_step_ran(tiny):
+    """-n 1: the one token comes from the prefill and no decode step runs, so there is no decode
+    speed to give (it said 0.0 tok/s)."""
+    args = ["generate", "-m", str(tiny), "--no-chat-template", "--ignore-eos", "-n", "1", "hello"]
+    text, payload = metrale(*args), json.loads(metrale(*args, "--json").stdout)
+    assert text.returncode == 0, text.stderr
+    assert (payload["decode_tokens"], payload["decode_tokens_per_s"]) == (0, None)
+    assert "completion: 1 tokens (1 from the prefill, 0 decoded) · finish: length" in text.stderr
 
 
 def test_an_unwritable_cache_folder_only_costs_the_next_check_a_compile(monkeypatch):
@@ -586,6 +615,49 @@ def test_bench_prints_a_small_bandwidth_in_significant_digits():
     gbs = [bench._cells(result, row | {"achieved_gbs": g})[6] for g in (0.3187, 3.46, 12.4, 2382.4)]
     assert gbs == ["0.32", "3.5", "12", "2382"]
     assert bench._cells(result, row)[6] == ""
+
+
+def test_bench_counts_a_tied_models_parameters_once(tmp_path):
+    """A tied model's checkpoint may hold its embedding a second time as lm_head.weight (the build
+    leaves it unread): the model's parameters and size are HF's count of the tied model, in bf16."""
+    from safetensors.torch import load_file, save_file
+
+    folder = make_hf_checkpoint(tmp_path, "qwen3", tie_word_embeddings=True)
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+    result = metrale("bench", "-m", str(folder), "-p", "4", "-n", "1", "-r", "1", "--backend", "torch", "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    params = T.AutoModelForCausalLM.from_pretrained(folder).num_parameters()
+    assert (payload["params"], payload["weight_bytes"]) == (params, 2 * params)
+
+
+@pytest.mark.parametrize("fmt", ["md", "csv", "jsonl"])
+def test_a_tensor_parallel_bench_says_its_rows_are_one_ranks(fmt, capsys):
+    """With -tp 2 the size, parameters, KV bytes and GB/s of a row are one rank's shard (half the
+    model's): md says so under the rows, csv and jsonl give the ranks in every row; with one
+    process none of it."""
+    import csv
+    import io
+
+    from metrale_cli.commands import bench
+    from metrale_cli.output import Output
+
+    row = {"engine": "e", "test": "tg8 b1 @8", "tokens_per_s": 1.2, "std": 0.0, "achieved_gbs": 0.5,
+           "kv_bytes_per_token": 128}
+    for size in (2, 1):
+        result = {"model": "m", "weight_bytes": 2**30, "params": 10**9, "device": "cpu",
+                  "build": {"version": "0", "commit": None}, "tensor_parallel_size": size, "rows": [row]}
+        bench._render(Output(), result, fmt)
+        shown = capsys.readouterr().out
+        if fmt == "md":
+            per_rank = "cpu; size, params, GB/s and KV B/token per rank of 2 (tensor parallel); build:" in shown
+            assert per_rank == (size == 2) and ("per rank" in shown) == (size == 2)
+        else:
+            (got,) = list(csv.DictReader(io.StringIO(shown))) if fmt == "csv" else [json.loads(shown)]
+            assert int(got["tensor_parallel_size"]) == size
 
 
 def test_bench_refuses_a_bad_sweep_or_format(tiny):

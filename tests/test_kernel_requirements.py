@@ -93,6 +93,24 @@ def test_every_dtype_validates_clean_on_cpu(dtype):
     assert len(report.rows) == 20 + 2 * rotated + 2 * fused + pair
 
 
+def test_the_cold_compile_time_is_the_wall_time_of_modules_compiled_side_by_side(monkeypatch):
+    """Worker processes compile the cold modules side by side: each reports its own time (here 10 s
+    each, in a compile phase of 0.2 s of wall time), and the report's cold compile is the phase's
+    wall time, a part of the run's total, not their sum."""
+    import time
+
+    from metrale_cli.kernels import validate
+    from metrale_cli.kernels.compile import CompileResult
+
+    def side_by_side(modules):
+        time.sleep(0.2)
+        return {m.name: CompileResult(m.name, True, m.functions, "", "nvrtc", 10.0, False) for m in modules}
+
+    monkeypatch.setattr(validate, "check_modules", side_by_side)
+    report = validate_kernels("bf16", 128, on_gpu=False)
+    assert 0.2 <= report.cold_compile_seconds <= report.total_seconds < 10.0
+
+
 @pytest.mark.parametrize("dtype", [d.value for d in KvCacheDtype] + ["fp8k4v"])
 def test_validate_kernels_command_exits_0_on_cpu(dtype):
     result = CliRunner().invoke(app, ["validate-kernels", "--kv-cache-dtype", dtype, "--json"])

@@ -35,6 +35,7 @@ from metrale_cli.layers.gdn import GDN_RANGE
 from metrale_cli.output import Output, SilentOutput
 from metrale_cli.layers.parallel import SINGLE, TensorParallel
 from metrale_cli.models import hold_once, model_config
+from metrale_cli.models.family import weight_names
 from metrale_cli.models.sharding import Sharder, shard_config
 
 
@@ -352,9 +353,10 @@ def run_bench(opts: BenchOptions, out: Output | None = None,
     source, dtype = bench_source(opts, device, tp, cases)
     peak = opts.peak_bandwidth_gbs or measure_copy_bandwidth(device)
     weights = source.load(device, DTYPES[dtype], None)
-    params = sum(t.numel() for t in weights.tensors.values())
+    names = weight_names(model_config(source.config), weights.tensors)  # not a tied model's stored lm_head copy
+    model = [t for name, t in weights.tensors.items() if name in names]
     result = {"model": weights.name, "device": _device_name(device), "peak_bandwidth_gbs": peak, "profiles": {},
-              "weight_bytes": sum(t.numel() * t.element_size() for t in weights.tensors.values()), "params": params,
+              "weight_bytes": sum(t.numel() * t.element_size() for t in model), "params": sum(t.numel() for t in model),
               "build": build_info(), "tensor_parallel_size": tp.size, "rows": []}
     if progress is not None:
         progress["result"] = result
@@ -431,6 +433,12 @@ def _build_line(result: dict) -> str:
     return f"build: metrale {build['version']} ({build['commit'] or 'commit unknown'})"
 
 
+def _per_rank(result: dict) -> str:
+    """What a tensor-parallel run's rows say of one rank's shard, not of the model."""
+    size = result["tensor_parallel_size"]
+    return f"; size, params, GB/s and KV B/token per rank of {size} (tensor parallel)" if size > 1 else ""
+
+
 def _render(out: Output, result: dict, fmt: str) -> None:
     """md / csv / jsonl: llama-bench's outputs, a row per test, the model's size and parameters
     in every row and the build (version and commit) with them."""
@@ -441,21 +449,23 @@ def _render(out: Output, result: dict, fmt: str) -> None:
 
         for r in result["rows"]:
             out.stream(json.dumps({"model": result["model"], "weight_bytes": result["weight_bytes"],
-                                   "params": result["params"], "device": result["device"], **result["build"], **r})
+                                   "params": result["params"], "device": result["device"],
+                                   "tensor_parallel_size": result["tensor_parallel_size"], **result["build"], **r})
                        + "\n")
     elif fmt == "csv":
         import csv
         import sys
 
         writer = csv.writer(sys.stdout, lineterminator="\n")
-        writer.writerow([*COLUMNS, "device", "build"])
+        writer.writerow([*COLUMNS, "device", "build", "tensor_parallel_size"])
         for r in result["rows"]:
-            writer.writerow([*_cells(result, r), result["device"], _build_line(result).removeprefix("build: ")])
+            writer.writerow([*_cells(result, r), result["device"], _build_line(result).removeprefix("build: "),
+                             result["tensor_parallel_size"]])
     else:  # md
         out.stream("| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS) + "\n")
         for r in result["rows"]:
             out.stream("| " + " | ".join(c.replace("|", "\\|") for c in _cells(result, r)) + " |\n")
-        out.stream(f"\n{result['device']}; {_build_line(result)}\n")
+        out.stream(f"\n{result['device']}{_per_rank(result)}; {_build_line(result)}\n")
         for line in split_lines(result):
             out.stream(f"\n{line}\n")
 

@@ -95,7 +95,7 @@ def bench_hf(raw: dict, tensors: dict[str, torch.Tensor], opts, device: torch.de
         embed = tensors["model.embed_tokens.weight"]
         weight_bytes -= embed.numel() * embed.element_size()
     layers = model_config(raw).layers
-    kv_bytes = sum(2 * s.attention.kv_size * 2 for s in layers if s.has_kv)  # K and V in bf16
+    kv_bytes = sum(2 * s.attention.kv_size * dtype.itemsize for s in layers if s.has_kv)  # K and V in HF's dtype
     state_bytes = sum(s.gdn.step_read_bytes() for s in layers if s.gdn is not None)  # the same state reads as ours
     step_bytes = weight_bytes + opts.batch * ((opts.n_prompt + opts.n_gen // 2) * kv_bytes + state_bytes)
     name = "HF transformers (eager)"

@@ -49,7 +49,8 @@ def run_generate(out: Output, model: str | None, opts: RunnerOptions, prompts: l
                | ({"logprobs": c.logprobs} if c.logprobs else {}) for c in done]
     if out.json_mode:
         out.json({"results": results, "prompt_tokens_per_s": stats.prompt_tps, "decode_tokens": stats.decode_tokens,
-                  "decode_tokens_per_s": stats.decode_tps, "graph_capture_seconds": stats.capture_seconds})
+                  "decode_tokens_per_s": stats.decode_tps if stats.decode_tokens else None,  # no decode step ran
+                  "graph_capture_seconds": stats.capture_seconds})
         return results
     if single:
         out.stream("\n")
@@ -58,9 +59,10 @@ def run_generate(out: Output, model: str | None, opts: RunnerOptions, prompts: l
             out.text(f"--- [{i + 1}] {r['text']}")
     completion = sum(r["completion_tokens"] for r in results)
     capture = f"; CUDA graph capture {stats.capture_seconds:.2f} s, not counted" if stats.capture_seconds else ""
+    speed = f" at {stats.decode_tps:.1f} tok/s" if stats.decode_tokens else ""  # no decode step ran: none measured
     out.info(f"prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s · completion: {completion} "
-             f"tokens ({completion - stats.decode_tokens} from the prefill, {stats.decode_tokens} decoded at "
-             f"{stats.decode_tps:.1f} tok/s{capture}) · finish: "
+             f"tokens ({completion - stats.decode_tokens} from the prefill, {stats.decode_tokens} decoded"
+             f"{speed}{capture}) · finish: "
              + ", ".join(sorted({r['finish_reason'] for r in results})))
     innerq = runner.model.calibration.innerq.outcome()
     if innerq:

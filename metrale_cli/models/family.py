@@ -91,11 +91,18 @@ def _listing(names: list[str], limit: int = 4) -> str:
     return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
 
 
-def check_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
-    """Fail with one line on missing, unexpected or mis-shaped tensors."""
+def weight_names(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> set[str]:
+    """The names of the checkpoint's tensors that are weights of the model: not the entries that
+    are not weights, nor the copy of the embedding a tied model's checkpoint may hold as lm_head."""
     present = {k for k in tensors if not k.endswith(IGNORED_SUFFIXES)}
     if cfg.tie_word_embeddings:
         present.discard("lm_head.weight")
+    return present
+
+
+def check_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
+    """Fail with one line on missing, unexpected or mis-shaped tensors."""
+    present = weight_names(cfg, tensors)
     missing = sorted(set(expected) - present)
     if missing:
         raise MetraleError(f"checkpoint is missing {len(missing)} tensor(s): {_listing(missing)}",
