@@ -372,6 +372,17 @@ def test_the_hf_roofline_counts_its_kv_cache_in_the_models_dtype(tiny, monkeypat
     assert tg["achieved_gbs"] * 0.5 * 1e9 == pytest.approx(weights + (8 + 4 // 2) * kv)
 
 
+def test_a_rows_gbs_is_its_tokens_per_s_times_the_bytes_a_token_reads():
+    """GB/s and % of the roofline follow the row's t/s (the mean of the samples' rates), not
+    another statistic of the same samples: uneven samples would make the two disagree."""
+    from metrale_cli.commands.timing import timing_row
+
+    row = timing_row("e", "tg8 b2 @8", [0.1, 0.2, 0.4], tokens=2, step_bytes=6e9, peak=1000.0)
+    assert row["tokens_per_s"] == pytest.approx((20 + 10 + 5) / 3)
+    assert row["achieved_gbs"] == pytest.approx(row["tokens_per_s"] * 3e9 / 1e9)  # 3 GB a token: 6 GB a step of 2
+    assert row["roofline_pct"] == pytest.approx(100 * row["achieved_gbs"] / 1000.0)
+
+
 # --- bad input: one line each, before any weight is read -------------------------------------
 def _json_error(result) -> dict:
     assert result.returncode == 1, result.stderr

@@ -50,8 +50,9 @@ def timing_row(name: str, test: str, samples: list[float], tokens: int, step_byt
     tps = [tokens / s for s in samples]
     row = {"engine": name, "test": test, "tokens_per_s": statistics.mean(tps),
            "std": statistics.stdev(tps) if len(tps) > 1 else 0.0}
-    if step_bytes is not None:
-        gbs = step_bytes / statistics.median(samples) / 1e9 * (tokens if test.startswith("pp") else 1)
+    if step_bytes is not None:  # at the row's rate (the mean of the samples' rates), as its t/s
+        steps_per_s = statistics.mean(1 / s for s in samples)
+        gbs = step_bytes * steps_per_s / 1e9 * (tokens if test.startswith("pp") else 1)
         row["achieved_gbs"] = gbs
         if peak:
             row["roofline_pct"] = 100 * gbs / peak
