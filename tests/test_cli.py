@@ -699,6 +699,17 @@ def test_chat_carries_the_conversation_and_reset_forgets_it(tiny):
     assert second["prompt_tokens"] > first["prompt_tokens"] + first["completion_tokens"]
     speed = "decode_tokens_per_s"
     assert {k: v for k, v in again.items() if k != speed} == {k: v for k, v in first.items() if k != speed}
+    assert first["decode_tokens"] == first["completion_tokens"] - 1 == 4 and first[speed] > 0
+
+
+def test_chat_gives_a_decode_speed_only_where_decode_steps_ran(tiny):
+    """-n 1: the answer's one token comes from the prefill, so no decode rate is measured."""
+    (turn,) = _turns(metrale("chat", "-m", str(tiny), "-n", "1", "--json", stdin="hi\n"))
+    assert (turn["completion_tokens"], turn["decode_tokens"], turn["decode_tokens_per_s"]) == (1, 0, None)
+    plain = metrale("chat", "-m", str(tiny), "-n", "1", stdin="hi\n")
+    assert plain.returncode == 0 and "1 tokens · conversation" in plain.stderr and "tok/s" not in plain.stderr
+    several = metrale("chat", "-m", str(tiny), "-n", "3", stdin="hi\n")
+    assert "3 tokens, 2 decoded at " in several.stderr, several.stderr
 
 
 def test_chat_with_no_input_ends_at_once_and_a_system_message_changes_the_prompt(tiny):

@@ -74,8 +74,10 @@ class ChatSession:
         record = {"user": user, "text": reply, "prompt_tokens": len(ids)}
         if seq is None:
             return record | {"completion_tokens": None, "finish_reason": STOPPED}
+        stats = self.llm.stats  # the first token comes from the prefill; a decode rate only where steps ran
         return record | {"completion_tokens": len(seq.output_ids), "finish_reason": seq.finish_reason,
-                         "decode_tokens_per_s": self.llm.stats.decode_tps}
+                         "decode_tokens": stats.decode_tokens,
+                         "decode_tokens_per_s": stats.decode_tps if stats.decode_tokens else None}
 
 
 def _terminal_lines(out: Output) -> Iterable[str]:
@@ -145,7 +147,9 @@ def run_chat(out: Output, model: str | None, opts: RunnerOptions, params: Sampli
         if record["finish_reason"] == STOPPED:
             out.info("(stopped)")
         else:
-            out.info(f"{record['completion_tokens']} tokens, {record['decode_tokens_per_s']:.1f} tok/s · "
+            decoded = record["decode_tokens"]
+            speed = f", {decoded} decoded at {record['decode_tokens_per_s']:.1f} tok/s" if decoded else ""
+            out.info(f"{record['completion_tokens']} tokens{speed} · "
                      f"conversation {record['prompt_tokens'] + record['completion_tokens']} of "
                      f"{llm.runner.engine.max_seq_len} tokens")
     return 1 if failed and not interactive else 0
