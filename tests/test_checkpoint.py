@@ -186,10 +186,8 @@ CORRUPTIONS = {
     _header_bad_length: "corrupt safetensors header (bad length",
     _truncate: "is truncated",
     _index_names_extra_tensor: "not in their shard, e.g. model.layers.9.mlp.up_proj.weight",
-    _edit_header(_unknown_dtype): "corrupt safetensors header (Error while deserializing header: invalid JSON in "
-                                  "header: unknown variant `Q4`",
-    _edit_header(_shape_not_its_bytes): "corrupt safetensors header (Error while deserializing header: invalid "
-                                        "shape, data type, or offset for tensor",
+    _edit_header(_unknown_dtype): "has a corrupt safetensors header (",  # then safetensors' own words
+    _edit_header(_shape_not_its_bytes): "has a corrupt safetensors header (",
     _edit_header(_metadata_not_object): "corrupt safetensors header (entry '__metadata__')",
     _edit_index(_weight_map_a_list): "model.safetensors.index.json is not a valid index (no weight_map object)",
     _edit_index(_shard_name_null): "model.safetensors.index.json maps model.norm.weight to None, not a shard file name",
