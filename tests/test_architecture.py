@@ -187,6 +187,21 @@ def test_a_sliding_window_that_is_no_positive_integer_is_one_error(family, overr
                                   f"got {overrides['sliding_window']!r}")
 
 
+def test_a_tied_model_with_an_lm_head_of_its_own_is_refused():
+    """transformers 5 runs such a checkpoint untied (4 ties the head away): metrale tied it, output
+    of neither; a stored copy of the embedding still loads."""
+    from hf_oracle import make_hf, ours, planned
+
+    hf, raw = make_hf("llama", tie_word_embeddings=True)
+    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    assert ours(hf, raw).model.lm_head.shape == (384, 64)  # the head as a copy of the embedding
+    weights["lm_head.weight"] += 1.0
+    with pytest.raises(MetraleError) as info:
+        build_model(planned(raw), weights, TorchOps(), 64, 512, 0, torch.device("cpu"))
+    assert info.value.message == ("config.json sets tie_word_embeddings, but the checkpoint's lm_head.weight is not "
+                                  "a copy of model.embed_tokens.weight")
+
+
 def test_the_mistral_nemo_preset_reads_as_its_model():
     """bench's mistral-nemo-12b: head_dim 128 where hidden / heads is 160, no window, 12.25 B weights
     (24.5 GB in bf16, as its comment says)."""
