@@ -54,6 +54,30 @@ def token_id(where: str, value) -> int | None:
     return None if value is None else int(value)
 
 
+# The RoPE keys each scaled type must give (transformers refuses a config without them); a
+# missing original_max_position_embeddings is max_position_embeddings, as transformers takes it.
+ROPE_REQUIRED = {"linear": ("factor",), "yarn": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+_POSITIVE_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_REAL_ROPE_KEYS = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
+
+
+def _check_scaling(rope_type: str, extra: dict) -> None:
+    """Refuse a scaled RoPE whose keys are missing, not numbers, or not positive."""
+    missing = [k for k in ROPE_REQUIRED.get(rope_type, ()) if k not in extra]
+    if missing:
+        raise MetraleError(f"config.json rope_type '{rope_type}' needs '{missing[0]}', which the config does not give",
+                           hint="fix rope_scaling (or rope_parameters) in config.json")
+    for key in _REAL_ROPE_KEYS:
+        if key in extra:
+            _real(key, extra[key])
+    for key in _POSITIVE_ROPE_KEYS:
+        if key in extra and _real(key, extra[key]) <= 0:
+            raise MetraleError(f"config.json RoPE key '{key}' must be positive, got {extra[key]!r}")
+    if rope_type == "llama3" and extra["high_freq_factor"] <= extra["low_freq_factor"]:
+        raise MetraleError(f"config.json RoPE high_freq_factor ({extra['high_freq_factor']}) must be greater than "
+                           f"low_freq_factor ({extra['low_freq_factor']})")
+
+
 class ConfigReader:
     """Typed reads of an HF ``config.json`` dict; every failure is one MetraleError naming its key."""
 
@@ -74,6 +98,10 @@ class ConfigReader:
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise MetraleError(f"config.json key '{key}' must be a positive integer, got {value!r}")
         return value
+
+    def optional_positive_int(self, key: str) -> int | None:
+        """A key that is unset (None) or a positive integer (``sliding_window``)."""
+        return None if self.raw.get(key) is None else self.positive_int(key)
 
     def number(self, key: str, default: float) -> float:
         return _real(key, self.get(key, default))
@@ -98,23 +126,34 @@ class ConfigReader:
                                f"num_key_value_heads ({kv_heads})")
         return AttentionShape(heads, kv_heads, self.positive_int("head_dim", hidden // heads))
 
-    def rope(self) -> RopeConfig:
+    def rope_params(self) -> dict:
+        """``rope_scaling`` and ``rope_parameters`` merged (transformers 4's and 5's spellings)."""
         params = {}
         for key in ("rope_scaling", "rope_parameters"):
             given = self.raw.get(key) or {}
             if not isinstance(given, dict):
                 raise MetraleError(f"config.json {key} must be an object, got {given!r}")
             params.update(given)
+        return params
+
+    def rope_type(self) -> str:
+        params = self.rope_params()
+        return params.get("rope_type", params.get("type", "default"))
+
+    def rope(self) -> RopeConfig:
+        params, rope_type = self.rope_params(), self.rope_type()
         theta = _real("rope_theta", params.get("rope_theta", self.get("rope_theta", 10000.0)))
-        rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise MetraleError(f"config.json rope_type '{rope_type}' is not supported",
                                hint="supported: " + ", ".join(SUPPORTED_ROPE_TYPES))
         keys = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
                 "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
         extra = {k: params[k] for k in keys if params.get(k) is not None}
+        _check_scaling(rope_type, extra)
         partial = _real("partial_rotary_factor", params.get("partial_rotary_factor",
                                                             self.get("partial_rotary_factor", 1.0)))
+        if not 0 < partial <= 1:
+            raise MetraleError(f"config.json partial_rotary_factor must be in (0, 1], got {partial!r}")
         if params.get("freq_factors") is not None:
             extra["freq_factors"] = tuple(float(f) for f in params["freq_factors"])
         return RopeConfig(theta=theta, rope_type=rope_type, partial_rotary_factor=partial, **extra)

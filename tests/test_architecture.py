@@ -123,7 +123,83 @@ def test_phi3_is_read_with_its_fused_tensors_and_partial_rope():
         "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
     with pytest.raises(MetraleError) as info:
         model_config(longrope)
-    assert info.value.message == "config.json rope_type 'longrope' is not supported"
+    assert info.value.message == "config.json rope_type 'longrope' is not supported for phi3"
+
+
+@pytest.mark.parametrize("scaling", [{"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+                                     {"type": "yarn", "factor": 2.0}, {"type": "linear", "factor": 2.0}])
+def test_phi3_refuses_every_rope_scaling(scaling):
+    """transformers' Phi-3 reads 'su' and 'yarn' as longrope and refuses any other type; metrale ran
+    'yarn' as YaRN and 'linear' as linear scaling, output transformers never gives."""
+    raw = LLAMA | {"model_type": "phi3", "rope_scaling": scaling}
+    with pytest.raises(MetraleError) as info:
+        model_config(raw)
+    assert info.value.message == f"config.json rope_type '{scaling['type']}' is not supported for phi3"
+    assert info.value.hint.startswith("Phi-3 reads 'su' and 'yarn' as longrope")
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("scaling, message", [
+    ({"rope_type": "linear"}, "config.json rope_type 'linear' needs 'factor', which the config does not give"),
+    ({"rope_type": "yarn"}, "config.json rope_type 'yarn' needs 'factor', which the config does not give"),
+    ({**LLAMA3, "low_freq_factor": None}, "config.json rope_type 'llama3' needs 'low_freq_factor', which the config "
+     "does not give"),
+    ({**LLAMA3, "factor": "8"}, "config.json key 'factor' must be a number, got '8'"),
+    ({**LLAMA3, "factor": 0}, "config.json RoPE key 'factor' must be positive, got 0"),
+    ({**LLAMA3, "low_freq_factor": 0}, "config.json RoPE key 'low_freq_factor' must be positive, got 0"),
+    ({**LLAMA3, "original_max_position_embeddings": 0},
+     "config.json RoPE key 'original_max_position_embeddings' must be positive, got 0"),
+    ({**LLAMA3, "low_freq_factor": 4.0}, "config.json RoPE high_freq_factor (4.0) must be greater than "
+     "low_freq_factor (4.0)"),
+    ({"rope_type": "yarn", "factor": 4.0, "beta_fast": "x"}, "config.json key 'beta_fast' must be a number, got 'x'"),
+])
+def test_a_scaled_rope_missing_a_key_or_with_a_bad_value_is_one_error(scaling, message):
+    """A missing factor ran as 1.0 (no scaling), a string or zero was a traceback, a zero
+    original_max_position_embeddings ran as max_position_embeddings."""
+    with pytest.raises(MetraleError) as info:
+        model_config(LLAMA | {"rope_scaling": {k: v for k, v in scaling.items() if v is not None}})
+    assert info.value.message == message
+
+
+@pytest.mark.parametrize("family, factor, message", [
+    ("phi3", -0.5, "config.json partial_rotary_factor must be in (0, 1], got -0.5"),
+    ("phi3", 2.0, "config.json partial_rotary_factor must be in (0, 1], got 2.0"),
+    ("llama", 0.5, "config.json partial_rotary_factor=0.5 is not supported for llama"),
+    ("qwen3", 0.5, "config.json partial_rotary_factor=0.5 is not supported for qwen3"),
+])
+def test_a_partial_rotary_factor_that_is_not_run_as_transformers_runs_it_is_refused(family, factor, message):
+    """Out of (0, 1] it was a traceback; transformers' Llama / Mistral / Qwen2 / Qwen3 rotate the
+    whole head whatever the key says, where metrale rotated part of it."""
+    with pytest.raises(MetraleError) as info:
+        model_config(LLAMA | {"model_type": family, "partial_rotary_factor": factor})
+    assert info.value.message == message
+
+
+@pytest.mark.parametrize("family, overrides", [("mistral", {"sliding_window": "4096"}), ("phi3", {"sliding_window": 0}),
+                                               ("qwen2", {"use_sliding_window": True, "sliding_window": 1.5})])
+def test_a_sliding_window_that_is_no_positive_integer_is_one_error(family, overrides):
+    with pytest.raises(MetraleError) as info:
+        model_config(LLAMA | {"model_type": family} | overrides)
+    assert info.value.message == (f"config.json key 'sliding_window' must be a positive integer, "
+                                  f"got {overrides['sliding_window']!r}")
+
+
+def test_a_tied_model_with_an_lm_head_of_its_own_is_refused():
+    """transformers 5 runs such a checkpoint untied (4 ties the head away): metrale tied it, output
+    of neither; a stored copy of the embedding still loads."""
+    from hf_oracle import make_hf, ours, planned
+
+    hf, raw = make_hf("llama", tie_word_embeddings=True)
+    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    assert ours(hf, raw).model.lm_head.shape == (384, 64)  # the head as a copy of the embedding
+    weights["lm_head.weight"] += 1.0
+    with pytest.raises(MetraleError) as info:
+        build_model(planned(raw), weights, TorchOps(), 64, 512, 0, torch.device("cpu"))
+    assert info.value.message == ("config.json sets tie_word_embeddings, but the checkpoint's lm_head.weight is not "
+                                  "a copy of model.embed_tokens.weight")
 
 
 def test_the_mistral_nemo_preset_reads_as_its_model():

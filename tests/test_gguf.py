@@ -222,6 +222,27 @@ def test_an_unwritable_cache_still_loads_the_model(tmp_path, cache_dir):
     assert not gguf_cache_path(path).exists()
 
 
+def test_a_corrupt_cached_config_is_rebuilt_from_the_file(tmp_path):
+    """A cache entry whose config.json is not JSON was a traceback; the file's own metadata says."""
+    path = write_gguf(make_hf_checkpoint(tmp_path, "llama"), tmp_path / "c.gguf")
+    want = read_config(str(path))
+    load_checkpoint(str(path), CPU, torch.float32)
+    (gguf_cache_path(path) / "config.json").write_text("{not json")
+    assert read_config(str(path)) == want
+    ck = load_checkpoint(str(path), CPU, torch.float32)
+    assert ck.source.endswith("for the next start)") and json.loads((gguf_cache_path(path) / "config.json").read_text())
+
+
+def test_a_partial_rope_dimension_count_is_refused():
+    meta = {"general.architecture": "llama", "llama.block_count": 2, "llama.embedding_length": 64,
+            "llama.feed_forward_length": 128, "llama.attention.head_count": 4, "llama.rope.dimension_count": 8}
+    with pytest.raises(MetraleError) as info:
+        gguf_config.synthesize_config(meta, {})
+    assert info.value.message == ("GGUF llama.rope.dimension_count 8 is not the head_dim 16: RoPE on part of each "
+                                  "head is not built for GGUF files")
+    assert gguf_config.synthesize_config(meta | {"llama.rope.dimension_count": 16}, {})["head_dim"] == 16
+
+
 def test_truncated_gguf_is_one_clear_error(tmp_path):
     path = write_gguf(make_hf_checkpoint(tmp_path, "llama"), tmp_path / "t.gguf")
     path.write_bytes(path.read_bytes()[:-1000])

@@ -152,6 +152,10 @@ def synthesize_config(meta: dict, shapes: dict[str, tuple[int, ...]],
         config["vocab_size"] = shapes["token_embd.weight"][0]
     key_length = meta.get(f"{architecture}.attention.key_length")
     config["head_dim"] = key_length or config["hidden_size"] // heads
+    rotated = meta.get(f"{architecture}.rope.dimension_count", config["head_dim"])
+    if rotated != config["head_dim"]:
+        raise MetraleError(f"GGUF {architecture}.rope.dimension_count {rotated} is not the head_dim "
+                           f"{config['head_dim']}: RoPE on part of each head is not built for GGUF files")
     config.update(
         model_type=family.model_type,
         architectures=[family.hf_class],

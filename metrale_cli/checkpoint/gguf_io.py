@@ -76,9 +76,12 @@ def rope_freqs(reader) -> list[float] | None:
 
 def read_gguf_config(path: pathlib.Path) -> dict:
     """The synthesized HF config of a GGUF file (cached config when present)."""
-    cached = gguf_cache_path(path) / "config.json"
-    if cached.is_file():
-        return json.loads(cached.read_text(encoding="utf-8"))
+    folder = gguf_cache_path(path)
+    if (folder / "config.json").is_file():
+        try:
+            return read_hf_config(folder)
+        except MetraleError:
+            pass  # a broken cache entry: the file itself says (the load rebuilds the entry)
     reader = open_reader(path)
     return gguf_config.synthesize_config(metadata(reader), tensor_shapes(reader), rope_freqs(reader))
 

@@ -30,7 +30,7 @@ from metrale_cli.layers.parallel import SINGLE, TensorParallel
 def window(r: ConfigReader) -> int | None:
     """The sliding window a Qwen-style config gives its sliding layers: ``sliding_window`` when
     ``use_sliding_window``, else none."""
-    return r.get("sliding_window") if r.flag("use_sliding_window") else None
+    return r.optional_positive_int("sliding_window") if r.flag("use_sliding_window") else None
 
 
 def windows(r: ConfigReader, layers: int, sliding: Callable[[int, int], bool]) -> list[int | None]:

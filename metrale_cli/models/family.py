@@ -117,3 +117,15 @@ def check_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], expected: 
             raise MetraleError(f"tensor {name} has shape {tuple(t.shape)}, config.json implies {shape}")
         if not t.is_floating_point():
             raise MetraleError(f"tensor {name} has dtype {t.dtype}; expected a floating-point weight")
+    if cfg.tie_word_embeddings:
+        _check_tied_head(tensors)
+
+
+def _check_tied_head(tensors: dict[str, torch.Tensor]) -> None:
+    """A tied model's checkpoint may hold its LM head only as a copy of the embedding: transformers 5
+    runs a different one untied, transformers 4 ties it away, so which the model means is unclear."""
+    head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if head is not None and embed is not None and not torch.equal(head, embed):
+        raise MetraleError("config.json sets tie_word_embeddings, but the checkpoint's lm_head.weight is not a copy "
+                           "of model.embed_tokens.weight", hint="set tie_word_embeddings to false in config.json to "
+                           "run the checkpoint's LM head, or remove it from the checkpoint to tie the embedding")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from metrale_cli.config import ConfigReader, ModelConfig
+from metrale_cli.errors import MetraleError
 from metrale_cli.layers.spec import FfnSpec, LayerSpec
 from metrale_cli.models import decoder
 from metrale_cli.models.family import BuildParts, Family, GgufArch, check_tensors
@@ -23,11 +24,14 @@ from metrale_cli.models.model import CausalLM
 def _config(r: ConfigReader, family: str) -> ModelConfig:
     r.refuse("mlp_bias", (False,), "only bias-free MLPs are built")
     r.refuse("hidden_act", ("silu",), "only SiLU (SwiGLU) FFNs are built")
+    if r.rope().partial_rotary_factor != 1:
+        raise MetraleError(f"config.json partial_rotary_factor={r.rope().partial_rotary_factor!r} is not supported "
+                           f"for {family}", hint="transformers' model of the family rotates every dimension of a head")
     layers, bias = r.positive_int("num_hidden_layers"), r.flag("attention_bias")
     if family == "llama":
         windows = [None] * layers
     elif family == "mistral":
-        windows = [r.get("sliding_window")] * layers
+        windows = [r.optional_positive_int("sliding_window")] * layers
     else:
         windows = decoder.windows(r, layers, lambda i, max_window: i >= max_window)
     # Qwen2 always has q/k/v biases and no o_proj bias; the others follow attention_bias.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from metrale_cli.config import ConfigReader, ModelConfig
+from metrale_cli.errors import MetraleError
 from metrale_cli.layers.spec import FfnSpec, LayerSpec
 from metrale_cli.models import decoder, llama
 from metrale_cli.models.family import BuildParts, Family, check_tensors
@@ -19,8 +20,12 @@ from metrale_cli.models.model import CausalLM
 
 def _config(r: ConfigReader) -> ModelConfig:
     r.refuse("hidden_act", ("silu",), "only SiLU (SwiGLU) FFNs are built")
+    if r.rope_type() != "default":
+        raise MetraleError(f"config.json rope_type '{r.rope_type()}' is not supported for phi3",
+                           hint="Phi-3 reads 'su' and 'yarn' as longrope, the 128k models' scaling, which is not "
+                           "built; transformers' Phi-3 takes no other scaling")
     layers = r.positive_int("num_hidden_layers")
-    attention = decoder.attention_specs(r, [r.get("sliding_window")] * layers, qk_norm=False, qkv_bias=False,
+    attention = decoder.attention_specs(r, [r.optional_positive_int("sliding_window")] * layers, qk_norm=False, qkv_bias=False,
                                         o_bias=False)
     ffn = FfnSpec("swiglu", r.positive_int("intermediate_size"))
     eps = r.number("rms_norm_eps", 1e-5)
