@@ -25,8 +25,8 @@ def _config(r: ConfigReader) -> ModelConfig:
                            hint="Phi-3 reads 'su' and 'yarn' as longrope, the 128k models' scaling, which is not "
                            "built; transformers' Phi-3 takes no other scaling")
     layers = r.positive_int("num_hidden_layers")
-    attention = decoder.attention_specs(r, [r.optional_positive_int("sliding_window")] * layers, qk_norm=False, qkv_bias=False,
-                                        o_bias=False)
+    windows = [r.optional_positive_int("sliding_window")] * layers
+    attention = decoder.attention_specs(r, windows, qk_norm=False, qkv_bias=False, o_bias=False)
     ffn = FfnSpec("swiglu", r.positive_int("intermediate_size"))
     eps = r.number("rms_norm_eps", 1e-5)
     return ModelConfig.read(r, "phi3", tuple(LayerSpec(i, a, ffn, eps) for i, a in enumerate(attention)))
