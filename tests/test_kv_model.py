@@ -209,6 +209,29 @@ def test_innerq_is_off_without_a_rotated_k_side(tiny):
     assert all(engine.model.calibration.innerq.frozen)
 
 
+def _fp8_model(tiny, scale):
+    hf, raw = tiny
+    tensors = {k: v.detach().to(torch.bfloat16).clone() for k, v in hf.state_dict().items()}
+    cfg = model_config(raw)
+    for i in range(cfg.num_layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(scale)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(scale)
+    cfg = cfg.planned(layer_dtypes(D.FP8, cfg.num_layers))
+    return build_model(cfg, tensors, TorchOps(), 32, 512, 16, CPU)
+
+
+def test_fp8_scales_from_the_checkpoint(tiny):
+    model = _fp8_model(tiny, 0.05)
+    assert model.calibration.describe() == ["fp8 KV scales: from the checkpoint"]
+    assert model.kv_cache.layers[0].k.scale.item() == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.05, float("nan"), float("inf"), [0.05, 0.05]])
+def test_a_checkpoint_fp8_scale_that_is_not_one_positive_number_is_refused(tiny, scale):
+    with pytest.raises(MetraleError, match="fp8 KV scale model.layers.0.self_attn.k_scale .* one finite positive"):
+        _fp8_model(tiny, scale)
+
+
 def test_innerq_env_levers(monkeypatch):
     monkeypatch.setenv("TURBO_INNERQ", "64")
     monkeypatch.setenv("TURBO_INNERQ_STRENGTH", "0.25")
