@@ -240,3 +240,11 @@ def test_innerq_env_levers(monkeypatch):
     monkeypatch.setenv("TURBO_INNERQ", "many")
     with pytest.raises(MetraleError, match="TURBO_INNERQ"):
         RunnerOptions().innerq()
+
+
+@pytest.mark.parametrize("strength", ["nan", "inf", "-inf"])
+def test_innerq_strength_must_be_finite(monkeypatch, strength):
+    monkeypatch.setenv("TURBO_INNERQ", "64")
+    monkeypatch.setenv("TURBO_INNERQ_STRENGTH", strength)
+    with pytest.raises(MetraleError, match=f"TURBO_INNERQ_STRENGTH='{strength}' is not a finite number"):
+        RunnerOptions().innerq()
