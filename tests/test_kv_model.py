@@ -76,6 +76,12 @@ def test_default_plan_keeps_boundary_layers_bf16(tiny):
     assert len({p.num_blocks for p in engine.model.kv_cache.pools()}) == 1
 
 
+@pytest.mark.parametrize("spec", ["²", "٣", "-1", "1.5", ""])
+def test_high_precision_layers_other_than_ascii_digits_are_refused(spec):
+    with pytest.raises(MetraleError, match="invalid --kv-high-precision-layers"):
+        layer_dtypes(D.TURBO3, 7, spec)
+
+
 def test_kv_messages_report_bytes_and_layer_dtypes():
     layout = KvLayout(tuple(KvLayerShape(d, 3, 64) for d in (D.BF16,) + (D.TURBO3,) * 4 + (D.BF16,)))
     lines = kv_messages(layout, 10, 160, D.TURBO3)
