@@ -226,6 +226,16 @@ def _fp8_model(tiny, scale):
     return build_model(cfg, tensors, TorchOps(), 32, 512, 16, CPU)
 
 
+def test_fp8_calibration_line_says_what_it_calibrates_over(tiny):
+    """The scales come from each layer's first write (a short prompt: fewer than N tokens), not N tokens."""
+    hf, raw = tiny
+    tensors = {k: v.detach().to(torch.bfloat16).clone() for k, v in hf.state_dict().items()}
+    cfg = model_config(raw)
+    model = build_model(cfg.planned(layer_dtypes(D.FP8, cfg.num_layers)), tensors, TorchOps(), 32, 512, 256, CPU)
+    assert model.calibration.describe() == [
+        "fp8 KV scales: online calibration over each layer's first write, at most 256 tokens (amax/448, then frozen)"]
+
+
 def test_fp8_scales_from_the_checkpoint(tiny):
     model = _fp8_model(tiny, 0.05)
     assert model.calibration.describe() == ["fp8 KV scales: from the checkpoint"]

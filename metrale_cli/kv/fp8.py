@@ -79,7 +79,7 @@ class Fp8ScalePolicy:
             "checkpoint": "fp8 KV scales: from the checkpoint",
             "partial-checkpoint": "fp8 KV scales: the checkpoint has them for some layers only; "
             "the others use 1.0",
-            "calibration": f"fp8 KV scales: online calibration over the first "
+            "calibration": f"fp8 KV scales: online calibration over each layer's first write, at most "
             f"{self.calibration_tokens} tokens (amax/448, then frozen)",
             "default": "fp8 KV scales: 1.0 (checkpoint has none; calibration off)",
         }[self.source]
