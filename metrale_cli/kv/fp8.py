@@ -14,6 +14,8 @@ from metrale_cli.kv.dtypes import SideType
 from metrale_cli.kv.paged import PagedKvCache
 from metrale_cli.kv.quant import FP8_MAX
 
+FP8_CALIBRATION_TOKENS = 256  # --fp8-kv-calibration-tokens' default
+
 # Checkpoint tensor names that carry per-layer KV scales (vLLM / compressed-tensors / ModelOpt).
 SCALE_NAMES = {
     "k": ("self_attn.k_scale", "self_attn.attn.k_scale", "self_attn.kv_scale"),
