@@ -209,6 +209,14 @@ def test_innerq_in_a_model_keeps_logits_near_bf16_kv(tiny):
     assert nmse(got) < 1.5 * nmse(plain) + 1e-2
 
 
+def test_an_innerq_strength_without_calibration_tokens_is_said_to_do_nothing(tiny):
+    engine = _engine(tiny, kv=D.TURBO4, innerq=InnerQSettings(tokens=0, strength=0.7))
+    assert engine.model.calibration.innerq.describe() == (
+        "InnerQ: off, so strength 0.7 (TURBO_INNERQ_STRENGTH) has no effect: it needs "
+        "--innerq-calibration-tokens N or TURBO_INNERQ=N")
+    assert _engine(tiny, kv=D.TURBO4).model.calibration.innerq.describe() is None
+
+
 def test_innerq_is_off_without_a_rotated_k_side(tiny):
     engine = _engine(tiny, kv=D.BF16K_TURBO4V, innerq=InnerQSettings(tokens=16))
     assert engine.model.calibration.innerq.describe().startswith("InnerQ: off")
