@@ -75,9 +75,9 @@ FrequencyOpt = Annotated[float, typer.Option(help="subtract this times the answe
 MinPOpt = Annotated[float, typer.Option(help="sample only tokens at least this fraction as likely as the top "
                                         "one; 0 = off")]
 GpuMemOpt = Annotated[float, typer.Option(help="fraction of GPU memory for weights + KV pool")]
-CalibOpt = Annotated[int, typer.Option(
-    "--fp8-kv-calibration-tokens", help="fp8 KV: calibrate scales over the first N tokens (0 = off) "
-    "when the checkpoint has none")]
+CalibOpt = Annotated[Optional[int], typer.Option(
+    "--fp8-kv-calibration-tokens", help="fp8 KV: calibrate scales over each layer's first write, at most N tokens "
+    "(0 = off; default 256) when the checkpoint has none")]
 GraphOpt = Annotated[str, typer.Option(
     "--cuda-graph-mode", help="full: replay each decode step as one CUDA graph (cuda backend); disabled: eager")]
 HighPrecOpt = Annotated[str, typer.Option(
@@ -181,7 +181,7 @@ def generate(
     ignore_eos: bool = False,
     max_seq_len: MaxSeqOpt = None,
     gpu_memory_utilization: GpuMemOpt = 0.9,
-    fp8_kv_calibration_tokens: CalibOpt = 256,
+    fp8_kv_calibration_tokens: CalibOpt = None,
     prefill_chunk: Annotated[int, typer.Option(help="tokens per prefill chunk")] = 512,
     cuda_graph_mode: GraphOpt = "full",
     enforce_eager: EagerOpt = False,

@@ -214,7 +214,15 @@ class ModelConfig:
         """``--kv-cache-dtype`` as parsed: ``auto`` = the checkpoint's declared KV dtype, else bf16."""
         if requested != AUTO:
             return parse_kv_cache_dtype(requested)
-        declared = parse_kv_cache_dtype(self.kv_cache_dtype) if self.kv_cache_dtype else AUTO
+        if not self.kv_cache_dtype:
+            return KvCacheDtype.BF16
+        try:  # the checkpoint's value, not the user's: the error names config.json
+            declared = parse_kv_cache_dtype(self.kv_cache_dtype) if isinstance(self.kv_cache_dtype, str) else None
+        except MetraleError:
+            declared = None
+        if declared is None:
+            raise MetraleError(f"config.json kv_cache_dtype {self.kv_cache_dtype!r} is not a KV-cache dtype metrale "
+                               "serves", hint="pass --kv-cache-dtype to choose one (e.g. bf16 or fp8)")
         return declared if declared != AUTO else KvCacheDtype.BF16
 
     def planned(self, kv_dtypes: tuple[KvCacheDtype, ...]) -> ModelConfig:

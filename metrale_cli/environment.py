@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import pathlib
 
@@ -39,6 +40,8 @@ def _number(name: str, kind: type, default):
     except ValueError:
         what = "an integer" if kind is int else "a number"
         raise MetraleError(f"{name}={raw!r} is not {what}", hint=ENV_LEVERS[name]) from None
+    if not math.isfinite(value):  # float("nan") and float("inf") parse; nan scales give empty output
+        raise MetraleError(f"{name}={raw!r} is not a finite number", hint=ENV_LEVERS[name])
     if value < 0:
         raise MetraleError(f"{name}={raw!r} must not be negative", hint=ENV_LEVERS[name])
     return value

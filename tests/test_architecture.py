@@ -352,6 +352,14 @@ def test_auto_is_resolved_by_the_model_config():
     assert cfg.resolve_kv_dtype("fp8k4v") == KvCacheDtype.FP8K_TURBO4V
 
 
+@pytest.mark.parametrize("declared", ["fp8_e5m2", 5])
+def test_a_declared_kv_dtype_metrale_does_not_serve_names_config_json(declared):
+    cfg = model_config(LLAMA | {"kv_cache_dtype": declared})
+    with pytest.raises(MetraleError, match=f"config.json kv_cache_dtype {declared!r} is not a KV-cache dtype"):
+        cfg.resolve_kv_dtype("auto")
+    assert cfg.resolve_kv_dtype("turbo3") == KvCacheDtype.TURBO3  # an explicit dtype does not read it
+
+
 def test_the_command_line_parses_the_kv_dtype_once(monkeypatch):
     """Every command gets a KvCacheDtype from the option's parser (aliases resolved), not a string
     to parse again; a bad value is one error line naming the valid ones."""

@@ -76,6 +76,12 @@ def test_default_plan_keeps_boundary_layers_bf16(tiny):
     assert len({p.num_blocks for p in engine.model.kv_cache.pools()}) == 1
 
 
+@pytest.mark.parametrize("spec", ["²", "٣", "-1", "1.5", ""])
+def test_high_precision_layers_other_than_ascii_digits_are_refused(spec):
+    with pytest.raises(MetraleError, match="invalid --kv-high-precision-layers"):
+        layer_dtypes(D.TURBO3, 7, spec)
+
+
 def test_kv_messages_report_bytes_and_layer_dtypes():
     layout = KvLayout(tuple(KvLayerShape(d, 3, 64) for d in (D.BF16,) + (D.TURBO3,) * 4 + (D.BF16,)))
     lines = kv_messages(layout, 10, 160, D.TURBO3)
@@ -203,10 +209,51 @@ def test_innerq_in_a_model_keeps_logits_near_bf16_kv(tiny):
     assert nmse(got) < 1.5 * nmse(plain) + 1e-2
 
 
+def test_an_innerq_strength_without_calibration_tokens_is_said_to_do_nothing(tiny):
+    engine = _engine(tiny, kv=D.TURBO4, innerq=InnerQSettings(tokens=0, strength=0.7))
+    assert engine.model.calibration.innerq.describe() == (
+        "InnerQ: off, so strength 0.7 (TURBO_INNERQ_STRENGTH) has no effect: it needs "
+        "--innerq-calibration-tokens N or TURBO_INNERQ=N")
+    assert _engine(tiny, kv=D.TURBO4).model.calibration.innerq.describe() is None
+
+
 def test_innerq_is_off_without_a_rotated_k_side(tiny):
     engine = _engine(tiny, kv=D.BF16K_TURBO4V, innerq=InnerQSettings(tokens=16))
     assert engine.model.calibration.innerq.describe().startswith("InnerQ: off")
     assert all(engine.model.calibration.innerq.frozen)
+
+
+def _fp8_model(tiny, scale):
+    hf, raw = tiny
+    tensors = {k: v.detach().to(torch.bfloat16).clone() for k, v in hf.state_dict().items()}
+    cfg = model_config(raw)
+    for i in range(cfg.num_layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(scale)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(scale)
+    cfg = cfg.planned(layer_dtypes(D.FP8, cfg.num_layers))
+    return build_model(cfg, tensors, TorchOps(), 32, 512, 16, CPU)
+
+
+def test_fp8_calibration_line_says_what_it_calibrates_over(tiny):
+    """The scales come from each layer's first write (a short prompt: fewer than N tokens), not N tokens."""
+    hf, raw = tiny
+    tensors = {k: v.detach().to(torch.bfloat16).clone() for k, v in hf.state_dict().items()}
+    cfg = model_config(raw)
+    model = build_model(cfg.planned(layer_dtypes(D.FP8, cfg.num_layers)), tensors, TorchOps(), 32, 512, 256, CPU)
+    assert model.calibration.describe() == [
+        "fp8 KV scales: online calibration over each layer's first write, at most 256 tokens (amax/448, then frozen)"]
+
+
+def test_fp8_scales_from_the_checkpoint(tiny):
+    model = _fp8_model(tiny, 0.05)
+    assert model.calibration.describe() == ["fp8 KV scales: from the checkpoint"]
+    assert model.kv_cache.layers[0].k.scale.item() == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.05, float("nan"), float("inf"), [0.05, 0.05]])
+def test_a_checkpoint_fp8_scale_that_is_not_one_positive_number_is_refused(tiny, scale):
+    with pytest.raises(MetraleError, match="fp8 KV scale model.layers.0.self_attn.k_scale .* one finite positive"):
+        _fp8_model(tiny, scale)
 
 
 def test_innerq_env_levers(monkeypatch):
@@ -216,4 +263,12 @@ def test_innerq_env_levers(monkeypatch):
     assert RunnerOptions(innerq_calibration_tokens=0).innerq() == InnerQSettings(0, 0.25)  # the flag wins
     monkeypatch.setenv("TURBO_INNERQ", "many")
     with pytest.raises(MetraleError, match="TURBO_INNERQ"):
+        RunnerOptions().innerq()
+
+
+@pytest.mark.parametrize("strength", ["nan", "inf", "-inf"])
+def test_innerq_strength_must_be_finite(monkeypatch, strength):
+    monkeypatch.setenv("TURBO_INNERQ", "64")
+    monkeypatch.setenv("TURBO_INNERQ_STRENGTH", strength)
+    with pytest.raises(MetraleError, match=f"TURBO_INNERQ_STRENGTH='{strength}' is not a finite number"):
         RunnerOptions().innerq()

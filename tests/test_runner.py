@@ -37,6 +37,19 @@ def test_decode_mode_says_why_it_is_eager():
         "layer 0: the torch backend's attention reads context lengths on the host")
 
 
+@pytest.mark.parametrize("kv, tokens, line", [
+    (KvCacheDtype.BF16, 64, "fp8 KV scales: none (--fp8-kv-calibration-tokens calibrates an fp8 side; "
+                            "no layer's K or V side is fp8)"),
+    (KvCacheDtype.BF16, None, None),
+    (KvCacheDtype.FP8, None, "fp8 KV scales: online calibration over each layer's first write, at most 256 tokens "
+                             "(amax/448, then frozen)"),
+    (KvCacheDtype.FP8, 0, "fp8 KV scales: 1.0 (checkpoint has none; calibration off)"),
+])
+def test_fp8_calibration_tokens_are_never_ignored_unsaid(kv, tokens, line):
+    messages = _runner(kv_cache_dtype=kv, fp8_kv_calibration_tokens=tokens).messages
+    assert [m for m in messages if m.startswith("fp8 KV scales")] == ([line] if line else [])
+
+
 @pytest.mark.parametrize("option, value, message", [
     ("dtype", "fp64", "unknown --dtype 'fp64'"),
     ("cuda_graph_mode", "half", "unknown --cuda-graph-mode 'half'"),

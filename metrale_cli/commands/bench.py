@@ -377,7 +377,7 @@ def _bench_case(opts: BenchOptions, source, weights, requested, backend, device,
     for kv in requested:
         ropts = RunnerOptions(backend=backend, kv_cache_dtype=kv, dtype=dtype, max_num_seqs=opts.batch,
                               max_seq_len=opts.n_prompt + opts.n_gen + 1, reserve_all_memory=False,
-                              prefill_chunk=max(opts.n_prompt, 1), fp8_kv_calibration_tokens=256,
+                              prefill_chunk=max(opts.n_prompt, 1),
                               cuda_graph_mode=opts.cuda_graph_mode, all_reduce=opts.all_reduce,
                               kv_high_precision_layers=opts.kv_high_precision_layers,
                               innerq_calibration_tokens=opts.innerq_calibration_tokens)

@@ -23,6 +23,7 @@ from metrale_cli.engine.source import ModelSource
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.ops import Ops
 from metrale_cli.kv.dtypes import AUTO, KvCacheDtype
+from metrale_cli.kv.fp8 import FP8_CALIBRATION_TOKENS
 from metrale_cli.kv.innerq import InnerQSettings
 from metrale_cli.kv.paged import KvLayout, blocks_for
 from metrale_cli.kv.precision import describe as describe_layers
@@ -70,7 +71,7 @@ class RunnerOptions:
     max_num_seqs: int = 1
     gpu_memory_utilization: float = 0.9
     reserve_all_memory: bool = True  # GPU: pool = what the utilization allows; else what the run needs
-    fp8_kv_calibration_tokens: int = 256
+    fp8_kv_calibration_tokens: int | None = None  # None: FP8_CALIBRATION_TOKENS where a side is fp8
     prefill_chunk: int = 512
     cuda_graph_mode: str = "full"  # full: replay the decode step as a CUDA graph (cuda backend)
     kv_high_precision_layers: str = "0"  # N | auto | max | all (plus the dtype's minimum)
@@ -105,7 +106,7 @@ class RunnerOptions:
         if self.prefill_chunk < 1:
             raise MetraleError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}",
                                hint="tokens per prefill chunk, e.g. 512")
-        if self.fp8_kv_calibration_tokens < 0:
+        if self.fp8_kv_calibration_tokens is not None and self.fp8_kv_calibration_tokens < 0:
             raise MetraleError("--fp8-kv-calibration-tokens must not be negative", hint="0 turns the calibration off")
         if self.innerq_calibration_tokens is not None and self.innerq_calibration_tokens < 0:
             raise MetraleError(f"--innerq-calibration-tokens must not be negative, got {self.innerq_calibration_tokens}",
@@ -374,7 +375,8 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     blocks = host_blocks if host_blocks is not None else pool_blocks(layout, opts, max_seq_len, device)
     tp = one_shot_ranks(tp, opts, backend, device, shard, loader)
     model = build_model(shard, tensors, make_ops(backend, loader), blocks, max_seq_len,
-                        opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq(),
+                        FP8_CALIBRATION_TOKENS if opts.fp8_kv_calibration_tokens is None
+                        else opts.fp8_kv_calibration_tokens, device, innerq=opts.innerq(),
                         max_seqs=max(1, opts.max_num_seqs), tp=tp)
     capture, decode_mode = _decode_mode(model, opts)
     graphs = DecodeGraphs(model, max(1, opts.max_num_seqs), blocks_for(max_seq_len), capture)
@@ -382,6 +384,9 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
                     name)
     runner.messages += kv_messages(layout, blocks, max_seq_len, kv_dtype) + state_messages(model) \
         + model.calibration.describe()
+    if opts.fp8_kv_calibration_tokens is not None and model.calibration.fp8.source is None:
+        runner.messages.append("fp8 KV scales: none (--fp8-kv-calibration-tokens calibrates an fp8 side; "
+                               "no layer's K or V side is fp8)")
     cold = [e for e in getattr(loader, "events", []) if e.cold]
     if cold:
         runner.messages.append(f"compiled {len(cold)} kernel module(s) in "

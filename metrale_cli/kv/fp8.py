@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from metrale_cli.errors import MetraleError
 from metrale_cli.kv.dtypes import SideType
 from metrale_cli.kv.paged import PagedKvCache
 from metrale_cli.kv.quant import FP8_MAX
+
+FP8_CALIBRATION_TOKENS = 256  # --fp8-kv-calibration-tokens' default
 
 # Checkpoint tensor names that carry per-layer KV scales (vLLM / compressed-tensors / ModelOpt).
 SCALE_NAMES = {
@@ -21,10 +24,19 @@ SCALE_NAMES = {
 
 
 def checkpoint_scales(tensors: dict[str, torch.Tensor], layer: int, side: str) -> torch.Tensor | None:
+    """The checkpoint's per-tensor scale of one side of a layer, as a (1,) fp32 tensor, or None.
+    A scale that is not one finite positive number would store every position wrongly: refused."""
     for suffix in SCALE_NAMES[side]:
-        t = tensors.get(f"model.layers.{layer}.{suffix}")
-        if t is not None:
-            return t
+        name = f"model.layers.{layer}.{suffix}"
+        t = tensors.get(name)
+        if t is None:
+            continue
+        value = t.detach().float().reshape(-1)
+        if value.numel() != 1 or not bool(torch.isfinite(value).all()) or not bool((value > 0).all()):
+            shown = f"{value.item():g}" if value.numel() == 1 else f"{value.numel()} values"
+            raise MetraleError(f"the checkpoint's fp8 KV scale {name} is {shown}: it must be one finite "
+                               "positive number", hint="fix the checkpoint, or use another --kv-cache-dtype")
+        return value
     return None
 
 
@@ -49,7 +61,7 @@ class Fp8ScalePolicy:
         for layer, side in self.fp8_sides:
             t = checkpoint_scales(tensors, layer, side)
             if t is not None:
-                self._pool(layer, side).scale.copy_(t.float().reshape(-1)[:1])
+                self._pool(layer, side).scale.copy_(t)
                 found += 1
         if found == len(self.fp8_sides):
             self.frozen = [True] * len(self.frozen)
@@ -69,7 +81,7 @@ class Fp8ScalePolicy:
             "checkpoint": "fp8 KV scales: from the checkpoint",
             "partial-checkpoint": "fp8 KV scales: the checkpoint has them for some layers only; "
             "the others use 1.0",
-            "calibration": f"fp8 KV scales: online calibration over the first "
+            "calibration": f"fp8 KV scales: online calibration over each layer's first write, at most "
             f"{self.calibration_tokens} tokens (amax/448, then frozen)",
             "default": "fp8 KV scales: 1.0 (checkpoint has none; calibration off)",
         }[self.source]

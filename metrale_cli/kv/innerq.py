@@ -57,7 +57,10 @@ class InnerQPolicy:
 
     def describe(self) -> str | None:
         if self.settings.tokens <= 0:
-            return None
+            if self.settings.strength == InnerQSettings.strength:
+                return None
+            return (f"InnerQ: off, so strength {self.settings.strength:g} (TURBO_INNERQ_STRENGTH) has no effect: "
+                    "it needs --innerq-calibration-tokens N or TURBO_INNERQ=N")
         if not self.layers:
             return "InnerQ: off (it equalises a rotated K side; no layer's K side is rotated)"
         return (f"InnerQ: calibrating K channel scales over the first {self.settings.tokens} tokens "

@@ -23,7 +23,7 @@ def requested_layers(spec: str | int, num_layers: int) -> int:
         return num_layers
     if key in NAMED:
         return NAMED[key]
-    if not key.isdigit():
+    if not (key.isascii() and key.isdigit()):  # '²' is a digit int() refuses
         raise MetraleError(f"invalid --kv-high-precision-layers '{spec}'",
                            hint="give a number of layers, or auto (= 2), max or all")
     return int(key)
