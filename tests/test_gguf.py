@@ -61,8 +61,12 @@ def test_an_unwritable_gguf_cache_is_said_not_claimed(tmp_path, monkeypatch):
     folder = make_hf_checkpoint(tmp_path, "qwen3")
     path = write_gguf(folder, tmp_path / "q.gguf", "F32")
     monkeypatch.setenv("METRALE_CACHE_DIR", "/proc/metrale-cannot-write-here")
-    ck = load_checkpoint(str(path), CPU, torch.float32)
+    said = []
+    progress = lambda *args: None  # noqa: E731 (the progress callback; describe is what it says of the wait)
+    progress.describe = said.append
+    ck = load_checkpoint(str(path), CPU, torch.float32, progress)
     assert ck.source.endswith("is not writable, so every start converts again)")
+    assert said == ["converting q.gguf (F32) to float32 safetensors: at every start (the cache is not writable)"]
     assert torch.equal(ck.tensors["model.norm.weight"], hf_state_dict(folder)["model.norm.weight"].float())
 
 

@@ -216,8 +216,8 @@ def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
     tokenizer, quant = Tokenizer.from_gguf(meta), main_quant(reader)
     describe = getattr(progress, "describe", None)  # Output.progress's: say what the wait is
     if describe is not None:
-        describe(f"converting {path.name} ({quant}) to {str(dtype).removeprefix('torch.')} safetensors: "
-                 f"once, then read from the cache")
+        then = "once, then read from the cache" if _writable(folder) else "at every start (the cache is not writable)"
+        describe(f"converting {path.name} ({quant}) to {str(dtype).removeprefix('torch.')} safetensors: {then}")
     try:
         _write_cache(folder, weights, config, tokenizer, quant, dtype,
                      convert_tensors(reader, config, dtype, progress), _entries(reader, config, dtype))
@@ -227,6 +227,14 @@ def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
         return GgufModel(config, tensors, tokenizer, quant, "uncached")
     return GgufModel(config, load_tensors([read_shard_header(weights)], device, dtype, transform=transform), tokenizer,
                      quant, "converted")
+
+
+def _writable(folder: pathlib.Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK)
 
 
 def _entries(reader, config: dict, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], int]]:
