@@ -241,10 +241,11 @@ def test_a_partial_rope_dimension_count_is_refused():
     meta = {"general.architecture": "llama", "llama.block_count": 2, "llama.embedding_length": 64,
             "llama.feed_forward_length": 128, "llama.attention.head_count": 4, "llama.rope.dimension_count": 8}
     with pytest.raises(MetraleError) as info:
-        gguf_config.synthesize_config(meta, {})
+        gguf_config.synthesize_config(meta, {"token_embd.weight": (100, 64)})
     assert info.value.message == ("GGUF llama.rope.dimension_count 8 is not the head_dim 16: RoPE on part of each "
                                   "head is not built for GGUF files")
-    assert gguf_config.synthesize_config(meta | {"llama.rope.dimension_count": 16}, {})["head_dim"] == 16
+    whole = meta | {"llama.rope.dimension_count": 16}
+    assert gguf_config.synthesize_config(whole, {"token_embd.weight": (100, 64)})["head_dim"] == 16
 
 
 def test_truncated_gguf_is_one_clear_error(tmp_path):
@@ -454,3 +455,23 @@ def test_the_first_start_of_a_gguf_says_it_is_converting(tmp_path):
     assert all(r.returncode == 0 for r in runs), runs[0].stderr
     assert "converting q.gguf (F32) to bfloat16 safetensors: once, then read from the cache" in runs[0].stderr
     assert "converting" not in runs[1].stderr
+
+
+QWEN3MOE_META = {"general.architecture": "qwen3moe", "qwen3moe.embedding_length": 64,
+                 "qwen3moe.feed_forward_length": 96, "qwen3moe.block_count": 2, "qwen3moe.attention.head_count": 4,
+                 "qwen3moe.attention.head_count_kv": 2, "qwen3moe.attention.key_length": 16,
+                 "qwen3moe.expert_count": 6, "qwen3moe.expert_used_count": 2,
+                 "qwen3moe.expert_feed_forward_length": 32}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"qwen3moe.expert_count": 0}, "GGUF metadata qwen3moe.expert_count must be a positive integer, got 0"),
+    ({"qwen3moe.expert_used_count": 7}, "GGUF metadata num_experts_per_tok (7) exceeds num_experts (6)"),
+    ({"qwen3moe.rope.scaling.type": "longrope"}, "GGUF metadata rope_type 'longrope' is not supported"),
+])
+def test_a_metadata_value_the_family_refuses_is_named_as_the_files(change, message):
+    """The family's checks speak of config.json; read from a GGUF, the line names its metadata."""
+    assert gguf_config.synthesize_config(QWEN3MOE_META, {"token_embd.weight": (100, 64)})["num_experts"] == 6
+    with pytest.raises(MetraleError) as info:
+        gguf_config.synthesize_config(QWEN3MOE_META | change, {"token_embd.weight": (100, 64)})
+    assert info.value.message == message

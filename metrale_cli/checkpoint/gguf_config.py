@@ -12,7 +12,7 @@ import re
 import numpy as np
 
 from metrale_cli.errors import MetraleError
-from metrale_cli.models import FAMILIES
+from metrale_cli.models import FAMILIES, model_config
 from metrale_cli.models.family import Family
 
 
@@ -175,7 +175,22 @@ def synthesize_config(meta: dict, shapes: dict[str, tuple[int, ...]],
                                  "rope_theta": config["rope_theta"]}
     if rope_freqs is not None:
         config["rope_parameters"]["freq_factors"] = list(rope_freqs)
+    _check_as_read(config, architecture)
     return config
+
+
+def _check_as_read(config: dict, architecture: str) -> None:
+    """Read the config as its family reads it, now: a value the family refuses is then named as
+    the file's metadata (the family's checks speak of config.json and its keys)."""
+    try:
+        model_config(config)
+    except MetraleError as exc:
+        def gguf_key(m: re.Match) -> str:
+            key = ARCH_KEYS.get(m.group(1))
+            return f"GGUF metadata {architecture}.{key}" if key else f"GGUF metadata (as config key '{m.group(1)}')"
+
+        message = re.sub(r"config\.json key '(\w+)'", gguf_key, exc.message)
+        raise MetraleError(message.replace("config.json", "GGUF metadata"), exc.hint) from None
 
 
 def _rope_scaling(meta: dict, architecture: str) -> dict | None:
