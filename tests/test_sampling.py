@@ -86,6 +86,15 @@ def test_min_p_keeps_what_hfs_warper_keeps():
     assert (kept.sum(-1) < 64).all()  # the warper does drop tokens here
 
 
+@pytest.mark.parametrize("temperature", [1e-39, 1e-45])
+def test_a_tiny_temperature_samples_the_likeliest_token(temperature):
+    """30 / 1e-39 overflows to inf (-40 to -inf): the draw must still be the argmax,
+    not a NaN distribution that multinomial refuses."""
+    logits = torch.tensor([[30.0, 29.0, -5.0, 12.0], [-40.0, -3.0, -30.0, -8.0]])
+    sampler = Sampler(SamplingParams(temperature=temperature, top_p=0.9, min_p=0.1, seed=0), torch.device("cpu"))
+    assert [sampler(logits).tolist() for _ in range(5)] == [[0, 1]] * 5
+
+
 @pytest.mark.parametrize("bad", [dict(repetition_penalty=0.0), dict(presence_penalty=2.5),
                                  dict(frequency_penalty=-3.0), dict(min_p=1.5), dict(stop=("end", ""))])
 def test_out_of_range_knobs_are_refused(bad):

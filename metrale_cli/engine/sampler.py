@@ -157,7 +157,9 @@ class Sampler:
         p = self.params
         if p.greedy:
             return logits.argmax(dim=-1)
-        logits = logits / p.temperature
+        # the top logit shifted to 0 first: a tiny temperature then sends the others to -inf, where
+        # dividing as they are overflows to inf and the softmax to nan (the same distribution else)
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / p.temperature
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
