@@ -33,6 +33,9 @@ def window(r: ConfigReader) -> int | None:
     return r.optional_positive_int("sliding_window") if r.flag("use_sliding_window") else None
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # a dense Qwen-style config's layer_types
+
+
 def windows(r: ConfigReader, layers: int, sliding: Callable[[int, int], bool]) -> list[int | None]:
     """Each layer's sliding window as transformers derives it: :func:`window` on the layers
     ``layer_types`` names ``sliding_attention``; without ``layer_types``, on the layers ``i`` for
@@ -42,6 +45,10 @@ def windows(r: ConfigReader, layers: int, sliding: Callable[[int, int], bool]) -
                                      else "full_attention" for i in range(layers)]
     if len(types) != layers:
         raise MetraleError(f"config.json layer_types has {len(types)} entries for {layers} layers")
+    unknown = sorted({str(kind) for kind in types} - set(LAYER_TYPES))
+    if unknown:
+        raise MetraleError(f"config.json layer_types names {', '.join(map(repr, unknown))}, not a layer type this "
+                           "family has", hint="its layers are " + " or ".join(LAYER_TYPES))
     return [w if kind == "sliding_attention" else None for kind in types]
 
 
