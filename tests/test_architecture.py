@@ -103,6 +103,8 @@ def test_mistrals_window_is_on_every_layer_as_transformers_masks_it():
     assert cfg.family == "mistral" and unserved(cfg.layers) == []
     a = cfg.layers[0].attention
     assert (a.head_dim, a.num_heads, a.num_kv_heads, a.qkv_bias, a.qk_norm, a.o_bias) == (32, 4, 2, False, False, False)
+    biased = model_config(nemo | {"attention_bias": True}).layers[0].attention  # MistralAttention builds none
+    assert (biased.qkv_bias, biased.o_bias) == (False, False)
 
 
 def test_phi3_is_read_with_its_fused_tensors_and_partial_rope():

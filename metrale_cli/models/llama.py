@@ -27,7 +27,8 @@ def _config(r: ConfigReader, family: str) -> ModelConfig:
     if r.rope().partial_rotary_factor != 1:
         raise MetraleError(f"config.json partial_rotary_factor={r.rope().partial_rotary_factor!r} is not supported "
                            f"for {family}", hint="transformers' model of the family rotates every dimension of a head")
-    layers, bias = r.positive_int("num_hidden_layers"), r.flag("attention_bias")
+    # MistralAttention has no biases whatever attention_bias says (not a key of MistralConfig)
+    layers, bias = r.positive_int("num_hidden_layers"), r.flag("attention_bias") and family != "mistral"
     if family == "llama":
         windows = [None] * layers
     elif family == "mistral":
