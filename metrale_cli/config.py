@@ -50,13 +50,15 @@ def token_ids(where: str, value) -> list[int]:
 def token_id(where: str, value) -> int | None:
     """A key that holds one token id, or none (bos_token_id)."""
     if value is not None and not _is_id(value):
-        raise MetraleError(f"{where} must be a token id, got {value!r}", hint="fix the file, or re-download the checkpoint")
+        raise MetraleError(f"{where} must be a token id, got {value!r}",
+                           hint="fix the file, or re-download the checkpoint")
     return None if value is None else int(value)
 
 
 # The RoPE keys each scaled type must give (transformers refuses a config without them); a
 # missing original_max_position_embeddings is max_position_embeddings, as transformers takes it.
-ROPE_REQUIRED = {"linear": ("factor",), "yarn": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+ROPE_REQUIRED = {"linear": ("factor",), "yarn": ("factor",),
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 _POSITIVE_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _REAL_ROPE_KEYS = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
 
@@ -203,7 +205,8 @@ class ModelConfig:
                    rms_norm_eps=r.number("rms_norm_eps", 1e-6),
                    max_position_embeddings=r.positive_int("max_position_embeddings", 2048),
                    tie_word_embeddings=r.flag("tie_word_embeddings"), layers=layers,
-                   bos_token_id=token_id("config.json bos_token_id", r.raw.get("bos_token_id")), eos_token_ids=r.eos_ids(),
+                   bos_token_id=token_id("config.json bos_token_id", r.raw.get("bos_token_id")),
+                   eos_token_ids=r.eos_ids(),
                    kv_cache_dtype=r.get("kv_cache_dtype"))
 
     @property

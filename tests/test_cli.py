@@ -88,9 +88,12 @@ def test_a_broken_moe_checkpoint_is_one_error_line(tmp_path, command, edit, need
 
 
 @pytest.mark.parametrize("file, key, value, needle", [
-    ("config.json", "eos_token_id", "x", "error: config.json eos_token_id must be a token id or a list of token ids, got 'x'"),
-    ("config.json", "eos_token_id", [1, None], "error: config.json eos_token_id must be a token id or a list of token ids"),
-    ("generation_config.json", "eos_token_id", -1, "error: generation_config.json eos_token_id must be a token id or a list"),
+    ("config.json", "eos_token_id", "x",
+     "error: config.json eos_token_id must be a token id or a list of token ids, got 'x'"),
+    ("config.json", "eos_token_id", [1, None],
+     "error: config.json eos_token_id must be a token id or a list of token ids"),
+    ("generation_config.json", "eos_token_id", -1,
+     "error: generation_config.json eos_token_id must be a token id or a list"),
     ("config.json", "bos_token_id", "y", "error: config.json bos_token_id must be a token id, got 'y'"),
 ])
 def test_a_token_id_that_is_not_one_is_one_error_line(tmp_path, file, key, value, needle):
