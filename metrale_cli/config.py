@@ -80,6 +80,10 @@ def _check_scaling(rope_type: str, extra: dict) -> None:
                            f"low_freq_factor ({extra['low_freq_factor']})")
 
 
+def _rope_type(params: dict) -> str:
+    return params.get("rope_type", params.get("type", "default"))
+
+
 class ConfigReader:
     """Typed reads of an HF ``config.json`` dict; every failure is one MetraleError naming its key."""
 
@@ -139,11 +143,11 @@ class ConfigReader:
         return params
 
     def rope_type(self) -> str:
-        params = self.rope_params()
-        return params.get("rope_type", params.get("type", "default"))
+        return _rope_type(self.rope_params())
 
     def rope(self) -> RopeConfig:
-        params, rope_type = self.rope_params(), self.rope_type()
+        params = self.rope_params()
+        rope_type = _rope_type(params)
         theta = _real("rope_theta", params.get("rope_theta", self.get("rope_theta", 10000.0)))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise MetraleError(f"config.json rope_type '{rope_type}' is not supported",

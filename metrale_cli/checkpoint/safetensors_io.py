@@ -74,17 +74,14 @@ def read_shard_header(path: pathlib.Path) -> ShardHeader:
                            "re-download the file") from None
     if not isinstance(header, dict):
         raise MetraleError(f"{path} has a corrupt safetensors header (not a JSON object)", "re-download the file")
-    shard = _check_entries(path, header, data_size=size - 8 - length)
-    _check_layout(path)
-    return shard
+    return _check_entries(path, header, data_size=size - 8 - length)
 
 
-def _check_layout(path: pathlib.Path) -> None:
-    """What safetensors checks when it opens the file (dtypes, each tensor's bytes against its
-    shape, offsets covering the data): mapped, no tensor data read."""
+def _open(path: pathlib.Path):
+    """The file through safetensors, whose own header checks (dtypes, each tensor's bytes against
+    its shape, offsets covering the data) fail as one line."""
     try:
-        with safe_open(str(path), framework="pt", device="cpu"):
-            pass
+        return safe_open(str(path), framework="pt", device="cpu")
     except SafetensorError as exc:
         raise MetraleError(f"{path} has a corrupt safetensors header ({exc})", "re-download the file") from None
 
@@ -183,7 +180,7 @@ def load_tensors(headers: list[ShardHeader], device: torch.device, dtype: torch.
     wanted = [(h, [n for n in h.entries if not n.startswith(skip)]) for h in headers]
     total, done, tensors = sum(h.entries[n][2] for h, names in wanted for n in names), 0, {}
     for header, names in wanted:
-        with safe_open(str(header.path), framework="pt", device="cpu") as handle:
+        with _open(header.path) as handle:
             for name in names:
                 tensor = handle.get_tensor(name)
                 if transform is not None:

@@ -160,10 +160,11 @@ class Tokenizer:
                                "re-download the checkpoint's tokenizer.json") from None
         tok_config = _read_json(folder / "tokenizer_config.json")
         special = {k: _token_text(tok_config[k]) for k in SPECIAL_TOKEN_KEYS if tok_config.get(k)}
-        eos_ids = token_ids("config.json eos_token_id", _read_json(folder / "config.json").get("eos_token_id"))
+        config = _read_json(folder / "config.json")
+        eos_ids = token_ids("config.json eos_token_id", config.get("eos_token_id"))
         eos_ids += token_ids("generation_config.json eos_token_id",
                              _read_json(folder / "generation_config.json").get("eos_token_id"))
-        bos = token_id("config.json bos_token_id", _read_json(folder / "config.json").get("bos_token_id"))
+        bos = token_id("config.json bos_token_id", config.get("bos_token_id"))
         if bos is None and "bos_token" in special:
             bos = backend.token_to_id(special["bos_token"])
         return cls._build(backend, bos, eos_ids, _chat_template(folder, tok_config), special)

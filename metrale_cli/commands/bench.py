@@ -307,8 +307,9 @@ def bench_source(opts: BenchOptions, device: torch.device, tp: TensorParallel = 
         raw, about = PRESETS[opts.preset], DESCRIPTIONS.get(opts.preset)
         name = f"{opts.preset} (random weights{'; ' + about if about else ''})"
         dtype, _ = resolve_dtype(opts.dtype, raw)
-        _check_context(model_config(raw), cases)
-        shard = shard_config(model_config(raw), tp)
+        cfg = model_config(raw)
+        _check_context(cfg, cases)
+        shard = shard_config(cfg, tp)
         check_room(f"--preset {opts.preset}", weight_bytes(shard, DTYPES[dtype]), device, tp, "preset")
         return ModelSource.loaded(raw, random_weights(raw, device, DTYPES[dtype], tp=tp), None, name,
                                   sharded=tp.size > 1), dtype

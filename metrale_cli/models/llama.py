@@ -24,8 +24,9 @@ from metrale_cli.models.model import CausalLM
 def _config(r: ConfigReader, family: str) -> ModelConfig:
     r.refuse("mlp_bias", (False,), "only bias-free MLPs are built")
     r.refuse("hidden_act", ("silu",), "only SiLU (SwiGLU) FFNs are built")
-    if r.rope().partial_rotary_factor != 1:
-        raise MetraleError(f"config.json partial_rotary_factor={r.rope().partial_rotary_factor!r} is not supported "
+    partial = r.rope().partial_rotary_factor
+    if partial != 1:
+        raise MetraleError(f"config.json partial_rotary_factor={partial!r} is not supported "
                            f"for {family}", hint="transformers' model of the family rotates every dimension of a head")
     # MistralAttention has no biases whatever attention_bias says (not a key of MistralConfig)
     layers, bias = r.positive_int("num_hidden_layers"), r.flag("attention_bias") and family != "mistral"

@@ -20,8 +20,9 @@ from metrale_cli.models.model import CausalLM
 
 def _config(r: ConfigReader) -> ModelConfig:
     r.refuse("hidden_act", ("silu",), "only SiLU (SwiGLU) FFNs are built")
-    if r.rope_type() != "default":
-        raise MetraleError(f"config.json rope_type '{r.rope_type()}' is not supported for phi3",
+    rope_type = r.rope_type()
+    if rope_type != "default":
+        raise MetraleError(f"config.json rope_type '{rope_type}' is not supported for phi3",
                            hint="Phi-3 reads 'su' and 'yarn' as longrope, the 128k models' scaling, which is not "
                            "built; transformers' Phi-3 takes no other scaling")
     layers = r.positive_int("num_hidden_layers")
