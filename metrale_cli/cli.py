@@ -149,6 +149,9 @@ def _check_system(out: Output, system: str | None) -> None:
         raise typer.Exit(1)
 
 
+SeedOpt = Annotated[Optional[int], typer.Option(
+    help="reproducible sampling: an answer depends on the seed and its prompt alone (with --n, on "
+         "which answer it is too)")]
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     "--chat-template", help="a Jinja chat template file, in place of the model's")]
 
@@ -173,7 +176,7 @@ def generate(
     samples: Annotated[int, typer.Option("--n", help="answers per prompt (sampled together)")] = 1,
     logprobs: Annotated[int, typer.Option(help="with --json: each token's log-probability and the N likeliest "
                                           "tokens' (0 = off)")] = 0,
-    seed: Optional[int] = None,
+    seed: SeedOpt = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="stop string (repeatable)")] = None,
     system: Annotated[Optional[str], typer.Option(help="system message for the chat template")] = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="send the raw prompt")] = False,
@@ -272,7 +275,7 @@ def chat(
     repetition_penalty: RepOpt = 1.0,
     presence_penalty: PresenceOpt = 0.0,
     frequency_penalty: FrequencyOpt = 0.0,
-    seed: Optional[int] = None,
+    seed: SeedOpt = None,
     system: Annotated[Optional[str], typer.Option(help="system message")] = None,
     chat_template: ChatTemplateOpt = None,
     max_seq_len: MaxSeqOpt = None,

@@ -235,6 +235,17 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(tiny):
     assert top1["token_ids"] == greedy
 
 
+def test_a_seeded_answer_does_not_depend_on_the_other_prompts(tiny):
+    base = ["generate", "-m", str(tiny), "--no-chat-template", "-n", "16", "--ignore-eos", "--json", "-t", "1.5",
+            "--seed", "7"]
+    alone = json.loads(metrale(*base, "Hello").stdout)["results"]
+    batched = json.loads(metrale(*base, "--n", "2", "Once upon", "Hello").stdout)["results"]
+    assert [r["prompt"] for r in batched] == ["Once upon", "Once upon", "Hello", "Hello"]
+    assert batched[2]["token_ids"] == alone[0]["token_ids"]
+    assert batched[3]["token_ids"] != batched[2]["token_ids"]  # the second answer: a stream of its own
+    assert batched[0]["token_ids"] != batched[1]["token_ids"]
+
+
 def test_embedded_default_answers_paris():
     result = metrale("generate", "-n", "24", "What is the capital of France?")
     assert result.returncode == 0, result.stderr

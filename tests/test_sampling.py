@@ -95,8 +95,54 @@ def test_a_tiny_temperature_samples_the_likeliest_token(temperature):
     assert [sampler(logits).tolist() for _ in range(5)] == [[0, 1]] * 5
 
 
+@pytest.mark.parametrize("seed", [None, 11])
+def test_a_draw_follows_the_filtered_distribution(seed):
+    """The exponential race picks each kept token at its probability (renormalized over what
+    top-k keeps), seeded (a stream a row) or not (one stream): 20000 draws over 2 rows."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -9.0], [0.5, 0.5, 0.0, 3.0, -2.0]])
+    sampler = Sampler(SamplingParams(temperature=0.8, top_k=4, seed=seed), torch.device("cpu"))
+    counts = torch.zeros(2, 5)
+    for _ in range(10000):
+        tokens = sampler(torch.cat([logits, logits]))
+        counts.index_put_((torch.arange(4) % 2, tokens), torch.ones(4), accumulate=True)
+    kept = logits.masked_fill(logits < logits.topk(4, dim=-1).values[:, -1:], float("-inf"))
+    want = (kept / 0.8).softmax(dim=-1)
+    assert counts[:, 4].sum() == 0  # the token top-k drops is never drawn
+    assert torch.allclose(counts / 20000, want, atol=0.012), (counts / 20000, want)
+
+
+def _draws(prompts: list[list[int]], logits: torch.Tensor, order: list[int], steps: int, seed: int):
+    """Each sequence's tokens over ``steps`` calls, its rows given in ``order`` (sequence indices)."""
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.95, seed=seed), torch.device("cpu"))
+    for i in order:
+        sampler.start(i, prompts[i], logits.shape[-1])
+    out = {i: [] for i in order}
+    for step in range(steps):
+        batch = order[step % len(order):] + order[: step % len(order)]  # the rows in turns
+        for i, t in zip(batch, sampler(logits[batch], batch).tolist()):
+            out[i].append(t)
+    return [out[i] for i in order]
+
+
+def test_a_seeded_sequence_draws_the_same_alone_or_batched():
+    """With a seed a sequence's draws depend on the seed, its prompt and which copy of that prompt
+    it is: not on the other rows, their order, or the sequence's index."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, 50, generator=g)
+    prompts = [[5, 6, 7], [1], [5, 6, 7], [2, 3]]
+    together = _draws(prompts, logits, [0, 1, 2, 3], 24, seed=3)
+    alone = _draws([prompts[1]], logits[1:2], [0], 24, seed=3)
+    assert together[1] == alone[0]
+    reversed_ = _draws(prompts[::-1], logits.flip(0), [0, 1, 2, 3], 24, seed=3)
+    assert reversed_[0] == together[3] and reversed_[2] == together[1]
+    assert reversed_[1] != together[2]  # [5, 6, 7]'s first copy started (copy 0) now decodes logits[2]
+    assert together[0] != together[2]  # two copies of one prompt draw from two streams
+    assert _draws(prompts, logits, [0, 1, 2, 3], 24, seed=4)[1] != together[1]
+
+
 @pytest.mark.parametrize("bad", [dict(repetition_penalty=0.0), dict(presence_penalty=2.5),
-                                 dict(frequency_penalty=-3.0), dict(min_p=1.5), dict(stop=("end", ""))])
+                                 dict(frequency_penalty=-3.0), dict(min_p=1.5), dict(stop=("end", "")),
+                                 dict(seed=2**64), dict(seed=-2**63 - 1)])
 def test_out_of_range_knobs_are_refused(bad):
     with pytest.raises(MetraleError):
         SamplingParams(**bad)

@@ -1,8 +1,11 @@
-"""Next-token choice: greedy, or temperature / top-k / top-p / min-p sampling with a seeded
-generator, after the repetition, presence and frequency penalties."""
+"""Next-token choice: greedy, or temperature / top-k / top-p / min-p sampling, after the
+repetition, presence and frequency penalties. With a seed each sequence draws from a stream of its
+own, keyed by the seed, its prompt and which copy of that prompt it is: its tokens do not depend on
+the other sequences of the run, their order or the batches they decode in."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -50,6 +53,8 @@ class SamplingParams:
             raise MetraleError(f"--top-p must be in (0, 1], got {self.top_p}", hint="1 is off")
         if self.top_k < 0:
             raise MetraleError(f"--top-k must be >= 0, got {self.top_k}", hint="0 is off")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:  # what torch.Generator takes
+            raise MetraleError(f"--seed must be in [-2**63, 2**64), got {self.seed}", hint="e.g. --seed 1")
         if any(not s for s in self.stop):  # an empty string would stop nowhere, or everywhere
             raise MetraleError("--stop takes a non-empty string", hint="e.g. --stop '###'; leave it out for none")
 
@@ -91,16 +96,18 @@ class Sampler:
         self._counts: torch.Tensor | None = None  # (sequences, V) float32: the output's tokens
         self._slot: dict[int, int] = {}  # sequence index -> row of those buffers
         self._rows: dict[tuple[int, ...], torch.Tensor] = {}  # a batch's rows, on the device
-        self.generator = None
-        if not params.greedy:
+        self.generator = None  # unseeded: one stream for every row
+        self._streams: dict[int, torch.Generator] = {}  # seeded: sequence index -> its own stream
+        self._copies: dict[bytes, int] = {}  # seeded: a prompt's digest -> the sequences started with it
+        if not params.greedy and params.seed is None:
             self.generator = torch.Generator(device=device)
-            if params.seed is not None:
-                self.generator.manual_seed(params.seed)
-            else:
-                self.generator.seed()
+            self.generator.seed()
 
     def start(self, index: int, prompt_ids: list[int], vocab: int) -> None:
-        """Sequence ``index`` begins: nothing of its output yet, its prompt's tokens seen."""
+        """Sequence ``index`` begins: nothing of its output yet, its prompt's tokens seen; with a
+        seed, its stream is keyed (seed, prompt, how many sequences began with that prompt before)."""
+        if self.params.seed is not None and not self.params.greedy:
+            self._streams[index] = self._stream(prompt_ids)
         if not self.params.penalized:
             return
         row = self._row(index, vocab)
@@ -108,6 +115,17 @@ class Sampler:
         self._counts[row] = 0
         if prompt_ids:
             self._seen[row, torch.tensor(prompt_ids, device=self.device)] = True
+
+    def _stream(self, prompt_ids: list[int]) -> torch.Generator:
+        prompt = hashlib.blake2b(b"".join(t.to_bytes(8, "little", signed=True) for t in prompt_ids)).digest()
+        copy = self._copies.get(prompt, 0)
+        self._copies[prompt] = copy + 1
+        return self._keyed(b"prompt" + prompt + copy.to_bytes(8, "little"))
+
+    def _keyed(self, what: bytes) -> torch.Generator:
+        """A generator seeded from (the run's seed, what): 63 bits of their digest."""
+        key = hashlib.blake2b(self.params.seed.to_bytes(16, "little", signed=True) + what, digest_size=8).digest()
+        return torch.Generator(device=self.device).manual_seed(int.from_bytes(key, "little") >> 1)
 
     def _row(self, index: int, vocab: int) -> int:
         if index not in self._slot:
@@ -133,10 +151,11 @@ class Sampler:
         row (needed with penalties: row i is sequence i without them)."""
         p = self.params
         rows = None
+        indices = list(range(logits.shape[0])) if indices is None else indices
         if p.penalized:
-            rows = self._batch_rows(list(range(logits.shape[0])) if indices is None else indices, logits.shape[-1])
+            rows = self._batch_rows(indices, logits.shape[-1])
             logits = apply_penalties(logits, self._seen[rows], self._counts[rows], p)
-        tokens = self._pick(logits)
+        tokens = self._pick(logits, indices)
         if rows is not None:
             self._counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
             self._seen[rows, tokens] = True
@@ -153,7 +172,7 @@ class Sampler:
         top = lp.topk(min(n, lp.shape[-1]), dim=-1)
         return torch.cat([lp.gather(1, tokens[:, None]), top.values, top.indices.float()], dim=1)
 
-    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+    def _pick(self, logits: torch.Tensor, indices: list[int]) -> torch.Tensor:
         p = self.params
         if p.greedy:
             return logits.argmax(dim=-1)
@@ -172,4 +191,17 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         if p.min_p:
             probs = probs.masked_fill(probs < p.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        # a draw from probs as an exponential race: the token of the largest p / E, E ~ Exp(1)
+        # independent per token (a token's chance to win is its p over the row's sum)
+        race = torch.empty_like(probs)
+        if self.generator is not None:
+            race.exponential_(generator=self.generator)
+        else:  # a stream a sequence: a row's draws are its own, whatever the batch
+            for row, index in enumerate(indices):
+                race[row].exponential_(generator=self._seeded(index))
+        return torch.where(probs > 0, probs / race, -1.0).argmax(dim=-1)
+
+    def _seeded(self, index: int) -> torch.Generator:
+        if index not in self._streams:  # a row not begun by start (logits sampled directly): keyed by its index
+            self._streams[index] = self._keyed(b"row" + index.to_bytes(8, "little", signed=True))
+        return self._streams[index]
