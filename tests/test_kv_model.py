@@ -209,6 +209,18 @@ def test_innerq_in_a_model_keeps_logits_near_bf16_kv(tiny):
     assert nmse(got) < 1.5 * nmse(plain) + 1e-2
 
 
+def test_an_innerq_calibration_longer_than_the_run_is_said_to_be_unfinished(tiny):
+    engine = _engine(tiny, kv=D.TURBO4, innerq=InnerQSettings(tokens=64))
+    policy = engine.model.calibration.innerq
+    engine.generate([_ids(20)], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert policy.layers and not any(policy.frozen[i] for i in policy.layers) and not engine.model.kv_frozen
+    # 20 prompt tokens and 5 decode steps' (the pipelined decode's last step is launched before the
+    # host sees the fifth token end the sequence)
+    assert policy.outcome() == ("InnerQ: not calibrated: the cache took 25 of the 64 tokens the calibration "
+                                "reads, so no scales apply yet (a smaller --innerq-calibration-tokens or a "
+                                "longer run)")
+
+
 def test_an_innerq_strength_without_calibration_tokens_is_said_to_do_nothing(tiny):
     engine = _engine(tiny, kv=D.TURBO4, innerq=InnerQSettings(tokens=0, strength=0.7))
     assert engine.model.calibration.innerq.describe() == (

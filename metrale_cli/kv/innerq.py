@@ -67,8 +67,15 @@ class InnerQPolicy:
                 f"(strength {self.settings.strength:g}) on {len(self.layers)} layer(s), then frozen")
 
     def outcome(self) -> str | None:
-        """After calibration: on how many layers the scales apply and how many were skipped."""
-        if not self.applied or len(self.applied) < len(self.layers):
+        """At a run's end: on how many layers the scales apply and how many were skipped, or that
+        the run wrote too few tokens for the calibration to end (none apply then)."""
+        waiting = [i for i in self.layers if not self.frozen[i]]
+        if waiting:
+            seen = min(self._count[i] for i in waiting)
+            return (f"InnerQ: not calibrated: the cache took {seen} of the {self.settings.tokens} tokens the "
+                    "calibration reads, so no scales apply yet (a smaller --innerq-calibration-tokens or a "
+                    "longer run)")
+        if not self.applied:
             return None
         used = sum(self.applied.values())
         return (f"InnerQ: scales applied on {used} layer(s), skipped on {len(self.applied) - used} "
