@@ -70,6 +70,22 @@ def test_pipelined_decode_equals_step_by_step_decode():
     assert stats.decode_tokens == sum(len(s.output_ids) - 1 for s in piped)  # dropped ones uncounted
 
 
+@pytest.mark.parametrize("lengths, steps", [((20,), 4), ((20, 9, 33), 4), ((40,), 2)])
+def test_no_step_is_launched_behind_one_that_ends_every_sequence(lengths, steps):
+    """A pipelined step that brings every running sequence to its last token (max_new_tokens, or
+    the context: 43 tokens here) has no step launched behind it: 5 new tokens are the prefill's
+    and 4 decode steps (the 40-token prompt: its prefill's and 2 steps, then the context)."""
+    hf, raw = make_hf("qwen3", head_dim=32)
+    engine = ours(hf, raw)
+    engine.max_seq_len = 43
+    launched = []
+    launch = engine.launch
+    engine.launch = lambda seqs, *a: launched.append(len(seqs)) or launch(seqs, *a)
+    seqs = engine.generate([_ids(n, n) for n in lengths], SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
+    assert [s.finish_reason for s in seqs] == ["length" if n + 5 <= 43 else "context" for n in lengths]
+    assert len(launched) == steps, launched
+
+
 def test_top_p_and_top_k_restrict_the_draw():
     logits = torch.tensor([[5.0, 4.9, 0.0, -1.0]])
     draws = {int(Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=s), torch.device("cpu"))(logits))

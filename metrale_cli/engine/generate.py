@@ -315,7 +315,7 @@ class Engine:
                 refill = True
             running = yield from self._retire(running)
             launched = None
-            if running:
+            if running and not self._all_end_in(flight, running):
                 launched = self.launch(running, sampler, refill)
                 refill = not self._fed(len(running))  # an eager step reads host state: catch up first
             if flight is not None:
@@ -326,6 +326,15 @@ class Engine:
         stats.capture_seconds = self.graphs.capture_seconds - captured
         stats.decode_seconds = self._now() - started - stats.prompt_seconds - stats.capture_seconds
         return seqs, stats
+
+    def _all_end_in(self, flight: InFlight | None, running: list[Sequence]) -> bool:
+        """Whether the step in flight brings every running sequence to its last token (by length or
+        context): then no step is launched behind it, whose tokens would all be dropped."""
+        if flight is None:
+            return False
+        pending = {id(s) for s in flight.seqs}
+        return all(id(s) in pending and (len(s.output_ids) + 1 >= s.max_new_tokens
+                                         or s.length + 1 >= self.max_seq_len) for s in running)
 
     def _accept_all(self, flight: InFlight, params, eos, stats: GenerationStats):
         """Read a step's tokens; a sequence that finished while the step was in flight drops its
