@@ -21,7 +21,7 @@ from hf_oracle import check_batch_decodes_as_alone, check_logprobs_close, teache
 from metrale_cli.commands.bench_presets import PRESETS, random_weights
 from metrale_cli.engine.runner import RunnerOptions, open_runner
 from metrale_cli.engine.source import ModelSource
-from metrale_cli.engine.sampler import SamplingParams
+from metrale_cli.engine.sampler import Sampler, SamplingParams
 from metrale_cli.kv.dtypes import KvCacheDtype
 
 pytestmark = pytest.mark.gpu
@@ -124,3 +124,23 @@ def test_graphed_pipelined_decode_stops_like_eager_step_by_step(weights):
         check_logprobs_close(a.output_ids, a_logits, b.output_ids, b_logits)
         if a.output_ids == b.output_ids:
             assert a.finish_reason == b.finish_reason
+
+
+def test_seeded_sampling_repeats_and_a_rows_draws_are_its_own(weights):
+    """On the device, graphed and pipelined: a seeded run repeats token for token, and a seeded
+    sampler's draws for a sequence are the same alone as beside other rows (the same logits)."""
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 151936, (n,), generator=gen).tolist() for n in (40, 9, 120)]
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    runner = _runner(weights, "cuda", KvCacheDtype.BF16)
+    first, again = ([s.output_ids for s in runner.engine.generate(prompts, params)[0]] for _ in range(2))
+    assert first == again and len({tuple(t) for t in first}) == 3
+    logits = torch.randn(3, 151936, generator=gen).cuda()
+
+    def draws(rows: list[int]) -> list[list[int]]:
+        sampler = Sampler(params, torch.device("cuda"))
+        for i in rows:
+            sampler.start(i, prompts[i], logits.shape[-1])
+        return torch.stack([sampler(logits[rows], rows) for _ in range(8)], dim=1).tolist()
+
+    assert draws([0, 1, 2])[1] == draws([1])[0] == draws([2, 1])[1]
