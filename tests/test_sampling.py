@@ -10,7 +10,7 @@ import torch
 import transformers as T
 
 from hf_oracle import hf_kv_rounded_to_bf16, make_hf, ours
-from metrale_cli.engine.sampler import Sampler, SamplingParams, apply_penalties
+from metrale_cli.engine.sampler import Sampler, SamplingParams, apply_penalties, warped_probs
 from metrale_cli.errors import MetraleError
 
 
@@ -84,6 +84,18 @@ def test_min_p_keeps_what_hfs_warper_keeps():
         tokens = sampler(logits)
         assert kept[torch.arange(4), tokens].all()
     assert (kept.sum(-1) < 64).all()  # the warper does drop tokens here
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.999, 0.9999])
+def test_top_p_keeps_what_hfs_warper_keeps_over_a_whole_vocab(top_p):
+    """Over Qwen3's 151,936 tokens, where a sum from the likeliest token drifts by ~1e-5 near 1:
+    the kept tokens are HF's TopPLogitsWarper's, which are those of the same rule in float64."""
+    logits = torch.randn(4, 151936, generator=torch.Generator().manual_seed(8)) * 3
+    kept = warped_probs(logits, SamplingParams(temperature=1.0, top_p=top_p)) > 0
+    assert torch.equal(kept, T.TopPLogitsWarper(top_p)(None, logits.clone()) > float("-inf"))
+    ordered, order = logits.double().sort(dim=-1, descending=True)
+    p = ordered.softmax(dim=-1)
+    assert torch.equal(kept, torch.zeros_like(kept).scatter(-1, order, p.cumsum(dim=-1) - p < top_p))
 
 
 @pytest.mark.parametrize("temperature", [1e-39, 1e-45])

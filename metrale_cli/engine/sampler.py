@@ -83,6 +83,29 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tens
     return logits
 
 
+def warped_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """(B, V) logits -> the distribution a sampled token is drawn from: temperature, top-k, top-p
+    and min-p as HF's warpers apply them, in their order (the tokens they drop at probability 0)."""
+    # the top logit shifted to 0 first: a tiny temperature then sends the others to -inf, where
+    # dividing as they are overflows to inf and the softmax to nan (the same distribution else)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / p.temperature
+    if p.top_k:
+        kth = torch.topk(logits, min(p.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1:
+        # HF's form: the tail's mass summed from its least likely token, where fp32 keeps it exact
+        # (the likeliest first, the sum near 1 drifts by ~1e-5 over a 150k vocab: a top_p of 0.999
+        # then kept hundreds of tokens more or less than it should)
+        ascending, order = logits.sort(dim=-1)
+        drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - p.top_p
+        drop[..., -1] = False  # the likeliest token stays
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if p.min_p:
+        probs = probs.masked_fill(probs < p.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs
+
+
 class Sampler:
     """Picks each row's next token. With penalties it keeps, on the device, which tokens each
     sequence has seen (prompt and output) and how often its output has each: :meth:`start` at a
@@ -176,21 +199,7 @@ class Sampler:
         p = self.params
         if p.greedy:
             return logits.argmax(dim=-1)
-        # the top logit shifted to 0 first: a tiny temperature then sends the others to -inf, where
-        # dividing as they are overflows to inf and the softmax to nan (the same distribution else)
-        logits = (logits - logits.amax(dim=-1, keepdim=True)) / p.temperature
-        if p.top_k:
-            kth = torch.topk(logits, min(p.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-            drop = cumulative - sorted_logits.softmax(dim=-1) >= p.top_p
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-        probs = logits.softmax(dim=-1)
-        if p.min_p:
-            probs = probs.masked_fill(probs < p.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = warped_probs(logits, p)
         # a draw from probs as an exponential race: the token of the largest p / E, E ~ Exp(1)
         # independent per token (a token's chance to win is its p over the row's sum)
         race = torch.empty_like(probs)
