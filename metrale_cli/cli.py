@@ -66,14 +66,18 @@ DtypeOpt = Annotated[str, typer.Option(
 MaxSeqOpt = Annotated[Optional[int], typer.Option(
     "--max-seq-len", "--max-model-len", help="context length of the KV pool (default: model's, at most 8192)")]
 EagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="vLLM's spelling of --cuda-graph-mode disabled")]
-RepOpt = Annotated[float, typer.Option(help="divide a seen token's positive logit (multiply a negative one) by "
-                                       "this; 1 = off")]
+MODEL_DEFAULT = "; default: the model's recommended value (generation_config.json), else "
+TempOpt = Annotated[Optional[float], typer.Option("--temperature", "-t", help="0 = greedy" + MODEL_DEFAULT + "0")]
+TopKOpt = Annotated[Optional[int], typer.Option(help="0 = off" + MODEL_DEFAULT + "0")]
+TopPOpt = Annotated[Optional[float], typer.Option(help="1 = off" + MODEL_DEFAULT + "1")]
+RepOpt = Annotated[Optional[float], typer.Option(help="divide a seen token's positive logit (multiply a negative one) by "
+                                                 "this; 1 = off" + MODEL_DEFAULT + "1")]
 PresenceOpt = Annotated[float, typer.Option(help="subtract this from the logit of each token the answer has; "
                                             "0 = off")]
 FrequencyOpt = Annotated[float, typer.Option(help="subtract this times the answer's count of a token from its "
                                              "logit; 0 = off")]
-MinPOpt = Annotated[float, typer.Option(help="sample only tokens at least this fraction as likely as the top "
-                                        "one; 0 = off")]
+MinPOpt = Annotated[Optional[float], typer.Option(help="sample only tokens at least this fraction as likely as the "
+                                                  "top one; 0 = off" + MODEL_DEFAULT + "0")]
 GpuMemOpt = Annotated[float, typer.Option(help="fraction of GPU memory for weights + KV pool")]
 CalibOpt = Annotated[Optional[int], typer.Option(
     "--fp8-kv-calibration-tokens", help="fp8 KV: calibrate scales over each layer's first write, at most N tokens "
@@ -156,6 +160,11 @@ ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     "--chat-template", help="a Jinja chat template file, in place of the model's")]
 
 
+def _set_sampling(**options) -> dict:
+    """The sampling options the user set (the others take the model's recommended values)."""
+    return {name: value for name, value in options.items() if value is not None}
+
+
 @app.command()
 def generate(
     prompt: Annotated[Optional[list[str]], typer.Argument(
@@ -166,11 +175,11 @@ def generate(
     kv_cache_dtype: KvOpt = "auto",
     dtype: DtypeOpt = "bf16",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 256,
-    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy")] = 0.0,
-    top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
-    top_p: float = 1.0,
-    min_p: MinPOpt = 0.0,
-    repetition_penalty: RepOpt = 1.0,
+    temperature: TempOpt = None,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
+    min_p: MinPOpt = None,
+    repetition_penalty: RepOpt = None,
     presence_penalty: PresenceOpt = 0.0,
     frequency_penalty: FrequencyOpt = 0.0,
     samples: Annotated[int, typer.Option("--n", help="answers per prompt (sampled together)")] = 1,
@@ -246,16 +255,18 @@ def generate(
                          cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode,
                          kv_high_precision_layers=kv_high_precision_layers,
                          innerq_calibration_tokens=innerq_calibration_tokens, all_reduce=all_reduce)
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos, min_p=min_p,
-                            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                            frequency_penalty=frequency_penalty, logprobs=logprobs)
+    sampling = _set_sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                             repetition_penalty=repetition_penalty)
+    params = SamplingParams(max_new_tokens=max_new_tokens, seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos,
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                            logprobs=logprobs, **sampling)
     if logprobs and not json_out:
         out.error(f"--logprobs {logprobs} is shown in the --json output only", "add --json")
         raise typer.Exit(1)
     _run(out, debug, lambda: run_ranks(
         tensor_parallel_size, generate_rank, _with_revision(model, revision), opts, prompts, params,
-        chat=not no_chat_template, system=system, verbose=verbose, chat_template=template, main_output=out,
+        chat=not no_chat_template, system=system, verbose=verbose, chat_template=template,
+        explicit=frozenset(sampling), main_output=out,
         on_worker_error=out.error))
 
 
@@ -268,11 +279,11 @@ def chat(
     dtype: DtypeOpt = "bf16",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="at most this many tokens an "
                                                 "answer")] = 512,
-    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy")] = 0.0,
-    top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
-    top_p: float = 1.0,
-    min_p: MinPOpt = 0.0,
-    repetition_penalty: RepOpt = 1.0,
+    temperature: TempOpt = None,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
+    min_p: MinPOpt = None,
+    repetition_penalty: RepOpt = None,
     presence_penalty: PresenceOpt = 0.0,
     frequency_penalty: FrequencyOpt = 0.0,
     seed: SeedOpt = None,
@@ -312,11 +323,13 @@ def chat(
     opts = RunnerOptions(backend=backend, kv_cache_dtype=kv_cache_dtype, dtype=dtype, max_seq_len=max_seq_len,
                          gpu_memory_utilization=gpu_memory_utilization,
                          cuda_graph_mode="disabled" if enforce_eager else cuda_graph_mode)
+    sampling = _set_sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                             repetition_penalty=repetition_penalty)
     code = _run(out, debug, lambda: run_chat(out, _with_revision(model, revision), opts, SamplingParams(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
-        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty), system, chat_template=_read_text(out, chat_template,
-                                                                                 "chat template file")))
+        max_new_tokens=max_new_tokens, seed=seed, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, **sampling), system, chat_template=_read_text(out, chat_template,
+                                                                                           "chat template file"),
+        explicit=frozenset(sampling)))
     raise typer.Exit(code)
 
 

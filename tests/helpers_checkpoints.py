@@ -169,11 +169,13 @@ def llama_cpp_tensors(folder: pathlib.Path, config: dict) -> dict[str, np.ndarra
     return tensors
 
 
-def write_gguf(folder: pathlib.Path, out: pathlib.Path, quant: str = "F32", squeezed: bool = False) -> pathlib.Path:
+def write_gguf(folder: pathlib.Path, out: pathlib.Path, quant: str = "F32", squeezed: bool = False,
+               sampling: dict | None = None) -> pathlib.Path:
     """Convert a tiny HF folder to GGUF as llama.cpp would: arch metadata (experts' too), gpt2
     tokenizer, q/k permuted for llama, experts stacked, matrices in ``quant`` ("F32" or "Q8_0";
     F16 where rows are no multiple of the block) except the MoE router, which llama.cpp keeps in
-    F32, 1-D tensors in F32. ``squeezed``: unit dimensions dropped, as older converters did."""
+    F32, 1-D tensors in F32. ``squeezed``: unit dimensions dropped, as older converters did;
+    ``sampling``: general.sampling.* values by their writer's name ({"temp": 0.6, "top_k": 20})."""
     import gguf
 
     config = json.loads((folder / "config.json").read_text())
@@ -197,6 +199,8 @@ def write_gguf(folder: pathlib.Path, out: pathlib.Path, quant: str = "F32", sque
     if config.get("shared_expert_intermediate_size"):
         writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     _add_tokenizer(writer, folder)
+    for key, value in (sampling or {}).items():
+        getattr(writer, f"add_sampling_{key}")(value)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(config))

@@ -13,14 +13,16 @@ from typing import Callable
 
 import torch
 
-from metrale_cli.checkpoint.gguf_io import gguf_cache_path, load_gguf, read_gguf_config, read_gguf_tokenizer
+from metrale_cli.checkpoint.gguf_io import (gguf_cache_path, load_gguf, metadata, open_reader, read_gguf_config,
+                                            read_gguf_tokenizer)
 from metrale_cli.checkpoint.resolve import Format, ModelLocation, default_model_path, locate
+from metrale_cli.checkpoint.sampling_defaults import SamplingDefaults, from_gguf_metadata, from_generation_config
 from metrale_cli.checkpoint.safetensors_io import Progress, Transform, load_hf_folder_tensors, read_hf_config
 from metrale_cli.checkpoint.tokenizer import Tokenizer
 from metrale_cli.models import unused_tensors
 
-__all__ = ["Checkpoint", "load_checkpoint", "read_config", "read_tokenizer", "default_model_path",
-           "gguf_cache_path"]
+__all__ = ["Checkpoint", "load_checkpoint", "read_config", "read_tokenizer", "read_sampling_defaults",
+           "default_model_path", "gguf_cache_path"]
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,15 @@ def _load_gguf(where: ModelLocation, device, dtype, progress, transform=None) ->
                       f"{where.name} (gguf {model.quant}, {where.path}; {how[model.cache]})")
 
 
-# weight format -> (loader, config reader, tokenizer reader)
+def _read_gguf_sampling(path: pathlib.Path) -> SamplingDefaults:
+    return from_gguf_metadata(metadata(open_reader(path)))
+
+
+# weight format -> (loader, config reader, tokenizer reader, recommended-sampling reader)
 FORMATS: dict[Format, tuple[Callable[..., Checkpoint], Callable[[pathlib.Path], dict],
-                            Callable[[pathlib.Path], Tokenizer]]] = {
-    Format.HF_FOLDER: (_load_hf_folder, read_hf_config, Tokenizer.from_hf_folder),
-    Format.GGUF: (_load_gguf, read_gguf_config, read_gguf_tokenizer),
+                            Callable[[pathlib.Path], Tokenizer], Callable[[pathlib.Path], SamplingDefaults]]] = {
+    Format.HF_FOLDER: (_load_hf_folder, read_hf_config, Tokenizer.from_hf_folder, from_generation_config),
+    Format.GGUF: (_load_gguf, read_gguf_config, read_gguf_tokenizer, _read_gguf_sampling),
 }
 
 
@@ -89,3 +95,9 @@ def read_tokenizer(spec: str | None) -> Tokenizer:
     """The tokenizer of ``spec`` without loading tensors (prompts are checked before weights)."""
     where = locate(spec)
     return FORMATS[where.format][2](where.path)
+
+
+def read_sampling_defaults(spec: str | None) -> SamplingDefaults:
+    """The sampling ``spec`` recommends (its generation_config.json or GGUF metadata), unloaded."""
+    where = locate(spec)
+    return FORMATS[where.format][3](where.path)

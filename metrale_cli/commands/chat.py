@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from metrale_cli.engine.llm import LLM
 from metrale_cli.engine.runner import RunnerOptions, open_runner
-from metrale_cli.engine.sampler import SamplingParams
+from metrale_cli.engine.sampler import SamplingParams, with_model_defaults
 from metrale_cli.engine.source import ModelSource
 from metrale_cli.errors import MetraleError
 from metrale_cli.output import Output
@@ -92,16 +92,20 @@ def _terminal_lines(out: Output) -> Iterable[str]:
 
 
 def run_chat(out: Output, model: str | None, opts: RunnerOptions, params: SamplingParams,
-             system: str | None = None, lines: Iterable[str] | None = None, chat_template: str | None = None) -> int:
+             system: str | None = None, lines: Iterable[str] | None = None, chat_template: str | None = None,
+             explicit: frozenset[str] = frozenset()) -> int:
     """The session over ``lines`` (default: the terminal, else stdin's lines). -> the exit code:
     1 when a turn failed (a message past the context, an unknown command) with stdin not a
     terminal, so that scripts see it; 0 otherwise. ``chat_template``: Jinja text in place of the
-    checkpoint's template."""
+    checkpoint's template; ``explicit``: the sampling fields the user set (the others take the
+    checkpoint's recommended values)."""
     interactive = lines is None and sys.stdin is not None and sys.stdin.isatty()
     if lines is None:
         lines = _terminal_lines(out) if interactive else (line.rstrip("\n") for line in sys.stdin)
+    source = ModelSource.checkpoint(model)
+    params, sampling = with_model_defaults(params, explicit, source.sampling())
     with out.progress("loading weights") as progress:
-        llm = LLM(open_runner(opts, ModelSource.checkpoint(model), progress))
+        llm = LLM(open_runner(opts, source, progress))
     if chat_template is not None:
         llm.tokenizer.set_chat_template(chat_template)
     if not llm.tokenizer.has_chat_template:
@@ -109,6 +113,8 @@ def run_chat(out: Output, model: str | None, opts: RunnerOptions, params: Sampli
                            hint="use metrale generate --no-chat-template for raw text")
     out.info(f"chat with {llm.runner.source} · backend {llm.runner.backend} · kv {llm.runner.kv_dtype.value} · "
              f"context {llm.runner.engine.max_seq_len} tokens · /help for commands")
+    if sampling:
+        out.info(sampling)
     session, failed = ChatSession(llm, params, system), False
     for line in lines:
         text = line.strip()

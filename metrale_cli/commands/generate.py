@@ -5,7 +5,7 @@ from __future__ import annotations
 from metrale_cli.engine.llm import LLM, render_prompt
 from metrale_cli.engine.generate import check_prompt_lengths
 from metrale_cli.engine.runner import RunnerOptions, open_runner
-from metrale_cli.engine.sampler import SamplingParams
+from metrale_cli.engine.sampler import SamplingParams, with_model_defaults
 from metrale_cli.engine.source import ModelSource
 from metrale_cli.output import Output, SilentOutput
 from metrale_cli.layers.parallel import SINGLE, TensorParallel
@@ -19,10 +19,13 @@ def generate_rank(tp: TensorParallel, device, out: Output | None, *args, **kwarg
 
 def run_generate(out: Output, model: str | None, opts: RunnerOptions, prompts: list[str], params: SamplingParams,
                  chat: bool = True, system: str | None = None, verbose: bool = False,
-                 chat_template: str | None = None, tp: TensorParallel = SINGLE) -> list[dict]:
+                 chat_template: str | None = None, tp: TensorParallel = SINGLE,
+                 explicit: frozenset[str] = frozenset()) -> list[dict]:
     """``chat_template``: Jinja text in place of the checkpoint's template; ``tp``: this process's
-    tensor-parallel rank (every rank runs the same generation; rank 0 writes it)."""
+    tensor-parallel rank (every rank runs the same generation; rank 0 writes it); ``explicit``:
+    the sampling fields the user set (the others take the checkpoint's recommended values)."""
     source, ids = ModelSource.checkpoint(model), []
+    params, sampling = with_model_defaults(params, explicit, source.sampling())
 
     def check_prompts(tokenizer, context: int) -> None:  # before the weights: fail fast
         if chat_template is not None:
@@ -38,6 +41,8 @@ def run_generate(out: Output, model: str | None, opts: RunnerOptions, prompts: l
     out.info(f"model: {runner.source} · backend {runner.backend} · kv {runner.kv_dtype.value}")
     for line in runner.messages if verbose else runner.messages[1:]:
         out.info(line)
+    if sampling:
+        out.info(sampling)
     if chat and not llm.tokenizer.has_chat_template:
         out.info("the model has no chat template: sending the raw prompt")
     single = len(prompts) == 1 and not out.json_mode

@@ -5,6 +5,7 @@ the other sequences of the run, their order or the batches they decode in."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -66,6 +67,25 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether a choice depends on the tokens so far (repetition, presence, frequency)."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def with_model_defaults(params: SamplingParams, explicit: frozenset[str], defaults) -> tuple[SamplingParams, str | None]:
+    """``params`` with the checkpoint's recommended values (``defaults``: a SamplingDefaults) for
+    the fields the user left unset (``explicit`` names those they set), as transformers' generate
+    and vLLM apply a generation_config.json; and the line that says which it took, or None."""
+    taken = {name: defaults.value(name) for name in defaults.values if name not in explicit}
+    merged = dataclasses.replace(params, **taken)
+    if merged.greedy:  # a greedy run reads none of the sampling values, only the penalty
+        taken = {name: v for name, v in taken.items() if name == "repetition_penalty"}
+        merged = dataclasses.replace(params, **taken)
+    if not taken:
+        return params, None
+    own = ", ".join(f"{name} {v:g}" for name, v in taken.items() if name not in defaults.implied)
+    filled = ", ".join(f"{name} {v:g}" for name, v in taken.items() if name in defaults.implied)
+    line = (f"sampling: {own or 'do_sample'} from the model's {defaults.source}"
+            + (f" ({filled} by transformers' defaults)" if filled else "")
+            + ("; -t 0 decodes greedily" if not merged.greedy else "") + "; an option you set overrides its value")
+    return merged, line
 
 
 def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor,

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from metrale_cli.checkpoint.sampling_defaults import NONE
+
 
 @dataclass(frozen=True)
 class Weights:
@@ -27,19 +29,20 @@ class ModelSource:
     config: dict
     tokenizer: Callable[[], object | None]
     load: Callable[..., Weights]
+    sampling: Callable[[], object] = lambda: NONE  # the checkpoint's recommended sampling (SamplingDefaults)
     sharded: bool = False  # its tensors are already this tensor-parallel rank's shard (on its device)
     resident: bool = False  # its tensors are already in memory (loading them takes no more)
 
     @classmethod
     def checkpoint(cls, spec: str | None) -> ModelSource:
         """An HF folder, a .gguf file, a hub id, or None for the embedded default model."""
-        from metrale_cli.checkpoint import load_checkpoint, read_config, read_tokenizer
+        from metrale_cli.checkpoint import load_checkpoint, read_config, read_sampling_defaults, read_tokenizer
 
         def load(device, dtype, progress, transform=None):
             ckpt = load_checkpoint(spec, device, dtype, progress, transform)
             return Weights(ckpt.tensors, ckpt.tokenizer, ckpt.source)
 
-        return cls(read_config(spec), lambda: read_tokenizer(spec), load)
+        return cls(read_config(spec), lambda: read_tokenizer(spec), load, lambda: read_sampling_defaults(spec))
 
     @classmethod
     def loaded(cls, config: dict, tensors: dict[str, torch.Tensor], tokenizer=None, name: str = "weights",
@@ -50,4 +53,4 @@ class ModelSource:
             kept = dict(tensors) if transform is None else {n: transform(n, t).to(device) for n, t in tensors.items()}
             return Weights(kept, tokenizer, name)
 
-        return cls(config, lambda: tokenizer, load, sharded, resident=True)
+        return cls(config, lambda: tokenizer, load, sharded=sharded, resident=True)

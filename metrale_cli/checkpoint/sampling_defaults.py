@@ -1,0 +1,78 @@
+"""A checkpoint's recommended sampling: an HF folder's generation_config.json as transformers'
+``generate`` reads it, a GGUF file's ``general.sampling.*`` as llama.cpp reads it. A run applies
+them where the user set no value of their own (``engine.sampler.with_model_defaults``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import pathlib
+from dataclasses import dataclass, field
+
+from metrale_cli.errors import MetraleError
+
+# transformers' GenerationConfig defaults, which its generate uses for a key a do_sample config leaves out
+HF_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+HF_KEYS = ("temperature", "top_k", "top_p", "min_p")
+GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+             "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+             "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+RULES = {"temperature": (float, lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+         "top_k": (int, lambda v: v >= 0, "an integer >= 0"),
+         "top_p": (float, lambda v: 0 < v <= 1, "in (0, 1]"),
+         "min_p": (float, lambda v: 0 <= v <= 1, "in [0, 1]"),
+         "repetition_penalty": (float, lambda v: 0 < v < math.inf, "a finite number > 0")}
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """``values``: SamplingParams field -> the checkpoint's value, as stored; ``source``: where
+    they were read; ``implied``: the fields the source left out that its reader's defaults fill."""
+
+    values: dict = field(default_factory=dict)
+    source: str = ""
+    implied: frozenset = frozenset()
+
+    def value(self, name: str):
+        """The checkpoint's value for ``name``, checked (only the values a run applies are)."""
+        value = self.values[name]
+        kind, ok, what = RULES[name]
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not number or (kind is int and value != int(value)) or not ok(value):
+            raise MetraleError(f"{self.source} {name} must be {what}, got {value!r}",
+                               f"fix the file, or set --{name.replace('_', '-')} on the command line")
+        return kind(value)
+
+
+NONE = SamplingDefaults()
+
+
+def from_generation_config(folder: pathlib.Path) -> SamplingDefaults:
+    """generation_config.json's sampling when it sets ``do_sample`` (else greedy), its repetition
+    penalty either way, as transformers' generate applies them."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return NONE
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MetraleError(f"{path} is not valid JSON: {exc}", "re-download the checkpoint's file") from None
+    if not isinstance(config, dict):
+        raise MetraleError(f"{path} is not a JSON object", "re-download the checkpoint's file")
+    sample = config.get("do_sample", False)
+    if not isinstance(sample, bool):
+        raise MetraleError(f"generation_config.json do_sample must be true or false, got {sample!r}",
+                           "fix the file")
+    keys = (*HF_KEYS, "repetition_penalty") if sample else ("repetition_penalty",)
+    given = {k: config[k] for k in keys if config.get(k) is not None}
+    values = {**HF_SAMPLING, **given} if sample else given
+    return SamplingDefaults(values, "generation_config.json", frozenset(values) - set(given)) if values else NONE
+
+
+def from_gguf_metadata(meta: dict) -> SamplingDefaults:
+    """``general.sampling.*``: the keys the file holds (a temperature of 0 is greedy)."""
+    values = {name: meta[key] for key, name in GGUF_KEYS.items() if meta.get(key) is not None}
+    return SamplingDefaults(values, "GGUF general.sampling") if values else NONE
