@@ -93,17 +93,18 @@ def _terminal_lines(out: Output) -> Iterable[str]:
 
 def run_chat(out: Output, model: str | None, opts: RunnerOptions, params: SamplingParams,
              system: str | None = None, lines: Iterable[str] | None = None, chat_template: str | None = None,
-             explicit: frozenset[str] = frozenset()) -> int:
+             explicit: frozenset[str] | None = None) -> int:
     """The session over ``lines`` (default: the terminal, else stdin's lines). -> the exit code:
     1 when a turn failed (a message past the context, an unknown command) with stdin not a
     terminal, so that scripts see it; 0 otherwise. ``chat_template``: Jinja text in place of the
-    checkpoint's template; ``explicit``: the sampling fields the user set (the others take the
-    checkpoint's recommended values)."""
+    checkpoint's template; ``explicit``: the sampling fields the user set, the others taking the
+    checkpoint's recommended values (None: ``params`` as given)."""
     interactive = lines is None and sys.stdin is not None and sys.stdin.isatty()
     if lines is None:
         lines = _terminal_lines(out) if interactive else (line.rstrip("\n") for line in sys.stdin)
     source = ModelSource.checkpoint(model)
-    params, sampling = with_model_defaults(params, explicit, source.sampling())
+    params, sampling = (params, None) if explicit is None else \
+        with_model_defaults(params, explicit, source.sampling())
     with out.progress("loading weights") as progress:
         llm = LLM(open_runner(opts, source, progress))
     if chat_template is not None:

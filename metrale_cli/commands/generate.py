@@ -20,12 +20,14 @@ def generate_rank(tp: TensorParallel, device, out: Output | None, *args, **kwarg
 def run_generate(out: Output, model: str | None, opts: RunnerOptions, prompts: list[str], params: SamplingParams,
                  chat: bool = True, system: str | None = None, verbose: bool = False,
                  chat_template: str | None = None, tp: TensorParallel = SINGLE,
-                 explicit: frozenset[str] = frozenset()) -> list[dict]:
+                 explicit: frozenset[str] | None = None) -> list[dict]:
     """``chat_template``: Jinja text in place of the checkpoint's template; ``tp``: this process's
     tensor-parallel rank (every rank runs the same generation; rank 0 writes it); ``explicit``:
-    the sampling fields the user set (the others take the checkpoint's recommended values)."""
+    the sampling fields the user set, the others taking the checkpoint's recommended values (None:
+    ``params`` as given)."""
     source, ids = ModelSource.checkpoint(model), []
-    params, sampling = with_model_defaults(params, explicit, source.sampling())
+    params, sampling = (params, None) if explicit is None else \
+        with_model_defaults(params, explicit, source.sampling())
 
     def check_prompts(tokenizer, context: int) -> None:  # before the weights: fail fast
         if chat_template is not None:
