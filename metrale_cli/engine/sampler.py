@@ -72,7 +72,8 @@ class SamplingParams:
 def with_model_defaults(params: SamplingParams, explicit: frozenset[str], defaults) -> tuple[SamplingParams, str | None]:
     """``params`` with the checkpoint's recommended values (``defaults``: a SamplingDefaults) for
     the fields the user left unset (``explicit`` names those they set), as transformers' generate
-    and vLLM apply a generation_config.json; and the line that says which it took, or None."""
+    applies a generation_config.json (vLLM too, less the defaults transformers fills in for keys
+    the file leaves out); and the line that says which it took, or None."""
     taken = {name: defaults.value(name) for name in defaults.values if name not in explicit}
     merged = dataclasses.replace(params, **taken)
     if merged.greedy:  # a greedy run reads none of the sampling values, only the penalty
