@@ -1,6 +1,6 @@
 """Decode speed of `generate` greedy against sampled, on a bench preset's random weights (figures, no asserts).
 
-    python tools/sampled_decode.py --preset qwen3-0.6b --preset qwen3-8b
+    python -m tools.sampled_decode --preset qwen3-0.6b --preset qwen3-8b
 
 Greedy decode takes its tokens on the device inside the step's graph; a sampled step runs the
 sampler's torch ops after the graph (penalties, temperature, top-k, a full-vocabulary sort for
