@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import logging
 import sys
 from typing import Annotated, Optional
@@ -146,6 +148,22 @@ def _read_text(out: Output, path: str | None, what: str) -> str | None:
     raise typer.Exit(1)
 
 
+def _template_kwargs(out: Output, text: str | None) -> dict | None:
+    """--chat-template-kwargs: a JSON object of more variables for the chat template."""
+    if text is None:
+        return None
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as exc:
+        kwargs, why = None, f"is not JSON ({exc})"
+    else:
+        why = "is not a JSON object"
+    if not isinstance(kwargs, dict):
+        out.error(f"--chat-template-kwargs {text!r} {why}", """e.g. --chat-template-kwargs '{"enable_thinking": false}'""")
+        raise typer.Exit(1)
+    return kwargs
+
+
 def _check_system(out: Output, system: str | None) -> None:
     """An empty --system would fall back to the chat template's default system message, unsaid."""
     if system is not None and not system.strip():
@@ -158,6 +176,9 @@ SeedOpt = Annotated[Optional[int], typer.Option(
          "which answer it is too)")]
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     "--chat-template", help="a Jinja chat template file, in place of the model's")]
+TemplateKwargsOpt = Annotated[Optional[str], typer.Option(
+    "--chat-template-kwargs", help="""more variables for the chat template, a JSON object: e.g. '{"enable_thinking": """
+    """false}' (Qwen3 answers without thinking)""")]
 
 
 def _set_sampling(**options) -> dict:
@@ -190,6 +211,7 @@ def generate(
     system: Annotated[Optional[str], typer.Option(help="system message for the chat template")] = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="send the raw prompt")] = False,
     chat_template: ChatTemplateOpt = None,
+    chat_template_kwargs: TemplateKwargsOpt = None,
     ignore_eos: bool = False,
     max_seq_len: MaxSeqOpt = None,
     gpu_memory_utilization: GpuMemOpt = 0.9,
@@ -240,9 +262,11 @@ def generate(
         raise typer.Exit(1)
     prompts = [p for p in prompts for _ in range(samples)]
     template = _read_text(out, chat_template, "chat template file")
-    if template is not None and no_chat_template:
-        out.error("--chat-template and --no-chat-template contradict each other", "drop one of the two")
-        raise typer.Exit(1)
+    template_kwargs = _template_kwargs(out, chat_template_kwargs)
+    for flag, value in (("--chat-template", template), ("--chat-template-kwargs", template_kwargs)):
+        if value is not None and no_chat_template:
+            out.error(f"{flag} and --no-chat-template contradict each other", "drop one of the two")
+            raise typer.Exit(1)
     _check_system(out, system)
     if system is not None and no_chat_template:
         out.error("--system needs the chat template, and --no-chat-template sends the raw prompt",
@@ -266,7 +290,7 @@ def generate(
     _run(out, debug, lambda: run_ranks(
         tensor_parallel_size, generate_rank, _with_revision(model, revision), opts, prompts, params,
         chat=not no_chat_template, system=system, verbose=verbose, chat_template=template,
-        explicit=frozenset(sampling), main_output=out,
+        explicit=frozenset(sampling), template_kwargs=template_kwargs, main_output=out,
         on_worker_error=out.error))
 
 
@@ -289,6 +313,7 @@ def chat(
     seed: SeedOpt = None,
     system: Annotated[Optional[str], typer.Option(help="system message")] = None,
     chat_template: ChatTemplateOpt = None,
+    chat_template_kwargs: TemplateKwargsOpt = None,
     max_seq_len: MaxSeqOpt = None,
     gpu_memory_utilization: GpuMemOpt = 0.9,
     cuda_graph_mode: GraphOpt = "full",
@@ -329,7 +354,7 @@ def chat(
         max_new_tokens=max_new_tokens, seed=seed, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, **sampling), system, chat_template=_read_text(out, chat_template,
                                                                                            "chat template file"),
-        explicit=frozenset(sampling)))
+        explicit=frozenset(sampling), template_kwargs=_template_kwargs(out, chat_template_kwargs)))
     raise typer.Exit(code)
 
 

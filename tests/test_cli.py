@@ -832,6 +832,28 @@ def test_a_chat_template_file_replaces_the_models(tiny, tmp_path):
                                   "hi"), "contradict")
 
 
+def test_chat_template_kwargs_reach_the_template(tiny, tmp_path):
+    template = tmp_path / "thinking.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{% if enable_thinking is "
+                        "defined and enable_thinking is false %}[no thinking]{% endif %}=>", encoding="utf-8")
+    base = ["-m", str(tiny), "-n", "2", "--json", "--chat-template", str(template)]
+    tokens = {}
+    for name, extra in (("plain", []), ("off", ["--chat-template-kwargs", '{"enable_thinking": false}'])):
+        result = metrale("generate", *base, *extra, "hello")
+        tokens[name] = json.loads(result.stdout)["results"][0]["prompt_tokens"]
+        (turn,) = _turns(metrale("chat", *base, *extra, stdin="hello\n"))
+        assert turn["prompt_tokens"] == tokens[name]
+    assert tokens["off"] > tokens["plain"]
+    unread = metrale("generate", *base, "--chat-template-kwargs", '{"reasoning_effort": "low"}', "hello")
+    assert "the chat template reads no reasoning_effort: --chat-template-kwargs changes nothing there" in unread.stderr
+    for bad, needle in (('{"enable_thinking": false', "is not JSON"), ("[1]", "is not a JSON object"),
+                        ('{"messages": []}', "may not set messages")):
+        assert_one_line_error(metrale("generate", "-m", str(tiny), "--chat-template", str(template),
+                                      "--chat-template-kwargs", bad, "hi"), needle)
+    assert_one_line_error(metrale("generate", "-m", str(tiny), "--no-chat-template", "--chat-template-kwargs", "{}",
+                                  "hi"), "contradict")
+
+
 def test_a_revision_of_a_hub_id_from_the_hf_cache(tiny, tmp_path):
     """--revision (and -m owner/name@revision): a branch in the HF cache, offline; a revision the
     cache lacks is one line, and so is --revision beside a local folder."""

@@ -52,6 +52,26 @@ def test_chat_template_matches_transformers(pair, add_generation_prompt):
     assert text.endswith("<|im_start|>assistant\n") is add_generation_prompt
 
 
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+            "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+@pytest.mark.parametrize("kwargs", [{"enable_thinking": False}, {"enable_thinking": True}, {}])
+def test_chat_template_kwargs_render_as_transformers_renders_them(folder, pair, kwargs):
+    ours, theirs = Tokenizer.from_hf_folder(folder), pair[1]  # a tokenizer of its own: the pair's stays as read
+    ours.set_chat_template(THINKING)
+    ours.set_chat_template_kwargs(kwargs)
+    text = ours.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    assert text == theirs.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True,
+                                              chat_template=THINKING, **kwargs)
+    assert text.endswith("</think>\n\n") is (kwargs == {"enable_thinking": False})
+    ours.set_chat_template_kwargs(kwargs | {"reasoning_effort": "low"})
+    assert ours.unread_template_kwargs() == ["reasoning_effort"]  # the template never reads it
+    with pytest.raises(MetraleError, match="may not set add_generation_prompt, messages"):
+        ours.set_chat_template_kwargs({"messages": [], "add_generation_prompt": False})
+
+
 def test_special_ids(pair):
     ours, theirs = pair
     assert [theirs.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [0, 1, 2]

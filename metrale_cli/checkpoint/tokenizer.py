@@ -13,6 +13,7 @@ from datetime import datetime
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -103,6 +104,7 @@ class Tokenizer:
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})
+        self.template_kwargs: dict = {}  # more variables for the chat template (enable_thinking, ...)
         self._template = compile_chat_template(chat_template) if chat_template else None
 
     @property
@@ -116,6 +118,22 @@ class Tokenizer:
         except jinja2.exceptions.TemplateError as exc:
             raise MetraleError(f"the chat template does not parse: {exc}") from None
         self.chat_template, self._template = template, compiled
+
+    def set_chat_template_kwargs(self, kwargs: dict) -> None:
+        """Render the chat template with these variables too (``{"enable_thinking": false}`` for
+        Qwen3's), as transformers' apply_chat_template takes its extra keyword arguments."""
+        reserved = sorted({"messages", "add_generation_prompt"} & set(kwargs))
+        if reserved:
+            raise MetraleError(f"--chat-template-kwargs may not set {', '.join(reserved)}: metrale sets them",
+                               'e.g. --chat-template-kwargs \'{"enable_thinking": false}\'')
+        self.template_kwargs = dict(kwargs)
+
+    def unread_template_kwargs(self) -> list[str]:
+        """The template_kwargs the chat template never reads (they change nothing)."""
+        if self._template is None:
+            return sorted(self.template_kwargs)
+        read = jinja2.meta.find_undeclared_variables(self._template.environment.parse(self.chat_template))
+        return sorted(set(self.template_kwargs) - read)
 
     @property
     def vocab_size(self) -> int:
@@ -135,8 +153,8 @@ class Tokenizer:
             raise MetraleError("this model has no chat template",
                                "pass a raw prompt (no chat formatting) or use an instruct model")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **self.special_tokens)
+            variables = {"tools": None, "documents": None, **self.special_tokens, **self.template_kwargs}
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.exceptions.TemplateError as exc:
             raise MetraleError(f"the model's chat template failed: {exc}") from None
 

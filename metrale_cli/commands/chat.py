@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from metrale_cli.engine.llm import LLM
+from metrale_cli.engine.llm import LLM, set_template
 from metrale_cli.engine.runner import RunnerOptions, open_runner
 from metrale_cli.engine.sampler import SamplingParams, with_model_defaults
 from metrale_cli.engine.source import ModelSource
@@ -93,11 +93,11 @@ def _terminal_lines(out: Output) -> Iterable[str]:
 
 def run_chat(out: Output, model: str | None, opts: RunnerOptions, params: SamplingParams,
              system: str | None = None, lines: Iterable[str] | None = None, chat_template: str | None = None,
-             explicit: frozenset[str] | None = None) -> int:
+             explicit: frozenset[str] | None = None, template_kwargs: dict | None = None) -> int:
     """The session over ``lines`` (default: the terminal, else stdin's lines). -> the exit code:
     1 when a turn failed (a message past the context, an unknown command) with stdin not a
     terminal, so that scripts see it; 0 otherwise. ``chat_template``: Jinja text in place of the
-    checkpoint's template; ``explicit``: the sampling fields the user set, the others taking the
+    checkpoint's template, ``template_kwargs`` more variables for it; ``explicit``: the sampling fields the user set, the others taking the
     checkpoint's recommended values (None: ``params`` as given)."""
     interactive = lines is None and sys.stdin is not None and sys.stdin.isatty()
     if lines is None:
@@ -107,15 +107,15 @@ def run_chat(out: Output, model: str | None, opts: RunnerOptions, params: Sampli
         with_model_defaults(params, explicit, source.sampling())
     with out.progress("loading weights") as progress:
         llm = LLM(open_runner(opts, source, progress))
-    if chat_template is not None:
-        llm.tokenizer.set_chat_template(chat_template)
+    unread = set_template(llm.tokenizer, chat_template, template_kwargs)
     if not llm.tokenizer.has_chat_template:
         raise MetraleError(f"{llm.runner.source} has no chat template",
                            hint="use metrale generate --no-chat-template for raw text")
     out.info(f"chat with {llm.runner.source} · backend {llm.runner.backend} · kv {llm.runner.kv_dtype.value} · "
              f"context {llm.runner.engine.max_seq_len} tokens · /help for commands")
-    if sampling:
-        out.info(sampling)
+    for line in (sampling, unread):
+        if line:
+            out.info(line)
     session, failed = ChatSession(llm, params, system), False
     for line in lines:
         text = line.strip()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from metrale_cli.engine.llm import LLM, render_prompt
+from metrale_cli.engine.llm import LLM, render_prompt, set_template
 from metrale_cli.engine.generate import check_prompt_lengths
 from metrale_cli.engine.runner import RunnerOptions, open_runner
 from metrale_cli.engine.sampler import SamplingParams, with_model_defaults
@@ -20,8 +20,9 @@ def generate_rank(tp: TensorParallel, device, out: Output | None, *args, **kwarg
 def run_generate(out: Output, model: str | None, opts: RunnerOptions, prompts: list[str], params: SamplingParams,
                  chat: bool = True, system: str | None = None, verbose: bool = False,
                  chat_template: str | None = None, tp: TensorParallel = SINGLE,
-                 explicit: frozenset[str] | None = None) -> list[dict]:
-    """``chat_template``: Jinja text in place of the checkpoint's template; ``tp``: this process's
+                 explicit: frozenset[str] | None = None, template_kwargs: dict | None = None) -> list[dict]:
+    """``chat_template``: Jinja text in place of the checkpoint's template, ``template_kwargs`` more
+    variables for it (``{"enable_thinking": False}``); ``tp``: this process's
     tensor-parallel rank (every rank runs the same generation; rank 0 writes it); ``explicit``:
     the sampling fields the user set, the others taking the checkpoint's recommended values (None:
     ``params`` as given)."""
@@ -30,16 +31,14 @@ def run_generate(out: Output, model: str | None, opts: RunnerOptions, prompts: l
         with_model_defaults(params, explicit, source.sampling())
 
     def check_prompts(tokenizer, context: int) -> None:  # before the weights: fail fast
-        if chat_template is not None:
-            tokenizer.set_chat_template(chat_template)
+        set_template(tokenizer, chat_template, template_kwargs)
         ids.extend(render_prompt(tokenizer, p, chat, system) for p in prompts)
         check_prompt_lengths(ids, context)
 
     with out.progress("loading weights") as progress:
         llm = LLM(open_runner(opts, source, progress, before_weights=check_prompts, tp=tp))
     runner = llm.runner
-    if chat_template is not None:
-        llm.tokenizer.set_chat_template(chat_template)
+    unread = set_template(llm.tokenizer, chat_template, template_kwargs) if chat else None
     out.info(f"model: {runner.source} · backend {runner.backend} · kv {runner.kv_dtype.value}")
     for line in runner.messages if verbose else runner.messages[1:]:
         out.info(line)
@@ -47,6 +46,8 @@ def run_generate(out: Output, model: str | None, opts: RunnerOptions, prompts: l
         out.info(sampling)
     if chat and not llm.tokenizer.has_chat_template:
         out.info("the model has no chat template: sending the raw prompt")
+    elif unread:
+        out.info(unread)
     single = len(prompts) == 1 and not out.json_mode
     on_text = (lambda _i, delta: out.stream(delta)) if single else None
     done = llm.complete(prompts, ids, params, on_text)

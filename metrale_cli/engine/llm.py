@@ -35,6 +35,19 @@ def render_prompt(tokenizer, prompt: str, chat: bool = True, system: str | None 
     return tokenizer.encode(prompt, add_special_tokens=True)
 
 
+def set_template(tokenizer, template: str | None, kwargs: dict | None) -> str | None:
+    """The user's chat template (Jinja text in place of the checkpoint's) and its extra variables;
+    -> the line that names the variables the template never reads, or None."""
+    if template is not None:
+        tokenizer.set_chat_template(template)
+    if not kwargs:
+        return None
+    tokenizer.set_chat_template_kwargs(kwargs)
+    unread = tokenizer.unread_template_kwargs()
+    return f"the chat template reads no {', '.join(unread)}: --chat-template-kwargs changes nothing there" \
+        if unread else None
+
+
 class LLM:
     """A loaded model with its tokenizer and KV cache, ready to generate (:func:`load`)."""
 
