@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-
 import logging
 import sys
 from typing import Annotated, Optional

@@ -72,6 +72,9 @@ def test_a_bad_value_fails_only_where_it_applies(tmp_path):
         with_model_defaults(SamplingParams(), frozenset({"top_k"}), config)
     with pytest.raises(MetraleError, match="generation_config.json top_k must be an integer >= 0, got 2.5"):
         with_model_defaults(SamplingParams(), frozenset({"top_p"}), config)
+    infinite = from_generation_config(_folder(tmp_path, {"do_sample": True, "top_k": float("inf")}))
+    with pytest.raises(MetraleError, match="generation_config.json top_k must be an integer >= 0, got inf"):
+        with_model_defaults(SamplingParams(), frozenset(), infinite)
     params, _ = with_model_defaults(SamplingParams(top_p=0.5, top_k=3), frozenset({"top_p", "top_k"}), config)
     assert (params.temperature, params.top_p, params.top_k) == (1.0, 0.5, 3)
 

@@ -19,7 +19,6 @@ GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "
              "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
              "general.sampling.penalty_repeat": "repetition_penalty"}
 
-
 RULES = {"temperature": (float, lambda v: 0 <= v < math.inf, "a finite number >= 0"),
          "top_k": (int, lambda v: v >= 0, "an integer >= 0"),
          "top_p": (float, lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -40,7 +39,7 @@ class SamplingDefaults:
         """The checkpoint's value for ``name``, checked (only the values a run applies are)."""
         value = self.values[name]
         kind, ok, what = RULES[name]
-        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
         if not number or (kind is int and value != int(value)) or not ok(value):
             raise MetraleError(f"{self.source} {name} must be {what}, got {value!r}",
                                f"fix the file, or set --{name.replace('_', '-')} on the command line")

@@ -10,6 +10,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from metrale_cli.errors import MetraleError
@@ -161,7 +162,7 @@ class Sampler:
             self._seen[row, torch.tensor(prompt_ids, device=self.device)] = True
 
     def _stream(self, prompt_ids: list[int]) -> torch.Generator:
-        prompt = hashlib.blake2b(b"".join(t.to_bytes(8, "little", signed=True) for t in prompt_ids)).digest()
+        prompt = hashlib.blake2b(np.asarray(prompt_ids, dtype="<i8").tobytes()).digest()
         copy = self._copies.get(prompt, 0)
         self._copies[prompt] = copy + 1
         return self._keyed(b"prompt" + prompt + copy.to_bytes(8, "little"))
