@@ -13,10 +13,10 @@ from typing import Callable
 
 import torch
 
-from metrale_cli.checkpoint.gguf_io import (gguf_cache_path, load_gguf, metadata, open_reader, read_gguf_config,
+from metrale_cli.checkpoint.gguf_io import (gguf_cache_path, load_gguf, read_gguf_config, read_gguf_sampling,
                                             read_gguf_tokenizer)
 from metrale_cli.checkpoint.resolve import Format, ModelLocation, default_model_path, locate
-from metrale_cli.checkpoint.sampling_defaults import SamplingDefaults, from_gguf_metadata, from_generation_config
+from metrale_cli.checkpoint.sampling_defaults import SamplingDefaults, from_generation_config
 from metrale_cli.checkpoint.safetensors_io import Progress, Transform, load_hf_folder_tensors, read_hf_config
 from metrale_cli.checkpoint.tokenizer import Tokenizer
 from metrale_cli.models import unused_tensors
@@ -62,15 +62,11 @@ def _load_gguf(where: ModelLocation, device, dtype, progress, transform=None) ->
                       f"{where.name} (gguf {model.quant}, {where.path}; {how[model.cache]})")
 
 
-def _read_gguf_sampling(path: pathlib.Path) -> SamplingDefaults:
-    return from_gguf_metadata(metadata(open_reader(path)))
-
-
 # weight format -> (loader, config reader, tokenizer reader, recommended-sampling reader)
 FORMATS: dict[Format, tuple[Callable[..., Checkpoint], Callable[[pathlib.Path], dict],
                             Callable[[pathlib.Path], Tokenizer], Callable[[pathlib.Path], SamplingDefaults]]] = {
     Format.HF_FOLDER: (_load_hf_folder, read_hf_config, Tokenizer.from_hf_folder, from_generation_config),
-    Format.GGUF: (_load_gguf, read_gguf_config, read_gguf_tokenizer, _read_gguf_sampling),
+    Format.GGUF: (_load_gguf, read_gguf_config, read_gguf_tokenizer, read_gguf_sampling),
 }
 
 

@@ -24,6 +24,7 @@ from metrale_cli.checkpoint.safetensors_io import Progress, Transform, load_tens
 from metrale_cli.environment import cache_dir
 from metrale_cli.errors import MetraleError
 from metrale_cli.models import family_of, model_config
+from metrale_cli.checkpoint.sampling_defaults import GGUF_KEYS, SamplingDefaults, from_gguf_metadata
 from metrale_cli.checkpoint.tokenizer import Tokenizer
 
 _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
@@ -193,6 +194,25 @@ def read_gguf_tokenizer(path: pathlib.Path) -> Tokenizer:
     return Tokenizer.from_gguf(metadata(open_reader(path)))
 
 
+SAMPLING_FILE = "sampling.json"  # a conversion cache's copy of the file's general.sampling.* keys
+
+
+def read_gguf_sampling(path: pathlib.Path) -> SamplingDefaults:
+    """A GGUF file's recommended sampling: from its conversion cache when there is one, else from
+    the file's general.sampling.* keys alone (its vocabulary is not converted to read them)."""
+    cached = gguf_cache_path(path) / SAMPLING_FILE
+    if cached.is_file():
+        try:
+            return from_gguf_metadata(json.loads(cached.read_text(encoding="utf-8")))
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            pass  # a broken cache entry: the file itself says
+    return from_gguf_metadata(_sampling_keys(open_reader(path)))
+
+
+def _sampling_keys(reader) -> dict:
+    return {key: reader.fields[key].contents() for key in GGUF_KEYS if key in reader.fields}
+
+
 def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
               progress: Progress | None = None, transform: Transform | None = None) -> GgufModel:
     """Config, tensors on ``device`` (floats in ``dtype``, each through ``transform`` when given,
@@ -219,7 +239,7 @@ def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
         then = "once, then read from the cache" if _writable(folder) else "at every start (the cache is not writable)"
         describe(f"converting {path.name} ({quant}) to {str(dtype).removeprefix('torch.')} safetensors: {then}")
     try:
-        _write_cache(folder, weights, config, tokenizer, quant, dtype,
+        _write_cache(folder, weights, config, tokenizer, _sampling_keys(reader), quant, dtype,
                      convert_tensors(reader, config, dtype, progress), _entries(reader, config, dtype))
     except OSError:  # an unwritable cache only costs the next start the same conversion
         tensors = {name: (t if transform is None else transform(name, t)).to(device)
@@ -243,13 +263,13 @@ def _entries(reader, config: dict, dtype: torch.dtype) -> dict[str, tuple[tuple[
     return {p.name: (p.shape, int(np.prod(p.shape)) * size) for p in conversion_plan(reader, config)}
 
 
-def _write_cache(folder: pathlib.Path, weights: pathlib.Path, config: dict, tokenizer: Tokenizer, quant: str,
-                 dtype: torch.dtype, tensors: Iterator[tuple[str, torch.Tensor]],
+def _write_cache(folder: pathlib.Path, weights: pathlib.Path, config: dict, tokenizer: Tokenizer, sampling: dict,
+                 quant: str, dtype: torch.dtype, tensors: Iterator[tuple[str, torch.Tensor]],
                  entries: dict[str, tuple[tuple[int, ...], int]]) -> None:
-    """The HF-style folder of a converted GGUF. The safetensors file is written as the tensors
-    come (its header first, from the shapes), so the host holds one converted tensor at a time;
-    under a temp name until the tokenizer and config are written too: a weights file present
-    means the folder is complete."""
+    """The HF-style folder of a converted GGUF (``sampling``: its general.sampling.* keys). The
+    safetensors file is written as the tensors come (its header first, from the shapes), so the
+    host holds one converted tensor at a time; under a temp name until the tokenizer, config and
+    sampling are written too: a weights file present means the folder is complete."""
     folder.mkdir(parents=True, exist_ok=True)
     header, offset = {"__metadata__": {"format": "pt", QUANT_KEY: quant}}, 0
     for name, (shape, nbytes) in entries.items():
@@ -269,6 +289,7 @@ def _write_cache(folder: pathlib.Path, weights: pathlib.Path, config: dict, toke
                 out.write(data.tobytes())
         tokenizer.save(folder)
         (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+        (folder / SAMPLING_FILE).write_text(json.dumps(sampling), encoding="utf-8")
         os.replace(partial, weights)
     finally:
         partial.unlink(missing_ok=True)

@@ -5,8 +5,6 @@ them where the user set no value of their own (``engine.sampler.with_model_defau
 from __future__ import annotations
 
 import json
-import math
-import numbers
 import pathlib
 from dataclasses import dataclass, field
 
@@ -19,31 +17,15 @@ GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "
              "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
              "general.sampling.penalty_repeat": "repetition_penalty"}
 
-RULES = {"temperature": (float, lambda v: 0 <= v < math.inf, "a finite number >= 0"),
-         "top_k": (int, lambda v: v >= 0, "an integer >= 0"),
-         "top_p": (float, lambda v: 0 < v <= 1, "in (0, 1]"),
-         "min_p": (float, lambda v: 0 <= v <= 1, "in [0, 1]"),
-         "repetition_penalty": (float, lambda v: 0 < v < math.inf, "a finite number > 0")}
-
-
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """``values``: SamplingParams field -> the checkpoint's value, as stored; ``source``: where
-    they were read; ``implied``: the fields the source left out that its reader's defaults fill."""
+    """``values``: SamplingParams field -> the checkpoint's value, as stored (the run checks those
+    it applies); ``source``: where they were read; ``implied``: the fields the source left out that
+    its reader's defaults fill."""
 
     values: dict = field(default_factory=dict)
     source: str = ""
     implied: frozenset = frozenset()
-
-    def value(self, name: str):
-        """The checkpoint's value for ``name``, checked (only the values a run applies are)."""
-        value = self.values[name]
-        kind, ok, what = RULES[name]
-        number = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-        if not number or (kind is int and value != int(value)) or not ok(value):
-            raise MetraleError(f"{self.source} {name} must be {what}, got {value!r}",
-                               f"fix the file, or set --{name.replace('_', '-')} on the command line")
-        return kind(value)
 
 
 NONE = SamplingDefaults()

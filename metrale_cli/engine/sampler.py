@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,20 @@ from metrale_cli.errors import MetraleError
 
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs
+
+
+# The knobs a user or a checkpoint sets: field -> (type, the values it takes, those in words, hint).
+# A temperature of nan would reach the sampler, and inf flattens it to noise.
+KNOBS = {"temperature": (float, lambda v: 0 <= v < math.inf, "a finite number >= 0", "0 is greedy"),
+         "top_k": (int, lambda v: v >= 0, ">= 0", "0 is off"),
+         "top_p": (float, lambda v: 0 < v <= 1, "in (0, 1]", "1 is off"),
+         "min_p": (float, lambda v: 0 <= v <= 1, "in [0, 1]", "0 is off"),
+         "repetition_penalty": (float, lambda v: 0 < v < math.inf, "a finite number > 0", "1 is off")}
+
+
+def flag(name: str) -> str:
+    """A SamplingParams field's command-line option."""
+    return "--" + name.replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -35,26 +50,17 @@ class SamplingParams:
     logprobs: int = 0  # per generated token: its log-probability and the N likeliest tokens'; 0 = off
 
     def __post_init__(self):
-        if not 0 < self.repetition_penalty < math.inf:
-            raise MetraleError(f"--repetition-penalty must be a finite number > 0, got {self.repetition_penalty}",
-                               hint="1 is off")
-        for flag, value in (("--presence-penalty", self.presence_penalty),
-                            ("--frequency-penalty", self.frequency_penalty)):
+        for name, (_, ok, what, hint) in KNOBS.items():
+            if not ok(getattr(self, name)):
+                raise MetraleError(f"{flag(name)} must be {what}, got {getattr(self, name)}", hint=hint)
+        for option, value in (("--presence-penalty", self.presence_penalty),
+                              ("--frequency-penalty", self.frequency_penalty)):
             if not -2 <= value <= 2:
-                raise MetraleError(f"{flag} must be in [-2, 2], got {value}", hint="0 is off")
-        if not 0 <= self.min_p <= 1:
-            raise MetraleError(f"--min-p must be in [0, 1], got {self.min_p}", hint="0 is off")
+                raise MetraleError(f"{option} must be in [-2, 2], got {value}", hint="0 is off")
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise MetraleError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", hint="0 is off")
         if self.max_new_tokens < 1:
             raise MetraleError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}", hint="e.g. -n 256")
-        if not 0 <= self.temperature < math.inf:  # nan would reach the sampler, inf flattens it to noise
-            raise MetraleError(f"--temperature must be a finite number >= 0, got {self.temperature}",
-                               hint="0 is greedy")
-        if not 0 < self.top_p <= 1:
-            raise MetraleError(f"--top-p must be in (0, 1], got {self.top_p}", hint="1 is off")
-        if self.top_k < 0:
-            raise MetraleError(f"--top-k must be >= 0, got {self.top_k}", hint="0 is off")
         if self.seed is not None and not -2**63 <= self.seed < 2**64:  # what torch.Generator takes
             raise MetraleError(f"--seed must be in [-2**63, 2**64), got {self.seed}", hint="e.g. --seed 1")
         if any(not s for s in self.stop):  # an empty string would stop nowhere, or everywhere
@@ -75,19 +81,29 @@ def with_model_defaults(params: SamplingParams, explicit: frozenset[str], defaul
     the fields the user left unset (``explicit`` names those they set), as transformers' generate
     applies a generation_config.json (vLLM too, less the defaults transformers fills in for keys
     the file leaves out); and the line that says which it took, or None."""
-    taken = {name: defaults.value(name) for name in defaults.values if name not in explicit}
-    merged = dataclasses.replace(params, **taken)
-    if merged.greedy:  # a greedy run reads none of the sampling values, only the penalty
+    taken = {name: _model_value(defaults, name) for name in defaults.values if name not in explicit}
+    if dataclasses.replace(params, **taken).greedy:  # a greedy run reads no sampling value, only the penalty
         taken = {name: v for name, v in taken.items() if name == "repetition_penalty"}
-        merged = dataclasses.replace(params, **taken)
     if not taken:
         return params, None
+    merged = dataclasses.replace(params, **taken)
     own = ", ".join(f"{name} {v:g}" for name, v in taken.items() if name not in defaults.implied)
     filled = ", ".join(f"{name} {v:g}" for name, v in taken.items() if name in defaults.implied)
     line = (f"sampling: {own or 'do_sample'} from the model's {defaults.source}"
             + (f" ({filled} by transformers' defaults)" if filled else "")
             + ("; -t 0 decodes greedily" if not merged.greedy else "") + "; an option you set overrides its value")
     return merged, line
+
+
+def _model_value(defaults, name: str):
+    """The checkpoint's value of a knob, held to KNOBS as the option is (only applied values are)."""
+    value = defaults.values[name]
+    kind, ok, what, _ = KNOBS[name]
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or (kind is int and value != int(value)) or not ok(value):
+        raise MetraleError(f"{defaults.source} {name} must be {'an integer ' if kind is int else ''}{what}, "
+                           f"got {value!r}", f"fix the file, or set {flag(name)} on the command line")
+    return kind(value)
 
 
 def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor,
