@@ -171,8 +171,8 @@ def _check_system(out: Output, system: str | None) -> None:
 
 
 SeedOpt = Annotated[Optional[int], typer.Option(
-    help="reproducible sampling: an answer depends on the seed and its prompt alone (with --n, on "
-         "which answer it is too)")]
+    help="reproducible sampling: an answer depends on the seed and its prompt alone (under generate --n, "
+         "on which answer it is too)")]
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     "--chat-template", help="a Jinja chat template file, in place of the model's")]
 TemplateKwargsOpt = Annotated[Optional[str], typer.Option(
