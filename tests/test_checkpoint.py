@@ -192,7 +192,7 @@ CORRUPTIONS = {
     _edit_index(_weight_map_a_list): "model.safetensors.index.json is not a valid index (no weight_map object)",
     _edit_index(_shard_name_null): "model.safetensors.index.json maps model.norm.weight to None, not a shard file name",
     _index_not_json: "model.safetensors.index.json is not valid JSON: ",
-    _config_not_object: "config.json is not a JSON object of config keys",
+    _config_not_object: "config.json is not a JSON object",
     _tensor_in_two_shards: " is in both model-00001-of-",
 }
 

@@ -141,6 +141,17 @@ def test_template_errors_are_metrale_errors(tmp_path):
         bare.apply_chat_template(MESSAGES)
 
 
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "config.json", "generation_config.json"])
+@pytest.mark.parametrize("text, message", [("[1]", "is not a JSON object"), ("{", "is not valid JSON")])
+def test_a_broken_json_file_beside_the_tokenizer_is_one_error(tmp_path, name, text, message):
+    """Each JSON file the tokenizer reads, valid JSON but not an object (a list here) included:
+    one error naming the file, not an AttributeError from a list's missing .get."""
+    make_tokenizer(tmp_path)
+    (tmp_path / name).write_text(text)
+    with pytest.raises(MetraleError, match=f"{name} {message}"):
+        Tokenizer.from_hf_folder(tmp_path)
+
+
 def test_missing_tokenizer_json(tmp_path):
     with pytest.raises(MetraleError, match="has no tokenizer.json"):
         Tokenizer.from_hf_folder(tmp_path)

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from safetensors import SafetensorError, safe_open
 
+from metrale_cli.checkpoint.json_file import read_json_object
 from metrale_cli.errors import MetraleError
 
 SINGLE_FILE = "model.safetensors"
@@ -46,13 +47,7 @@ def read_hf_config(folder: pathlib.Path) -> dict:
     path = folder / "config.json"
     if not path.is_file():
         raise MetraleError(f"{folder} has no config.json", "is this a Hugging Face model folder?")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MetraleError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise MetraleError(f"{path} is not a JSON object of config keys", "is this a Hugging Face model folder?")
-    return config
+    return read_json_object(path, "is this a Hugging Face model folder?")
 
 
 def read_shard_header(path: pathlib.Path) -> ShardHeader:
@@ -150,11 +145,7 @@ def _indexed_headers(folder: pathlib.Path) -> list[ShardHeader]:
 
 def _weight_map(index_path: pathlib.Path) -> dict[str, str]:
     """The index's tensor name -> shard file name map."""
-    try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MetraleError(f"{index_path} is not valid JSON: {exc}", "re-download the checkpoint") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    weight_map = read_json_object(index_path, "re-download the checkpoint").get("weight_map")
     if not isinstance(weight_map, dict):
         raise MetraleError(f"{index_path} is not a valid index (no weight_map object)", "re-download the checkpoint")
     for name, shard in weight_map.items():

@@ -4,10 +4,10 @@ them where the user set no value of their own (``engine.sampler.with_model_defau
 
 from __future__ import annotations
 
-import json
 import pathlib
 from dataclasses import dataclass, field
 
+from metrale_cli.checkpoint.json_file import read_json_object
 from metrale_cli.errors import MetraleError
 
 # transformers' GenerationConfig defaults, which its generate uses for a key a do_sample config leaves out
@@ -37,12 +37,7 @@ def from_generation_config(folder: pathlib.Path) -> SamplingDefaults:
     path = folder / "generation_config.json"
     if not path.is_file():
         return NONE
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MetraleError(f"{path} is not valid JSON: {exc}", "re-download the checkpoint's file") from None
-    if not isinstance(config, dict):
-        raise MetraleError(f"{path} is not a JSON object", "re-download the checkpoint's file")
+    config = read_json_object(path)
     sample = config.get("do_sample", False)
     if not isinstance(sample, bool):
         raise MetraleError(f"generation_config.json do_sample must be true or false, got {sample!r}",

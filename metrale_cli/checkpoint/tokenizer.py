@@ -17,6 +17,7 @@ import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from metrale_cli.checkpoint.json_file import read_json_object
 from metrale_cli.config import token_id, token_ids
 from metrale_cli.errors import MetraleError
 
@@ -176,12 +177,12 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception for any bad file
             raise MetraleError(f"{folder / 'tokenizer.json'} is not a tokenizer the tokenizers library reads: {e}",
                                "re-download the checkpoint's tokenizer.json") from None
-        tok_config = _read_json(folder / "tokenizer_config.json")
+        tok_config = read_json_object(folder / "tokenizer_config.json", optional=True)
         special = {k: _token_text(tok_config[k]) for k in SPECIAL_TOKEN_KEYS if tok_config.get(k)}
-        config = _read_json(folder / "config.json")
+        config = read_json_object(folder / "config.json", optional=True)
         eos_ids = token_ids("config.json eos_token_id", config.get("eos_token_id"))
         eos_ids += token_ids("generation_config.json eos_token_id",
-                             _read_json(folder / "generation_config.json").get("eos_token_id"))
+                             read_json_object(folder / "generation_config.json", optional=True).get("eos_token_id"))
         bos = token_id("config.json bos_token_id", config.get("bos_token_id"))
         if bos is None and "bos_token" in special:
             bos = backend.token_to_id(special["bos_token"])
@@ -215,15 +216,6 @@ class Tokenizer:
         self.backend.save(str(folder / "tokenizer.json"))
         config = {**self.special_tokens, "chat_template": self.chat_template}
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-
-
-def _read_json(path: pathlib.Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MetraleError(f"{path} is not valid JSON: {exc}") from None
 
 
 def _token_text(value) -> str:
