@@ -46,6 +46,14 @@ def test_an_unsupported_model_type_names_every_supported_family():
         "qwen3_5_moe_text, qwen3_5, qwen3_5_moe")
 
 
+@pytest.mark.parametrize("model_type", [["llama"], {"name": "llama"}, 3])
+def test_a_model_type_that_is_not_a_string_is_one_error_naming_it(model_type):
+    with pytest.raises(MetraleError) as info:
+        model_config(LLAMA | {"model_type": model_type})
+    assert info.value.message == f"config.json key 'model_type' must be a string, got {model_type!r}"
+    assert info.value.hint.startswith("supported families: llama, mistral")
+
+
 def test_the_gguf_architectures_are_the_families():
     assert gguf_config.architectures() == {f.gguf.name: f for f in FAMILIES.values() if f.gguf is not None}
     with pytest.raises(MetraleError) as info:
