@@ -165,10 +165,22 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
     ({**LLAMA3, "low_freq_factor": 4.0}, "config.json RoPE high_freq_factor (4.0) must be greater than "
      "low_freq_factor (4.0)"),
     ({"rope_type": "yarn", "factor": 4.0, "beta_fast": "x"}, "config.json key 'beta_fast' must be a number, got 'x'"),
+    ({**LLAMA3, "factor": 1e999}, "config.json key 'factor' must be a finite number, got inf"),
+    ({"rope_type": "yarn", "factor": 4.0, "truncate": "x"}, "config.json key 'truncate' must be true or false, got 'x'"),
+    ({"rope_type": "default", "freq_factors": ["a"]}, "config.json key 'freq_factors' must be a number, got 'a'"),
+    ({"rope_type": "default", "freq_factors": 5},
+     "config.json key 'freq_factors' must be a list of positive numbers, got 5"),
+    ({"rope_type": "default", "freq_factors": [1.0] * 7 + [0.0]},
+     "config.json key 'freq_factors' must be a positive number, got 0.0"),
+    ({"rope_type": "default", "freq_factors": [1.0] * 7 + [float("nan")]},
+     "config.json key 'freq_factors' must be a finite number, got nan"),
+    ({"rope_type": "default", "freq_factors": [1.0] * 4},  # head_dim 16: 8 rotated pairs
+     "config.json RoPE freq_factors has 4 entries; the rotary dimension 16 of head_dim 16 needs 8"),
 ])
 def test_a_scaled_rope_missing_a_key_or_with_a_bad_value_is_one_error(scaling, message):
     """A missing factor ran as 1.0 (no scaling), a string or zero was a traceback, a zero
-    original_max_position_embeddings ran as max_position_embeddings."""
+    original_max_position_embeddings ran as max_position_embeddings; an infinite factor or a
+    freq_factor of zero gave NaN logits."""
     with pytest.raises(MetraleError) as info:
         model_config(LLAMA | {"rope_scaling": {k: v for k, v in scaling.items() if v is not None}})
     assert info.value.message == message

@@ -468,6 +468,11 @@ QWEN3MOE_META = {"general.architecture": "qwen3moe", "qwen3moe.embedding_length"
     ({"qwen3moe.expert_count": 0}, "GGUF metadata qwen3moe.expert_count must be a positive integer, got 0"),
     ({"qwen3moe.expert_used_count": 7}, "GGUF metadata num_experts_per_tok (7) exceeds num_experts (6)"),
     ({"qwen3moe.rope.scaling.type": "longrope"}, "GGUF metadata rope_type 'longrope' is not supported"),
+    ({"qwen3moe.attention.layer_norm_rms_epsilon": -1.0},
+     "GGUF metadata qwen3moe.attention.layer_norm_rms_epsilon must be a positive number, got -1.0"),
+    ({"qwen3moe.rope.freq_base": 0.0}, "GGUF metadata qwen3moe.rope.freq_base must be a positive number, got 0.0"),
+    ({"qwen3moe.rope.scaling.type": "yarn", "qwen3moe.rope.scaling.factor": float("inf")},
+     "GGUF metadata (as config key 'factor') must be a finite number, got inf"),
 ])
 def test_a_metadata_value_the_family_refuses_is_named_as_the_files(change, message):
     """The family's checks speak of config.json; read from a GGUF, the line names its metadata."""

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from metrale_cli.config import ConfigReader, ModelConfig
+from metrale_cli.config import ConfigReader, ModelConfig, check_freq_factors
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.ops import Ops
 from metrale_cli.layers.attention import AttentionWeights, Qwen3AttentionLayer
@@ -56,6 +56,7 @@ def attention_specs(r: ConfigReader, layer_windows: list[int | None], **options)
     """One AttentionSpec per layer: the config's heads, head_dim and RoPE, the layer's window and
     the family's ``options`` (qk_norm, qkv_bias, o_bias)."""
     shape, rope = r.attention_shape(), r.rope()
+    check_freq_factors(rope, shape.head_dim)
     return [AttentionSpec(head_dim=shape.head_dim, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                           rope=rope, scale=shape.head_dim**-0.5, sliding_window=w, **options) for w in layer_windows]
 
