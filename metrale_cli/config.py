@@ -137,6 +137,13 @@ class ConfigReader:
             raise MetraleError(f"config.json key '{key}' must be a positive integer, got {value!r}")
         return value
 
+    def non_negative_int(self, key: str, default: int) -> int:
+        """A count that may be 0 (``max_window_layers``: no layer below the window's first)."""
+        value = self.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise MetraleError(f"config.json key '{key}' must be a non-negative integer, got {value!r}")
+        return value
+
     def optional_positive_int(self, key: str) -> int | None:
         """A key that is unset (None) or a positive integer (``sliding_window``)."""
         return None if self.raw.get(key) is None else self.positive_int(key)

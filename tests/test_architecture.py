@@ -97,6 +97,26 @@ def test_a_sliding_window_is_refused_on_the_layers_transformers_gives_it(family,
     assert all(s.attention.sliding_window is None for s in model_config(no_window).layers)
 
 
+QWEN3_WINDOWED = {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 4}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"layer_types": 5}, "config.json layer_types must list 3 layer types, got 5"),
+    ({"layer_types": "full_attention"}, "config.json layer_types must list 3 layer types, got 'full_attention'"),
+    ({"layer_types": [["a"], "full_attention", "full_attention"]},
+     "config.json layer_types names \"['a']\", not a layer type this family has"),
+    ({"max_window_layers": "1"}, "config.json key 'max_window_layers' must be a non-negative integer, got '1'"),
+    ({"max_window_layers": [1]}, "config.json key 'max_window_layers' must be a non-negative integer, got [1]"),
+    ({"max_window_layers": -1}, "config.json key 'max_window_layers' must be a non-negative integer, got -1"),
+])
+def test_layer_types_or_max_window_layers_of_the_wrong_kind_are_one_error(overrides, message):
+    """Qwen2 / Qwen3 read layer_types as one known type per layer, else max_window_layers as a
+    layer count: a number, a string or a list in their place was a TypeError."""
+    with pytest.raises(MetraleError) as info:
+        model_config(LLAMA | QWEN3_WINDOWED | overrides)
+    assert info.value.message == message
+
+
 def test_mistrals_window_is_on_every_layer_as_transformers_masks_it():
     """transformers' MistralModel masks every layer with ``sliding_window`` (4096 by default, as
     Mistral 7B v0.1 has it): refused on all of them; v0.2 on, Nemo and Small set none and run."""

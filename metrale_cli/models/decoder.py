@@ -40,9 +40,13 @@ def windows(r: ConfigReader, layers: int, sliding: Callable[[int, int], bool]) -
     """Each layer's sliding window as transformers derives it: :func:`window` on the layers
     ``layer_types`` names ``sliding_attention``; without ``layer_types``, on the layers ``i`` for
     which ``sliding(i, max_window_layers)`` holds (the family's default rule)."""
-    w, max_window = window(r), r.get("max_window_layers", 28)
-    types = r.get("layer_types") or ["sliding_attention" if w is not None and sliding(i, max_window)
-                                     else "full_attention" for i in range(layers)]
+    w, types = window(r), r.get("layer_types")
+    if types is None:
+        max_window = r.non_negative_int("max_window_layers", 28)
+        types = ["sliding_attention" if w is not None and sliding(i, max_window) else "full_attention"
+                 for i in range(layers)]
+    if not isinstance(types, list):
+        raise MetraleError(f"config.json layer_types must list {layers} layer types, got {types!r}")
     if len(types) != layers:
         raise MetraleError(f"config.json layer_types has {len(types)} entries for {layers} layers")
     unknown = sorted({str(kind) for kind in types} - set(LAYER_TYPES))

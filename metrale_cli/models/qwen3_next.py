@@ -43,9 +43,10 @@ def _mixers(r: ConfigReader, layers: int) -> list[str]:
         return ["attention" if (i + 1) % interval == 0 else "gdn" for i in range(layers)]
     if not isinstance(types, list) or len(types) != layers:
         raise MetraleError(f"config.json layer_types must list {layers} layer types, got {types!r}")
-    unknown = sorted({t for t in types if t not in LAYER_TYPES}, key=str)
+    # repr, not the entries: a list entry is no key of LAYER_TYPES nor of a set
+    unknown = sorted({repr(t) for t in types if not isinstance(t, str) or t not in LAYER_TYPES})
     if unknown:
-        raise MetraleError(f"config.json layer_types has unknown type(s) {unknown}",
+        raise MetraleError(f"config.json layer_types has unknown type(s) [{', '.join(unknown)}]",
                            hint="expected linear_attention or full_attention")
     return [LAYER_TYPES[t] for t in types]
 
