@@ -471,6 +471,8 @@ QWEN3MOE_META = {"general.architecture": "qwen3moe", "qwen3moe.embedding_length"
     ({"qwen3moe.attention.layer_norm_rms_epsilon": -1.0},
      "GGUF metadata qwen3moe.attention.layer_norm_rms_epsilon must be a positive number, got -1.0"),
     ({"qwen3moe.rope.freq_base": 0.0}, "GGUF metadata qwen3moe.rope.freq_base must be a positive number, got 0.0"),
+    ({"qwen3moe.attention.key_length": 0},
+     "GGUF metadata qwen3moe.attention.key_length must be a positive integer, got 0"),
     ({"qwen3moe.rope.scaling.type": "yarn", "qwen3moe.rope.scaling.factor": float("inf")},
      "GGUF metadata (as config key 'factor') must be a finite number, got inf"),
 ])
