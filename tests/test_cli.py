@@ -143,9 +143,14 @@ def test_generate_verbose_reports_kv_memory(tiny):
         in result.stderr
 
 
-def test_bad_high_precision_layers_is_one_line(tiny):
-    result = metrale("generate", "-m", str(tiny), "--kv-high-precision-layers", "some", "hi")
-    assert_one_line_error(result, "invalid --kv-high-precision-layers 'some'")
+@pytest.mark.parametrize("spec, lines", [
+    ("some", ("error: invalid --kv-high-precision-layers 'some'",)),
+    ("100", ("error: --kv-high-precision-layers 100: the model has only 2 layers with a KV cache",
+             "hint: max or all keeps every layer's KV in bf16")),  # it was capped at 2 without a word
+])
+def test_bad_high_precision_layers_is_one_line(tiny, spec, lines):
+    result = metrale("generate", "-m", str(tiny), "--kv-high-precision-layers", spec, "hi")
+    assert_one_line_error(result, *lines)
 
 
 def test_bench_kv_quality_json(tiny, tmp_path):
