@@ -256,6 +256,17 @@ class ModelConfig:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def check_token_ids(self, declared: dict[str, list[int]]) -> None:
+        """Refuse a token id the checkpoint's files give (``declared``: "file key" -> ids, as
+        ``Tokenizer.declared_ids``) that is no row of this model's vocabulary: an eos id there is
+        never sampled, so it never ends an answer, and a bos id there indexes past the embedding."""
+        for where, ids in declared.items():
+            past = [i for i in ids if i >= self.vocab_size]
+            if past:
+                raise MetraleError(f"{where} {past[0]} is past the model's vocabulary: vocab_size is "
+                                   f"{self.vocab_size}, so token ids are 0 to {self.vocab_size - 1}",
+                                   hint="fix the file, or re-download the checkpoint")
+
     def resolve_kv_dtype(self, requested: KvCacheDtype | str) -> KvCacheDtype:
         """``--kv-cache-dtype`` as parsed: ``auto`` = the checkpoint's declared KV dtype, else bf16."""
         if requested != AUTO:

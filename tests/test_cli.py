@@ -95,6 +95,13 @@ def test_a_broken_moe_checkpoint_is_one_error_line(tmp_path, command, edit, need
     ("generation_config.json", "eos_token_id", -1,
      "error: generation_config.json eos_token_id must be a token id or a list"),
     ("config.json", "bos_token_id", "y", "error: config.json bos_token_id must be a token id, got 'y'"),
+    # ids past the vocabulary (320 tokens) were accepted: an eos id there never ends an answer
+    ("config.json", "eos_token_id", 100000,
+     "error: config.json eos_token_id 100000 is past the model's vocabulary: vocab_size is 320, so token ids are "
+     "0 to 319"),
+    ("generation_config.json", "eos_token_id", [2, 320],
+     "error: generation_config.json eos_token_id 320 is past the model's vocabulary: vocab_size is 320"),
+    ("config.json", "bos_token_id", 100000, "error: config.json bos_token_id 100000 is past the model's vocabulary"),
 ])
 def test_a_token_id_that_is_not_one_is_one_error_line(tmp_path, file, key, value, needle):
     folder = make_hf_checkpoint(tmp_path, "qwen3")

@@ -314,6 +314,25 @@ def test_the_tokenizer_reads_without_tensors_before_and_after_conversion(tmp_pat
         assert tok.eos_token_ids == from_folder.eos_token_ids
 
 
+def test_a_special_token_id_past_the_vocabulary_is_one_error_naming_the_key(tmp_path):
+    """The file's eos id indexed its token list (IndexError), or, within the list, past the
+    model's vocabulary, never ended an answer; either way the run is refused before a weight is read."""
+    import gguf
+
+    from metrale_cli.engine.runner import RunnerOptions, open_runner
+    from metrale_cli.engine.source import ModelSource
+
+    path = write_gguf(make_hf_checkpoint(tmp_path, "qwen3"), tmp_path / "eos.gguf")
+    field = gguf.GGUFReader(str(path), "r+").fields["tokenizer.ggml.eos_token_id"]
+    field.parts[field.data[0]][0] = 100000
+    source = ModelSource.checkpoint(str(path))
+    source = ModelSource(source.config, source.tokenizer, lambda *a, **k: pytest.fail("a tensor was read"))
+    with pytest.raises(MetraleError) as info:
+        open_runner(RunnerOptions(backend="torch"), source)
+    assert info.value.message == ("GGUF tokenizer.ggml.eos_token_id 100000 is past the model's vocabulary: "
+                                  "vocab_size is 320, so token ids are 0 to 319")
+
+
 # --- the embedded default: SmolLM2-135M-Instruct Q4_1 -------------------------------------
 
 @pytest.fixture(scope="module")
