@@ -9,6 +9,7 @@ module (``models/``) for its own. Accepts both the transformers-4 spelling (``ro
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -31,6 +32,15 @@ class AttentionShape:
 def _real(key: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise MetraleError(f"config.json key '{key}' must be a number, got {value!r}")
+    if not math.isfinite(value):  # JSON's NaN, Infinity and 1e999 parse; no setting means them
+        raise MetraleError(f"config.json key '{key}' must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _positive(key: str, value) -> float:
+    """A finite number > 0 (an epsilon, a RoPE base: zero or less gives NaN logits, not an error)."""
+    if _real(key, value) <= 0:
+        raise MetraleError(f"config.json key '{key}' must be a positive number, got {value!r}")
     return float(value)
 
 
@@ -61,6 +71,7 @@ ROPE_REQUIRED = {"linear": ("factor",), "yarn": ("factor",),
                  "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 _POSITIVE_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _REAL_ROPE_KEYS = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
+_FLAG_ROPE_KEYS = ("truncate",)
 
 
 def _check_scaling(rope_type: str, extra: dict) -> None:
@@ -75,9 +86,30 @@ def _check_scaling(rope_type: str, extra: dict) -> None:
     for key in _POSITIVE_ROPE_KEYS:
         if key in extra and _real(key, extra[key]) <= 0:
             raise MetraleError(f"config.json RoPE key '{key}' must be positive, got {extra[key]!r}")
+    for key in _FLAG_ROPE_KEYS:
+        if key in extra and not isinstance(extra[key], bool):
+            raise MetraleError(f"config.json key '{key}' must be true or false, got {extra[key]!r}")
     if rope_type == "llama3" and extra["high_freq_factor"] <= extra["low_freq_factor"]:
         raise MetraleError(f"config.json RoPE high_freq_factor ({extra['high_freq_factor']}) must be greater than "
                            f"low_freq_factor ({extra['low_freq_factor']})")
+
+
+def _freq_factors(value) -> tuple[float, ...]:
+    """GGUF rope_freqs as a config holds them: each rotated pair's frequency is divided by its entry."""
+    if not isinstance(value, list):
+        raise MetraleError(f"config.json key 'freq_factors' must be a list of positive numbers, got {value!r}",
+                           hint="fix rope_scaling (or rope_parameters) in config.json")
+    return tuple(_positive("freq_factors", f) for f in value)
+
+
+def check_freq_factors(rope: RopeConfig, head_dim: int) -> None:
+    """Refuse freq_factors that are not one per rotated pair of a head's dims (layers/rope.py
+    divides the frequencies by them), once the family has settled head_dim and the rotary part."""
+    pairs = int(head_dim * rope.partial_rotary_factor) // 2
+    if rope.freq_factors is not None and len(rope.freq_factors) != pairs:
+        raise MetraleError(f"config.json RoPE freq_factors has {len(rope.freq_factors)} entries; the rotary "
+                           f"dimension {2 * pairs} of head_dim {head_dim} needs {pairs}",
+                           hint="fix rope_scaling (or rope_parameters) in config.json")
 
 
 def _rope_type(params: dict) -> str:
@@ -105,12 +137,19 @@ class ConfigReader:
             raise MetraleError(f"config.json key '{key}' must be a positive integer, got {value!r}")
         return value
 
+    def non_negative_int(self, key: str, default: int) -> int:
+        """A count that may be 0 (``max_window_layers``: no layer below the window's first)."""
+        value = self.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise MetraleError(f"config.json key '{key}' must be a non-negative integer, got {value!r}")
+        return value
+
     def optional_positive_int(self, key: str) -> int | None:
         """A key that is unset (None) or a positive integer (``sliding_window``)."""
         return None if self.raw.get(key) is None else self.positive_int(key)
 
-    def number(self, key: str, default: float) -> float:
-        return _real(key, self.get(key, default))
+    def positive_number(self, key: str, default: float) -> float:
+        return _positive(key, self.get(key, default))
 
     def flag(self, key: str, default: bool = False) -> bool:
         value = self.get(key, default)
@@ -148,7 +187,7 @@ class ConfigReader:
     def rope(self) -> RopeConfig:
         params = self.rope_params()
         rope_type = _rope_type(params)
-        theta = _real("rope_theta", params.get("rope_theta", self.get("rope_theta", 10000.0)))
+        theta = _positive("rope_theta", params.get("rope_theta", self.get("rope_theta", 10000.0)))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise MetraleError(f"config.json rope_type '{rope_type}' is not supported",
                                hint="supported: " + ", ".join(SUPPORTED_ROPE_TYPES))
@@ -161,7 +200,7 @@ class ConfigReader:
         if not 0 < partial <= 1:
             raise MetraleError(f"config.json partial_rotary_factor must be in (0, 1], got {partial!r}")
         if params.get("freq_factors") is not None:
-            extra["freq_factors"] = tuple(float(f) for f in params["freq_factors"])
+            extra["freq_factors"] = _freq_factors(params["freq_factors"])
         return RopeConfig(theta=theta, rope_type=rope_type, partial_rotary_factor=partial, **extra)
 
     def text_config(self, tie_default: bool, model_type: str) -> ConfigReader:
@@ -206,7 +245,7 @@ class ModelConfig:
     def read(cls, r: ConfigReader, family: str, layers: tuple[LayerSpec, ...]) -> ModelConfig:
         """The model-wide keys of ``r``, with the family's layers."""
         return cls(family=family, vocab_size=r.positive_int("vocab_size"), hidden_size=r.positive_int("hidden_size"),
-                   rms_norm_eps=r.number("rms_norm_eps", 1e-6),
+                   rms_norm_eps=r.positive_number("rms_norm_eps", 1e-6),
                    max_position_embeddings=r.positive_int("max_position_embeddings", 2048),
                    tie_word_embeddings=r.flag("tie_word_embeddings"), layers=layers,
                    bos_token_id=token_id("config.json bos_token_id", r.raw.get("bos_token_id")),
@@ -216,6 +255,17 @@ class ModelConfig:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def check_token_ids(self, declared: dict[str, list[int]]) -> None:
+        """Refuse a token id the checkpoint's files give (``declared``: "file key" -> ids, as
+        ``Tokenizer.declared_ids``) that is no row of this model's vocabulary: an eos id there is
+        never sampled, so it never ends an answer, and a bos id there indexes past the embedding."""
+        for where, ids in declared.items():
+            past = [i for i in ids if i >= self.vocab_size]
+            if past:
+                raise MetraleError(f"{where} {past[0]} is past the model's vocabulary: vocab_size is "
+                                   f"{self.vocab_size}, so token ids are 0 to {self.vocab_size - 1}",
+                                   hint="fix the file, or re-download the checkpoint")
 
     def resolve_kv_dtype(self, requested: KvCacheDtype | str) -> KvCacheDtype:
         """``--kv-cache-dtype`` as parsed: ``auto`` = the checkpoint's declared KV dtype, else bf16."""

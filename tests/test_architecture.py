@@ -46,6 +46,14 @@ def test_an_unsupported_model_type_names_every_supported_family():
         "qwen3_5_moe_text, qwen3_5, qwen3_5_moe")
 
 
+@pytest.mark.parametrize("model_type", [["llama"], {"name": "llama"}, 3])
+def test_a_model_type_that_is_not_a_string_is_one_error_naming_it(model_type):
+    with pytest.raises(MetraleError) as info:
+        model_config(LLAMA | {"model_type": model_type})
+    assert info.value.message == f"config.json key 'model_type' must be a string, got {model_type!r}"
+    assert info.value.hint.startswith("supported families: llama, mistral")
+
+
 def test_the_gguf_architectures_are_the_families():
     assert gguf_config.architectures() == {f.gguf.name: f for f in FAMILIES.values() if f.gguf is not None}
     with pytest.raises(MetraleError) as info:
@@ -87,6 +95,26 @@ def test_a_sliding_window_is_refused_on_the_layers_transformers_gives_it(family,
     assert "layer 1 (and 1 more): sliding_window = 64: no attention kernel applies a sliding window" in info.value.message
     no_window = cls(**(LLAMA | {"model_type": family, "sliding_window": 64})).to_dict()  # use_sliding_window off
     assert all(s.attention.sliding_window is None for s in model_config(no_window).layers)
+
+
+QWEN3_WINDOWED = {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 4}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"layer_types": 5}, "config.json layer_types must list 3 layer types, got 5"),
+    ({"layer_types": "full_attention"}, "config.json layer_types must list 3 layer types, got 'full_attention'"),
+    ({"layer_types": [["a"], "full_attention", "full_attention"]},
+     "config.json layer_types names \"['a']\", not a layer type this family has"),
+    ({"max_window_layers": "1"}, "config.json key 'max_window_layers' must be a non-negative integer, got '1'"),
+    ({"max_window_layers": [1]}, "config.json key 'max_window_layers' must be a non-negative integer, got [1]"),
+    ({"max_window_layers": -1}, "config.json key 'max_window_layers' must be a non-negative integer, got -1"),
+])
+def test_layer_types_or_max_window_layers_of_the_wrong_kind_are_one_error(overrides, message):
+    """Qwen2 / Qwen3 read layer_types as one known type per layer, else max_window_layers as a
+    layer count: a number, a string or a list in their place was a TypeError."""
+    with pytest.raises(MetraleError) as info:
+        model_config(LLAMA | QWEN3_WINDOWED | overrides)
+    assert info.value.message == message
 
 
 def test_mistrals_window_is_on_every_layer_as_transformers_masks_it():
@@ -157,10 +185,23 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
     ({**LLAMA3, "low_freq_factor": 4.0}, "config.json RoPE high_freq_factor (4.0) must be greater than "
      "low_freq_factor (4.0)"),
     ({"rope_type": "yarn", "factor": 4.0, "beta_fast": "x"}, "config.json key 'beta_fast' must be a number, got 'x'"),
+    ({**LLAMA3, "factor": 1e999}, "config.json key 'factor' must be a finite number, got inf"),
+    ({"rope_type": "yarn", "factor": 4.0, "truncate": "x"},
+     "config.json key 'truncate' must be true or false, got 'x'"),
+    ({"rope_type": "default", "freq_factors": ["a"]}, "config.json key 'freq_factors' must be a number, got 'a'"),
+    ({"rope_type": "default", "freq_factors": 5},
+     "config.json key 'freq_factors' must be a list of positive numbers, got 5"),
+    ({"rope_type": "default", "freq_factors": [1.0] * 7 + [0.0]},
+     "config.json key 'freq_factors' must be a positive number, got 0.0"),
+    ({"rope_type": "default", "freq_factors": [1.0] * 7 + [float("nan")]},
+     "config.json key 'freq_factors' must be a finite number, got nan"),
+    ({"rope_type": "default", "freq_factors": [1.0] * 4},  # head_dim 16: 8 rotated pairs
+     "config.json RoPE freq_factors has 4 entries; the rotary dimension 16 of head_dim 16 needs 8"),
 ])
 def test_a_scaled_rope_missing_a_key_or_with_a_bad_value_is_one_error(scaling, message):
     """A missing factor ran as 1.0 (no scaling), a string or zero was a traceback, a zero
-    original_max_position_embeddings ran as max_position_embeddings."""
+    original_max_position_embeddings ran as max_position_embeddings; an infinite factor or a
+    freq_factor of zero gave NaN logits."""
     with pytest.raises(MetraleError) as info:
         model_config(LLAMA | {"rope_scaling": {k: v for k, v in scaling.items() if v is not None}})
     assert info.value.message == message

@@ -95,6 +95,13 @@ def test_a_broken_moe_checkpoint_is_one_error_line(tmp_path, command, edit, need
     ("generation_config.json", "eos_token_id", -1,
      "error: generation_config.json eos_token_id must be a token id or a list"),
     ("config.json", "bos_token_id", "y", "error: config.json bos_token_id must be a token id, got 'y'"),
+    # ids past the vocabulary (320 tokens) were accepted: an eos id there never ends an answer
+    ("config.json", "eos_token_id", 100000,
+     "error: config.json eos_token_id 100000 is past the model's vocabulary: vocab_size is 320, so token ids are "
+     "0 to 319"),
+    ("generation_config.json", "eos_token_id", [2, 320],
+     "error: generation_config.json eos_token_id 320 is past the model's vocabulary: vocab_size is 320"),
+    ("config.json", "bos_token_id", 100000, "error: config.json bos_token_id 100000 is past the model's vocabulary"),
 ])
 def test_a_token_id_that_is_not_one_is_one_error_line(tmp_path, file, key, value, needle):
     folder = make_hf_checkpoint(tmp_path, "qwen3")
@@ -143,9 +150,14 @@ def test_generate_verbose_reports_kv_memory(tiny):
         in result.stderr
 
 
-def test_bad_high_precision_layers_is_one_line(tiny):
-    result = metrale("generate", "-m", str(tiny), "--kv-high-precision-layers", "some", "hi")
-    assert_one_line_error(result, "invalid --kv-high-precision-layers 'some'")
+@pytest.mark.parametrize("spec, lines", [
+    ("some", ("error: invalid --kv-high-precision-layers 'some'",)),
+    ("100", ("error: --kv-high-precision-layers 100: the model has only 2 layers with a KV cache",
+             "hint: max or all keeps every layer's KV in bf16")),  # it was capped at 2 without a word
+])
+def test_bad_high_precision_layers_is_one_line(tiny, spec, lines):
+    result = metrale("generate", "-m", str(tiny), "--kv-high-precision-layers", spec, "hi")
+    assert_one_line_error(result, *lines)
 
 
 def test_bench_kv_quality_json(tiny, tmp_path):

@@ -314,6 +314,25 @@ def test_the_tokenizer_reads_without_tensors_before_and_after_conversion(tmp_pat
         assert tok.eos_token_ids == from_folder.eos_token_ids
 
 
+def test_a_special_token_id_past_the_vocabulary_is_one_error_naming_the_key(tmp_path):
+    """The file's eos id indexed its token list (IndexError), or, within the list, past the
+    model's vocabulary, never ended an answer; either way the run is refused before a weight is read."""
+    import gguf
+
+    from metrale_cli.engine.runner import RunnerOptions, open_runner
+    from metrale_cli.engine.source import ModelSource
+
+    path = write_gguf(make_hf_checkpoint(tmp_path, "qwen3"), tmp_path / "eos.gguf")
+    field = gguf.GGUFReader(str(path), "r+").fields["tokenizer.ggml.eos_token_id"]
+    field.parts[field.data[0]][0] = 100000
+    source = ModelSource.checkpoint(str(path))
+    source = ModelSource(source.config, source.tokenizer, lambda *a, **k: pytest.fail("a tensor was read"))
+    with pytest.raises(MetraleError) as info:
+        open_runner(RunnerOptions(backend="torch"), source)
+    assert info.value.message == ("GGUF tokenizer.ggml.eos_token_id 100000 is past the model's vocabulary: "
+                                  "vocab_size is 320, so token ids are 0 to 319")
+
+
 # --- the embedded default: SmolLM2-135M-Instruct Q4_1 -------------------------------------
 
 @pytest.fixture(scope="module")
@@ -468,6 +487,13 @@ QWEN3MOE_META = {"general.architecture": "qwen3moe", "qwen3moe.embedding_length"
     ({"qwen3moe.expert_count": 0}, "GGUF metadata qwen3moe.expert_count must be a positive integer, got 0"),
     ({"qwen3moe.expert_used_count": 7}, "GGUF metadata num_experts_per_tok (7) exceeds num_experts (6)"),
     ({"qwen3moe.rope.scaling.type": "longrope"}, "GGUF metadata rope_type 'longrope' is not supported"),
+    ({"qwen3moe.attention.layer_norm_rms_epsilon": -1.0},
+     "GGUF metadata qwen3moe.attention.layer_norm_rms_epsilon must be a positive number, got -1.0"),
+    ({"qwen3moe.rope.freq_base": 0.0}, "GGUF metadata qwen3moe.rope.freq_base must be a positive number, got 0.0"),
+    ({"qwen3moe.attention.key_length": 0},
+     "GGUF metadata qwen3moe.attention.key_length must be a positive integer, got 0"),
+    ({"qwen3moe.rope.scaling.type": "yarn", "qwen3moe.rope.scaling.factor": float("inf")},
+     "GGUF metadata (as config key 'factor') must be a finite number, got inf"),
 ])
 def test_a_metadata_value_the_family_refuses_is_named_as_the_files(change, message):
     """The family's checks speak of config.json; read from a GGUF, the line names its metadata."""

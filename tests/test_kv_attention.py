@@ -126,7 +126,7 @@ def test_promotion_can_be_disabled():
     assert describe(layer_dtypes(D.TURBO3, 6, 0)) == "bf16 layer 0, turbo3 layers 1-4, bf16 layer 5"
 
 
-@pytest.mark.parametrize("spec", ["-1", "two", "1.5"])
+@pytest.mark.parametrize("spec", ["-1", "two", "1.5", "5"])  # 5 of 4 layers: more than the model has
 def test_bad_high_precision_spec_is_a_user_error(spec):
     with pytest.raises(MetraleError, match="--kv-high-precision-layers"):
         layer_dtypes(D.FP8, 4, spec)

@@ -396,6 +396,11 @@ BASE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96, "
      "config.json key 'qkv_bias' must be true or false, got 'no'"),
     ({"rms_norm_eps": "1e-6"}, "config.json key 'rms_norm_eps' must be a number, got '1e-6'"),
     ({"rope_parameters": {"rope_theta": "1e6"}}, "config.json key 'rope_theta' must be a number, got '1e6'"),
+    ({"rms_norm_eps": -1}, "config.json key 'rms_norm_eps' must be a positive number, got -1"),
+    ({"rms_norm_eps": float("nan")}, "config.json key 'rms_norm_eps' must be a finite number, got nan"),
+    ({"rope_theta": 0}, "config.json key 'rope_theta' must be a positive number, got 0"),
+    ({"rope_parameters": {"rope_theta": -5}}, "config.json key 'rope_theta' must be a positive number, got -5"),
+    ({"rope_theta": float("nan")}, "config.json key 'rope_theta' must be a finite number, got nan"),
     ({"rope_parameters": [1e6]}, "config.json rope_parameters must be an object, got [1000000.0]"),
 ])
 def test_a_bad_moe_config_is_one_error_naming_the_key(change, message):

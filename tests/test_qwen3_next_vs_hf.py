@@ -302,6 +302,8 @@ BASE = {"model_type": "qwen3_next", "hidden_size": 64, "intermediate_size": 96, 
                                                  "['linear_attention', 'linear_attention', 'linear_attention']")),
     ({"layer_types": ["linear_attention", "sliding_attention"] * 2},
      "config.json layer_types has unknown type(s) ['sliding_attention']"),
+    ({"layer_types": [["a"], "full_attention", "linear_attention", "linear_attention"]},
+     "config.json layer_types has unknown type(s) [['a']]"),
     ({"full_attention_interval": 0}, "config.json key 'full_attention_interval' must be a positive integer, got 0"),
     ({"partial_rotary_factor": 0.1}, ("config.json partial_rotary_factor 0.1 rotates 3.2 of 32 dims; it must "
                                       "rotate an even number of them")),

@@ -23,6 +23,7 @@ ARCH_KEYS: dict[str, str] = {
     "num_hidden_layers": "block_count",
     "num_attention_heads": "attention.head_count",
     "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
     "rms_norm_eps": "attention.layer_norm_rms_epsilon",
     "rope_theta": "rope.freq_base",
     "max_position_embeddings": "context_length",
@@ -150,12 +151,6 @@ def synthesize_config(meta: dict, shapes: dict[str, tuple[int, ...]],
     config.setdefault("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])))
     if "token_embd.weight" in shapes:
         config["vocab_size"] = shapes["token_embd.weight"][0]
-    key_length = meta.get(f"{architecture}.attention.key_length")
-    config["head_dim"] = key_length or config["hidden_size"] // heads
-    rotated = meta.get(f"{architecture}.rope.dimension_count", config["head_dim"])
-    if rotated != config["head_dim"]:
-        raise MetraleError(f"GGUF {architecture}.rope.dimension_count {rotated} is not the head_dim "
-                           f"{config['head_dim']}: RoPE on part of each head is not built for GGUF files")
     config.update(
         model_type=family.model_type,
         architectures=[family.hf_class],
@@ -176,6 +171,13 @@ def synthesize_config(meta: dict, shapes: dict[str, tuple[int, ...]],
     if rope_freqs is not None:
         config["rope_parameters"]["freq_factors"] = list(rope_freqs)
     _check_as_read(config, architecture)
+    # key_length is read as the family reads head_dim (a 0 is refused, not replaced); without
+    # it, hidden / heads, as the family defaults it, both checked positive by now
+    config.setdefault("head_dim", config["hidden_size"] // heads)
+    rotated = meta.get(f"{architecture}.rope.dimension_count", config["head_dim"])
+    if rotated != config["head_dim"]:
+        raise MetraleError(f"GGUF {architecture}.rope.dimension_count {rotated} is not the head_dim "
+                           f"{config['head_dim']}: RoPE on part of each head is not built for GGUF files")
     return config
 
 

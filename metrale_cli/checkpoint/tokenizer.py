@@ -95,12 +95,15 @@ class Tokenizer:
 
     ``bos_token_id``: prepended by ``encode(add_special_tokens=True)`` when the model wants it.
     ``eos_token_ids``: every id that ends generation (config eos ids + end-of-turn tokens).
+    ``declared_ids``: the ids the checkpoint's files give, by file and key
+    (``{"generation_config.json eos_token_id": [2]}``), for ``ModelConfig.check_token_ids``.
     """
 
     def __init__(self, backend: tokenizers.Tokenizer, bos_token_id: int | None,
                  eos_token_ids: list[int], chat_template: str | None,
-                 special_tokens: dict[str, str] | None = None):
+                 special_tokens: dict[str, str] | None = None, declared_ids: dict[str, list[int]] | None = None):
         self.backend = backend
+        self.declared_ids = dict(declared_ids or {})
         self.bos_token_id = bos_token_id
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template
@@ -180,13 +183,16 @@ class Tokenizer:
         tok_config = read_json_object(folder / "tokenizer_config.json", optional=True)
         special = {k: _token_text(tok_config[k]) for k in SPECIAL_TOKEN_KEYS if tok_config.get(k)}
         config = read_json_object(folder / "config.json", optional=True)
-        eos_ids = token_ids("config.json eos_token_id", config.get("eos_token_id"))
-        eos_ids += token_ids("generation_config.json eos_token_id",
-                             read_json_object(folder / "generation_config.json", optional=True).get("eos_token_id"))
+        generation = read_json_object(folder / "generation_config.json", optional=True)
+        declared = {"config.json eos_token_id": token_ids("config.json eos_token_id", config.get("eos_token_id")),
+                    "generation_config.json eos_token_id": token_ids("generation_config.json eos_token_id",
+                                                                     generation.get("eos_token_id"))}
         bos = token_id("config.json bos_token_id", config.get("bos_token_id"))
+        declared["config.json bos_token_id"] = [] if bos is None else [bos]
         if bos is None and "bos_token" in special:
             bos = backend.token_to_id(special["bos_token"])
-        return cls._build(backend, bos, eos_ids, _chat_template(folder, tok_config), special)
+        eos_ids = declared["config.json eos_token_id"] + declared["generation_config.json eos_token_id"]
+        return cls._build(backend, bos, eos_ids, _chat_template(folder, tok_config), special, declared)
 
     @classmethod
     def from_gguf(cls, reader_or_metadata) -> "Tokenizer":
@@ -199,17 +205,21 @@ class Tokenizer:
         backend = build_backend(meta)
         tokens = meta["tokenizer.ggml.tokens"]
         ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
-        special = {key: tokens[ids[name]] for key, name in
-                   zip(SPECIAL_TOKEN_KEYS, ("bos", "eos", "unknown", "padding")) if ids[name] is not None}
-        return cls._build(backend, ids["bos"], token_ids("GGUF tokenizer.ggml.eos_token_id", ids["eos"]),
-                          meta.get("tokenizer.chat_template"), special)
+        # an id past the token list has no text; one past the model's vocabulary is refused by
+        # ModelConfig.check_token_ids, which names the key
+        special = {key: tokens[ids[name]] for key, name in zip(SPECIAL_TOKEN_KEYS, ("bos", "eos", "unknown", "padding"))
+                   if ids[name] is not None and ids[name] < len(tokens)}
+        declared = {f"GGUF tokenizer.ggml.{k}_token_id": token_ids(f"GGUF tokenizer.ggml.{k}_token_id", ids[k])
+                    for k in ("eos", "bos")}
+        return cls._build(backend, ids["bos"], declared["GGUF tokenizer.ggml.eos_token_id"],
+                          meta.get("tokenizer.chat_template"), special, declared)
 
     @classmethod
-    def _build(cls, backend, bos, eos_ids, chat_template, special) -> "Tokenizer":
+    def _build(cls, backend, bos, eos_ids, chat_template, special, declared) -> "Tokenizer":
         if "eos_token" in special and (eos := backend.token_to_id(special["eos_token"])) is not None:
             eos_ids = eos_ids + [eos]
         eos_ids += [i for t in END_OF_TURN_TOKENS if (i := backend.token_to_id(t)) is not None]
-        return cls(backend, bos, eos_ids, chat_template, special)
+        return cls(backend, bos, eos_ids, chat_template, special, declared)
 
     def save(self, folder: pathlib.Path) -> None:
         """Write tokenizer.json + tokenizer_config.json that ``from_hf_folder`` reads back."""

@@ -353,8 +353,11 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     check_served(cfg.layers, max_seq_len)
     shard = shard_config(cfg, tp)
     loader = check_kernels(shard, backend, device, kv_dtype)
+    tokenizer = source.tokenizer()
+    if tokenizer is not None:  # where the model's vocabulary and the files' token ids are both known
+        cfg.check_token_ids(tokenizer.declared_ids)
     if before_weights is not None:
-        before_weights(source.tokenizer(), max_seq_len)
+        before_weights(tokenizer, max_seq_len)
     layout = kv_layout(shard)
     # On the host the pool is what the run needs, known before a weight is read (and counted in the
     # room check); a GPU's is what the weights leave.

@@ -26,6 +26,9 @@ def requested_layers(spec: str | int, num_layers: int) -> int:
     if not (key.isascii() and key.isdigit()):  # '²' is a digit int() refuses
         raise MetraleError(f"invalid --kv-high-precision-layers '{spec}'",
                            hint="give a number of layers, or auto (= 2), max or all")
+    if int(key) > num_layers:  # capped, it would quietly run another plan than the one asked for
+        raise MetraleError(f"--kv-high-precision-layers {int(key)}: the model has only {num_layers} layers "
+                           "with a KV cache", hint="max or all keeps every layer's KV in bf16")
     return int(key)
 
 

@@ -30,6 +30,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (llama.LLAMA, llama.MIST
 
 def family_of(model_type: str | None) -> Family:
     """The table's row for an HF ``model_type``; the error names every supported one."""
+    if model_type is not None and not isinstance(model_type, str):  # a list is no key of the table
+        raise MetraleError(f"config.json key 'model_type' must be a string, got {model_type!r}",
+                           hint="supported families: " + ", ".join(FAMILIES))
     if model_type not in FAMILIES:
         raise MetraleError(f"model_type '{model_type}' is not supported yet",
                            hint="supported families: " + ", ".join(FAMILIES))

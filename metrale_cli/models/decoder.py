@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from metrale_cli.config import ConfigReader, ModelConfig
+from metrale_cli.config import ConfigReader, ModelConfig, check_freq_factors
 from metrale_cli.errors import MetraleError
 from metrale_cli.kernels.ops import Ops
 from metrale_cli.layers.attention import AttentionWeights, Qwen3AttentionLayer
@@ -40,9 +40,13 @@ def windows(r: ConfigReader, layers: int, sliding: Callable[[int, int], bool]) -
     """Each layer's sliding window as transformers derives it: :func:`window` on the layers
     ``layer_types`` names ``sliding_attention``; without ``layer_types``, on the layers ``i`` for
     which ``sliding(i, max_window_layers)`` holds (the family's default rule)."""
-    w, max_window = window(r), r.get("max_window_layers", 28)
-    types = r.get("layer_types") or ["sliding_attention" if w is not None and sliding(i, max_window)
-                                     else "full_attention" for i in range(layers)]
+    w, types = window(r), r.get("layer_types")
+    if types is None:
+        max_window = r.non_negative_int("max_window_layers", 28)
+        types = ["sliding_attention" if w is not None and sliding(i, max_window) else "full_attention"
+                 for i in range(layers)]
+    if not isinstance(types, list):
+        raise MetraleError(f"config.json layer_types must list {layers} layer types, got {types!r}")
     if len(types) != layers:
         raise MetraleError(f"config.json layer_types has {len(types)} entries for {layers} layers")
     unknown = sorted({str(kind) for kind in types} - set(LAYER_TYPES))
@@ -56,6 +60,7 @@ def attention_specs(r: ConfigReader, layer_windows: list[int | None], **options)
     """One AttentionSpec per layer: the config's heads, head_dim and RoPE, the layer's window and
     the family's ``options`` (qk_norm, qkv_bias, o_bias)."""
     shape, rope = r.attention_shape(), r.rope()
+    check_freq_factors(rope, shape.head_dim)
     return [AttentionSpec(head_dim=shape.head_dim, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                           rope=rope, scale=shape.head_dim**-0.5, sliding_window=w, **options) for w in layer_windows]
 

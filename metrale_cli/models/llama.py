@@ -40,7 +40,7 @@ def _config(r: ConfigReader, family: str) -> ModelConfig:
     attention = decoder.attention_specs(r, windows, qk_norm=family == "qwen3", qkv_bias=family == "qwen2" or bias,
                                         o_bias=family != "qwen2" and bias)
     ffn = FfnSpec("swiglu", r.positive_int("intermediate_size"))
-    eps = r.number("rms_norm_eps", 1e-6)
+    eps = r.positive_number("rms_norm_eps", 1e-6)
     return ModelConfig.read(r, family, tuple(LayerSpec(i, a, ffn, eps) for i, a in enumerate(attention)))
 
 

@@ -29,7 +29,7 @@ def _config(r: ConfigReader) -> ModelConfig:
     windows = [r.optional_positive_int("sliding_window")] * layers
     attention = decoder.attention_specs(r, windows, qk_norm=False, qkv_bias=False, o_bias=False)
     ffn = FfnSpec("swiglu", r.positive_int("intermediate_size"))
-    eps = r.number("rms_norm_eps", 1e-5)
+    eps = r.positive_number("rms_norm_eps", 1e-5)
     return ModelConfig.read(r, "phi3", tuple(LayerSpec(i, a, ffn, eps) for i, a in enumerate(attention)))
 
 

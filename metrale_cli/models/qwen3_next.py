@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metrale_cli.config import ConfigReader, ModelConfig
+from metrale_cli.config import ConfigReader, ModelConfig, check_freq_factors
 from metrale_cli.errors import MetraleError
 from metrale_cli.layers.attention import AttentionWeights, Qwen3AttentionLayer
 from metrale_cli.layers.gdn import GatedDeltaNetLayer, GdnWeights, SsmStatePool
@@ -43,9 +43,10 @@ def _mixers(r: ConfigReader, layers: int) -> list[str]:
         return ["attention" if (i + 1) % interval == 0 else "gdn" for i in range(layers)]
     if not isinstance(types, list) or len(types) != layers:
         raise MetraleError(f"config.json layer_types must list {layers} layer types, got {types!r}")
-    unknown = sorted({t for t in types if t not in LAYER_TYPES}, key=str)
+    # repr, not the entries: a list entry is no key of LAYER_TYPES nor of a set
+    unknown = sorted({repr(t) for t in types if not isinstance(t, str) or t not in LAYER_TYPES})
     if unknown:
-        raise MetraleError(f"config.json layer_types has unknown type(s) {unknown}",
+        raise MetraleError(f"config.json layer_types has unknown type(s) [{', '.join(unknown)}]",
                            hint="expected linear_attention or full_attention")
     return [LAYER_TYPES[t] for t in types]
 
@@ -59,6 +60,7 @@ def _attention(r: ConfigReader) -> AttentionSpec:
     if not 0 < rope.partial_rotary_factor <= 1 or int(rotary) % 2:
         raise MetraleError(f"config.json partial_rotary_factor {rope.partial_rotary_factor!r} rotates {rotary:g} "
                            f"of {shape.head_dim} dims; it must rotate an even number of them")
+    check_freq_factors(rope, shape.head_dim)
     return AttentionSpec(head_dim=shape.head_dim, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                          rope=rope, scale=shape.head_dim**-0.5, qk_norm=True, output_gate=True)
 
@@ -82,7 +84,7 @@ def hybrid_config(r: ConfigReader, family: str,
     r.refuse("hidden_act", ("silu",), "only SiLU (SwiGLU) FFNs and SiLU convs are built")
     r.refuse("attention_bias", (False,), "the hybrids' gated attention is built without q/k/v/o biases")
     layers = r.positive_int("num_hidden_layers")
-    mixers, eps = _mixers(r, layers), r.number("rms_norm_eps", 1e-6)
+    mixers, eps = _mixers(r, layers), r.positive_number("rms_norm_eps", 1e-6)
     attention = _attention(r) if "attention" in mixers else None
     gdn = _gdn(r) if "gdn" in mixers else None
     ffns = ffn_specs(r, layers)

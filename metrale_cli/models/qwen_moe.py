@@ -75,7 +75,7 @@ def _config(r: ConfigReader, family: str) -> ModelConfig:
     else:  # Qwen2MoeConfig's default layer_types: the even layers below max_window_layers
         windows = decoder.windows(r, layers, lambda i, max_window: i % 2 == 0 and i < max_window)
         attention = decoder.attention_specs(r, windows, qkv_bias=r.flag("qkv_bias", True))
-    eps = r.number("rms_norm_eps", 1e-6)
+    eps = r.positive_number("rms_norm_eps", 1e-6)
     ffns = ffn_specs(r, layers, shared_expert=family == "qwen2_moe")
     return ModelConfig.read(r, family, tuple(LayerSpec(i, a, f, eps) for i, (a, f) in enumerate(zip(attention, ffns))))
 
