@@ -178,6 +178,22 @@ def _config_not_object(folder):
     (folder / "config.json").write_text("[1]")
 
 
+DEEP_JSON = "[" * 100_000 + "]" * 100_000  # deeper than json's recursive parser goes
+
+
+def _config_nested_too_deeply(folder):
+    (folder / "config.json").write_text(DEEP_JSON)
+
+
+def _index_nested_too_deeply(folder):
+    (folder / "model.safetensors.index.json").write_text(DEEP_JSON)
+
+
+def _header_nested_too_deeply(folder):
+    shard = _first_shard(folder)
+    shard.write_bytes(struct.pack("<Q", len(DEEP_JSON)) + DEEP_JSON.encode() + shard.read_bytes())
+
+
 CORRUPTIONS = {
     _remove_config: "has no config.json",
     _remove_weights: "has no weights",
@@ -194,6 +210,9 @@ CORRUPTIONS = {
     _index_not_json: "model.safetensors.index.json is not valid JSON: ",
     _config_not_object: "config.json is not a JSON object",
     _tensor_in_two_shards: " is in both model-00001-of-",
+    _config_nested_too_deeply: "config.json is not valid JSON: nested too deeply",
+    _index_nested_too_deeply: "model.safetensors.index.json is not valid JSON: nested too deeply",
+    _header_nested_too_deeply: "model-00001-of-00007.safetensors has a corrupt safetensors header (JSON nested too deeply)",
 }
 
 

@@ -67,6 +67,9 @@ def read_shard_header(path: pathlib.Path) -> ShardHeader:
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise MetraleError(f"{path} has a corrupt safetensors header (not JSON)",
                            "re-download the file") from None
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise MetraleError(f"{path} has a corrupt safetensors header (JSON nested too deeply)",
+                           "re-download the file") from None
     if not isinstance(header, dict):
         raise MetraleError(f"{path} has a corrupt safetensors header (not a JSON object)", "re-download the file")
     return _check_entries(path, header, data_size=size - 8 - length)
