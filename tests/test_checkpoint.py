@@ -92,6 +92,28 @@ def _remove_shard(folder):
     _first_shard(folder).unlink()
 
 
+def _weights_a_directory(folder):
+    _remove_weights(folder)
+    (folder / "model.safetensors").mkdir()
+
+
+def _weights_a_broken_link(folder):
+    _remove_weights(folder)
+    (folder / "model.safetensors").symlink_to(folder / "gone.safetensors")
+
+
+def _shard_a_directory(folder):
+    shard = _first_shard(folder)
+    shard.unlink()
+    shard.mkdir()
+
+
+def _shard_a_broken_link(folder):
+    shard = _first_shard(folder)
+    shard.unlink()
+    shard.symlink_to(folder / "gone.safetensors")
+
+
 def _header_not_json(folder):
     shard = _first_shard(folder)
     data = bytearray(shard.read_bytes())
@@ -210,6 +232,10 @@ CORRUPTIONS = {
     _index_not_json: "model.safetensors.index.json is not valid JSON: ",
     _config_not_object: "config.json is not a JSON object",
     _tensor_in_two_shards: " is in both model-00001-of-",
+    _weights_a_directory: "model.safetensors is not a readable file (Is a directory)",
+    _weights_a_broken_link: "model.safetensors is not a readable file (No such file or directory)",
+    _shard_a_directory: "model-00001-of-00007.safetensors is not a readable file (Is a directory)",
+    _shard_a_broken_link: "model-00001-of-00007.safetensors is not a readable file (No such file or directory)",
     _config_nested_too_deeply: "config.json is not valid JSON: nested too deeply",
     _index_nested_too_deeply: "model.safetensors.index.json is not valid JSON: nested too deeply",
     _header_nested_too_deeply: "model-00001-of-00007.safetensors has a corrupt safetensors header (JSON nested too deeply)",

@@ -8,6 +8,7 @@ Checking names and shapes against the architecture is the model builder's job.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import struct
 from dataclasses import dataclass
@@ -52,6 +53,13 @@ def read_hf_config(folder: pathlib.Path) -> dict:
 
 def read_shard_header(path: pathlib.Path) -> ShardHeader:
     """Parse and check a safetensors header against the file's size (no tensor data read)."""
+    try:
+        return _read_header(path)
+    except OSError as exc:  # a directory or a broken link in the file's place
+        raise MetraleError(f"{path} is not a readable file ({exc.strerror})", "re-download the file") from None
+
+
+def _read_header(path: pathlib.Path) -> ShardHeader:
     size = path.stat().st_size
     with path.open("rb") as handle:
         prefix = handle.read(8)
@@ -110,13 +118,19 @@ def weight_headers(folder: pathlib.Path) -> list[ShardHeader]:
     against each other (no tensor in two files: which one to load would be a guess)."""
     if (folder / INDEX_FILE).is_file():
         return _once_each(_indexed_headers(folder))
-    if (folder / SINGLE_FILE).is_file():
+    if _present(folder / SINGLE_FILE):
         return [read_shard_header(folder / SINGLE_FILE)]
     loose = sorted(folder.glob("model*.safetensors"))
     if loose:
         return _once_each([read_shard_header(p) for p in loose])
     raise MetraleError(f"{folder} has no weights ({SINGLE_FILE} or {INDEX_FILE})",
                        "only safetensors checkpoints are supported")
+
+
+def _present(path: pathlib.Path) -> bool:
+    """Whether ``path`` is there, even as a directory or a broken link: reading it then says
+    what is wrong with it, rather than the file being called missing."""
+    return os.path.lexists(path)
 
 
 def _once_each(headers: list[ShardHeader]) -> list[ShardHeader]:
@@ -135,7 +149,7 @@ def _indexed_headers(folder: pathlib.Path) -> list[ShardHeader]:
     weight_map = _weight_map(index_path)
     headers = {}
     for shard in sorted(set(weight_map.values())):
-        if not (folder / shard).is_file():
+        if not _present(folder / shard):
             raise MetraleError(f"{index_path.name} names a missing shard: {shard}",
                                "re-download the checkpoint")
         headers[shard] = read_shard_header(folder / shard)
