@@ -196,6 +196,22 @@ def _tensor_in_two_shards(folder):
     save_file(load_file(str(second)) | {name: torch.zeros_like(tensor)}, str(second), metadata={"format": "pt"})
 
 
+def _stored_as(dtype):
+    """The corruption storing one weight as ``dtype`` (values kept as far as it holds them)."""
+    def corrupt(folder):
+        from safetensors.torch import load_file, save_file
+
+        name = "model.layers.0.mlp.up_proj.weight"
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        shard = folder / index["weight_map"][name]
+        tensors = load_file(str(shard))
+        tensors[name] = tensors[name].float().to(dtype)
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+
+    corrupt.__name__ = f"_stored_as_{str(dtype).removeprefix('torch.')}"
+    return corrupt
+
+
 def _config_not_object(folder):
     (folder / "config.json").write_text("[1]")
 
@@ -236,6 +252,11 @@ CORRUPTIONS = {
     _weights_a_broken_link: "model.safetensors is not a readable file (No such file or directory)",
     _shard_a_directory: "model-00001-of-00007.safetensors is not a readable file (Is a directory)",
     _shard_a_broken_link: "model-00001-of-00007.safetensors is not a readable file (No such file or directory)",
+    _stored_as(torch.float8_e4m3fn): "tensor model.layers.0.mlp.up_proj.weight is stored as F8_E4M3: fp8 and "
+                                     "integer (quantized) weights are not supported yet, only BF16, F16, F32, F64",
+    _stored_as(torch.float8_e5m2): "tensor model.layers.0.mlp.up_proj.weight is stored as F8_E5M2: fp8 and ",
+    _stored_as(torch.int8): "tensor model.layers.0.mlp.up_proj.weight is stored as I8: fp8 and ",
+    _stored_as(torch.int32): "tensor model.layers.0.mlp.up_proj.weight is stored as I32: fp8 and ",
     _config_nested_too_deeply: "config.json is not valid JSON: nested too deeply",
     _index_nested_too_deeply: "model.safetensors.index.json is not valid JSON: nested too deeply",
     _header_nested_too_deeply: "model-00001-of-00007.safetensors has a corrupt safetensors header (JSON nested too deeply)",

@@ -7,6 +7,7 @@ Checking names and shapes against the architecture is the model builder's job.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -172,28 +173,39 @@ def _weight_map(index_path: pathlib.Path) -> dict[str, str]:
     return weight_map
 
 
-def target_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
-    """16/32/64-bit floats become ``dtype``; integers and fp8 (quantized data) stay as stored."""
-    if stored.is_floating_point and stored.itemsize >= 2:
-        return dtype
-    return stored
+# The stored dtypes of the weights metrale runs: floats, each cast to the run's dtype as it is
+# read. fp8 and integer weights are quantized data, which needs its scales and kernels.
+WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
+def _check_dtypes(wanted: list[tuple[ShardHeader, list[str]]]) -> None:
+    for header, names in wanted:
+        for name in names:
+            stored = header.entries[name][0]
+            if stored not in WEIGHT_DTYPES:
+                raise MetraleError(f"{header.path}: tensor {name} is stored as {stored}: fp8 and integer "
+                                   f"(quantized) weights are not supported yet, only {', '.join(WEIGHT_DTYPES)}",
+                                   "use a bf16, fp16 or fp32 checkpoint of the model, or a GGUF file of it")
 
 
 def load_tensors(headers: list[ShardHeader], device: torch.device, dtype: torch.dtype,
                  progress: Progress | None = None, skip: tuple[str, ...] = (),
                  transform: Transform | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of ``headers`` on ``device`` but those whose names start with one of ``skip``
-    (not read); floats cast to ``dtype`` (see target_dtype). ``transform(name, tensor)``, when
+    """Every tensor of ``headers`` on ``device`` in ``dtype`` but those whose names start with
+    one of ``skip`` (not read). Every file is opened (safetensors checks its header) and every
+    tensor's stored dtype checked before the first is read. ``transform(name, tensor)``, when
     given, replaces each tensor as it is read, on the CPU (a tensor-parallel rank's shard)."""
     wanted = [(h, [n for n in h.entries if not n.startswith(skip)]) for h in headers]
     total, done, tensors = sum(h.entries[n][2] for h, names in wanted for n in names), 0, {}
-    for header, names in wanted:
-        with _open(header.path) as handle:
+    with contextlib.ExitStack() as files:
+        handles = [files.enter_context(_open(header.path)) for header, _ in wanted]
+        _check_dtypes(wanted)
+        for (header, names), handle in zip(wanted, handles):
             for name in names:
                 tensor = handle.get_tensor(name)
                 if transform is not None:
                     tensor = transform(name, tensor)
-                tensors[name] = tensor.to(device=device, dtype=target_dtype(tensor.dtype, dtype))
+                tensors[name] = tensor.to(device=device, dtype=dtype)
                 done += header.entries[name][2]
                 if progress is not None:
                     progress(done, total)
