@@ -29,6 +29,12 @@ from metrale_cli.checkpoint.tokenizer import Tokenizer
 
 _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 QUANT_KEY = "gguf_quant"
+# The GGML types of the tensors the conversion dequantizes: those the gguf package dequantizes.
+# It raises NotImplementedError on the others: integer types and F64 (no weight format of
+# llama.cpp's converters), Q8_1 and Q8_K (llama.cpp's activation formats), Q1_0.
+DEQUANTIZED = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+                         "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                         "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"})
 
 def gguf_cache_path(path: pathlib.Path | str) -> pathlib.Path:
     """The HF-style folder caching the converted ``path``, keyed by its path, size and mtime."""
@@ -119,16 +125,27 @@ def _per_expert(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]
     return out
 
 
+def _check_dequantized(tensor) -> None:
+    if tensor.tensor_type.name not in DEQUANTIZED:
+        raise MetraleError(f"GGUF tensor {tensor.name} is stored as {tensor.tensor_type.name}, a type metrale "
+                           "does not dequantize", "requantize the model with llama.cpp's llama-quantize to a "
+                           "type such as Q8_0, Q4_K or F16")
+
+
 def conversion_plan(reader, config: dict) -> list[_Part]:
-    """Every HF tensor the conversion yields, in file order, its shape checked against the one
-    the family expects from ``config`` (older llama.cpp converters dropped unit dimensions, e.g.
-    Qwen2-MoE's (1, H) shared-expert gate, which is restored)."""
+    """Every HF tensor the conversion yields, in file order, its GGML type checked against
+    DEQUANTIZED and its shape against the one the family expects from ``config`` (older llama.cpp
+    converters dropped unit dimensions, e.g. Qwen2-MoE's (1, H) shared-expert gate, which is
+    restored)."""
     cfg = model_config(config)
     expected = _per_expert(family_of(cfg.family).expected_tensors(cfg))
     plan = []
     for tensor in reader.tensors:
         declared = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        for name, expert in gguf_config.hf_tensors(tensor.name, declared):
+        parts = gguf_config.hf_tensors(tensor.name, declared)
+        if parts:
+            _check_dequantized(tensor)
+        for name, expert in parts:
             shape = declared if expert is None else declared[1:]
             want = expected.get(name, shape)
             if _squeezed(shape) != _squeezed(want):
