@@ -251,13 +251,14 @@ def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
     meta = metadata(reader)
     config = gguf_config.synthesize_config(meta, tensor_shapes(reader), rope_freqs(reader))
     tokenizer, quant = Tokenizer.from_gguf(meta), main_quant(reader)
+    entries = _entries(reader, config, dtype)  # every tensor's type and shape checked before the wait starts
     describe = getattr(progress, "describe", None)  # Output.progress's: say what the wait is
     if describe is not None:
         then = "once, then read from the cache" if _writable(folder) else "at every start (the cache is not writable)"
         describe(f"converting {path.name} ({quant}) to {str(dtype).removeprefix('torch.')} safetensors: {then}")
     try:
         _write_cache(folder, weights, config, tokenizer, _sampling_keys(reader), quant, dtype,
-                     convert_tensors(reader, config, dtype, progress), _entries(reader, config, dtype))
+                     convert_tensors(reader, config, dtype, progress), entries)
     except OSError:  # an unwritable cache only costs the next start the same conversion
         tensors = {name: (t if transform is None else transform(name, t)).to(device)
                    for name, t in convert_tensors(reader, config, dtype, progress)}
