@@ -263,6 +263,24 @@ def test_wrong_tensor_shape_is_one_clear_error(tmp_path):
         load_checkpoint(str(write_gguf(folder, tmp_path / "w.gguf")), CPU, torch.bfloat16)
 
 
+def test_non_finite_weights_are_refused_naming_the_gguf_file(tmp_path, cache_dir):
+    from safetensors.torch import load_file, save_file
+
+    folder = make_hf_checkpoint(tmp_path, "llama")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.weight"][3, :2] = torch.tensor([float("nan"), float("inf")])
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    path = write_gguf(folder, tmp_path / "nan.gguf")
+    cached, written = gguf_cache_path(path) / "model.bfloat16.safetensors", []
+    for load in ("converted", "from the cache"):
+        with pytest.raises(MetraleError) as info:
+            load_checkpoint(str(path), CPU, torch.bfloat16)
+        assert info.value.message == (f"{path}: tensor model.layers.0.mlp.up_proj.weight has 2 non-finite values "
+                                      "(NaN or inf)"), load
+        written.append(cached.stat().st_mtime_ns)
+    assert written[0] == written[1]  # the cache is kept: converting again would not help
+
+
 def _retype(path, name, ggml_type):
     """``path`` with tensor ``name`` declared as ``ggml_type``, its bytes left as they are."""
     import gguf

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from metrale_cli.checkpoint import gguf_config
+from metrale_cli.checkpoint.finite import check_finite
 from metrale_cli.checkpoint.safetensors_io import Progress, Transform, load_tensors, read_hf_config, read_shard_header
 from metrale_cli.environment import cache_dir
 from metrale_cli.errors import MetraleError
@@ -236,7 +237,16 @@ def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
     as load_tensors) and tokenizer of a GGUF file.
 
     Served from ``gguf_cache_path(path)`` when converted before; converted and cached otherwise.
+    Weights with NaN or inf values once dequantized are refused, the GGUF file named (not its
+    cache: rebuilding that would convert them again).
     """
+    model = _load_or_convert(path, device, dtype, progress, transform)
+    check_finite(model.tensors, dict.fromkeys(model.tensors, path))
+    return model
+
+
+def _load_or_convert(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
+                     progress: Progress | None, transform: Transform | None) -> GgufModel:
     folder = gguf_cache_path(path)
     weights = folder / f"model.{str(dtype).removeprefix('torch.')}.safetensors"
     if weights.is_file():

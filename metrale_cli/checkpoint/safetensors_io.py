@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from safetensors import SafetensorError, safe_open
 
+from metrale_cli.checkpoint.finite import check_finite
 from metrale_cli.checkpoint.json_file import read_json_object
 from metrale_cli.errors import MetraleError
 
@@ -217,10 +218,11 @@ def load_hf_folder_tensors(folder: pathlib.Path, device: torch.device, dtype: to
                            transform: Transform | None = None) -> tuple[dict[str, torch.Tensor], str]:
     """The weights of an HF folder (single file or sharded), integrity-checked first, but those
     under the ``unused`` (name prefix, what it is) pairs, which are not read; and the line that
-    says what was left unread (empty when nothing was)."""
+    says what was left unread (empty when nothing was). Weights with NaN or inf values are refused."""
     headers = weight_headers(folder)
     tensors = load_tensors(headers, device, dtype, progress, skip=tuple(prefix for prefix, _ in unused),
                            transform=transform)
+    check_finite(tensors, {name: h.path for h in headers for name in h.entries})
     return tensors, _unread_line(headers, unused)
 
 
