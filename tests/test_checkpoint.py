@@ -92,6 +92,28 @@ def _remove_shard(folder):
     _first_shard(folder).unlink()
 
 
+def _weights_a_directory(folder):
+    _remove_weights(folder)
+    (folder / "model.safetensors").mkdir()
+
+
+def _weights_a_broken_link(folder):
+    _remove_weights(folder)
+    (folder / "model.safetensors").symlink_to(folder / "gone.safetensors")
+
+
+def _shard_a_directory(folder):
+    shard = _first_shard(folder)
+    shard.unlink()
+    shard.mkdir()
+
+
+def _shard_a_broken_link(folder):
+    shard = _first_shard(folder)
+    shard.unlink()
+    shard.symlink_to(folder / "gone.safetensors")
+
+
 def _header_not_json(folder):
     shard = _first_shard(folder)
     data = bytearray(shard.read_bytes())
@@ -174,8 +196,67 @@ def _tensor_in_two_shards(folder):
     save_file(load_file(str(second)) | {name: torch.zeros_like(tensor)}, str(second), metadata={"format": "pt"})
 
 
+EDITED = "model.layers.0.mlp.up_proj.weight"
+
+
+def _rewrite_tensor(folder, edit):
+    """Save EDITED's shard again with ``edit(tensor)`` in its place."""
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = folder / index["weight_map"][EDITED]
+    tensors = load_file(str(shard))
+    tensors[EDITED] = edit(tensors[EDITED])
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+def _stored_as(dtype):
+    """The corruption storing EDITED as ``dtype`` (values kept as far as it holds them)."""
+    def corrupt(folder):
+        _rewrite_tensor(folder, lambda t: t.float().to(dtype))
+
+    corrupt.__name__ = f"_stored_as_{str(dtype).removeprefix('torch.')}"
+    return corrupt
+
+
+def _nan_and_inf(folder):
+    def edit(tensor):
+        tensor[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        return tensor
+
+    _rewrite_tensor(folder, edit)
+
+
+def _ff_every_97th_data_byte(path):
+    """bf16 NaNs all over a file's tensors, as a bad download might leave them."""
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    data[8 + length::97] = b"\xff" * len(data[8 + length::97])
+    path.write_bytes(bytes(data))
+
+
+def _every_97th_data_byte_ff(folder):
+    _ff_every_97th_data_byte(_first_shard(folder))
+
+
 def _config_not_object(folder):
     (folder / "config.json").write_text("[1]")
+
+
+DEEP_JSON = "[" * 100_000 + "]" * 100_000  # deeper than json's recursive parser goes
+
+
+def _config_nested_too_deeply(folder):
+    (folder / "config.json").write_text(DEEP_JSON)
+
+
+def _index_nested_too_deeply(folder):
+    (folder / "model.safetensors.index.json").write_text(DEEP_JSON)
+
+
+def _header_nested_too_deeply(folder):
+    shard = _first_shard(folder)
+    shard.write_bytes(struct.pack("<Q", len(DEEP_JSON)) + DEEP_JSON.encode() + shard.read_bytes())
 
 
 CORRUPTIONS = {
@@ -194,6 +275,21 @@ CORRUPTIONS = {
     _index_not_json: "model.safetensors.index.json is not valid JSON: ",
     _config_not_object: "config.json is not a JSON object",
     _tensor_in_two_shards: " is in both model-00001-of-",
+    _weights_a_directory: "model.safetensors is not a readable file (Is a directory)",
+    _weights_a_broken_link: "model.safetensors is not a readable file (No such file or directory)",
+    _shard_a_directory: "model-00001-of-00007.safetensors is not a readable file (Is a directory)",
+    _shard_a_broken_link: "model-00001-of-00007.safetensors is not a readable file (No such file or directory)",
+    _stored_as(torch.float8_e4m3fn): f"tensor {EDITED} is stored as F8_E4M3: fp8 and "
+                                     "integer (quantized) weights are not supported yet, only BF16, F16, F32, F64",
+    _stored_as(torch.float8_e5m2): f"tensor {EDITED} is stored as F8_E5M2: fp8 and ",
+    _stored_as(torch.int8): f"tensor {EDITED} is stored as I8: fp8 and ",
+    _stored_as(torch.int32): f"tensor {EDITED} is stored as I32: fp8 and ",
+    _nan_and_inf: f"-of-00007.safetensors: tensor {EDITED} has 3 non-finite values (NaN or inf)",
+    _every_97th_data_byte_ff: "model-00001-of-00007.safetensors: tensor model.embed_tokens.weight has 107 non-finite "
+                              "values (NaN or inf)",
+    _config_nested_too_deeply: "config.json is not valid JSON: nested too deeply",
+    _index_nested_too_deeply: "model.safetensors.index.json is not valid JSON: nested too deeply",
+    _header_nested_too_deeply: "model-00001-of-00007.safetensors has a corrupt safetensors header (JSON nested too deeply)",
 }
 
 
@@ -204,6 +300,32 @@ def test_each_corruption_is_one_clear_error(broken, corrupt):
         load_checkpoint(str(broken), CPU, torch.bfloat16)
     assert CORRUPTIONS[corrupt] in info.value.message
     assert "\n" not in info.value.message
+
+
+def test_non_finite_weights_name_the_first_tensor_and_count_the_others(tmp_path):
+    folder = make_hf_checkpoint(tmp_path, "llama")
+    _ff_every_97th_data_byte(folder / "model.safetensors")
+    with pytest.raises(MetraleError) as info:
+        load_checkpoint(str(folder), CPU, torch.bfloat16)
+    assert info.value.message == (
+        f"{folder / 'model.safetensors'}: tensor lm_head.weight has 110 non-finite values (NaN or inf); 16 more "
+        "tensor(s) have some too: model.embed_tokens.weight, model.layers.0.mlp.down_proj.weight, "
+        "model.layers.0.mlp.gate_proj.weight, ...")
+    assert info.value.hint == "the file is corrupt: re-download it"
+
+
+def test_a_weight_past_fp16_is_said_to_overflow_it(broken):
+    def edit(tensor):
+        tensor[0, 0] = 1e6  # finite in bf16, inf in fp16
+        return tensor
+
+    _rewrite_tensor(broken, edit)
+    assert torch.isfinite(load_checkpoint(str(broken), CPU, torch.bfloat16).tensors[EDITED]).all()
+    with pytest.raises(MetraleError) as info:
+        load_checkpoint(str(broken), CPU, torch.float16)
+    assert info.value.message.endswith(f"tensor {EDITED} has 1 non-finite values (NaN or inf)")
+    assert info.value.hint == "the file is corrupt: re-download it (or, loaded as fp16, its values overflow: " \
+                              "try --dtype bf16)"
 
 
 def test_missing_paths_are_clear(tmp_path):

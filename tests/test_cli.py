@@ -125,6 +125,20 @@ def test_a_prompt_that_cannot_fit_is_refused_before_the_weights_load(truncated):
     assert "truncated" not in result.stderr
 
 
+def test_a_tokenizer_past_the_model_vocabulary_is_refused_before_the_weights_load(truncated):
+    """Two tokens added to the tokenizer take ids the model's embedding has no row for."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(truncated / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<extra_a>", "<extra_b>"])
+    tokenizer.save(str(truncated / "tokenizer.json"))
+    vocab = json.loads((truncated / "config.json").read_text())["vocab_size"]
+    result = metrale("generate", "-m", str(truncated), "--no-chat-template", "<extra_b> hi")
+    assert_one_line_error(result, f"prompt 1: token id {vocab + 1} is past the model's vocabulary of {vocab} tokens: "
+                                  "the tokenizer does not match the checkpoint")
+    assert "truncated" not in result.stderr
+
+
 def test_cuda_backend_without_gpu(tiny):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

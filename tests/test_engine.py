@@ -34,6 +34,16 @@ def test_prompts_wait_for_blocks_and_finish_equal_to_alone():
     assert waves == alone
 
 
+def test_a_token_past_the_vocabulary_is_an_error_up_front():
+    hf, raw = make_hf("llama")
+    engine = ours(hf, raw)
+    vocab = engine.model.cfg.vocab_size
+    with pytest.raises(MetraleError) as info:
+        engine.generate([_ids(5), [1, vocab, 2]], SamplingParams(max_new_tokens=2))
+    assert info.value.message == (f"prompt 2: token id {vocab} is past the model's vocabulary of {vocab} tokens: "
+                                  "the tokenizer does not match the checkpoint")
+
+
 def test_allocator_exhaustion_message():
     alloc = BlockAllocator(4)
     assert alloc.allocate(3) == [0, 1, 2]

@@ -263,6 +263,59 @@ def test_wrong_tensor_shape_is_one_clear_error(tmp_path):
         load_checkpoint(str(write_gguf(folder, tmp_path / "w.gguf")), CPU, torch.bfloat16)
 
 
+def test_non_finite_weights_are_refused_naming_the_gguf_file(tmp_path, cache_dir):
+    from safetensors.torch import load_file, save_file
+
+    folder = make_hf_checkpoint(tmp_path, "llama")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.weight"][3, :2] = torch.tensor([float("nan"), float("inf")])
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    path = write_gguf(folder, tmp_path / "nan.gguf")
+    cached, written = gguf_cache_path(path) / "model.bfloat16.safetensors", []
+    for load in ("converted", "from the cache"):
+        with pytest.raises(MetraleError) as info:
+            load_checkpoint(str(path), CPU, torch.bfloat16)
+        assert info.value.message == (f"{path}: tensor model.layers.0.mlp.up_proj.weight has 2 non-finite values "
+                                      "(NaN or inf)"), load
+        written.append(cached.stat().st_mtime_ns)
+    assert written[0] == written[1]  # the cache is kept: converting again would not help
+
+
+def _retype(path, name, ggml_type):
+    """``path`` with tensor ``name`` declared as ``ggml_type``, its bytes left as they are."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path), "r+")
+    tensor = next(t for t in reader.tensors if t.name == name)
+    tensor.field.parts[4][0] = gguf.GGMLQuantizationType[ggml_type]  # the tensor info's type field
+    reader.data.flush()
+
+
+@pytest.mark.parametrize("ggml_type", ["I8", "I16", "I32", "I64", "F64"])
+def test_a_type_the_conversion_does_not_dequantize_is_one_clear_error(tmp_path, cache_dir, ggml_type):
+    path = write_gguf(make_hf_checkpoint(tmp_path, "llama"), tmp_path / "t.gguf")
+    _retype(path, "blk.0.ffn_up.weight", ggml_type)
+    with pytest.raises(MetraleError) as info:
+        load_checkpoint(str(path), CPU, torch.bfloat16)
+    assert info.value.message == (f"GGUF tensor blk.0.ffn_up.weight is stored as {ggml_type}, a type metrale "
+                                  "does not dequantize")
+    assert "llama-quantize" in info.value.hint
+    assert not list(cache_dir.rglob("*.safetensors*"))  # refused before any tensor was converted
+
+
+def test_the_dequantized_types_are_those_the_gguf_package_dequantizes():
+    import gguf
+
+    for ggml_type in gguf.GGMLQuantizationType:
+        block, size = gguf.GGML_QUANT_SIZES[ggml_type]
+        try:
+            values = gguf.quants.dequantize(np.zeros((1, size), dtype=np.uint8), ggml_type)
+        except NotImplementedError:
+            assert ggml_type.name not in gguf_io.DEQUANTIZED
+        else:
+            assert ggml_type.name in gguf_io.DEQUANTIZED and values.shape == (1, block)
+
+
 def test_unsupported_architecture(tmp_path):
     with pytest.raises(MetraleError, match="architecture 'mamba' is not supported"):
         gguf_config.synthesize_config({"general.architecture": "mamba"}, {})

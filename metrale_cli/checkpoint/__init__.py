@@ -30,8 +30,8 @@ class Checkpoint:
     """A loaded model checkpoint.
 
     config: HF config.json content (for GGUF a synthesized HF-style dict).
-    tensors: HF names -> tensors on the target device; floats in the target dtype, integer and
-        fp8 tensors (quantized data) as stored.
+    tensors: HF names -> tensors on the target device, in the target dtype (fp8 and integer
+        weights are refused as they are not supported yet).
     tokenizer: the model's tokenizer.
     source: what was loaded, for messages, e.g. "SmolLM2-135M-Instruct (gguf Q4_1, /path)"; for
         an HF folder it also names the tensors its family does not load, left unread ("...; not

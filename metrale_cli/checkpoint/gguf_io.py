@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from metrale_cli.checkpoint import gguf_config
+from metrale_cli.checkpoint.finite import check_finite
 from metrale_cli.checkpoint.safetensors_io import Progress, Transform, load_tensors, read_hf_config, read_shard_header
 from metrale_cli.environment import cache_dir
 from metrale_cli.errors import MetraleError
@@ -29,6 +30,12 @@ from metrale_cli.checkpoint.tokenizer import Tokenizer
 
 _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 QUANT_KEY = "gguf_quant"
+# The GGML types of the tensors the conversion dequantizes: those the gguf package dequantizes.
+# It raises NotImplementedError on the others: integer types and F64 (no weight format of
+# llama.cpp's converters), Q8_1 and Q8_K (llama.cpp's activation formats), Q1_0.
+DEQUANTIZED = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+                         "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                         "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"})
 
 def gguf_cache_path(path: pathlib.Path | str) -> pathlib.Path:
     """The HF-style folder caching the converted ``path``, keyed by its path, size and mtime."""
@@ -119,16 +126,27 @@ def _per_expert(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]
     return out
 
 
+def _check_dequantized(tensor) -> None:
+    if tensor.tensor_type.name not in DEQUANTIZED:
+        raise MetraleError(f"GGUF tensor {tensor.name} is stored as {tensor.tensor_type.name}, a type metrale "
+                           "does not dequantize", "requantize the model with llama.cpp's llama-quantize to a "
+                           "type such as Q8_0, Q4_K or F16")
+
+
 def conversion_plan(reader, config: dict) -> list[_Part]:
-    """Every HF tensor the conversion yields, in file order, its shape checked against the one
-    the family expects from ``config`` (older llama.cpp converters dropped unit dimensions, e.g.
-    Qwen2-MoE's (1, H) shared-expert gate, which is restored)."""
+    """Every HF tensor the conversion yields, in file order, its GGML type checked against
+    DEQUANTIZED and its shape against the one the family expects from ``config`` (older llama.cpp
+    converters dropped unit dimensions, e.g. Qwen2-MoE's (1, H) shared-expert gate, which is
+    restored)."""
     cfg = model_config(config)
     expected = _per_expert(family_of(cfg.family).expected_tensors(cfg))
     plan = []
     for tensor in reader.tensors:
         declared = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        for name, expert in gguf_config.hf_tensors(tensor.name, declared):
+        parts = gguf_config.hf_tensors(tensor.name, declared)
+        if parts:
+            _check_dequantized(tensor)
+        for name, expert in parts:
             shape = declared if expert is None else declared[1:]
             want = expected.get(name, shape)
             if _squeezed(shape) != _squeezed(want):
@@ -219,7 +237,16 @@ def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
     as load_tensors) and tokenizer of a GGUF file.
 
     Served from ``gguf_cache_path(path)`` when converted before; converted and cached otherwise.
+    Weights with NaN or inf values once dequantized are refused, the GGUF file named (not its
+    cache: rebuilding that would convert them again).
     """
+    model = _load_or_convert(path, device, dtype, progress, transform)
+    check_finite(model.tensors, dict.fromkeys(model.tensors, path))
+    return model
+
+
+def _load_or_convert(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
+                     progress: Progress | None, transform: Transform | None) -> GgufModel:
     folder = gguf_cache_path(path)
     weights = folder / f"model.{str(dtype).removeprefix('torch.')}.safetensors"
     if weights.is_file():
@@ -234,13 +261,14 @@ def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,
     meta = metadata(reader)
     config = gguf_config.synthesize_config(meta, tensor_shapes(reader), rope_freqs(reader))
     tokenizer, quant = Tokenizer.from_gguf(meta), main_quant(reader)
+    entries = _entries(reader, config, dtype)  # every tensor's type and shape checked before the wait starts
     describe = getattr(progress, "describe", None)  # Output.progress's: say what the wait is
     if describe is not None:
         then = "once, then read from the cache" if _writable(folder) else "at every start (the cache is not writable)"
         describe(f"converting {path.name} ({quant}) to {str(dtype).removeprefix('torch.')} safetensors: {then}")
     try:
         _write_cache(folder, weights, config, tokenizer, _sampling_keys(reader), quant, dtype,
-                     convert_tensors(reader, config, dtype, progress), _entries(reader, config, dtype))
+                     convert_tensors(reader, config, dtype, progress), entries)
     except OSError:  # an unwritable cache only costs the next start the same conversion
         tensors = {name: (t if transform is None else transform(name, t)).to(device)
                    for name, t in convert_tensors(reader, config, dtype, progress)}

@@ -19,6 +19,8 @@ def read_json_object(path: pathlib.Path, hint: str = "re-download the checkpoint
         value = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise MetraleError(f"{path} is not valid JSON: {exc}", hint) from None
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise MetraleError(f"{path} is not valid JSON: nested too deeply", hint) from None
     if not isinstance(value, dict):
         raise MetraleError(f"{path} is not a JSON object", hint)
     return value

@@ -7,7 +7,9 @@ Checking names and shapes against the architecture is the model builder's job.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import pathlib
 import struct
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from typing import Callable
 import torch
 from safetensors import SafetensorError, safe_open
 
+from metrale_cli.checkpoint.finite import check_finite
 from metrale_cli.checkpoint.json_file import read_json_object
 from metrale_cli.errors import MetraleError
 
@@ -52,6 +55,13 @@ def read_hf_config(folder: pathlib.Path) -> dict:
 
 def read_shard_header(path: pathlib.Path) -> ShardHeader:
     """Parse and check a safetensors header against the file's size (no tensor data read)."""
+    try:
+        return _read_header(path)
+    except OSError as exc:  # a directory or a broken link in the file's place
+        raise MetraleError(f"{path} is not a readable file ({exc.strerror})", "re-download the file") from None
+
+
+def _read_header(path: pathlib.Path) -> ShardHeader:
     size = path.stat().st_size
     with path.open("rb") as handle:
         prefix = handle.read(8)
@@ -66,6 +76,9 @@ def read_shard_header(path: pathlib.Path) -> ShardHeader:
         header = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise MetraleError(f"{path} has a corrupt safetensors header (not JSON)",
+                           "re-download the file") from None
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise MetraleError(f"{path} has a corrupt safetensors header (JSON nested too deeply)",
                            "re-download the file") from None
     if not isinstance(header, dict):
         raise MetraleError(f"{path} has a corrupt safetensors header (not a JSON object)", "re-download the file")
@@ -107,13 +120,19 @@ def weight_headers(folder: pathlib.Path) -> list[ShardHeader]:
     against each other (no tensor in two files: which one to load would be a guess)."""
     if (folder / INDEX_FILE).is_file():
         return _once_each(_indexed_headers(folder))
-    if (folder / SINGLE_FILE).is_file():
+    if _present(folder / SINGLE_FILE):
         return [read_shard_header(folder / SINGLE_FILE)]
     loose = sorted(folder.glob("model*.safetensors"))
     if loose:
         return _once_each([read_shard_header(p) for p in loose])
     raise MetraleError(f"{folder} has no weights ({SINGLE_FILE} or {INDEX_FILE})",
                        "only safetensors checkpoints are supported")
+
+
+def _present(path: pathlib.Path) -> bool:
+    """Whether ``path`` is there, even as a directory or a broken link: reading it then says
+    what is wrong with it, rather than the file being called missing."""
+    return os.path.lexists(path)
 
 
 def _once_each(headers: list[ShardHeader]) -> list[ShardHeader]:
@@ -132,7 +151,7 @@ def _indexed_headers(folder: pathlib.Path) -> list[ShardHeader]:
     weight_map = _weight_map(index_path)
     headers = {}
     for shard in sorted(set(weight_map.values())):
-        if not (folder / shard).is_file():
+        if not _present(folder / shard):
             raise MetraleError(f"{index_path.name} names a missing shard: {shard}",
                                "re-download the checkpoint")
         headers[shard] = read_shard_header(folder / shard)
@@ -155,28 +174,39 @@ def _weight_map(index_path: pathlib.Path) -> dict[str, str]:
     return weight_map
 
 
-def target_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
-    """16/32/64-bit floats become ``dtype``; integers and fp8 (quantized data) stay as stored."""
-    if stored.is_floating_point and stored.itemsize >= 2:
-        return dtype
-    return stored
+# The stored dtypes of the weights metrale runs: floats, each cast to the run's dtype as it is
+# read. fp8 and integer weights are quantized data, which needs its scales and kernels.
+WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
+def _check_dtypes(wanted: list[tuple[ShardHeader, list[str]]]) -> None:
+    for header, names in wanted:
+        for name in names:
+            stored = header.entries[name][0]
+            if stored not in WEIGHT_DTYPES:
+                raise MetraleError(f"{header.path}: tensor {name} is stored as {stored}: fp8 and integer "
+                                   f"(quantized) weights are not supported yet, only {', '.join(WEIGHT_DTYPES)}",
+                                   "use a bf16, fp16 or fp32 checkpoint of the model, or a GGUF file of it")
 
 
 def load_tensors(headers: list[ShardHeader], device: torch.device, dtype: torch.dtype,
                  progress: Progress | None = None, skip: tuple[str, ...] = (),
                  transform: Transform | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of ``headers`` on ``device`` but those whose names start with one of ``skip``
-    (not read); floats cast to ``dtype`` (see target_dtype). ``transform(name, tensor)``, when
+    """Every tensor of ``headers`` on ``device`` in ``dtype`` but those whose names start with
+    one of ``skip`` (not read). Every file is opened (safetensors checks its header) and every
+    tensor's stored dtype checked before the first is read. ``transform(name, tensor)``, when
     given, replaces each tensor as it is read, on the CPU (a tensor-parallel rank's shard)."""
     wanted = [(h, [n for n in h.entries if not n.startswith(skip)]) for h in headers]
     total, done, tensors = sum(h.entries[n][2] for h, names in wanted for n in names), 0, {}
-    for header, names in wanted:
-        with _open(header.path) as handle:
+    with contextlib.ExitStack() as files:
+        handles = [files.enter_context(_open(header.path)) for header, _ in wanted]
+        _check_dtypes(wanted)
+        for (header, names), handle in zip(wanted, handles):
             for name in names:
                 tensor = handle.get_tensor(name)
                 if transform is not None:
                     tensor = transform(name, tensor)
-                tensors[name] = tensor.to(device=device, dtype=target_dtype(tensor.dtype, dtype))
+                tensors[name] = tensor.to(device=device, dtype=dtype)
                 done += header.entries[name][2]
                 if progress is not None:
                     progress(done, total)
@@ -188,10 +218,11 @@ def load_hf_folder_tensors(folder: pathlib.Path, device: torch.device, dtype: to
                            transform: Transform | None = None) -> tuple[dict[str, torch.Tensor], str]:
     """The weights of an HF folder (single file or sharded), integrity-checked first, but those
     under the ``unused`` (name prefix, what it is) pairs, which are not read; and the line that
-    says what was left unread (empty when nothing was)."""
+    says what was left unread (empty when nothing was). Weights with NaN or inf values are refused."""
     headers = weight_headers(folder)
     tensors = load_tensors(headers, device, dtype, progress, skip=tuple(prefix for prefix, _ in unused),
                            transform=transform)
+    check_finite(tensors, {name: h.path for h in headers for name in h.entries})
     return tensors, _unread_line(headers, unused)
 
 

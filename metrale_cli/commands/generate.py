@@ -30,10 +30,10 @@ def run_generate(out: Output, model: str | None, opts: RunnerOptions, prompts: l
     params, sampling = (params, None) if explicit is None else \
         with_model_defaults(params, explicit, source.sampling())
 
-    def check_prompts(tokenizer, context: int) -> None:  # before the weights: fail fast
+    def check_prompts(tokenizer, context: int, vocab_size: int) -> None:  # before the weights: fail fast
         set_template(tokenizer, chat_template, template_kwargs)
         ids.extend(render_prompt(tokenizer, p, chat, system) for p in prompts)
-        check_prompt_lengths(ids, context)
+        check_prompt_lengths(ids, context, vocab_size)
 
     with out.progress("loading weights") as progress:
         llm = LLM(open_runner(opts, source, progress, before_weights=check_prompts, tp=tp))

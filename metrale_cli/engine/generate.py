@@ -47,11 +47,17 @@ class GenerationStats:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def check_prompt_lengths(prompts: list[list[int]], max_seq_len: int) -> None:
-    """Every prompt has a token and leaves room for one generated token in the context."""
+def check_prompt_lengths(prompts: list[list[int]], max_seq_len: int, vocab_size: int) -> None:
+    """Every prompt has a token, only tokens of the model's vocabulary (a tokenizer with tokens
+    added past it would index past the embedding), and leaves room for one generated token in
+    the context."""
     for i, ids in enumerate(prompts):
         if not ids:
             raise MetraleError(f"prompt {i + 1} has no tokens", hint="give the model some text")
+        if max(ids) >= vocab_size:
+            raise MetraleError(f"prompt {i + 1}: token id {max(ids)} is past the model's vocabulary of {vocab_size} "
+                               "tokens: the tokenizer does not match the checkpoint",
+                               hint="use the tokenizer files that came with the checkpoint")
         if len(ids) >= max_seq_len:
             raise MetraleError(
                 f"prompt {i + 1} has {len(ids)} tokens; the context is {max_seq_len} tokens (--max-seq-len)",
@@ -232,7 +238,7 @@ class Engine:
 
     def _check_fits(self, seqs: list[Sequence]) -> None:
         pool = self.model.kv_cache.num_blocks
-        check_prompt_lengths([s.prompt_ids for s in seqs], self.max_seq_len)
+        check_prompt_lengths([s.prompt_ids for s in seqs], self.max_seq_len, self.model.cfg.vocab_size)
         for s in seqs:
             if self._budget(s) > pool:
                 raise MetraleError(

@@ -333,11 +333,11 @@ def one_shot_ranks(tp: TensorParallel, opts: RunnerOptions, backend: str, device
 
 
 def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[int, int], None] | None = None,
-                before_weights: Callable[[object, int], None] | None = None, tp: TensorParallel = SINGLE) -> Runner:
+                before_weights: Callable[[object, int, int], None] | None = None, tp: TensorParallel = SINGLE) -> Runner:
     """Check everything, then load and build (the module docstring's order). Errors are MetraleError.
 
-    ``before_weights(tokenizer, context_length)`` runs after the kernel check and before any
-    weight is read (e.g. to refuse a prompt that cannot fit). ``tp``: the tensor-parallel rank
+    ``before_weights(tokenizer, context_length, vocab_size)`` runs after the kernel check and
+    before any weight is read (e.g. to refuse a prompt that cannot fit). ``tp``: the tensor-parallel rank
     this process builds the shard of (metrale_cli/layers/parallel.py): its heads' kernels are
     checked, and each tensor is cut to the rank's part on the CPU as it is read, only that part
     moved to the device."""
@@ -357,7 +357,7 @@ def open_runner(opts: RunnerOptions, source: ModelSource, progress: Callable[[in
     if tokenizer is not None:  # where the model's vocabulary and the files' token ids are both known
         cfg.check_token_ids(tokenizer.declared_ids)
     if before_weights is not None:
-        before_weights(tokenizer, max_seq_len)
+        before_weights(tokenizer, max_seq_len, cfg.vocab_size)
     layout = kv_layout(shard)
     # On the host the pool is what the run needs, known before a weight is read (and counted in the
     # room check); a GPU's is what the weights leave.
