@@ -152,6 +152,30 @@ def test_a_broken_json_file_beside_the_tokenizer_is_one_error(tmp_path, name, te
         Tokenizer.from_hf_folder(tmp_path)
 
 
+def _with_config(folder, **changes):
+    """The tiny tokenizer in ``folder`` with these tokenizer_config.json keys changed."""
+    make_tokenizer(folder)
+    path = folder / "tokenizer_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+    return path
+
+
+def test_a_special_token_as_an_added_token_object_reads_its_content(tmp_path):
+    _with_config(tmp_path, bos_token={"content": "<|im_start|>", "special": True})
+    assert Tokenizer.from_hf_folder(tmp_path).special_tokens["bos_token"] == "<|im_start|>"
+
+
+@pytest.mark.parametrize("value", [{"foo": 1}, {"content": 5}, 5, ["<|im_start|>"]])
+def test_a_special_token_that_is_not_text_is_one_error(tmp_path, value):
+    """Not a KeyError for an object without "content", nor the str() of a number or list taken
+    as the token's text."""
+    path = _with_config(tmp_path, bos_token=value)
+    with pytest.raises(MetraleError) as info:
+        Tokenizer.from_hf_folder(tmp_path)
+    assert info.value.message == (f"{path} bos_token is {json.dumps(value)}: neither a token's text nor an "
+                                  'object with its text under "content"')
+
+
 def test_missing_tokenizer_json(tmp_path):
     with pytest.raises(MetraleError, match="has no tokenizer.json"):
         Tokenizer.from_hf_folder(tmp_path)

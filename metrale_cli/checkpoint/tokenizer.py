@@ -178,7 +178,8 @@ class Tokenizer:
             raise MetraleError(f"{folder / 'tokenizer.json'} is not a tokenizer the tokenizers library reads: {e}",
                                "re-download the checkpoint's tokenizer.json") from None
         tok_config = read_json_object(folder / "tokenizer_config.json", optional=True)
-        special = {k: _token_text(tok_config[k]) for k in SPECIAL_TOKEN_KEYS if tok_config.get(k)}
+        special = {k: _token_text(folder / "tokenizer_config.json", k, tok_config[k])
+                   for k in SPECIAL_TOKEN_KEYS if tok_config.get(k)}
         config = read_json_object(folder / "config.json", optional=True)
         eos_ids = token_ids("config.json eos_token_id", config.get("eos_token_id"))
         eos_ids += token_ids("generation_config.json eos_token_id",
@@ -218,8 +219,14 @@ class Tokenizer:
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
-def _token_text(value) -> str:
-    return value["content"] if isinstance(value, dict) else str(value)
+def _token_text(path: pathlib.Path, key: str, value) -> str:
+    """A special token as tokenizer_config.json writes it: its text, or an AddedToken object
+    holding the text under "content"."""
+    text = value.get("content") if isinstance(value, dict) else value
+    if not isinstance(text, str):
+        raise MetraleError(f"{path} {key} is {json.dumps(value)}: neither a token's text nor an object with "
+                           'its text under "content"', f'e.g. "{key}": "<|im_end|>"; or re-download the checkpoint')
+    return text
 
 
 def _chat_template(folder: pathlib.Path, tok_config: dict) -> str | None:
