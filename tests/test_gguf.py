@@ -314,6 +314,46 @@ def test_the_tokenizer_reads_without_tensors_before_and_after_conversion(tmp_pat
         assert tok.eos_token_ids == from_folder.eos_token_ids
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A tiny llama GGUF file that the tests below copy with one metadata key changed."""
+    folder = tmp_path_factory.mktemp("tiny-gguf")
+    return write_gguf(make_hf_checkpoint(folder, "llama"), folder / "tiny.gguf")
+
+
+def _with_metadata(path, out, key: str, value):
+    """A copy of the GGUF file ``path`` with metadata ``key`` set to ``value``, typed as the gguf
+    package types a python value (a str is STRING, an int INT32, a list an ARRAY of its items')."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name not in ("general.architecture", key):
+            writer.add_key_value(name, field.contents(), field.types[0],
+                                 sub_type=field.types[-1] if len(field.types) > 1 else None)
+    writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("tokenizer.chat_template", 5, "GGUF tokenizer.chat_template is 5, not the template's text"),
+])
+def test_a_gguf_tokenizer_key_that_cannot_be_read_is_one_error_naming_it(tiny_gguf, tmp_path, key, value, message):
+    """Read from the file's metadata: not a TypeError, IndexError or the tokenizers library's own
+    exception from building the tokenizer."""
+    path = _with_metadata(tiny_gguf, tmp_path / "changed.gguf", key, value)
+    with pytest.raises(MetraleError) as info:
+        read_tokenizer(str(path))
+    assert info.value.message == message
+
+
 # --- the embedded default: SmolLM2-135M-Instruct Q4_1 -------------------------------------
 
 @pytest.fixture(scope="module")

@@ -141,6 +141,30 @@ def test_template_errors_are_metrale_errors(tmp_path):
         bare.apply_chat_template(MESSAGES)
 
 
+@pytest.mark.parametrize("template, fault", [
+    (5, "chat_template is 5, not the template's text"),
+    ({"a": 1}, """chat_template is {"a": 1}, not the template's text"""),
+    ([{"name": "x", "template": 5}], 'chat_template item 0 is {"name": "x", "template": 5}, not {"name": ..., '
+                                     '"template": "..."}'),
+    (["a", "b"], 'chat_template item 0 is "a", not {"name": ..., "template": "..."}'),
+])
+def test_a_chat_template_that_is_not_text_is_one_error_naming_its_key(tmp_path, template, fault):
+    """Not jinja2's "Can't compile non template nodes" (nor an AttributeError from a list of
+    strings): the line says which file and key hold what."""
+    with pytest.raises(MetraleError) as info:
+        _folder_with(tmp_path, template)
+    assert info.value.message == f"{tmp_path / 'tokenizer_config.json'} {fault}"
+
+
+def test_a_chat_template_file_that_is_not_utf8_is_one_error(tmp_path):
+    make_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{x}}")
+    with pytest.raises(MetraleError) as info:
+        Tokenizer.from_hf_folder(tmp_path)
+    assert info.value.message.startswith(f"{tmp_path / 'chat_template.jinja'} is not UTF-8 text ('utf-8' codec "
+                                         "can't decode byte 0xff in position 0")
+
+
 @pytest.mark.parametrize("name", ["tokenizer_config.json", "config.json", "generation_config.json"])
 @pytest.mark.parametrize("text, message", [("[1]", "is not a JSON object"), ("{", "is not valid JSON")])
 def test_a_broken_json_file_beside_the_tokenizer_is_one_error(tmp_path, name, text, message):

@@ -77,8 +77,9 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
                       sort_keys=sort_keys)
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
-    """A chat template compiled in transformers' jinja environment."""
+def compile_chat_template(source: str, origin: str = "the checkpoint") -> jinja2.Template:
+    """A chat template compiled in transformers' jinja environment; ``origin``: where it came
+    from (a file, a key), for the error line of a template that does not parse."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
@@ -86,8 +87,9 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
         return env.from_string(source)
-    except jinja2.exceptions.TemplateSyntaxError as exc:
-        raise MetraleError(f"the model's chat template does not parse: {exc}") from None
+    except jinja2.exceptions.TemplateError as exc:
+        raise MetraleError(f"the chat template from {origin} does not parse: {exc}",
+                           "fix the template, or pass another with --chat-template FILE") from None
 
 
 class Tokenizer:
@@ -99,26 +101,23 @@ class Tokenizer:
 
     def __init__(self, backend: tokenizers.Tokenizer, bos_token_id: int | None,
                  eos_token_ids: list[int], chat_template: str | None,
-                 special_tokens: dict[str, str] | None = None):
+                 special_tokens: dict[str, str] | None = None, template_origin: str = "the checkpoint"):
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
-        self.chat_template = chat_template
+        self.chat_template, self.template_origin = chat_template, template_origin
         self.special_tokens = dict(special_tokens or {})
         self.template_kwargs: dict = {}  # more variables for the chat template (enable_thinking, ...)
-        self._template = compile_chat_template(chat_template) if chat_template else None
+        self._template = compile_chat_template(chat_template, template_origin) if chat_template else None
 
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def set_chat_template(self, template: str) -> None:
+    def set_chat_template(self, template: str, origin: str = "--chat-template") -> None:
         """Use ``template`` (Jinja, as HF's chat_template) in place of the checkpoint's."""
-        try:
-            compiled = compile_chat_template(template)
-        except jinja2.exceptions.TemplateError as exc:
-            raise MetraleError(f"the chat template does not parse: {exc}") from None
-        self.chat_template, self._template = template, compiled
+        self._template = compile_chat_template(template, origin)
+        self.chat_template, self.template_origin = template, origin
 
     def set_chat_template_kwargs(self, kwargs: dict) -> None:
         """Render the chat template with these variables too (``{"enable_thinking": false}`` for
@@ -187,7 +186,7 @@ class Tokenizer:
         bos = token_id("config.json bos_token_id", config.get("bos_token_id"))
         if bos is None and "bos_token" in special:
             bos = backend.token_to_id(special["bos_token"])
-        return cls._build(backend, bos, eos_ids, _chat_template(folder, tok_config), special)
+        return cls._build(backend, bos, eos_ids, special, *_chat_template(folder, tok_config))
 
     @classmethod
     def from_gguf(cls, reader_or_metadata) -> "Tokenizer":
@@ -202,15 +201,16 @@ class Tokenizer:
         ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
         special = {key: tokens[ids[name]] for key, name in
                    zip(SPECIAL_TOKEN_KEYS, ("bos", "eos", "unknown", "padding")) if ids[name] is not None}
-        return cls._build(backend, ids["bos"], token_ids("GGUF tokenizer.ggml.eos_token_id", ids["eos"]),
-                          meta.get("tokenizer.chat_template"), special)
+        where = "GGUF tokenizer.chat_template"
+        return cls._build(backend, ids["bos"], token_ids("GGUF tokenizer.ggml.eos_token_id", ids["eos"]), special,
+                          _template_text(where, meta.get("tokenizer.chat_template")), where)
 
     @classmethod
-    def _build(cls, backend, bos, eos_ids, chat_template, special) -> "Tokenizer":
+    def _build(cls, backend, bos, eos_ids, special, chat_template, template_origin) -> "Tokenizer":
         if "eos_token" in special and (eos := backend.token_to_id(special["eos_token"])) is not None:
             eos_ids = eos_ids + [eos]
         eos_ids += [i for t in END_OF_TURN_TOKENS if (i := backend.token_to_id(t)) is not None]
-        return cls(backend, bos, eos_ids, chat_template, special)
+        return cls(backend, bos, eos_ids, chat_template, special, template_origin)
 
     def save(self, folder: pathlib.Path) -> None:
         """Write tokenizer.json + tokenizer_config.json that ``from_hf_folder`` reads back."""
@@ -229,12 +229,41 @@ def _token_text(path: pathlib.Path, key: str, value) -> str:
     return text
 
 
-def _chat_template(folder: pathlib.Path, tok_config: dict) -> str | None:
-    """chat_template.jinja wins over tokenizer_config's; a list of named templates -> "default"."""
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+def _chat_template(folder: pathlib.Path, tok_config: dict) -> tuple[str | None, str]:
+    """(the chat template, where it came from): chat_template.jinja wins over tokenizer_config's;
+    a list of named templates -> "default"."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return _read_template(jinja), str(jinja)
+    where = f"{folder / 'tokenizer_config.json'} chat_template"
     template = tok_config.get("chat_template")
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template}
+        named = _named_templates(where, template)
         template = named.get("default") or next(iter(named.values()), None)
+    return _template_text(where, template), where
+
+
+def _read_template(path: pathlib.Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise MetraleError(f"{path} is not UTF-8 text ({exc})",
+                           "save the template as UTF-8, or re-download the checkpoint") from None
+
+
+def _named_templates(where: str, items: list) -> dict[str, str]:
+    """tokenizer_config's list form, [{"name": ..., "template": ...}, ...] -> name -> template."""
+    for i, item in enumerate(items):
+        if not (isinstance(item, dict) and isinstance(item.get("template"), str)):
+            raise MetraleError(f'{where} item {i} is {json.dumps(item)[:80]}, not {{"name": ..., "template": "..."}}',
+                               "re-download the checkpoint, or pass a template with --chat-template FILE")
+    return {item.get("name"): item["template"] for item in items}
+
+
+def _template_text(where: str, template) -> str | None:
+    """The template as read from ``where``: Jinja text or nothing; jinja2 would fail on anything
+    else only when compiling it, with no word of where it came from."""
+    if template is not None and not isinstance(template, str):
+        raise MetraleError(f"{where} is {json.dumps(template)[:80]}, not the template's text",
+                           "re-download the checkpoint, or pass a template with --chat-template FILE")
     return template
