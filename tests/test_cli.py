@@ -832,6 +832,22 @@ def test_a_chat_template_file_replaces_the_models(tiny, tmp_path):
                                   "hi"), "contradict")
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("template, failure", [
+    ("{{ 1/0 }}", "ZeroDivisionError: division by zero"),
+    ('{{ "x" * 5000000 }}', "OverflowError: the result of * would hold 5000000 characters, items or digits"),
+])
+def test_a_chat_template_file_that_fails_while_rendering_is_one_error_line(tiny, tmp_path, command, template,
+                                                                            failure):
+    """generate renders before the weights load; chat at the turn, which fails as a turn does."""
+    path = tmp_path / "t.jinja"
+    path.write_text(template, encoding="utf-8")
+    args = [command, "-m", str(tiny), "-n", "2", "--chat-template", str(path)]
+    result = metrale(*args, "hi") if command == "generate" else metrale(*args, stdin="hi\n")
+    assert_one_line_error(result, f"error: the chat template failed: {failure}",
+                          "hint: fix the chat template (--chat-template), or pass another with --chat-template FILE")
+
+
 def test_chat_template_kwargs_reach_the_template(tiny, tmp_path):
     template = tmp_path / "thinking.jinja"
     template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{% if enable_thinking is "

@@ -131,8 +131,11 @@ def test_template_sources_and_helpers(tmp_path):
 
 def test_template_errors_are_metrale_errors(tmp_path):
     tok = _folder_with(tmp_path / "a", "{{ raise_exception('roles must alternate') }}")
-    with pytest.raises(MetraleError, match="roles must alternate"):
+    with pytest.raises(MetraleError) as info:
         tok.apply_chat_template(MESSAGES)
+    assert info.value.message == "the chat template failed: TemplateError: roles must alternate"
+    assert info.value.hint.startswith(f"fix the chat template ({tmp_path / 'a' / 'tokenizer_config.json'} "
+                                      "chat_template)")
     with pytest.raises(MetraleError, match="does not parse"):
         _folder_with(tmp_path / "b", "{% for %}")
     bare = _folder_with(tmp_path / "c")
@@ -163,6 +166,37 @@ def test_a_chat_template_file_that_is_not_utf8_is_one_error(tmp_path):
         Tokenizer.from_hf_folder(tmp_path)
     assert info.value.message.startswith(f"{tmp_path / 'chat_template.jinja'} is not UTF-8 text ('utf-8' codec "
                                          "can't decode byte 0xff in position 0")
+
+
+@pytest.mark.parametrize("template, failure", [
+    ("{{ 1/0 }}", "ZeroDivisionError: division by zero"),
+    ("{{ [1,2] + 3 }}", 'TypeError: can only concatenate list (not "int") to list'),
+    ('{{ "%d" % "a" }}', "TypeError: %d format: a real number is required, not str"),
+    ("{{ strftime_now(5) }}", "TypeError: strftime() argument 1 must be str, not int"),
+    ("{{ range(10**9)|list }}", "OverflowError: Range too big. The sandbox blocks ranges larger than MAX_RANGE "
+                                "(100000)."),
+    ("{{ messages.nope.deeper }}", "UndefinedError: 'list object' has no attribute 'nope'"),
+    # results past MAX_TEMPLATE_RESULT (4194304) are refused before they are made
+    ('{{ "x" * 5000000 }}', "OverflowError: the result of * would hold 5000000 characters, items or digits; "
+                            "the sandbox allows 4194304"),
+    ("{{ 5000000 * [0] }}", "OverflowError: the result of * would hold 5000000 characters, items or digits; "
+                            "the sandbox allows 4194304"),
+    ('{{ "%5000000d" % 1 }}', "OverflowError: the result of % would hold 5000000 characters, items or digits; "
+                              "the sandbox allows 4194304"),
+    ('{{ "%-*s|" % (5000000, "a") }}', "OverflowError: the result of % would hold 5000000 characters, items or "
+                                       "digits; the sandbox allows 4194304"),
+    ("{{ 3 ** 10000000 }}", "OverflowError: the result of ** would hold 6000000 characters, items or digits; "
+                            "the sandbox allows 4194304"),
+])
+def test_a_chat_template_that_fails_while_rendering_is_one_error(folder, template, failure):
+    """Whatever goes wrong inside the template is its fault, named by its exception; "x" * 10**9
+    would take the host's memory before failing, so results that large are refused first."""
+    tok = Tokenizer.from_hf_folder(folder)
+    tok.set_chat_template(template)
+    with pytest.raises(MetraleError) as info:
+        tok.apply_chat_template(MESSAGES)
+    assert info.value.message == f"the chat template failed: {failure}"
+    assert info.value.hint == "fix the chat template (--chat-template), or pass another with --chat-template FILE"
 
 
 @pytest.mark.parametrize("name", ["tokenizer_config.json", "config.json", "generation_config.json"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 from datetime import datetime
 
 import jinja2
@@ -26,6 +27,10 @@ from metrale_cli.errors import MetraleError
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
                       "<|endoftext|>", "<|end_of_text|>", "</s>")
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# The most characters, items or digits one *, % or ** of a chat template may make: "x" * 10**9
+# would take the host's memory (3 ** 10**8 its time) before any error, so it is refused
+# first, as the sandbox refuses a range() past MAX_RANGE items.
+MAX_TEMPLATE_RESULT = 4 << 20
 
 
 class StreamDecoder:
@@ -77,10 +82,53 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
                       sort_keys=sort_keys)
 
 
+_FORMAT_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+
+
+def _repeat_size(left, right) -> int:
+    for seq, count in ((left, right), (right, left)):
+        if isinstance(seq, (str, list, tuple)) and isinstance(count, int):
+            return len(seq) * count
+    return 0
+
+
+def _format_size(fmt, args) -> int:
+    """The padding ``fmt % args`` asks for: its fields' widths and precisions, a "*" one taken
+    as the largest integer among ``args``."""
+    if not isinstance(fmt, str):
+        return 0
+    star = max((v for v in (args if isinstance(args, tuple) else (args,)) if isinstance(v, int)), default=0)
+    return sum(star if f == "*" else int(f) for m in _FORMAT_FIELD.finditer(fmt) for f in m.groups() if f)
+
+
+def _power_digits(base, exponent) -> int:
+    if isinstance(base, int) and isinstance(exponent, int) and exponent > 0:
+        return abs(base).bit_length() * exponent * 3 // 10
+    return 0
+
+
+# operator -> (about) the characters, items or digits its result would have
+_RESULT_SIZES = {"*": _repeat_size, "%": _format_size, "**": _power_digits}
+
+
+class _ChatTemplateSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with every ``*``, ``%`` and ``**`` held to MAX_TEMPLATE_RESULT (an
+    intercepted operator is not folded at compile time either)."""
+
+    intercepted_binops = frozenset(_RESULT_SIZES)
+
+    def call_binop(self, context, operator, left, right):
+        size = _RESULT_SIZES[operator](left, right)
+        if size > MAX_TEMPLATE_RESULT:
+            raise OverflowError(f"the result of {operator} would hold {size} characters, items or digits; the "
+                                f"sandbox allows {MAX_TEMPLATE_RESULT}")
+        return super().call_binop(context, operator, left, right)
+
+
 def compile_chat_template(source: str, origin: str = "the checkpoint") -> jinja2.Template:
     """A chat template compiled in transformers' jinja environment; ``origin``: where it came
     from (a file, a key), for the error line of a template that does not parse."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+    env = _ChatTemplateSandbox(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -155,8 +203,10 @@ class Tokenizer:
         try:
             variables = {"tools": None, "documents": None, **self.special_tokens, **self.template_kwargs}
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
-        except jinja2.exceptions.TemplateError as exc:
-            raise MetraleError(f"the model's chat template failed: {exc}") from None
+        except Exception as exc:  # 1/0, [1] + 3, strftime_now(5): whatever the template does wrong is its own fault
+            raise MetraleError(f"the chat template failed: {type(exc).__name__}: {exc}",
+                               f"fix the chat template ({self.template_origin}), or pass another with "
+                               "--chat-template FILE") from None
 
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)
