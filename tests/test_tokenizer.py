@@ -199,6 +199,17 @@ def test_a_chat_template_that_fails_while_rendering_is_one_error(folder, templat
     assert info.value.hint == "fix the chat template (--chat-template), or pass another with --chat-template FILE"
 
 
+@pytest.mark.parametrize("text, fault", [
+    ("caf\udce9 ok", "byte 0xe9 after 'caf'"),  # b"caf\xe9" as Python decodes argv and stdin
+    ("\udcff", "byte 0xff at its start"),
+    ("a\ud800", "the lone surrogate U+D800 after 'a'"),
+])
+def test_text_that_is_not_utf8_is_one_error(pair, text, fault):
+    with pytest.raises(MetraleError) as info:
+        pair[0].encode(text)
+    assert info.value.message == f"the prompt is not valid UTF-8: {fault}"
+
+
 @pytest.mark.parametrize("name", ["tokenizer_config.json", "config.json", "generation_config.json"])
 @pytest.mark.parametrize("text, message", [("[1]", "is not a JSON object"), ("{", "is not valid JSON")])
 def test_a_broken_json_file_beside_the_tokenizer_is_one_error(tmp_path, name, text, message):

@@ -190,6 +190,7 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. A rendered chat template already holds its special tokens:
         encode it with ``add_special_tokens=False``."""
+        _check_utf8(text)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -267,6 +268,20 @@ class Tokenizer:
         self.backend.save(str(folder / "tokenizer.json"))
         config = {**self.special_tokens, "chat_template": self.chat_template}
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+
+def _check_utf8(text: str) -> None:
+    """Every prompt meets here (argv, stdin, a chat turn, --system; through the template or raw).
+    Bytes that are not UTF-8 arrive as lone surrogates (Python decodes argv and stdin with
+    surrogateescape), which the tokenizers library refuses with a bare TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"the lone surrogate U+{code:04X}"
+        where = f"after {text[max(0, exc.start - 20):exc.start]!r}" if exc.start else "at its start"
+        raise MetraleError(f"the prompt is not valid UTF-8: {what} {where}",
+                           "give the prompt as UTF-8 text (iconv -t UTF-8 converts it)") from None
 
 
 def _token_text(path: pathlib.Path, key: str, value) -> str:
