@@ -321,18 +321,19 @@ def tiny_gguf(tmp_path_factory):
     return write_gguf(make_hf_checkpoint(folder, "llama"), folder / "tiny.gguf")
 
 
-def _with_metadata(path, out, key: str, value):
-    """A copy of the GGUF file ``path`` with metadata ``key`` set to ``value``, typed as the gguf
+def _with_metadata(path, out, changes: dict):
+    """A copy of the GGUF file ``path`` with these metadata keys set, each value typed as the gguf
     package types a python value (a str is STRING, an int INT32, a list an ARRAY of its items')."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
-        if not name.startswith("GGUF.") and name not in ("general.architecture", key):
+        if not name.startswith("GGUF.") and name != "general.architecture" and name not in changes:
             writer.add_key_value(name, field.contents(), field.types[0],
                                  sub_type=field.types[-1] if len(field.types) > 1 else None)
-    writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+    for key, value in changes.items():
+        writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
@@ -342,13 +343,28 @@ def _with_metadata(path, out, key: str, value):
     return out
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("tokenizer.chat_template", 5, "GGUF tokenizer.chat_template is 5, not the template's text"),
+PAST = "is past the token list (tokenizer.ggml.tokens holds 320)"
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"tokenizer.chat_template": 5}, "GGUF tokenizer.chat_template is 5, not the template's text"),
+    ({"tokenizer.ggml.bos_token_id": 99999}, f"GGUF tokenizer.ggml.bos_token_id 99999 {PAST}"),
+    ({"tokenizer.ggml.bos_token_id": 99999, "tokenizer.ggml.add_bos_token": True},
+     f"GGUF tokenizer.ggml.bos_token_id 99999 {PAST}"),
+    ({"tokenizer.ggml.eos_token_id": 99999}, f"GGUF tokenizer.ggml.eos_token_id 99999 {PAST}"),
+    ({"tokenizer.ggml.merges": ["abc", "x y"]}, "GGUF tokenizer.ggml.merges[0] is 'abc', not two tokens joined by "
+                                                "a space"),
+    ({"tokenizer.ggml.merges": [1, 2]}, "GGUF tokenizer.ggml.merges[0] is 1, not a string"),
+    ({"tokenizer.ggml.tokens": [1, 2, 3]}, "GGUF tokenizer.ggml.tokens[0] is 1, not a string"),
+    ({"tokenizer.ggml.tokens": ["a", "b", "c"]}, "GGUF tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: "
+                                                 "Error while initializing BPE: Token `Ġ` out of vocabulary"),
+    ({"tokenizer.ggml.token_type": ["a"]}, "GGUF tokenizer.ggml.token_type[0] is 'a', not an integer"),
+    ({"tokenizer.ggml.pre": [1]}, "GGUF pre-tokenizer [1] is not supported"),
 ])
-def test_a_gguf_tokenizer_key_that_cannot_be_read_is_one_error_naming_it(tiny_gguf, tmp_path, key, value, message):
+def test_a_gguf_tokenizer_key_that_cannot_be_read_is_one_error_naming_it(tiny_gguf, tmp_path, changes, message):
     """Read from the file's metadata: not a TypeError, IndexError or the tokenizers library's own
     exception from building the tokenizer."""
-    path = _with_metadata(tiny_gguf, tmp_path / "changed.gguf", key, value)
+    path = _with_metadata(tiny_gguf, tmp_path / "changed.gguf", changes)
     with pytest.raises(MetraleError) as info:
         read_tokenizer(str(path))
     assert info.value.message == message
