@@ -370,6 +370,23 @@ def test_a_gguf_tokenizer_key_that_cannot_be_read_is_one_error_naming_it(tiny_gg
     assert info.value.message == message
 
 
+@pytest.mark.parametrize("read", [lambda path: read_config(str(path)), lambda path: read_tokenizer(str(path)),
+                                  lambda path: load_checkpoint(str(path), CPU, torch.float32),
+                                  lambda path: Tokenizer.from_gguf(gguf_io.open_reader(path))],
+                         ids=["config", "tokenizer", "load", "tokenizer from a reader"])
+def test_a_metadata_string_that_is_not_utf8_is_one_error_naming_its_key(tiny_gguf, tmp_path, read):
+    """One flipped byte in the chat template's text: not a UnicodeDecodeError from the gguf package."""
+    data = bytearray(tiny_gguf.read_bytes())
+    data[data.index(b"{% for message in messages %}")] = 0xFF
+    path = tmp_path / "flipped.gguf"
+    path.write_bytes(data)
+    with pytest.raises(MetraleError) as info:
+        read(path)
+    assert info.value.message.startswith("the GGUF file's metadata is corrupt: tokenizer.chat_template is not UTF-8 "
+                                         "text ('utf-8' codec can't decode byte 0xff in position 0")
+    assert info.value.hint == "re-download the file"
+
+
 # --- the embedded default: SmolLM2-135M-Instruct Q4_1 -------------------------------------
 
 @pytest.fixture(scope="module")

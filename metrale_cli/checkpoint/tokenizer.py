@@ -242,11 +242,12 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, reader_or_metadata) -> "Tokenizer":
         """From GGUF metadata: a ``GGUFReader`` or its key/value dict (tokenizer.ggml.*)."""
+        from metrale_cli.checkpoint.gguf_io import metadata
         from metrale_cli.checkpoint.gguf_tokenizer import build_backend
 
         meta = reader_or_metadata
         if hasattr(meta, "fields"):
-            meta = {name: field.contents() for name, field in meta.fields.items()}
+            meta = metadata(meta)
         backend = build_backend(meta)
         tokens = meta["tokenizer.ggml.tokens"]
         ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
