@@ -547,6 +547,10 @@ def main() -> None:
     (usage errors included: an unknown option, a value that is not a number)."""
     click = _click_exceptions()
     out = Output(json_mode="--json" in sys.argv[1:])
+    # stdin's bytes that are not UTF-8 reach the prompt's check as argv's do, not a UnicodeDecodeError
+    # where the locale decodes strictly
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
     try:
         code = app(standalone_mode=False)
     except MetraleError as e:  # raised while typer parses (option callbacks)

@@ -19,9 +19,11 @@ from metrale_cli.errors import MetraleError
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
-def metrale(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+def metrale(*args: str, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``args`` and ``stdin`` may hold bytes that are not UTF-8 as surrogates (os.fsdecode's);
+    ``env``: more environment variables."""
     return subprocess.run([sys.executable, "-m", "metrale_cli", *args], capture_output=True, text=True,
-                          input=stdin, env=ENV, timeout=300)
+                          errors="surrogateescape", input=stdin, env=ENV | (env or {}), timeout=300)
 
 
 def assert_one_line_error(result, *needles: str) -> None:
@@ -436,6 +438,21 @@ def test_an_empty_prompt_is_refused(tiny, prompt, raw):
     assert_one_line_error(metrale(*args), "prompt 1 is empty")
 
 
+@pytest.mark.parametrize("raw", [True, False])
+@pytest.mark.parametrize("source", ["argv", "stdin", "stdin decoded strictly"])
+def test_a_prompt_that_is_not_utf8_is_refused(tiny, source, raw):
+    """Not the tokenizers library's "TextInputSequence must be str" (argv and stdin reach Python
+    as surrogates where their bytes are not UTF-8), nor a UnicodeDecodeError where the locale
+    has stdin decode strictly."""
+    prompt = os.fsdecode(b"caf\xe9")
+    args = ["generate", "-m", str(tiny), "-n", "2", *(["--no-chat-template"] if raw else [])]
+    strict = {"PYTHONIOENCODING": "utf-8:strict"} if source.endswith("strictly") else {}
+    result = metrale(*args, prompt) if source == "argv" else metrale(*args, stdin=prompt, env=strict)
+    before = "'caf'" if raw else "'<|im_start|>user\\ncaf'"
+    assert_one_line_error(result, f"error: the prompt is not valid UTF-8: byte 0xe9 after {before}\n",
+                          "hint: give the prompt as UTF-8 text")
+
+
 def test_errors_under_json_are_one_json_object_on_stderr(tiny):
     payload = _json_error(metrale("generate", "-m", str(tiny), "--json", "--no-chat-template", ""))
     assert payload == {"error": "prompt 1 is empty", "hint": "give the model some text to answer or continue"}
@@ -773,6 +790,16 @@ def test_chat_turns_that_fail_are_one_line_and_the_session_goes_on(tiny):
     assert turn["user"] == "hi" and turn["completion_tokens"] == 2
 
 
+def test_a_chat_turn_that_is_not_utf8_fails_as_a_turn_and_the_session_goes_on(tiny):
+    result = metrale("chat", "-m", str(tiny), "-n", "2", "--json", stdin=os.fsdecode(b"caf\xe9\nhi\n"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    errors = [json.loads(line) for line in result.stderr.splitlines() if line.startswith('{"error"')]
+    assert errors == [{"error": "the prompt is not valid UTF-8: byte 0xe9 after '<|im_start|>user\\ncaf'",
+                       "hint": "give the prompt as UTF-8 text (iconv -t UTF-8 converts it)"}]
+    (turn,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert turn["user"] == "hi" and turn["completion_tokens"] == 2
+
+
 def test_chat_system_without_text_says_what_it_needs(tiny):
     result = metrale("chat", "-m", str(tiny), "-n", "2", stdin="/system\n/system   \nhi\n")
     assert result.returncode == 1 and "Traceback" not in result.stderr
@@ -856,6 +883,22 @@ def test_a_chat_template_file_replaces_the_models(tiny, tmp_path):
                           "chat template file not found")
     assert_one_line_error(metrale("generate", "-m", str(tiny), "--no-chat-template", "--chat-template", str(template),
                                   "hi"), "contradict")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("template, failure", [
+    ("{{ 1/0 }}", "ZeroDivisionError: division by zero"),
+    ('{{ "x" * 5000000 }}', "OverflowError: the result of * would hold 5000000 characters, items or digits"),
+])
+def test_a_chat_template_file_that_fails_while_rendering_is_one_error_line(tiny, tmp_path, command, template,
+                                                                            failure):
+    """generate renders before the weights load; chat at the turn, which fails as a turn does."""
+    path = tmp_path / "t.jinja"
+    path.write_text(template, encoding="utf-8")
+    args = [command, "-m", str(tiny), "-n", "2", "--chat-template", str(path)]
+    result = metrale(*args, "hi") if command == "generate" else metrale(*args, stdin="hi\n")
+    assert_one_line_error(result, f"error: the chat template failed: {failure}",
+                          "hint: fix the chat template (--chat-template), or pass another with --chat-template FILE")
 
 
 def test_chat_template_kwargs_reach_the_template(tiny, tmp_path):

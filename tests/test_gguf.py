@@ -368,8 +368,8 @@ def test_the_tokenizer_reads_without_tensors_before_and_after_conversion(tmp_pat
 
 
 def test_a_special_token_id_past_the_vocabulary_is_one_error_naming_the_key(tmp_path):
-    """The file's eos id indexed its token list (IndexError), or, within the list, past the
-    model's vocabulary, never ended an answer; either way the run is refused before a weight is read."""
+    """The file's eos id past its token list (which had raised IndexError) is refused before a
+    weight is read."""
     import gguf
 
     from metrale_cli.engine.runner import RunnerOptions, open_runner
@@ -382,8 +382,81 @@ def test_a_special_token_id_past_the_vocabulary_is_one_error_naming_the_key(tmp_
     source = ModelSource(source.config, source.tokenizer, lambda *a, **k: pytest.fail("a tensor was read"))
     with pytest.raises(MetraleError) as info:
         open_runner(RunnerOptions(backend="torch"), source)
-    assert info.value.message == ("GGUF tokenizer.ggml.eos_token_id 100000 is past the model's vocabulary: "
-                                  "vocab_size is 320, so token ids are 0 to 319")
+    assert info.value.message == ("GGUF tokenizer.ggml.eos_token_id 100000 is past the token list "
+                                  "(tokenizer.ggml.tokens holds 320)")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A tiny llama GGUF file that the tests below copy with one metadata key changed."""
+    folder = tmp_path_factory.mktemp("tiny-gguf")
+    return write_gguf(make_hf_checkpoint(folder, "llama"), folder / "tiny.gguf")
+
+
+def _with_metadata(path, out, changes: dict):
+    """A copy of the GGUF file ``path`` with these metadata keys set, each value typed as the gguf
+    package types a python value (a str is STRING, an int INT32, a list an ARRAY of its items')."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture" and name not in changes:
+            writer.add_key_value(name, field.contents(), field.types[0],
+                                 sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for key, value in changes.items():
+        writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+PAST = "is past the token list (tokenizer.ggml.tokens holds 320)"
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"tokenizer.chat_template": 5}, "GGUF tokenizer.chat_template is 5, not the template's text"),
+    ({"tokenizer.ggml.bos_token_id": 99999}, f"GGUF tokenizer.ggml.bos_token_id 99999 {PAST}"),
+    ({"tokenizer.ggml.bos_token_id": 99999, "tokenizer.ggml.add_bos_token": True},
+     f"GGUF tokenizer.ggml.bos_token_id 99999 {PAST}"),
+    ({"tokenizer.ggml.eos_token_id": 99999}, f"GGUF tokenizer.ggml.eos_token_id 99999 {PAST}"),
+    ({"tokenizer.ggml.merges": ["abc", "x y"]}, "GGUF tokenizer.ggml.merges[0] is 'abc', not two tokens joined by "
+                                                "a space"),
+    ({"tokenizer.ggml.merges": [1, 2]}, "GGUF tokenizer.ggml.merges[0] is 1, not a string"),
+    ({"tokenizer.ggml.tokens": [1, 2, 3]}, "GGUF tokenizer.ggml.tokens[0] is 1, not a string"),
+    ({"tokenizer.ggml.tokens": ["a", "b", "c"]}, "GGUF tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: "
+                                                 "Error while initializing BPE: Token `Ġ` out of vocabulary"),
+    ({"tokenizer.ggml.token_type": ["a"]}, "GGUF tokenizer.ggml.token_type[0] is 'a', not an integer"),
+    ({"tokenizer.ggml.pre": [1]}, "GGUF pre-tokenizer [1] is not supported"),
+])
+def test_a_gguf_tokenizer_key_that_cannot_be_read_is_one_error_naming_it(tiny_gguf, tmp_path, changes, message):
+    """Read from the file's metadata: not a TypeError, IndexError or the tokenizers library's own
+    exception from building the tokenizer."""
+    path = _with_metadata(tiny_gguf, tmp_path / "changed.gguf", changes)
+    with pytest.raises(MetraleError) as info:
+        read_tokenizer(str(path))
+    assert info.value.message == message
+
+
+@pytest.mark.parametrize("read", [lambda path: read_config(str(path)), lambda path: read_tokenizer(str(path)),
+                                  lambda path: load_checkpoint(str(path), CPU, torch.float32),
+                                  lambda path: Tokenizer.from_gguf(gguf_io.open_reader(path))],
+                         ids=["config", "tokenizer", "load", "tokenizer from a reader"])
+def test_a_metadata_string_that_is_not_utf8_is_one_error_naming_its_key(tiny_gguf, tmp_path, read):
+    """One flipped byte in the chat template's text: not a UnicodeDecodeError from the gguf package."""
+    data = bytearray(tiny_gguf.read_bytes())
+    data[data.index(b"{% for message in messages %}")] = 0xFF
+    path = tmp_path / "flipped.gguf"
+    path.write_bytes(data)
+    with pytest.raises(MetraleError) as info:
+        read(path)
+    assert info.value.message.startswith("the GGUF file's metadata is corrupt: tokenizer.chat_template is not UTF-8 "
+                                         "text ('utf-8' codec can't decode byte 0xff in position 0")
+    assert info.value.hint == "re-download the file"
 
 
 # --- the embedded default: SmolLM2-135M-Instruct Q4_1 -------------------------------------

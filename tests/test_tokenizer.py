@@ -131,14 +131,83 @@ def test_template_sources_and_helpers(tmp_path):
 
 def test_template_errors_are_metrale_errors(tmp_path):
     tok = _folder_with(tmp_path / "a", "{{ raise_exception('roles must alternate') }}")
-    with pytest.raises(MetraleError, match="roles must alternate"):
+    with pytest.raises(MetraleError) as info:
         tok.apply_chat_template(MESSAGES)
+    assert info.value.message == "the chat template failed: TemplateError: roles must alternate"
+    assert info.value.hint.startswith(f"fix the chat template ({tmp_path / 'a' / 'tokenizer_config.json'} "
+                                      "chat_template)")
     with pytest.raises(MetraleError, match="does not parse"):
         _folder_with(tmp_path / "b", "{% for %}")
     bare = _folder_with(tmp_path / "c")
     assert not bare.has_chat_template
     with pytest.raises(MetraleError, match="no chat template"):
         bare.apply_chat_template(MESSAGES)
+
+
+@pytest.mark.parametrize("template, fault", [
+    (5, "chat_template is 5, not the template's text"),
+    ({"a": 1}, """chat_template is {"a": 1}, not the template's text"""),
+    ([{"name": "x", "template": 5}], 'chat_template item 0 is {"name": "x", "template": 5}, not {"name": ..., '
+                                     '"template": "..."}'),
+    (["a", "b"], 'chat_template item 0 is "a", not {"name": ..., "template": "..."}'),
+])
+def test_a_chat_template_that_is_not_text_is_one_error_naming_its_key(tmp_path, template, fault):
+    """Not jinja2's "Can't compile non template nodes" (nor an AttributeError from a list of
+    strings): the line says which file and key hold what."""
+    with pytest.raises(MetraleError) as info:
+        _folder_with(tmp_path, template)
+    assert info.value.message == f"{tmp_path / 'tokenizer_config.json'} {fault}"
+
+
+def test_a_chat_template_file_that_is_not_utf8_is_one_error(tmp_path):
+    make_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{x}}")
+    with pytest.raises(MetraleError) as info:
+        Tokenizer.from_hf_folder(tmp_path)
+    assert info.value.message.startswith(f"{tmp_path / 'chat_template.jinja'} is not UTF-8 text ('utf-8' codec "
+                                         "can't decode byte 0xff in position 0")
+
+
+@pytest.mark.parametrize("template, failure", [
+    ("{{ 1/0 }}", "ZeroDivisionError: division by zero"),
+    ("{{ [1,2] + 3 }}", 'TypeError: can only concatenate list (not "int") to list'),
+    ('{{ "%d" % "a" }}', "TypeError: %d format: a real number is required, not str"),
+    ("{{ strftime_now(5) }}", "TypeError: strftime() argument 1 must be str, not int"),
+    ("{{ range(10**9)|list }}", "OverflowError: Range too big. The sandbox blocks ranges larger than MAX_RANGE "
+                                "(100000)."),
+    ("{{ messages.nope.deeper }}", "UndefinedError: 'list object' has no attribute 'nope'"),
+    # results past MAX_TEMPLATE_RESULT (4194304) are refused before they are made
+    ('{{ "x" * 5000000 }}', "OverflowError: the result of * would hold 5000000 characters, items or digits; "
+                            "the sandbox allows 4194304"),
+    ("{{ 5000000 * [0] }}", "OverflowError: the result of * would hold 5000000 characters, items or digits; "
+                            "the sandbox allows 4194304"),
+    ('{{ "%5000000d" % 1 }}', "OverflowError: the result of % would hold 5000000 characters, items or digits; "
+                              "the sandbox allows 4194304"),
+    ('{{ "%-*s|" % (5000000, "a") }}', "OverflowError: the result of % would hold 5000000 characters, items or "
+                                       "digits; the sandbox allows 4194304"),
+    ("{{ 3 ** 10000000 }}", "OverflowError: the result of ** would hold 6000000 characters, items or digits; "
+                            "the sandbox allows 4194304"),
+])
+def test_a_chat_template_that_fails_while_rendering_is_one_error(folder, template, failure):
+    """Whatever goes wrong inside the template is its fault, named by its exception; "x" * 10**9
+    would take the host's memory before failing, so results that large are refused first."""
+    tok = Tokenizer.from_hf_folder(folder)
+    tok.set_chat_template(template)
+    with pytest.raises(MetraleError) as info:
+        tok.apply_chat_template(MESSAGES)
+    assert info.value.message == f"the chat template failed: {failure}"
+    assert info.value.hint == "fix the chat template (--chat-template), or pass another with --chat-template FILE"
+
+
+@pytest.mark.parametrize("text, fault", [
+    ("caf\udce9 ok", "byte 0xe9 after 'caf'"),  # b"caf\xe9" as Python decodes argv and stdin
+    ("\udcff", "byte 0xff at its start"),
+    ("a\ud800", "the lone surrogate U+D800 after 'a'"),
+])
+def test_text_that_is_not_utf8_is_one_error(pair, text, fault):
+    with pytest.raises(MetraleError) as info:
+        pair[0].encode(text)
+    assert info.value.message == f"the prompt is not valid UTF-8: {fault}"
 
 
 @pytest.mark.parametrize("name", ["tokenizer_config.json", "config.json", "generation_config.json"])
@@ -150,6 +219,30 @@ def test_a_broken_json_file_beside_the_tokenizer_is_one_error(tmp_path, name, te
     (tmp_path / name).write_text(text)
     with pytest.raises(MetraleError, match=f"{name} {message}"):
         Tokenizer.from_hf_folder(tmp_path)
+
+
+def _with_config(folder, **changes):
+    """The tiny tokenizer in ``folder`` with these tokenizer_config.json keys changed."""
+    make_tokenizer(folder)
+    path = folder / "tokenizer_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+    return path
+
+
+def test_a_special_token_as_an_added_token_object_reads_its_content(tmp_path):
+    _with_config(tmp_path, bos_token={"content": "<|im_start|>", "special": True})
+    assert Tokenizer.from_hf_folder(tmp_path).special_tokens["bos_token"] == "<|im_start|>"
+
+
+@pytest.mark.parametrize("value", [{"foo": 1}, {"content": 5}, 5, ["<|im_start|>"]])
+def test_a_special_token_that_is_not_text_is_one_error(tmp_path, value):
+    """Not a KeyError for an object without "content", nor the str() of a number or list taken
+    as the token's text."""
+    path = _with_config(tmp_path, bos_token=value)
+    with pytest.raises(MetraleError) as info:
+        Tokenizer.from_hf_folder(tmp_path)
+    assert info.value.message == (f"{path} bos_token is {json.dumps(value)}: neither a token's text nor an "
+                                  'object with its text under "content"')
 
 
 def test_missing_tokenizer_json(tmp_path):

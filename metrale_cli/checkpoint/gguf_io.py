@@ -65,7 +65,16 @@ def open_reader(path: pathlib.Path):
 
 def metadata(reader) -> dict:
     """GGUF key/value metadata as plain python values."""
-    return {name: field.contents() for name, field in reader.fields.items()}
+    return {name: _value(name, field) for name, field in reader.fields.items()}
+
+
+def _value(name: str, field):
+    """A field's value; its strings are decoded only now, so a corrupt one shows here."""
+    try:
+        return field.contents()
+    except UnicodeDecodeError as exc:
+        raise MetraleError(f"the GGUF file's metadata is corrupt: {name} is not UTF-8 text ({exc})",
+                           "re-download the file") from None
 
 
 def tensor_shapes(reader) -> dict[str, tuple[int, ...]]:
@@ -228,7 +237,7 @@ def read_gguf_sampling(path: pathlib.Path) -> SamplingDefaults:
 
 
 def _sampling_keys(reader) -> dict:
-    return {key: reader.fields[key].contents() for key in GGUF_KEYS if key in reader.fields}
+    return {key: _value(key, reader.fields[key]) for key in GGUF_KEYS if key in reader.fields}
 
 
 def load_gguf(path: pathlib.Path, device: torch.device, dtype: torch.dtype,

@@ -12,10 +12,18 @@ from typing import Callable
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from metrale_cli.config import token_id
 from metrale_cli.errors import MetraleError
 
 TOKEN_TYPE_CONTROL = 3       # llama.cpp token types: 3 = control (special), 4 = user-defined
 TOKEN_TYPE_USER_DEFINED = 4
+BROKEN = "the file's tokenizer metadata is broken: re-download it, or load the model's HF folder instead"
+# tokenizer.ggml.* lists -> (the type of every item, its name): anything else is refused by the
+# key's name before the tokenizers library meets it (it raises TypeError or a bare Exception)
+LIST_ITEMS = {"tokenizer.ggml.tokens": (str, "a string"), "tokenizer.ggml.merges": (str, "a string"),
+              "tokenizer.ggml.token_type": (int, "an integer"), "tokenizer.ggml.scores": ((int, float), "a number")}
+# the keys that give a token by its index in tokenizer.ggml.tokens
+ID_KEYS = tuple(f"tokenizer.ggml.{name}_token_id" for name in ("bos", "eos", "unknown", "padding"))
 
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -47,13 +55,26 @@ PRE_TOKENIZERS: dict[str, Callable[[], tuple]] = {
 }
 
 
+def _merge_pairs(merges: list[str]) -> list[tuple[str, str]]:
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bad = next((i for i, pair in enumerate(pairs) if len(pair) != 2 or not all(pair)), None)
+    if bad is not None:
+        raise MetraleError(f"GGUF tokenizer.ggml.merges[{bad}] is {merges[bad]!r}, not two tokens joined by a space",
+                           BROKEN)
+    return pairs
+
+
 def _bpe_backend(meta: dict) -> Tokenizer:
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    backend = Tokenizer(BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
-                            continuing_subword_prefix="", end_of_word_suffix=""))
+    merges = _merge_pairs(meta.get("tokenizer.ggml.merges", []))
+    try:
+        model = BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
+                    continuing_subword_prefix="", end_of_word_suffix="")
+    except Exception as exc:  # the tokenizers library raises a bare Exception for a merge of unknown tokens
+        raise MetraleError(f"GGUF tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {exc}", BROKEN) from None
+    backend = Tokenizer(model)
     pre_name = meta.get("tokenizer.ggml.pre", "default")
-    if pre_name not in PRE_TOKENIZERS:
+    if not isinstance(pre_name, str) or pre_name not in PRE_TOKENIZERS:
         raise MetraleError(f"GGUF pre-tokenizer {pre_name!r} is not supported",
                            f"supported: {', '.join(PRE_TOKENIZERS)}; or load the model's HF folder instead")
     normalizer, pre = PRE_TOKENIZERS[pre_name]()
@@ -132,12 +153,34 @@ TOKENIZER_MODELS: dict[str, Callable[[dict], Tokenizer]] = {
 }
 
 
+def _check_lists(meta: dict) -> None:
+    for key, (kind, name) in LIST_ITEMS.items():
+        items = meta.get(key, [])
+        if not isinstance(items, list):
+            raise MetraleError(f"GGUF {key} is {items!r:.60}, not a list", BROKEN)
+        bad = next((i for i, item in enumerate(items) if not isinstance(item, kind)), None)
+        if bad is not None:
+            raise MetraleError(f"GGUF {key}[{bad}] is {items[bad]!r:.60}, not {name}", BROKEN)
+
+
+def _check_ids(meta: dict) -> None:
+    count = len(meta["tokenizer.ggml.tokens"])
+    for key in ID_KEYS:
+        index = token_id(f"GGUF {key}", meta.get(key))
+        if index is not None and not 0 <= index < count:
+            raise MetraleError(f"GGUF {key} {index} is past the token list (tokenizer.ggml.tokens holds {count})",
+                               BROKEN)
+
+
 def build_backend(meta: dict) -> Tokenizer:
-    """The ``tokenizers.Tokenizer`` described by GGUF metadata; MetraleError when unsupported."""
+    """The ``tokenizers.Tokenizer`` described by GGUF metadata; MetraleError when unsupported
+    or broken (a list of the wrong items, a token id past the list), naming the key."""
     model = meta.get("tokenizer.ggml.model")
     if model is None or "tokenizer.ggml.tokens" not in meta:
         raise MetraleError("the GGUF file has no tokenizer (tokenizer.ggml.* metadata)")
-    if model not in TOKENIZER_MODELS:
+    if not isinstance(model, str) or model not in TOKENIZER_MODELS:
         raise MetraleError(f"GGUF tokenizer model {model!r} is not supported",
                            f"supported: {', '.join(TOKENIZER_MODELS)}")
+    _check_lists(meta)
+    _check_ids(meta)
     return TOKENIZER_MODELS[model](meta)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 from datetime import datetime
 
 import jinja2
@@ -26,6 +27,10 @@ from metrale_cli.errors import MetraleError
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
                       "<|endoftext|>", "<|end_of_text|>", "</s>")
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# The most characters, items or digits one *, % or ** of a chat template may make: "x" * 10**9
+# would take the host's memory (3 ** 10**8 its time) before any error, so it is refused
+# first, as the sandbox refuses a range() past MAX_RANGE items.
+MAX_TEMPLATE_RESULT = 4 << 20
 
 
 class StreamDecoder:
@@ -77,17 +82,62 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
                       sort_keys=sort_keys)
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
-    """A chat template compiled in transformers' jinja environment."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+_FORMAT_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+
+
+def _repeat_size(left, right) -> int:
+    for seq, count in ((left, right), (right, left)):
+        if isinstance(seq, (str, list, tuple)) and isinstance(count, int):
+            return len(seq) * count
+    return 0
+
+
+def _format_size(fmt, args) -> int:
+    """The padding ``fmt % args`` asks for: its fields' widths and precisions, a "*" one taken
+    as the largest integer among ``args``."""
+    if not isinstance(fmt, str):
+        return 0
+    star = max((v for v in (args if isinstance(args, tuple) else (args,)) if isinstance(v, int)), default=0)
+    return sum(star if f == "*" else int(f) for m in _FORMAT_FIELD.finditer(fmt) for f in m.groups() if f)
+
+
+def _power_digits(base, exponent) -> int:
+    if isinstance(base, int) and isinstance(exponent, int) and exponent > 0:
+        return abs(base).bit_length() * exponent * 3 // 10
+    return 0
+
+
+# operator -> (about) the characters, items or digits its result would have
+_RESULT_SIZES = {"*": _repeat_size, "%": _format_size, "**": _power_digits}
+
+
+class _ChatTemplateSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with every ``*``, ``%`` and ``**`` held to MAX_TEMPLATE_RESULT (an
+    intercepted operator is not folded at compile time either)."""
+
+    intercepted_binops = frozenset(_RESULT_SIZES)
+
+    def call_binop(self, context, operator, left, right):
+        size = _RESULT_SIZES[operator](left, right)
+        if size > MAX_TEMPLATE_RESULT:
+            raise OverflowError(f"the result of {operator} would hold {size} characters, items or digits; the "
+                                f"sandbox allows {MAX_TEMPLATE_RESULT}")
+        return super().call_binop(context, operator, left, right)
+
+
+def compile_chat_template(source: str, origin: str = "the checkpoint") -> jinja2.Template:
+    """A chat template compiled in transformers' jinja environment; ``origin``: where it came
+    from (a file, a key), for the error line of a template that does not parse."""
+    env = _ChatTemplateSandbox(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
         return env.from_string(source)
-    except jinja2.exceptions.TemplateSyntaxError as exc:
-        raise MetraleError(f"the model's chat template does not parse: {exc}") from None
+    except jinja2.exceptions.TemplateError as exc:
+        raise MetraleError(f"the chat template from {origin} does not parse: {exc}",
+                           "fix the template, or pass another with --chat-template FILE") from None
 
 
 class Tokenizer:
@@ -101,27 +151,25 @@ class Tokenizer:
 
     def __init__(self, backend: tokenizers.Tokenizer, bos_token_id: int | None,
                  eos_token_ids: list[int], chat_template: str | None,
-                 special_tokens: dict[str, str] | None = None, declared_ids: dict[str, list[int]] | None = None):
+                 special_tokens: dict[str, str] | None = None, template_origin: str = "the checkpoint",
+                 declared_ids: dict[str, list[int]] | None = None):
         self.backend = backend
         self.declared_ids = dict(declared_ids or {})
         self.bos_token_id = bos_token_id
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
-        self.chat_template = chat_template
+        self.chat_template, self.template_origin = chat_template, template_origin
         self.special_tokens = dict(special_tokens or {})
         self.template_kwargs: dict = {}  # more variables for the chat template (enable_thinking, ...)
-        self._template = compile_chat_template(chat_template) if chat_template else None
+        self._template = compile_chat_template(chat_template, template_origin) if chat_template else None
 
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def set_chat_template(self, template: str) -> None:
+    def set_chat_template(self, template: str, origin: str = "--chat-template") -> None:
         """Use ``template`` (Jinja, as HF's chat_template) in place of the checkpoint's."""
-        try:
-            compiled = compile_chat_template(template)
-        except jinja2.exceptions.TemplateError as exc:
-            raise MetraleError(f"the chat template does not parse: {exc}") from None
-        self.chat_template, self._template = template, compiled
+        self._template = compile_chat_template(template, origin)
+        self.chat_template, self.template_origin = template, origin
 
     def set_chat_template_kwargs(self, kwargs: dict) -> None:
         """Render the chat template with these variables too (``{"enable_thinking": false}`` for
@@ -146,6 +194,7 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. A rendered chat template already holds its special tokens:
         encode it with ``add_special_tokens=False``."""
+        _check_utf8(text)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -159,8 +208,10 @@ class Tokenizer:
         try:
             variables = {"tools": None, "documents": None, **self.special_tokens, **self.template_kwargs}
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
-        except jinja2.exceptions.TemplateError as exc:
-            raise MetraleError(f"the model's chat template failed: {exc}") from None
+        except Exception as exc:  # 1/0, [1] + 3, strftime_now(5): whatever the template does wrong is its own fault
+            raise MetraleError(f"the chat template failed: {type(exc).__name__}: {exc}",
+                               f"fix the chat template ({self.template_origin}), or pass another with "
+                               "--chat-template FILE") from None
 
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)
@@ -181,7 +232,8 @@ class Tokenizer:
             raise MetraleError(f"{folder / 'tokenizer.json'} is not a tokenizer the tokenizers library reads: {e}",
                                "re-download the checkpoint's tokenizer.json") from None
         tok_config = read_json_object(folder / "tokenizer_config.json", optional=True)
-        special = {k: _token_text(tok_config[k]) for k in SPECIAL_TOKEN_KEYS if tok_config.get(k)}
+        special = {k: _token_text(folder / "tokenizer_config.json", k, tok_config[k])
+                   for k in SPECIAL_TOKEN_KEYS if tok_config.get(k)}
         config = read_json_object(folder / "config.json", optional=True)
         generation = read_json_object(folder / "generation_config.json", optional=True)
         declared = {"config.json eos_token_id": token_ids("config.json eos_token_id", config.get("eos_token_id")),
@@ -192,34 +244,36 @@ class Tokenizer:
         if bos is None and "bos_token" in special:
             bos = backend.token_to_id(special["bos_token"])
         eos_ids = declared["config.json eos_token_id"] + declared["generation_config.json eos_token_id"]
-        return cls._build(backend, bos, eos_ids, _chat_template(folder, tok_config), special, declared)
+        return cls._build(backend, bos, eos_ids, special, *_chat_template(folder, tok_config), declared)
 
     @classmethod
     def from_gguf(cls, reader_or_metadata) -> "Tokenizer":
         """From GGUF metadata: a ``GGUFReader`` or its key/value dict (tokenizer.ggml.*)."""
+        from metrale_cli.checkpoint.gguf_io import metadata
         from metrale_cli.checkpoint.gguf_tokenizer import build_backend
 
         meta = reader_or_metadata
         if hasattr(meta, "fields"):
-            meta = {name: field.contents() for name, field in meta.fields.items()}
+            meta = metadata(meta)
         backend = build_backend(meta)
         tokens = meta["tokenizer.ggml.tokens"]
         ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
-        # an id past the token list has no text; one past the model's vocabulary is refused by
+        special = {key: tokens[ids[name]] for key, name in
+                   zip(SPECIAL_TOKEN_KEYS, ("bos", "eos", "unknown", "padding")) if ids[name] is not None}
+        # ids past the token list were refused by build_backend; past the model's vocabulary, by
         # ModelConfig.check_token_ids, which names the key
-        special = {key: tokens[ids[name]] for key, name in zip(SPECIAL_TOKEN_KEYS, ("bos", "eos", "unknown", "padding"))
-                   if ids[name] is not None and ids[name] < len(tokens)}
         declared = {f"GGUF tokenizer.ggml.{k}_token_id": token_ids(f"GGUF tokenizer.ggml.{k}_token_id", ids[k])
                     for k in ("eos", "bos")}
-        return cls._build(backend, ids["bos"], declared["GGUF tokenizer.ggml.eos_token_id"],
-                          meta.get("tokenizer.chat_template"), special, declared)
+        where = "GGUF tokenizer.chat_template"
+        return cls._build(backend, ids["bos"], declared["GGUF tokenizer.ggml.eos_token_id"], special,
+                          _template_text(where, meta.get("tokenizer.chat_template")), where, declared)
 
     @classmethod
-    def _build(cls, backend, bos, eos_ids, chat_template, special, declared) -> "Tokenizer":
+    def _build(cls, backend, bos, eos_ids, special, chat_template, template_origin, declared) -> "Tokenizer":
         if "eos_token" in special and (eos := backend.token_to_id(special["eos_token"])) is not None:
             eos_ids = eos_ids + [eos]
         eos_ids += [i for t in END_OF_TURN_TOKENS if (i := backend.token_to_id(t)) is not None]
-        return cls(backend, bos, eos_ids, chat_template, special, declared)
+        return cls(backend, bos, eos_ids, chat_template, special, template_origin, declared)
 
     def save(self, folder: pathlib.Path) -> None:
         """Write tokenizer.json + tokenizer_config.json that ``from_hf_folder`` reads back."""
@@ -228,16 +282,65 @@ class Tokenizer:
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
-def _token_text(value) -> str:
-    return value["content"] if isinstance(value, dict) else str(value)
+def _check_utf8(text: str) -> None:
+    """Every prompt meets here (argv, stdin, a chat turn, --system; through the template or raw).
+    Bytes that are not UTF-8 arrive as lone surrogates (Python decodes argv and stdin with
+    surrogateescape), which the tokenizers library refuses with a bare TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"the lone surrogate U+{code:04X}"
+        where = f"after {text[max(0, exc.start - 20):exc.start]!r}" if exc.start else "at its start"
+        raise MetraleError(f"the prompt is not valid UTF-8: {what} {where}",
+                           "give the prompt as UTF-8 text (iconv -t UTF-8 converts it)") from None
 
 
-def _chat_template(folder: pathlib.Path, tok_config: dict) -> str | None:
-    """chat_template.jinja wins over tokenizer_config's; a list of named templates -> "default"."""
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+def _token_text(path: pathlib.Path, key: str, value) -> str:
+    """A special token as tokenizer_config.json writes it: its text, or an AddedToken object
+    holding the text under "content"."""
+    text = value.get("content") if isinstance(value, dict) else value
+    if not isinstance(text, str):
+        raise MetraleError(f"{path} {key} is {json.dumps(value)}: neither a token's text nor an object with "
+                           'its text under "content"', f'e.g. "{key}": "<|im_end|>"; or re-download the checkpoint')
+    return text
+
+
+def _chat_template(folder: pathlib.Path, tok_config: dict) -> tuple[str | None, str]:
+    """(the chat template, where it came from): chat_template.jinja wins over tokenizer_config's;
+    a list of named templates -> "default"."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return _read_template(jinja), str(jinja)
+    where = f"{folder / 'tokenizer_config.json'} chat_template"
     template = tok_config.get("chat_template")
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template}
+        named = _named_templates(where, template)
         template = named.get("default") or next(iter(named.values()), None)
+    return _template_text(where, template), where
+
+
+def _read_template(path: pathlib.Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise MetraleError(f"{path} is not UTF-8 text ({exc})",
+                           "save the template as UTF-8, or re-download the checkpoint") from None
+
+
+def _named_templates(where: str, items: list) -> dict[str, str]:
+    """tokenizer_config's list form, [{"name": ..., "template": ...}, ...] -> name -> template."""
+    for i, item in enumerate(items):
+        if not (isinstance(item, dict) and isinstance(item.get("template"), str)):
+            raise MetraleError(f'{where} item {i} is {json.dumps(item)[:80]}, not {{"name": ..., "template": "..."}}',
+                               "re-download the checkpoint, or pass a template with --chat-template FILE")
+    return {item.get("name"): item["template"] for item in items}
+
+
+def _template_text(where: str, template) -> str | None:
+    """The template as read from ``where``: Jinja text or nothing; jinja2 would fail on anything
+    else only when compiling it, with no word of where it came from."""
+    if template is not None and not isinstance(template, str):
+        raise MetraleError(f"{where} is {json.dumps(template)[:80]}, not the template's text",
+                           "re-download the checkpoint, or pass a template with --chat-template FILE")
     return template
