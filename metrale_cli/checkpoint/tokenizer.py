@@ -247,14 +247,10 @@ class Tokenizer:
         return cls._build(backend, bos, eos_ids, special, *_chat_template(folder, tok_config), declared)
 
     @classmethod
-    def from_gguf(cls, reader_or_metadata) -> "Tokenizer":
-        """From GGUF metadata: a ``GGUFReader`` or its key/value dict (tokenizer.ggml.*)."""
-        from metrale_cli.checkpoint.gguf_io import metadata
+    def from_gguf(cls, meta: dict) -> "Tokenizer":
+        """From GGUF metadata read as plain values (``gguf_io.metadata``: tokenizer.ggml.*)."""
         from metrale_cli.checkpoint.gguf_tokenizer import build_backend
 
-        meta = reader_or_metadata
-        if hasattr(meta, "fields"):
-            meta = metadata(meta)
         backend = build_backend(meta)
         tokens = meta["tokenizer.ggml.tokens"]
         ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")}
