@@ -243,9 +243,10 @@ class ModelConfig:
 
     @classmethod
     def read(cls, r: ConfigReader, family: str, layers: tuple[LayerSpec, ...]) -> ModelConfig:
-        """The model-wide keys of ``r``, with the family's layers."""
+        """The model-wide keys of ``r``, with the family's layers; the final norm's eps is the
+        layers' (the family reads it, with its own default: Phi-3's is not Llama's)."""
         return cls(family=family, vocab_size=r.positive_int("vocab_size"), hidden_size=r.positive_int("hidden_size"),
-                   rms_norm_eps=r.positive_number("rms_norm_eps", 1e-6),
+                   rms_norm_eps=layers[0].eps,
                    max_position_embeddings=r.positive_int("max_position_embeddings", 2048),
                    tie_word_embeddings=r.flag("tie_word_embeddings"), layers=layers,
                    bos_token_id=token_id("config.json bos_token_id", r.raw.get("bos_token_id")),

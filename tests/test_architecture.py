@@ -28,6 +28,7 @@ from metrale_cli.kernels.reference import TorchOps
 from metrale_cli.kv.dtypes import KvCacheDtype
 from metrale_cli.layers.spec import UNSERVED, check_served, unserved
 from metrale_cli.layers.parallel import SINGLE, TensorParallel
+from helpers_checkpoints import FAMILIES as CHECKPOINT_FAMILIES, TINY
 from metrale_cli.models import FAMILIES, build_model, family_of, hold_once, model_config
 from metrale_cli.models.sharding import Sharder, shard_config
 
@@ -694,3 +695,15 @@ def test_one_cache_folder_one_head_dim_table():
     defined = [p for p in PACKAGE.rglob("*.py") if "def cache_dir(" in p.read_text()]
     assert [p.name for p in defined] == ["environment.py"]
     assert math.prod(HEAD_DIMS) == 64 * 128 * 256 * 512
+
+
+@pytest.mark.parametrize("family", sorted(CHECKPOINT_FAMILIES))
+def test_a_config_without_rms_norm_eps_takes_the_hf_default_in_every_norm(family):
+    """Phi-3's default is 1e-5 where the others' is 1e-6: the final norm takes the family's
+    default as the layers' norms do (it had taken 1e-6 whatever the family)."""
+    class_name, defaults = CHECKPOINT_FAMILIES[family]
+    hf_class = getattr(T, class_name)
+    raw = hf_class(**{**TINY, **defaults, "vocab_size": 320}).to_dict()
+    del raw["rms_norm_eps"]
+    cfg = model_config(raw)
+    assert {spec.eps for spec in cfg.layers} == {cfg.rms_norm_eps} == {hf_class().rms_norm_eps}
