@@ -155,6 +155,8 @@ def _template_kwargs(out: Output, text: str | None) -> dict | None:
         kwargs = json.loads(text)
     except json.JSONDecodeError as exc:
         kwargs, why = None, f"is not JSON ({exc})"
+    except RecursionError:  # json's parser recurses once per level of nesting
+        kwargs, why = None, "is not JSON (nested too deeply)"
     else:
         why = "is not a JSON object"
     if not isinstance(kwargs, dict):

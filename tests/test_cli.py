@@ -916,6 +916,7 @@ def test_chat_template_kwargs_reach_the_template(tiny, tmp_path):
     unread = metrale("generate", *base, "--chat-template-kwargs", '{"reasoning_effort": "low"}', "hello")
     assert "the chat template reads no reasoning_effort: --chat-template-kwargs changes nothing there" in unread.stderr
     for bad, needle in (('{"enable_thinking": false', "is not JSON"), ("[1]", "is not a JSON object"),
+                        ("[" * 5000 + "]" * 5000, "is not JSON (nested too deeply)"),
                         ('{"messages": []}', "may not set messages")):
         assert_one_line_error(metrale("generate", "-m", str(tiny), "--chat-template", str(template),
                                       "--chat-template-kwargs", bad, "hi"), needle)
