@@ -196,6 +196,18 @@ def test_logprobs_equal_hfs_log_softmax_of_its_logits_in_fp32():
         assert got["top"][0][0] == token  # greedy: the likeliest token is the one taken
 
 
+def test_logprobs_of_logits_that_are_not_finite_are_an_error():
+    """A NaN in the final norm's weight (tensors handed over in memory are not checked as a
+    file's are): the run stops with one error rather than printing NaN log-probabilities (and
+    JSON that is not JSON)."""
+    hf, raw = make_hf("qwen3", seed=4)
+    with torch.no_grad():
+        hf.model.norm.weight[3] = float("nan")
+    engine = ours(hf, raw, dtype=torch.float32, chunk=4)
+    with pytest.raises(MetraleError, match="the model's logits are not finite"):
+        engine.generate([[11, 5, 29]], SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=1))
+
+
 def test_decode_speed_leaves_graph_capture_out(monkeypatch):
     """Graph capture made to take 0.3 s (a stand-in graph that replays the eager step): the run's
     decode time leaves every capture out and counts it apart, and the tokens are the eager ones."""

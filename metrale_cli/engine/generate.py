@@ -11,6 +11,7 @@ with its blocks when it ends. :meth:`Engine.stream` yields the text as it is dec
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -88,8 +89,12 @@ class InFlight:
 
 
 def logprob_record(row: list[float]) -> dict:
-    """A Sampler.logprobs_of row -> {"logprob": ..., "top": [[token id, logprob], ...]}."""
+    """A Sampler.logprobs_of row -> {"logprob": ..., "top": [[token id, logprob], ...]}; a NaN or
+    infinite one (the logits were not finite) is an error, not a figure printed as true."""
     n = (len(row) - 1) // 2
+    if not all(math.isfinite(v) for v in row[: 1 + n]):
+        raise MetraleError("the model's logits are not finite (NaN or inf): its log-probabilities are not numbers",
+                           hint="activations overflowed or the weights are corrupt; with --dtype fp16, try bf16")
     return {"logprob": row[0], "top": [[int(t), v] for v, t in zip(row[1 : 1 + n], row[1 + n :])]}
 
 
