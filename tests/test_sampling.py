@@ -206,6 +206,14 @@ def test_logprobs_of_logits_that_are_not_finite_are_an_error():
     engine = ours(hf, raw, dtype=torch.float32, chunk=4)
     with pytest.raises(MetraleError, match="the model's logits are not finite"):
         engine.generate([[11, 5, 29]], SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=1))
+    # bench --kv-quality's teacher-forced log-probabilities, which a KL and a perplexity are made of
+    from types import SimpleNamespace
+
+    from metrale_cli.commands.kv_quality import teacher_forced_logprobs
+    from metrale_cli.kv.dtypes import KvCacheDtype
+
+    with pytest.raises(MetraleError, match="the model's logits are not finite .* with a bf16 KV cache"):
+        teacher_forced_logprobs(SimpleNamespace(engine=engine, kv_dtype=KvCacheDtype.BF16), [11, 5, 29])
 
 
 def test_decode_speed_leaves_graph_capture_out(monkeypatch):

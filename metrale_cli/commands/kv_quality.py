@@ -65,8 +65,13 @@ def windows(ids: list[int], window: int) -> list[list[int]]:
 
 
 def teacher_forced_logprobs(runner, ids: list[int]) -> torch.Tensor:
-    """log-softmax of the logits at every position of ``ids``: (len(ids), vocab) float32 on CPU."""
-    return torch.log_softmax(runner.engine.teacher_forced(ids).float(), -1).cpu()
+    """log-softmax of the logits at every position of ``ids``: (len(ids), vocab) float32 on CPU;
+    logits that are not finite are an error (a KL or perplexity of NaN would be printed)."""
+    logits = runner.engine.teacher_forced(ids).float()
+    if not bool(torch.isfinite(logits).all()):
+        raise MetraleError(f"the model's logits are not finite (NaN or inf) with a {runner.kv_dtype.value} KV cache",
+                           hint="activations overflowed or the weights are corrupt; with --dtype fp16, try bf16")
+    return torch.log_softmax(logits, -1).cpu()
 
 
 def compare(ref: list[torch.Tensor], got: list[torch.Tensor], targets: list[list[int]]) -> dict:
