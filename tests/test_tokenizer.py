@@ -7,6 +7,7 @@ import json
 import pytest
 
 from helpers_checkpoints import make_tokenizer
+from metrale_cli.checkpoint.sampling_defaults import from_generation_config
 from metrale_cli.errors import MetraleError
 from metrale_cli.checkpoint.tokenizer import Tokenizer
 
@@ -243,6 +244,19 @@ def test_a_special_token_that_is_not_text_is_one_error(tmp_path, value):
         Tokenizer.from_hf_folder(tmp_path)
     assert info.value.message == (f"{path} bos_token is {json.dumps(value)}: neither a token's text nor an "
                                   'object with its text under "content"')
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "config.json", "generation_config.json"])
+def test_a_json_file_that_is_a_directory_is_one_error_not_an_absent_file(tmp_path, name):
+    """An optional file is optional when nothing is there: a directory in its place is named."""
+    make_tokenizer(tmp_path)
+    (tmp_path / name).unlink(missing_ok=True)
+    (tmp_path / name).mkdir()
+    with pytest.raises(MetraleError, match=f"{name} is not a readable file"):
+        Tokenizer.from_hf_folder(tmp_path)
+    if name == "generation_config.json":
+        with pytest.raises(MetraleError, match=f"{name} is not a readable file"):
+            from_generation_config(tmp_path)
 
 
 def test_missing_tokenizer_json(tmp_path):

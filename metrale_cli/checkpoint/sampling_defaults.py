@@ -34,10 +34,9 @@ NONE = SamplingDefaults()
 def from_generation_config(folder: pathlib.Path) -> SamplingDefaults:
     """generation_config.json's sampling when it sets ``do_sample`` (else greedy), its repetition
     penalty either way, as transformers' generate applies them."""
-    path = folder / "generation_config.json"
-    if not path.is_file():
+    config = read_json_object(folder / "generation_config.json", optional=True)
+    if not config:
         return NONE
-    config = read_json_object(path)
     sample = config.get("do_sample", False)
     if not isinstance(sample, bool):
         raise MetraleError(f"generation_config.json do_sample must be true or false, got {sample!r}",
