@@ -236,14 +236,14 @@ class Tokenizer:
                    for k in SPECIAL_TOKEN_KEYS if tok_config.get(k)}
         config = read_json_object(folder / "config.json", optional=True)
         generation = read_json_object(folder / "generation_config.json", optional=True)
-        declared = {"config.json eos_token_id": token_ids("config.json eos_token_id", config.get("eos_token_id")),
-                    "generation_config.json eos_token_id": token_ids("generation_config.json eos_token_id",
-                                                                     generation.get("eos_token_id"))}
+        given = {"config.json eos_token_id": config.get("eos_token_id"),
+                 "generation_config.json eos_token_id": generation.get("eos_token_id")}
+        declared = {where: token_ids(where, value) for where, value in given.items()}
         bos = token_id("config.json bos_token_id", config.get("bos_token_id"))
         declared["config.json bos_token_id"] = [] if bos is None else [bos]
         if bos is None and "bos_token" in special:
             bos = backend.token_to_id(special["bos_token"])
-        eos_ids = declared["config.json eos_token_id"] + declared["generation_config.json eos_token_id"]
+        eos_ids = [i for where in given for i in declared[where]]
         return cls._build(backend, bos, eos_ids, special, *_chat_template(folder, tok_config), declared)
 
     @classmethod
